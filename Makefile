@@ -1,0 +1,30 @@
+# Colonnade: `make demo` trains on the built-in corpus across 4 CPU ranks and samples text;
+# `make test` runs the whole suite. Both set up the virtualenv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/colonnade train --config configs/demo.toml --nproc 4
+	$(BIN)/colonnade generate checkpoints/demo --prompt "def " --max-new-tokens 160 --temperature 0.7
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs checkpoints data .pytest_cache .ruff_cache

@@ -1,0 +1,99 @@
+"""Whole-model export: gather tp shards into full tensors and write safetensors.
+
+Used by ``colonnade generate`` and as the single-process model format: a directory holding
+``config.toml``, ``tokenizer.json`` (when known) and one ``model-pp{k}.safetensors`` per pipeline
+stage (each with full, unsharded tensors under their global names). Loading never unpickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from colonnade.config.load import config_to_toml, load_config
+from colonnade.config.sections import Config
+from colonnade.models.build import build_reference
+from colonnade.models.gpt import ModelChunk
+from colonnade.parallel.comm import CommGroup
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.tensor_parallel.sharding import Sharding
+
+
+def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup) -> torch.Tensor:
+    """All-gather a tp-sharded tensor and undo padding: the logical full tensor."""
+    if sharding.dim is None or group.size == 1:
+        return sharding.unshard([t.detach()])
+    moved = t.detach().movedim(sharding.dim, 0).contiguous()  # [n/tp, ...]
+    out = moved.new_empty((moved.shape[0] * group.size, *moved.shape[1:]))
+    group.all_gather_into(out, moved, name="gather_full")
+    shards = [c.movedim(0, sharding.dim) for c in out.chunk(group.size, dim=0)]
+    return sharding.unshard(shards)
+
+
+def full_state(chunks: list[nn.Module], groups: ProcessGroups) -> dict[str, torch.Tensor]:
+    """Full tensors of this pipeline rank's parameters, keyed by global name (tied head omitted
+    when it duplicates the embedding on the same rank)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            sharding: Sharding = p.sharding  # type: ignore[attr-defined]
+            out[sharding.key] = gather_full(p, sharding, groups.tp).contiguous()
+    return out
+
+
+def export_model(directory: str | Path, chunks: list[nn.Module], groups: ProcessGroups,
+                 config: Config, tokenizer: str | Path | None = None) -> Path:
+    """Write this layout's model as full tensors (collective over tp; dp rank 0 writes)."""
+    directory = Path(directory)
+    state = full_state(chunks, groups)
+    if groups.dp.rank == 0 and groups.tp.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(directory / f"model-pp{groups.pp.rank}.safetensors"))
+        if groups.pp.rank == 0:
+            (directory / "config.toml").write_text(config_to_toml(config))
+            if tokenizer is not None and Path(tokenizer).exists():
+                shutil.copy(tokenizer, directory / "tokenizer.json")
+    groups.world.barrier()
+    return directory
+
+
+def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
+                  device: torch.device | None = None) -> tuple[Config, ModelChunk]:
+    """Build the single-process model of an exported directory and load its weights."""
+    directory = Path(directory)
+    if not (directory / "config.toml").exists():
+        raise FileNotFoundError(f"{directory}/config.toml missing: not an exported model "
+                                "directory (train with --checkpoint.save=DIR)")
+    config = load_config(directory / "config.toml")
+    config = dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, dp=1, tp=1, pp=1, vp=1, sp=False, pipeline_layout=None))
+    model = build_reference(config, dtype=dtype, device=device)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("model-pp*.safetensors")):
+        state.update(load_file(str(path)))
+    load_full_state(model, state)
+    return config, model
+
+
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a single-process model, naming any missing or misshapen tensor."""
+    for p in model.parameters():
+        sharding: Sharding = p.sharding  # type: ignore[attr-defined]
+        key = sharding.key if sharding.key in state else sharding.tied_to
+        if key not in state:
+            raise KeyError(f"tensor '{sharding.key}' missing from the checkpoint")
+        value = state[key]
+        if tuple(value.shape) != sharding.full_shape:
+            raise ValueError(f"tensor '{sharding.key}': checkpoint shape {tuple(value.shape)} "
+                             f"!= model shape {sharding.full_shape}")
+        with torch.no_grad():
+            p.copy_(sharding.shard(value.to(p.dtype), 0, 1))

@@ -1,0 +1,147 @@
+"""Command line: ``colonnade prepare | train | generate | plan``.
+
+Config fields are set with ``--section.field=value`` after an optional ``--config FILE.toml``;
+``colonnade train --help-config`` lists every field with its documentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from colonnade.config.load import ConfigError, config_to_toml, field_docs, load_config
+from colonnade.config.sections import SECTIONS, Config
+from colonnade.config.validate import resolve, validate
+
+
+def _config_help() -> str:
+    lines = ["Config fields (set with --section.field=value):"]
+    for name, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else "..."
+            lines.append(f"  --{name}.{f.name}={default}\n      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launching (torch elastic launcher)")
+    g.add_argument("--nproc", type=int, default=1, help="ranks to start on this node")
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index (static rdzv)")
+    g.add_argument("--rdzv-endpoint", default="127.0.0.1:29511", help="host:port of rank 0")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole job this many times after a failure")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="colonnade", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model (any tp/pp/dp layout)",
+                       description="Train. Any --section.field=value overrides the config.",
+                       epilog="Use --help-config to list every config field.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--config", help="TOML config file (see configs/)")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+    t.add_argument("--help-config", action="store_true", help="list every config field")
+    _add_launch_args(t)
+    pr = sub.add_parser("prepare", help="tokenize text into an indexed dataset")
+    pr.add_argument("--config", help="TOML config file")
+    g = sub.add_parser("generate", help="sample text from a saved model")
+    g.add_argument("model_dir", help="directory written by train --checkpoint.save=DIR")
+    g.add_argument("--prompt", default="def ", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=120)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    try:
+        from colonnade.planner.cli import add_plan_parser
+
+        add_plan_parser(sub)
+    except ImportError:  # pragma: no cover - planner is part of the package
+        pass
+    return p
+
+
+def _load(args: argparse.Namespace, overrides: list[str]) -> Config:
+    return load_config(getattr(args, "config", None), overrides)
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.help_config:
+        print(_config_help())
+        return 0
+    config = _load(args, overrides)
+    world = args.nproc * args.nnodes
+    resolved = validate(resolve(config, world), world)
+    if args.print_config:
+        print(config_to_toml(resolved))
+        return 0
+    if world == 1:
+        from colonnade.training.loop import final_summary, train
+
+        print(final_summary(train(resolved)))
+        return 0
+    from colonnade.launch import launch
+
+    return launch(resolved, args, overrides)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from colonnade.checkpoint.export import load_exported
+    from colonnade.data import load_tokenizer
+    from colonnade.generate import generate
+
+    _config, model = load_exported(args.model_dir)
+    tok = load_tokenizer(Path(args.model_dir) / "tokenizer.json")
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    prompt = torch.tensor([ids], dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache,
+                   generator=gen)
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``colonnade`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
+    unknown = [a for a in rest if a not in overrides]
+    if unknown:
+        parser.error(f"unrecognised arguments: {' '.join(unknown)} (config fields look like "
+                     "--section.field=value; see `colonnade train --help-config`)")
+    try:
+        if args.command == "train":
+            return _train(args, overrides)
+        if args.command == "prepare":
+            from colonnade.training.setup import prepare_data
+
+            prepare_data(_load(args, overrides))
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "plan":
+            from colonnade.planner.cli import run_plan
+
+            return run_plan(args)
+    except ConfigError as err:
+        print(f"colonnade: {err}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Configuration sections: frozen, keyword-only dataclasses, one per subsystem.
+
+Every field carries a docstring (the string literal under it); ``colonnade train --help`` and
+``--print-config`` read them through :func:`colonnade.config.docs.field_docs`. Cross-field
+checks live in one place, :mod:`colonnade.config.validate`; nothing here checks anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the decoder-only transformer."""
+
+    arch: str = "llama"
+    """'llama' (RMSNorm, RoPE, SwiGLU, GQA, no biases) or 'gpt2' (LayerNorm, learned positions,
+    GELU, biases)."""
+    num_layers: int = 4
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width h."""
+    num_heads: int = 4
+    """Attention (query) heads a; head dim = hidden_size / num_heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means num_heads (plain multi-head)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4h for gpt2 and the SwiGLU rule round_up(8h/3, 64) for llama."""
+    vocab_size: int = 2048
+    """Tokenizer vocabulary size V (the embedding is padded to a multiple of tp if needed)."""
+    max_seq_len: int = 256
+    """Length of the position table (gpt2) / the RoPE cache; sequences may not be longer."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama)."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm / LayerNorm."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output head weights (GPT-2 does)."""
+    bias: bool = False
+    """Biases in linear layers (GPT-2 uses them)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches and embedding output (0 disables)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (0 disables)."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; output projections use init_std / sqrt(2 * num_layers)."""
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value head count with the None default resolved."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width h / a."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP width with the None default resolved."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Degrees of each parallel axis and the switches of the parallel wrappers."""
+
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matrices split across tp ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: layers split into pp stages."""
+    vp: int = 1
+    """Virtual pipeline chunks per pp rank (interleaved schedule when > 1)."""
+    dp: int | None = None
+    """Data-parallel degree; None derives it as world_size / (tp * pp * cp)."""
+    cp: int = 1
+    """Context-parallel degree (reserved: only 1 is supported)."""
+    ep: int = 1
+    """Expert-parallel degree (reserved: only 1 is supported)."""
+    sp: bool = False
+    """Sequence parallelism: norms/dropout on sequence shards between tp regions (needs tp > 1)."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order, fastest-varying axis first: consecutive ranks share a tp group by default."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved_1f1b' (needs vp > 1) or 'zb_h1'."""
+    pipeline_layout: tuple[int, ...] | None = None
+    """Layers per virtual stage (pp * vp entries, in virtual-stage order) for uneven splits."""
+    use_distributed_optimizer: bool = False
+    """ZeRO-1: shard fp32 master weights and Adam states across dp ranks."""
+    overlap_grad_reduce: bool = True
+    """Launch each gradient bucket's reduction as soon as backward has filled it."""
+    overlap_param_gather: bool = True
+    """With ZeRO-1: all-gather updated params per bucket, waited in a pre-forward hook."""
+    bucket_size: int = 40_000_000
+    """Gradient bucket size in elements (tensor fusion granularity)."""
+    average_in_collective: bool = False
+    """Divide by dp inside the reduction (pre-scale) instead of after it."""
+    tp_comm_chunks: int = 1
+    """Split sp all-gather+matmul / matmul+reduce-scatter into this many chunks (1: off)."""
+    overlap_p2p: bool = True
+    """Post pipeline sends/receives asynchronously and wait only when the data is needed."""
+    backend: str = "auto"
+    """torch.distributed backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo' or 'nccl'."""
+    timeout_s: float = 300.0
+    """Timeout of every collective; a rank that waits longer fails naming group and operation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the tokens come from."""
+
+    input: str | None = None
+    """Text directory or .jsonl file to prepare; None means the built-in corpus (Python stdlib)."""
+    prepared_dir: str = "data/stdlib"
+    """Directory holding tokenizer.json and data.bin/.idx made by `colonnade prepare`."""
+    tokenizer: str | None = None
+    """An existing tokenizer.json to use instead of training a BPE."""
+    blend: tuple[str, ...] = ()
+    """Blend of prepared datasets as 'weight:prefix' strings; empty means prepared_dir/data."""
+    valid_fraction: float = 0.02
+    """Fraction of samples held out for validation."""
+    max_corpus_bytes: int = 8_000_000
+    """Cap on the built-in corpus size in bytes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW, the learning-rate schedule, clipping and the loss scaler."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to lr."""
+    decay: str = "cosine"
+    """Decay after warmup: 'cosine', 'linear' or 'constant'."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: starting dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """fp16 only: clean steps before the scale doubles."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the scale never drops below this."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The training loop."""
+
+    steps: int = 200
+    """Optimizer steps to run."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    micro_batch_size: int = 4
+    """Samples in one forward pass on one rank."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step across all dp ranks; None derives micro * microbatches * dp."""
+    microbatches: int | None = None
+    """Micro-batches per step per dp rank; None derives global / (micro * dp) (default 1)."""
+    precision: str = "fp32"
+    """'fp32', 'bf16', 'fp16' (dynamic loss scale) or 'fp64' (exactness tests)."""
+    seed: int = 1234
+    """Seed of initialisation, dropout and data order."""
+    eval_interval: int = 50
+    """Steps between evaluations on the validation split (0 disables)."""
+    eval_batches: int = 8
+    """Micro-batches per evaluation."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'full' or 'selective' (core attention only)."""
+    recompute_method: str = "uniform"
+    """With full recompute: 'uniform' (blocks of recompute_num_layers) or 'block' (first N)."""
+    recompute_num_layers: int = 1
+    """Layers per checkpointed block (uniform) or checkpointed layers per chunk (block)."""
+    on_nan: str = "stop"
+    """On a NaN/Inf loss or gradient: 'stop' with an error or 'skip' the step."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cpu' or 'cuda'."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: str | None = None
+    """Directory to save checkpoints into (None disables saving)."""
+    load: str | None = None
+    """Checkpoint directory (or an HF model directory) to start from."""
+    interval: int = 0
+    """Steps between saves (0 saves only at the end when save is set)."""
+    keep_last: int = 3
+    """Checkpoints kept; older ones are deleted after a successful save."""
+    async_save: bool = False
+    """Write in a background thread while training continues."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """What the run reports."""
+
+    log_interval: int = 10
+    """Steps between log lines."""
+    dir: str = "runs/latest"
+    """Directory for metrics.jsonl, config.toml and TensorBoard events."""
+    tensorboard: bool = True
+    """Write TensorBoard events when the package is installed."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU; None uses the device table or a measured matmul."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole resolved configuration of a run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}

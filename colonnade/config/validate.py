@@ -1,0 +1,258 @@
+"""The one place where cross-field configuration checks live.
+
+:func:`resolve` derives the free degrees (dp, micro-batches, global batch) from the world size;
+:func:`validate` runs every rule and raises one :class:`ConfigError` listing each violated rule
+with the fields it names and a fix. Both run before any process group is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from colonnade.config.load import ConfigError
+from colonnade.config.sections import Config
+
+ARCHS = ("llama", "gpt2")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+AXES = ("tp", "cp", "ep", "dp", "pp")
+
+
+def resolve(config: Config, world_size: int) -> Config:
+    """Fill dp, microbatches and global_batch_size from the world size; never overrides a value.
+
+    dp = world / (tp * pp * cp * ep); global batch = micro_batch_size * microbatches * dp.
+    Inconsistent explicit values are left for :func:`validate` to report.
+    """
+    par, tr = config.parallel, config.training
+    model_ranks = par.tp * par.pp * par.cp * par.ep
+    dp = par.dp
+    if dp is None and model_ranks > 0 and world_size % model_ranks == 0:
+        dp = world_size // model_ranks
+    micro = tr.microbatches
+    glob = tr.global_batch_size
+    if dp and tr.micro_batch_size > 0:
+        per_step = tr.micro_batch_size * dp
+        if micro is None and glob is None:
+            micro = 1
+        if micro is None and glob is not None and glob % per_step == 0:
+            micro = glob // per_step
+        if glob is None and micro is not None:
+            glob = micro * per_step
+    return dataclasses.replace(
+        config,
+        parallel=dataclasses.replace(par, dp=dp),
+        training=dataclasses.replace(tr, microbatches=micro, global_batch_size=glob),
+    )
+
+
+Rule = Callable[[Config, int | None], list[str]]
+
+
+def _positive(c: Config, _: int | None) -> list[str]:
+    out = []
+    names = {
+        "model.num_layers": c.model.num_layers, "model.hidden_size": c.model.hidden_size,
+        "model.num_heads": c.model.num_heads, "model.vocab_size": c.model.vocab_size,
+        "model.max_seq_len": c.model.max_seq_len, "training.seq_len": c.training.seq_len,
+        "training.micro_batch_size": c.training.micro_batch_size, "parallel.tp": c.parallel.tp,
+        "parallel.pp": c.parallel.pp, "parallel.vp": c.parallel.vp, "parallel.cp": c.parallel.cp,
+        "parallel.ep": c.parallel.ep, "parallel.bucket_size": c.parallel.bucket_size,
+        "parallel.tp_comm_chunks": c.parallel.tp_comm_chunks,
+        "training.recompute_num_layers": c.training.recompute_num_layers,
+        "training.steps": c.training.steps, "checkpoint.keep_last": c.checkpoint.keep_last,
+    }
+    if c.model.num_kv_heads is not None:
+        names["model.num_kv_heads"] = c.model.num_kv_heads
+    if c.parallel.dp is not None:
+        names["parallel.dp"] = c.parallel.dp
+    for name, value in names.items():
+        if value < 1:
+            out.append(f"{name}={value} must be >= 1.")
+    return out
+
+
+def _choices(c: Config, _: int | None) -> list[str]:
+    out = []
+    checks = [
+        ("model.arch", c.model.arch, ARCHS),
+        ("parallel.schedule", c.parallel.schedule, SCHEDULES),
+        ("training.precision", c.training.precision, PRECISIONS),
+        ("training.recompute", c.training.recompute, ("none", "full", "selective")),
+        ("training.recompute_method", c.training.recompute_method, ("uniform", "block")),
+        ("training.on_nan", c.training.on_nan, ("stop", "skip")),
+        ("training.device", c.training.device, ("auto", "cpu", "cuda")),
+        ("optim.decay", c.optim.decay, ("cosine", "linear", "constant")),
+        ("parallel.backend", c.parallel.backend, ("auto", "gloo", "nccl")),
+    ]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            out.append(f"{name}='{value}' is unknown; use one of {', '.join(allowed)}.")
+    axes = c.parallel.order.split("-")
+    if sorted(axes) != sorted(AXES):
+        out.append(
+            f"parallel.order='{c.parallel.order}' must name each axis of {', '.join(AXES)} once, "
+            "joined by '-', e.g. 'tp-cp-ep-dp-pp'."
+        )
+    return out
+
+
+def _model_shape(c: Config, _: int | None) -> list[str]:
+    m, tp, out = c.model, c.parallel.tp, []
+    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads="
+                   f"{m.num_heads}; pick a head count that divides the width.")
+    if m.kv_heads >= 1 and m.num_heads % m.kv_heads:
+        out.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
+                   f"{m.kv_heads}; each kv head must serve a whole group of query heads.")
+    if tp >= 1 and m.num_heads % tp:
+        out.append(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={tp}; "
+                   "choose tp dividing the head count.")
+    if tp >= 1 and m.kv_heads % tp:
+        out.append(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tp={tp}; use "
+                   "tp <= kv heads that divides them, or more kv heads.")
+    if tp >= 1 and m.ffn_size % tp:
+        out.append(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}.")
+    if m.arch == "llama" and m.head_dim % 2:
+        out.append(f"head dim {m.head_dim} (model.hidden_size / model.num_heads) must be even "
+                   "for RoPE.")
+    if c.training.seq_len > m.max_seq_len:
+        out.append(f"training.seq_len={c.training.seq_len} exceeds model.max_seq_len="
+                   f"{m.max_seq_len}; raise max_seq_len or shorten the sequence.")
+    for name, p in (("model.hidden_dropout", m.hidden_dropout),
+                    ("model.attention_dropout", m.attention_dropout)):
+        if not 0.0 <= p < 1.0:
+            out.append(f"{name}={p} must be in [0, 1).")
+    return out
+
+
+def _degrees(c: Config, world: int | None) -> list[str]:
+    p, out = c.parallel, []
+    if p.cp != 1:
+        out.append(f"parallel.cp={p.cp}: context parallelism is not implemented; set cp=1.")
+    if p.ep != 1:
+        out.append(f"parallel.ep={p.ep}: expert parallelism is not implemented; set ep=1.")
+    if p.sp and p.tp == 1:
+        out.append("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits the "
+                   "tp regions); set sp=false or tp >= 2.")
+    if p.sp and p.tp > 1 and c.training.seq_len % p.tp:
+        out.append(f"training.seq_len={c.training.seq_len} is not divisible by parallel.tp="
+                   f"{p.tp}, needed by parallel.sp=true.")
+    if p.tp_comm_chunks > 1 and not p.sp:
+        out.append("parallel.tp_comm_chunks > 1 needs parallel.sp=true (it chunks the sp "
+                   "all-gather / reduce-scatter).")
+    if world is not None:
+        model_ranks = p.tp * p.pp * p.cp * p.ep
+        if p.dp is None or p.dp * model_ranks != world:
+            dp = p.dp if p.dp is not None else "?"
+            out.append(f"world size {world} != parallel.tp={p.tp} x pp={p.pp} x cp={p.cp} x "
+                       f"ep={p.ep} x dp={dp}; change the degrees or the number of ranks (--nproc).")
+    if c.training.device == "cpu" and p.backend == "nccl":
+        out.append("parallel.backend='nccl' needs GPUs; use 'gloo' or training.device='cuda'.")
+    return out
+
+
+def _pipeline(c: Config, _: int | None) -> list[str]:
+    p, m, out = c.parallel, c.model, []
+    chunks = p.pp * p.vp
+    if p.vp > 1 and p.schedule != "interleaved_1f1b":
+        out.append(f"parallel.vp={p.vp} needs parallel.schedule='interleaved_1f1b' (got "
+                   f"'{p.schedule}'); or set vp=1.")
+    if p.schedule == "interleaved_1f1b" and p.vp == 1:
+        out.append("parallel.schedule='interleaved_1f1b' needs parallel.vp >= 2 chunks per stage.")
+    if p.vp > 1 and p.pp == 1:
+        out.append("parallel.vp > 1 needs parallel.pp > 1.")
+    if p.pipeline_layout is None:
+        if chunks >= 1 and m.num_layers % chunks:
+            out.append(f"model.num_layers={m.num_layers} is not divisible by parallel.pp x "
+                       f"parallel.vp={chunks}; set parallel.pipeline_layout (layers per virtual "
+                       "stage) or change the layer count. No layer is ever dropped.")
+    else:
+        lay = p.pipeline_layout
+        if len(lay) != chunks:
+            out.append(f"parallel.pipeline_layout has {len(lay)} entries; it needs pp x vp="
+                       f"{chunks} (one per virtual stage).")
+        if sum(lay) != m.num_layers or min(lay, default=0) < 0:
+            out.append(f"parallel.pipeline_layout={list(lay)} must be non-negative and sum to "
+                       f"model.num_layers={m.num_layers}.")
+    return out
+
+
+def _batch(c: Config, _: int | None) -> list[str]:
+    t, dp, out = c.training, c.parallel.dp, []
+    if dp is None or dp < 1 or t.micro_batch_size < 1:
+        return out
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size is not None and t.global_batch_size % per_step:
+        out.append(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                   f"training.micro_batch_size x dp={per_step}; make it a multiple.")
+    elif (t.global_batch_size is not None and t.microbatches is not None
+          and t.global_batch_size != per_step * t.microbatches):
+        out.append(f"training.global_batch_size={t.global_batch_size} != micro_batch_size x "
+                   f"microbatches x dp={per_step * t.microbatches}; set only one of them.")
+    if t.microbatches is not None and t.microbatches < 1:
+        out.append(f"training.microbatches={t.microbatches} must be >= 1.")
+    return out
+
+
+def _optim(c: Config, _: int | None) -> list[str]:
+    o, out = c.optim, []
+    if o.lr <= 0:
+        out.append(f"optim.lr={o.lr} must be > 0.")
+    if not 0 <= o.min_lr <= o.lr:
+        out.append(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}].")
+    for name, b in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= b < 1:
+            out.append(f"{name}={b} must be in [0, 1).")
+    if o.clip_grad < 0:
+        out.append(f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping).")
+    if o.warmup_steps < 0:
+        out.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    if o.eps <= 0:
+        out.append(f"optim.eps={o.eps} must be > 0.")
+    return out
+
+
+def _io(c: Config, _: int | None) -> list[str]:
+    out = []
+    if c.data.input is not None and not Path(c.data.input).exists():
+        out.append(f"data.input='{c.data.input}' does not exist; give a text directory or a "
+                   ".jsonl file, or leave it unset for the built-in corpus.")
+    for entry in c.data.blend:
+        weight, _sep, prefix = entry.partition(":")
+        try:
+            ok = float(weight) > 0 and bool(prefix)
+        except ValueError:
+            ok = False
+        if not ok:
+            out.append(f"data.blend entry '{entry}' must look like 'weight:path/prefix' with "
+                       "weight > 0.")
+    if not 0 <= c.data.valid_fraction < 1:
+        out.append(f"data.valid_fraction={c.data.valid_fraction} must be in [0, 1).")
+    if c.checkpoint.interval < 0:
+        out.append(f"checkpoint.interval={c.checkpoint.interval} must be >= 0.")
+    if c.checkpoint.interval > 0 and c.checkpoint.save is None:
+        out.append("checkpoint.interval > 0 needs checkpoint.save=DIR.")
+    return out
+
+
+RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _pipeline, _batch,
+                           _optim, _io)
+
+
+def problems(config: Config, world_size: int | None = None) -> list[str]:
+    """Every violated rule's message (empty when the config is valid)."""
+    out: list[str] = []
+    for rule in RULES:
+        out.extend(rule(config, world_size))
+    return out
+
+
+def validate(config: Config, world_size: int | None = None) -> Config:
+    """Raise :class:`ConfigError` listing every problem; return the config when valid."""
+    found = problems(config, world_size)
+    if found:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in found))
+    return config

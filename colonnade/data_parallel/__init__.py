@@ -1,0 +1,1 @@
+"""Data parallelism: gradient buffers, buckets, overlapped reductions."""

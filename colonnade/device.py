@@ -1,0 +1,102 @@
+"""The one module that talks to accelerators (``torch.cuda``). Everything else asks here."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense bf16 peak TFLOP/s of common accelerators, by substring of the device name.
+PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0,
+}
+
+
+def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
+    """'auto' -> cuda:local_rank when a GPU exists, else cpu."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("training.device='cuda' but no GPU is visible; use 'cpu' or 'auto'")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def backend_for(device: torch.device, choice: str = "auto") -> str:
+    """torch.distributed backend: nccl for GPUs, gloo for CPUs, unless chosen explicitly."""
+    if choice != "auto":
+        return choice
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (a no-op on CPU) so wall-clock timings are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def has_gpu() -> bool:
+    """True when a CUDA device is visible."""
+    return torch.cuda.is_available()
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Allocated / peak memory in GiB (GPU) or the process's max RSS in GiB (CPU)."""
+    if device.type == "cuda":
+        return {
+            "mem_alloc_gib": torch.cuda.memory_allocated(device) / 2**30,
+            "mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        }
+    import resource
+
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mem_peak_gib": rss_kib / 2**20}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Reset the peak counter (GPU only)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator state of ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    """Restore the default generator state of ``device``."""
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> float:
+    """Peak TFLOP/s for MFU: the configured value, the GPU table, or a measured CPU matmul."""
+    if configured:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value if dtype in (torch.bfloat16, torch.float16) else value / 2
+    return measure_matmul_tflops(device, dtype)
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 512,
+                          repeats: int = 5) -> float:
+    """Best-of-``repeats`` TFLOP/s of an n x n x n matmul (2 n^3 FLOPs)."""
+    dtype = dtype if dtype != torch.float16 or device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e12

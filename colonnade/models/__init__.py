@@ -1,0 +1,1 @@
+"""Decoder models built from tensor-parallel layers."""

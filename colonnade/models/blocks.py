@@ -1,0 +1,196 @@
+"""Building blocks of the decoder: norms, rotary embeddings, attention, MLPs.
+
+Activations are [s, b, h] (sequence first), [s/tp, b, h] between tp regions under sp.
+Heads are split across tp: a rank holds a/tp query heads and kv/tp key/value heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colonnade.config.sections import ModelConfig
+from colonnade.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
+from colonnade.tensor_parallel.sharding import Sharding, output_std
+
+
+class Norm(nn.Module):
+    """RMSNorm (llama) x / rms(x) * w, or LayerNorm (gpt2) (x - mean) / std * w + b.
+
+    Parameters are replicated across tp; under sp each rank normalises only its sequence chunk,
+    so their gradients are partial sums (``sp_partial_grad``) all-reduced across tp later.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str) -> None:
+        super().__init__()
+        self.rms, self.eps, h = cfg.arch == "llama", cfg.norm_eps, cfg.hidden_size
+        self.weight = ctx.param(Sharding(f"{key}.weight", (h,), sp_partial_grad=ctx.sp), 0.0,
+                                "ones")
+        self.bias = (None if self.rms else
+                     ctx.param(Sharding(f"{key}.bias", (h,), sp_partial_grad=ctx.sp), 0.0, "zeros"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [s, b, h]
+            return out.to(x.dtype) * self.weight
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [max_seq_len, d/2] for RoPE with base ``rope_theta``."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)  # [S, d/2]
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+d/2}) of x [b, n, s, d] by position angles cos/sin [s, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for generation: [b, kv_local, S_max, d] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads, split across tp by heads."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.site = cfg, ctx, key
+        tp, d, h = ctx.tp, cfg.head_dim, cfg.hidden_size
+        self.heads, self.kv_heads = cfg.num_heads // tp, cfg.kv_heads // tp
+        std = cfg.init_std
+        self.q = ColumnParallelLinear(h, cfg.num_heads * d, ctx, f"{key}.q", bias=cfg.bias, std=std)
+        self.k = ColumnParallelLinear(h, cfg.kv_heads * d, ctx, f"{key}.k", bias=cfg.bias, std=std)
+        self.v = ColumnParallelLinear(h, cfg.kv_heads * d, ctx, f"{key}.v", bias=cfg.bias, std=std)
+        self.o = RowParallelLinear(cfg.num_heads * d, h, ctx, f"{key}.o", bias=cfg.bias,
+                                   std=output_std(std, cfg.num_layers))
+        self.recompute_core = False
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        d = self.cfg.head_dim
+        q = self.q(x)  # [s, b, a/tp * d]
+        s, b = q.shape[0], q.shape[1]
+        q = q.view(s, b, self.heads, d).permute(1, 2, 0, 3)  # [b, a/tp, s, d]
+        k = self.k(x).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        v = self.v(x).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        start = cache.length if cache is not None else 0
+        if rope is not None:
+            cos, sin = rope[0][start:start + s], rope[1][start:start + s]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.k[:, :, start:start + s] = k
+            cache.v[:, :, start:start + s] = v
+            cache.length = start + s
+            k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
+        if self.recompute_core and self.training:
+            ctx = self.core_attention
+            out = torch.utils.checkpoint.checkpoint(ctx, q, k, v, start, use_reentrant=False)
+        else:
+            out = self.core_attention(q, k, v, start)  # [s, b, a/tp * d]
+        return self.o(out)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       start: int) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal) v: q [b, a/tp, s, d], k/v [b, kv/tp, S, d].
+
+        The part whose activations grow with s^2 (selective recomputation's target).
+        Returns [s, b, a/tp * d].
+        """
+        p = self.cfg.attention_dropout if self.training else 0.0
+        s, total = q.shape[2], k.shape[2]
+        if p == 0.0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1,
+                                                 enable_gqa=self.kv_heads != self.heads)
+        else:
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [b, a/tp, s, S]
+            causal = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            tp, r = self.ctx.tp, self.ctx.tp_rank
+            full = (q.shape[0], self.heads * tp, s, total)
+            index = (slice(None), slice(r * self.heads, (r + 1) * self.heads))
+            probs = self.ctx.rng.dropout(probs, p, f"{self.site}.attn_dropout", full, index)
+            out = probs @ v  # [b, a/tp, s, d]
+        b, n, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, a/tp * d]
+
+
+class MLP(nn.Module):
+    """SwiGLU down(silu(gate x) * up x) for llama, proj(gelu(fc x)) for gpt2; column-then-row."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str) -> None:
+        super().__init__()
+        h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
+        self.swiglu = cfg.arch == "llama"
+        self.up = ColumnParallelLinear(h, f, ctx, f"{key}.up", bias=cfg.bias, std=std)
+        self.gate = (ColumnParallelLinear(h, f, ctx, f"{key}.gate", bias=cfg.bias, std=std)
+                     if self.swiglu else None)
+        self.down = RowParallelLinear(f, h, ctx, f"{key}.down", bias=cfg.bias,
+                                      std=output_std(std, cfg.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        if self.gate is not None:
+            y = F.silu(self.gate(x)) * self.up(x)  # [s, b, f/tp]
+        else:
+            y = F.gelu(self.up(x), approximate="tanh")  # [s, b, f/tp]
+        return self.down(y)
+
+
+def hidden_dropout(x: torch.Tensor, p: float, ctx: TPContext, site: str,
+                   training: bool) -> torch.Tensor:
+    """Dropout on [s(/tp), b, h] activations: a slice of the full [s, b, h] mask.
+
+    Without sp every tp rank holds the whole tensor (same slice, same mask); under sp rank r
+    holds sequence chunk r (its own slice of the mask).
+    """
+    if not training or p == 0.0:
+        return x
+    s_local = x.shape[0]
+    if ctx.sp:
+        full = (s_local * ctx.tp, *x.shape[1:])
+        index = (slice(ctx.tp_rank * s_local, (ctx.tp_rank + 1) * s_local),)
+    else:
+        full, index = tuple(x.shape), (slice(None),)
+    return ctx.rng.dropout(x, p, site, full, index)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, index: int) -> None:
+        super().__init__()
+        key = f"layers.{index}"
+        self.cfg, self.ctx, self.key = cfg, ctx, key
+        self.attn_norm = Norm(cfg, ctx, f"{key}.attn_norm")
+        self.attn = Attention(cfg, ctx, f"{key}.attn", index)
+        self.mlp_norm = Norm(cfg, ctx, f"{key}.mlp_norm")
+        self.mlp = MLP(cfg, ctx, f"{key}.mlp")
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        p = self.cfg.hidden_dropout
+        a = self.attn(self.attn_norm(x), rope, cache)
+        x = x + hidden_dropout(a, p, self.ctx, f"{self.key}.attn_out", self.training)
+        m = self.mlp(self.mlp_norm(x))
+        return x + hidden_dropout(m, p, self.ctx, f"{self.key}.mlp_out", self.training)

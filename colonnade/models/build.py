@@ -1,0 +1,61 @@
+"""Build this rank's model chunks from the config and the process groups."""
+
+from __future__ import annotations
+
+import torch
+
+from colonnade.config.sections import Config
+from colonnade.models.gpt import ModelChunk
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.parallel.rng import RNGTracker
+from colonnade.pipeline.partition import stage_chunks
+from colonnade.tensor_parallel.layers import TPContext
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
+}
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """Model parameter dtype of a training.precision value."""
+    return DTYPES[precision]
+
+
+def make_context(config: Config, groups: ProcessGroups, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> TPContext:
+    """The TPContext every layer of this rank shares."""
+    par = config.parallel
+    return TPContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
+                     rng=RNGTracker(config.training.seed),
+                     dtype=dtype or param_dtype(config.training.precision), device=device,
+                     comm_chunks=par.tp_comm_chunks)
+
+
+def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> list[ModelChunk]:
+    """The vp model chunks of this pipeline rank (one chunk when vp = 1).
+
+    Initial weights are bit-identical to the single-process model's in every layout: each
+    parameter's full value is drawn from (seed, global name) and sharded.
+    """
+    par = config.parallel
+    ctx = make_context(config, groups, device, dtype)
+    specs = stage_chunks(config.model.num_layers, par.pp, par.vp, groups.pp_rank,
+                         par.pipeline_layout)
+    chunks: list[ModelChunk] = []
+    for layers, first, last in specs:
+        chunk = ModelChunk(config.model, ctx, layers, first=first, last=last)
+        chunks.append(chunk.to(device) if device is not None else chunk)
+    return chunks
+
+
+def build_reference(config: Config, dtype: torch.dtype | None = None,
+                    device: torch.device | None = None) -> ModelChunk:
+    """The single-process model (tp = pp = 1, no sp) of the same config and seed."""
+    import dataclasses
+
+    single = dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, tp=1, pp=1, vp=1, dp=1, sp=False,
+                                             tp_comm_chunks=1, pipeline_layout=None))
+    (chunk,) = build_chunks(single, ProcessGroups.single(), device, dtype)
+    return chunk

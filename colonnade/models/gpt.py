@@ -1,0 +1,162 @@
+"""The decoder-only language model, built as pipeline chunks.
+
+A :class:`ModelChunk` holds a contiguous range of layers (one virtual pipeline stage); the first
+chunk also holds the embedding, the last the final norm, output head and loss. With pp = vp = 1
+one chunk holds everything: that is the single-process reference model, built by the very same
+code. Layer modules are keyed by their *global* index, so parameter names
+(``layers.5.attn.q.weight``) are identical in every layout.
+
+Shapes: tokens [b, s] -> hidden [s, b, h] ([s/tp, b, h] under sp) -> logits [s, b, V'/tp]
+-> per-token loss [s, b] -> mean loss (scalar).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from colonnade.config.sections import ModelConfig
+from colonnade.models.blocks import KVCache, Norm, TransformerLayer, hidden_dropout, rope_tables
+from colonnade.tensor_parallel import mappings as mp
+from colonnade.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from colonnade.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    padded_vocab,
+)
+from colonnade.tensor_parallel.sharding import Sharding
+
+# What a recompute plan puts in place of the plain layer loop: (per-layer fns, hidden) -> hidden.
+LayerFn = Callable[[torch.Tensor], torch.Tensor]
+LayerRunner = Callable[[list[LayerFn], torch.Tensor], torch.Tensor]
+
+
+class Embedding(nn.Module):
+    """Word embedding (vocab-parallel) plus learned positions for gpt2, then dropout."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, "embedding.word",
+                                           std=cfg.init_std)
+        self.position = None
+        if cfg.arch == "gpt2":
+            spec = Sharding("embedding.position.weight", (cfg.max_seq_len, cfg.hidden_size),
+                            sp_partial_grad=ctx.sp)
+            self.position = ctx.param(spec, cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> [s, b, h] or [s/tp, b, h] under sp."""
+        ids = tokens.t()  # [s, b]
+        x = self.word(ids)  # [s(/tp), b, h]
+        if self.position is not None:
+            s_local = x.shape[0]
+            start = self.ctx.tp_rank * s_local if self.ctx.sp else 0
+            x = x + self.position[start:start + s_local].unsqueeze(1)  # [s(/tp), b, h]
+        return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, "embedding.dropout",
+                              self.training)
+
+
+class ModelChunk(nn.Module):
+    """One virtual pipeline stage: optional embedding, layers ``layer_ids``, optional head."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, layer_ids: list[int], *, first: bool,
+                 last: bool, label_smoothing: float = 0.0,
+                 tied_weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.first, self.last = cfg, ctx, first, last
+        self.label_smoothing = label_smoothing
+        self.embedding = Embedding(cfg, ctx) if first else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i) for i in layer_ids})
+        self.layer_runner: LayerRunner | None = None
+        if cfg.arch == "llama":
+            cos, sin = rope_tables(cfg, ctx.device, ctx.dtype)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        if last:
+            self.final_norm = Norm(cfg, ctx, "final_norm")
+            pad = padded_vocab(cfg.vocab_size, ctx.tp) - cfg.vocab_size
+            shared = None
+            if cfg.tie_embeddings and self.embedding is not None:
+                shared = self.embedding.word.weight
+            elif cfg.tie_embeddings and tied_weight is not None:
+                shared = tied_weight
+            self.head = ColumnParallelLinear(
+                cfg.hidden_size, cfg.vocab_size, ctx, "head", bias=False, std=cfg.init_std,
+                padded_rows=pad, shared_weight=shared,
+                tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE tables (llama) or None."""
+        if self.cfg.arch != "llama":
+            return None
+        return self.rope_cos, self.rope_sin
+
+    def run_layers(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """Apply this chunk's layers to x [s(/tp), b, h]; a recompute plan may wrap them."""
+        layers = list(self.layers.values())
+        if caches is not None:
+            for layer, cache in zip(layers, caches, strict=True):
+                x = layer(x, self.rope, cache)
+            return x
+        if self.layer_runner is not None and self.training:
+            return self.layer_runner(self._layer_fns(), x)
+        for layer in layers:
+            x = layer(x, self.rope)
+        return x
+
+    def _layer_fns(self) -> list[LayerFn]:
+        rope = self.rope
+        return [lambda x, layer=layer: layer(x, rope) for layer in self.layers.values()]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head: x [s(/tp), b, h] -> vocab-split logits [s, b, V'/tp]."""
+        return self.head(self.final_norm(x))
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h].
+
+        Returns hidden [s(/tp), b, h] unless this is the last chunk: then the mean loss over
+        the micro-batch's tokens when ``labels`` [b, s] are given, else the logits [s, b, V'/tp].
+        """
+        x = self.embedding(inputs) if self.embedding is not None else inputs
+        x = self.run_layers(x)
+        if not self.last:
+            return x
+        logits = self.logits(x)  # [s, b, V'/tp]
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group,
+                                            self.cfg.vocab_size, self.label_smoothing)  # [s, b]
+        return loss.mean()
+
+    @torch.no_grad()
+    def full_logits(self, tokens: torch.Tensor, caches: list[KVCache] | None = None
+                    ) -> torch.Tensor:
+        """Generation path (first and last chunk in one): tokens [b, s] -> logits [b, s, V]."""
+        x = self.embedding(tokens) if caches is None else self._embed_cached(tokens, caches)
+        x = self.run_layers(x, caches)
+        logits = mp.gather_last(self.logits(x), self.ctx.group)  # [s, b, V']
+        return logits[..., : self.cfg.vocab_size].transpose(0, 1)  # [b, s, V]
+
+    def _embed_cached(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        assert self.embedding is not None
+        x = self.embedding.word(tokens.t())  # [s, b, h]
+        if self.embedding.position is not None:
+            start = caches[0].length
+            x = x + self.embedding.position[start:start + x.shape[0]].unsqueeze(1)
+        return x
+
+    def new_caches(self, batch: int, length: int) -> list[KVCache]:
+        """Empty KV caches of ``length`` positions for every layer of this chunk."""
+        out = []
+        for layer in self.layers.values():
+            attn = layer.attn
+            shape = (batch, attn.kv_heads, length, self.cfg.head_dim)
+            w = attn.q.weight
+            out.append(KVCache(w.new_zeros(shape), w.new_zeros(shape)))
+        return out

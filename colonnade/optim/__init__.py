@@ -1,0 +1,1 @@
+"""Optimizer, mixed precision, ZeRO-1, clipping, LR schedules."""

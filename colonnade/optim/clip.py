@@ -1,0 +1,41 @@
+"""Global gradient-norm: ||g|| over every parameter of the model, counted exactly once.
+
+Each rank sums the squares of the gradient entries it *owns*: tp-sharded parameters on every
+tp rank (disjoint shards), tp-replicated ones on tp rank 0 only, the duplicate tied head on the
+last stage not at all (its gradient equals the embedding's after the tied reduction). The
+partial sums are then all-reduced over the model group (tp x pp). With ZeRO-1, each dp rank
+owns a disjoint range of the flat gradient and the sum runs over dp as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from colonnade.parallel.comm import CommGroup
+
+
+def owns_grad(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank counts ``param`` in the global norm."""
+    sharding = getattr(param, "sharding", None)
+    if sharding is None:
+        return True
+    if sharding.tied_to is not None and sharding.key != sharding.tied_to:
+        return False
+    return sharding.dim is not None or tp_rank == 0
+
+
+def global_norm(local_sq: torch.Tensor, groups: Iterable[CommGroup]) -> torch.Tensor:
+    """sqrt of the sum over ``groups`` of per-rank sums of squares (float64 scalar)."""
+    total = local_sq.detach().to(torch.float64).reshape(1).clone()
+    for group in groups:
+        group.all_reduce(total, name="grad_norm")
+    return total.sqrt()[0]
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> float:
+    """min(1, max_norm / (norm + 1e-6)); 1 when clipping is off."""
+    if max_norm <= 0:
+        return 1.0
+    return float(min(1.0, max_norm / (float(norm) + 1e-6)))

@@ -1,0 +1,1 @@
+"""Parallel foundation: dims, process groups, the comm module, dropout RNG."""

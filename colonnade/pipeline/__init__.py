@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data, a checker and a timing simulator."""

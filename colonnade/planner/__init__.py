@@ -1,0 +1,24 @@
+"""Analytic planner: memory and step time of any layout on any cluster, and the best layout.
+
+    from colonnade.planner import Workload, get_cluster, plan
+    result = plan(workload, get_cluster("a100-80gb"), gpus=64)
+    result.best.layout, result.best.step_s, result.best.memory.gib()
+
+Modules: ``model_math`` (parameters, FLOPs), ``memory`` (ZeRO, Korthikanti activations),
+``timing`` (compute, tp/pp/dp communication, bubble), ``search`` (enumeration, ranking,
+errors), ``fit`` (Narayanan et al. Table 1 and the efficiency fit), ``report`` (table, JSON,
+plot), ``calibrate`` (this machine), ``cli`` (`colonnade plan`).
+"""
+
+from colonnade.planner.estimate import Estimate, estimate
+from colonnade.planner.hardware import PRESETS, Cluster, get_cluster
+from colonnade.planner.layout import Layout, Workload
+from colonnade.planner.memory import Memory, memory_per_device, zero_paper_bytes
+from colonnade.planner.search import Constraints, Plan, PlanError, explain, plan
+from colonnade.planner.timing import Timing, step_time
+
+__all__ = [
+    "PRESETS", "Cluster", "Constraints", "Estimate", "Layout", "Memory", "Plan", "PlanError",
+    "Timing", "Workload", "estimate", "explain", "get_cluster", "memory_per_device", "plan",
+    "step_time", "zero_paper_bytes",
+]

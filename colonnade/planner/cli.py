@@ -1,0 +1,171 @@
+"""`colonnade plan`: predict memory and step time of every layout and rank them.
+
+Wire into the main CLI with ``add_plan_parser(subparsers)``; the sub-command calls
+``run_plan(args)`` (exit status 0, or 2 with a message on stderr for bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from colonnade.config.load import ConfigError, load_config
+from colonnade.config.sections import Config
+from colonnade.planner.hardware import ALIASES, PRESETS, get_cluster
+from colonnade.planner.layout import Workload
+from colonnade.planner.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
+
+MODEL_FLAGS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size",
+               "heads": "num_heads", "kv_heads": "num_kv_heads", "ffn": "ffn_hidden_size",
+               "vocab": "vocab_size", "max_seq_len": "max_seq_len"}
+
+
+def configs_dir() -> Path:
+    """The repository's configs/ folder (next to the package), else ./configs."""
+    here = Path(__file__).resolve().parents[2] / "configs"
+    return here if here.is_dir() else Path("configs")
+
+
+def model_presets() -> list[str]:
+    """Names of the model presets in configs/."""
+    return sorted(p.stem for p in configs_dir().glob("*.toml"))
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `plan` sub-command to ``subparsers`` and return its parser."""
+    p = subparsers.add_parser(
+        "plan", help="predict memory and step time of every parallel layout and rank them",
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_plan_arguments(p)
+    return p
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `colonnade plan` (see --help)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--model", help=f"a preset in configs/ ({', '.join(model_presets())}) or "
+                   "a config TOML file")
+    for flag, fld in MODEL_FLAGS.items():
+        g.add_argument(f"--{flag.replace('_', '-')}", dest=flag, default=None,
+                       help=f"override model.{fld}")
+    g.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="any other config override (repeatable)")
+    g.add_argument("--global-batch", type=int, help="samples per step (default: the config's)")
+    g.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's)")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp64"),
+                   help="default: the config's training.precision")
+    g.add_argument("--attention", choices=("auto", "flash", "eager"), default="auto",
+                   help="attention kernel: fused SDPA ('flash') or materialised scores "
+                   "('eager'); auto = eager only with attention dropout, as colonnade runs")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", default="a100-80gb",
+                   help=f"{', '.join(sorted(PRESETS))} (aliases {', '.join(sorted(ALIASES))}) "
+                   "or a cluster TOML")
+    c.add_argument("--gpus", type=int, help="devices to use")
+    f = p.add_argument_group("fixed choices (default: search all)")
+    for name in ("tp", "pp", "vp", "dp"):
+        f.add_argument(f"--{name}", type=int)
+    f.add_argument("--micro-batch", type=int)
+    f.add_argument("--max-tp", type=int, help="largest tp searched (default: GPUs per node)")
+    f.add_argument("--recompute", default=",".join(RECOMPUTE), help="modes to search")
+    f.add_argument("--schedule", default=",".join(SCHEDULES), help="pipeline schedules to "
+                   "search (gpipe allowed)")
+    f.add_argument("--sp", choices=("any", "on", "off"), default="any")
+    f.add_argument("--zero1", choices=("any", "on", "off"), default="any")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=10, help="layouts shown")
+    o.add_argument("--json", help="write the plan as JSON here")
+    o.add_argument("--plot", help="write a PNG plot here")
+    o.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul, memory, gloo) and predict tiny CPU "
+                   "layouts; with --save-cluster the measurement becomes the cpu-local preset")
+    o.add_argument("--save-cluster", help="with --calibrate: write the measured cluster TOML")
+
+
+def _choice(value: str) -> tuple[bool, ...]:
+    return {"any": (False, True), "on": (True,), "off": (False,)}[value]
+
+
+def _list(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in items if v not in allowed + ("gpipe",) * (flag == "--schedule")]
+    if bad or not items:
+        raise PlanError(f"{flag}={value!r}: use a comma list of {', '.join(allowed)}.")
+    return items
+
+
+def load_model_config(args: argparse.Namespace) -> Config:
+    """The config named by --model with the dimension flags and --set applied."""
+    overrides = list(args.set)
+    for flag, fld in MODEL_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"--model.{fld}={value}")
+    if args.model is None:
+        raise PlanError("--model is required: a preset (" + ", ".join(model_presets())
+                        + ") or a config TOML file.")
+    path = Path(args.model)
+    if not path.exists():
+        preset = configs_dir() / f"{args.model}.toml"
+        if not preset.exists():
+            raise PlanError(f"--model={args.model!r} is neither a file nor a preset; presets: "
+                            + ", ".join(model_presets()))
+        path = preset
+    return load_config(path, overrides)
+
+
+def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
+    """Workload and search constraints from the parsed arguments."""
+    cfg = load_model_config(args)
+    if args.precision:
+        cfg = dataclasses.replace(
+            cfg, training=dataclasses.replace(cfg.training, precision=args.precision))
+    w = Workload.from_config(cfg, global_batch=args.global_batch, seq_len=args.seq_len,
+                             attention=args.attention)
+    cons = Constraints(tp=args.tp, pp=args.pp, vp=args.vp, dp=args.dp,
+                       micro_batch=args.micro_batch, max_tp=args.max_tp,
+                       recompute=_list(args.recompute, RECOMPUTE, "--recompute"),
+                       schedules=_list(args.schedule, SCHEDULES, "--schedule"),
+                       sp=_choice(args.sp), zero1=_choice(args.zero1))
+    return w, cons
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run `colonnade plan`; 0 on success, 2 on bad input (message on stderr)."""
+    from colonnade.planner.report import print_table, write_json, write_plot
+
+    try:
+        if args.calibrate:
+            from colonnade.planner.calibrate import run_calibrate
+
+            return run_calibrate(args)
+        if args.gpus is None:
+            raise PlanError("--gpus is required (devices to plan for).")
+        w, cons = build(args)
+        result = plan(w, get_cluster(args.cluster), args.gpus, cons)
+    except (PlanError, ConfigError, ValueError) as err:
+        print(f"colonnade plan: {err}", file=sys.stderr)
+        return 2
+    print_table(result, args.top)
+    best = result.best
+    print("best: " + " ".join(best.layout.overrides()))
+    if args.json:
+        write_json(result, args.top, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(result, args.top, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m colonnade.planner.cli ...``."""
+    parser = argparse.ArgumentParser(prog="colonnade plan", description=__doc__)
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

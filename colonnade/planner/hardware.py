@@ -1,0 +1,210 @@
+"""Clusters: what one device computes, holds and moves, and the collective-time model.
+
+A :class:`Cluster` is spec-sheet numbers plus one achieved-efficiency parameter per device type,
+``efficiency``, the fraction of the peak matmul rate *and* of the peak memory bandwidth that real
+kernels reach.  For the A100 it is fitted once to Narayanan et al. 2021 Table 1
+(:func:`colonnade.planner.fit.fit_efficiency`, all ten rows, one value); for H100/H200 it is
+not fitted to any published figure (the A100 value is carried over, say so when quoting).
+Communication uses the spec link rates as they are, with no fitted factor.
+
+Collective times (ring algorithms, n ranks, message of S bytes, link rate W, latency alpha):
+    all-reduce      2 (n-1)/n S / W + 2 (n-1) alpha
+    reduce-scatter  (n-1)/n S / W + (n-1) alpha      (all-gather the same)
+    point-to-point  S / W + alpha
+W is the per-device NVLink rate when the group sits inside one node.  A group spread over nodes
+with k members per node runs k rings side by side, one per NIC, so W = k * (node IB rate / GPUs
+per node), capped by NVLink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """One homogeneous cluster: devices, nodes and links."""
+
+    name: str
+    """Preset name (or file stem)."""
+    device: str
+    """Device model in words."""
+    peak_tflops: float
+    """Dense bf16/fp16 peak TFLOP/s of one device."""
+    peak_tflops_fp32: float
+    """Dense fp32 peak TFLOP/s (no TF32) of one device; used for fp32/fp64 runs."""
+    memory_gib: float
+    """Device memory in GiB."""
+    hbm_gbps: float
+    """Peak device memory bandwidth in GB/s (elementwise kernels are bound by it)."""
+    gpus_per_node: int
+    """Devices per node."""
+    intra_node_gbps: float
+    """Per-device, per-direction bandwidth inside a node in GB/s (NVLink: 600 GB/s total ->
+    300 per direction on A100)."""
+    inter_node_gbps: float
+    """Per-node, per-direction network bandwidth in GB/s (8 x 200 Gb/s HDR = 200 GB/s)."""
+    intra_latency_us: float = 5.0
+    """Latency of one message step inside a node in microseconds."""
+    inter_latency_us: float = 10.0
+    """Latency of one message step across nodes in microseconds."""
+    efficiency: float = 0.6
+    """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
+    reserved_gib: float = 2.0
+    """Memory the runtime keeps per device (CUDA context, workspaces, fragmentation)."""
+    compute_units: int | None = None
+    """CPU only: cores shared by all ranks on the node (ranks beyond it time-share)."""
+    step_overhead_s: float = 0.0
+    """Fixed host overhead per step (Python, optimizer loop): ~0 on big GPUs."""
+    op_overhead_us: float = 0.0
+    """Host time per tensor operation (dispatch); matters for tiny models on CPU, hidden by
+    asynchronous launches on GPUs (0 there)."""
+
+    @property
+    def memory_bytes(self) -> float:
+        """Usable device memory in bytes (capacity minus the runtime reserve)."""
+        return (self.memory_gib - self.reserved_gib) * GIB
+
+    def flops_per_s(self, precision: str) -> float:
+        """Achieved matmul FLOP/s of one device for ``precision``."""
+        peak = self.peak_tflops if precision in ("bf16", "fp16") else self.peak_tflops_fp32
+        if precision == "fp64":
+            peak /= 2
+        return peak * 1e12 * self.efficiency
+
+    def bytes_per_s(self) -> float:
+        """Achieved device memory bandwidth in bytes/s."""
+        return self.hbm_gbps * 1e9 * self.efficiency
+
+    def link(self, group: int, per_node: int) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a group of ``group`` ranks, ``per_node`` per node."""
+        if group <= per_node:
+            return self.intra_node_gbps * 1e9, self.intra_latency_us * 1e-6
+        nic = self.inter_node_gbps / self.gpus_per_node
+        bw = min(self.intra_node_gbps, max(1, per_node) * nic)
+        return bw * 1e9, self.inter_latency_us * 1e-6
+
+    def all_reduce_s(self, nbytes: float, group: int, per_node: int) -> float:
+        """Ring all-reduce time of ``nbytes`` over ``group`` ranks."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        bw, lat = self.link(group, per_node)
+        return 2 * (group - 1) / group * nbytes / bw + 2 * (group - 1) * lat
+
+    def gather_s(self, nbytes: float, group: int, per_node: int) -> float:
+        """Ring reduce-scatter or all-gather time (``nbytes`` is the full, unsharded size)."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        bw, lat = self.link(group, per_node)
+        return (group - 1) / group * nbytes / bw + (group - 1) * lat
+
+    def p2p_s(self, nbytes: float, cross_node: bool) -> float:
+        """One point-to-point transfer; across nodes each device uses its own NIC."""
+        if nbytes <= 0:
+            return 0.0
+        if cross_node:
+            bw = self.inter_node_gbps / self.gpus_per_node * 1e9
+            return nbytes / bw + self.inter_latency_us * 1e-6
+        return nbytes / (self.intra_node_gbps * 1e9) + self.intra_latency_us * 1e-6
+
+
+# A100 efficiency: fitted by colonnade.planner.fit.fit_efficiency on Narayanan et al. Table 1
+# (minimax relative error over the ten rows); tests/planner re-runs the fit and checks this value.
+A100_EFFICIENCY = 0.70
+
+PRESETS: dict[str, Cluster] = {
+    "a100-80gb": Cluster(
+        name="a100-80gb", device="NVIDIA A100 80GB SXM (DGX A100)", peak_tflops=312.0,
+        peak_tflops_fp32=19.5, memory_gib=80.0, hbm_gbps=2039.0, gpus_per_node=8,
+        intra_node_gbps=300.0, inter_node_gbps=200.0, efficiency=A100_EFFICIENCY,
+    ),
+    "h100-sxm": Cluster(
+        name="h100-sxm", device="NVIDIA H100 SXM 80GB (DGX H100)", peak_tflops=989.0,
+        peak_tflops_fp32=67.0, memory_gib=80.0, hbm_gbps=3350.0, gpus_per_node=8,
+        intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=A100_EFFICIENCY,
+    ),
+    "h200": Cluster(
+        name="h200", device="NVIDIA H200 SXM 141GB (HGX H200)", peak_tflops=989.0,
+        peak_tflops_fp32=67.0, memory_gib=140.0, hbm_gbps=4800.0, gpus_per_node=8,
+        intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=A100_EFFICIENCY,
+    ),
+    # Rough defaults for this kind of machine; `colonnade plan --calibrate` measures the real ones
+    # (configs/clusters/cpu-local.toml holds the last measurement and takes precedence).
+    "cpu-local": Cluster(
+        name="cpu-local", device="this machine's CPU (gloo over loopback)", peak_tflops=0.05,
+        peak_tflops_fp32=0.05, memory_gib=16.0, hbm_gbps=5.0, gpus_per_node=8,
+        intra_node_gbps=2.0, inter_node_gbps=2.0, intra_latency_us=100.0,
+        inter_latency_us=100.0, efficiency=1.0, reserved_gib=0.5,
+        compute_units=os.cpu_count() or 1, step_overhead_s=0.005, op_overhead_us=10.0,
+    ),
+}
+ALIASES = {"dgx-a100": "a100-80gb", "a100": "a100-80gb", "dgx-h100": "h100-sxm",
+           "h100": "h100-sxm", "cpu": "cpu-local"}
+
+
+def _clusters_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "configs" / "clusters"
+
+
+def cluster_from_toml(path: str | Path) -> Cluster:
+    """Read a cluster file: a ``[cluster]`` table (or top-level keys) of Cluster fields.
+
+    A ``base = "a100-80gb"`` key starts from that preset and overrides only the given fields.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"cluster file '{path}' cannot be read: {err}") from err
+    data = data.get("cluster", data)
+    base_name = data.pop("base", None)
+    names = {f.name for f in dataclasses.fields(Cluster)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"cluster file '{path}': unknown field(s) {unknown}; valid: "
+                         f"{sorted(names)}")
+    if base_name is not None:
+        return dataclasses.replace(get_cluster(str(base_name)), **data)
+    missing = sorted(f.name for f in dataclasses.fields(Cluster)
+                     if f.default is dataclasses.MISSING and f.name not in data)
+    if missing:
+        raise ValueError(f"cluster file '{path}' lacks {missing} (or give base = 'a100-80gb').")
+    return Cluster(**data)
+
+
+def get_cluster(name: str) -> Cluster:
+    """A preset by name (or alias), a file in configs/clusters/, or a path to a TOML file."""
+    key = ALIASES.get(name.lower(), name.lower())
+    stored = _clusters_dir() / f"{key}.toml"
+    if key == "cpu-local" and stored.exists():
+        return cluster_from_toml(stored)
+    if key in PRESETS:
+        return PRESETS[key]
+    if stored.exists():
+        return cluster_from_toml(stored)
+    if Path(name).suffix == ".toml":
+        if not Path(name).exists():
+            raise ValueError(f"cluster file '{name}' does not exist.")
+        return cluster_from_toml(name)
+    raise ValueError(f"unknown cluster '{name}'; use one of {sorted(PRESETS)} "
+                     f"(aliases {sorted(ALIASES)}) or a .toml file with a [cluster] table.")
+
+
+def cluster_to_toml(cluster: Cluster) -> str:
+    """The cluster as a ``[cluster]`` TOML table."""
+    lines = ["[cluster]"]
+    for f in dataclasses.fields(Cluster):
+        value = getattr(cluster, f.name)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            lines.append(f'{f.name} = "{value}"')
+        else:
+            lines.append(f"{f.name} = {value!r}")
+    return "\n".join(lines) + "\n"

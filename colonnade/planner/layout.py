@@ -1,0 +1,153 @@
+"""What is planned: the workload (model, batch, precision) and one parallel layout.
+
+A :class:`Workload` is fixed by the user; a :class:`Layout` is one point of the search space
+(tp, pp, vp, dp, micro-batch, ZeRO-1, recompute, sp, schedule).  Both convert to and from the
+colonnade :class:`~colonnade.config.sections.Config`, so a planned layout is a runnable config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from colonnade.config.sections import Config, ModelConfig
+from colonnade.planner.model_math import LayerShape
+
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The model and what one optimizer step processes; independent of the layout."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"
+    attention: str = "flash"
+    """'flash' (fused SDPA: no s x s scores kept) or 'eager' (scores materialised, as in Megatron
+    2021; the Korthikanti et al. activation formulas assume it)."""
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    overlap_p2p: bool = True
+    bucket_size: int = 40_000_000
+
+    def __post_init__(self) -> None:
+        if self.precision not in ELEMENT_BYTES:
+            raise ValueError(f"training.precision='{self.precision}' is unknown; use one of "
+                             f"{sorted(ELEMENT_BYTES)}.")
+        if self.attention not in ("flash", "eager"):
+            raise ValueError(f"attention='{self.attention}' must be 'flash' or 'eager'.")
+        if self.seq_len < 1 or self.global_batch < 1:
+            raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
+                             "be >= 1.")
+
+    @property
+    def shape(self) -> LayerShape:
+        """Resolved model shape."""
+        return LayerShape.of(self.model)
+
+    @property
+    def elem(self) -> int:
+        """Bytes of one activation / weight element."""
+        return ELEMENT_BYTES[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit weights with fp32 master weights and fp32 gradient buffer."""
+        return self.precision in ("bf16", "fp16")
+
+    @classmethod
+    def from_config(cls, cfg: Config, global_batch: int | None = None,
+                    seq_len: int | None = None, attention: str = "auto") -> Workload:
+        """Workload of a colonnade config (global batch must be known or given).
+
+        ``attention='auto'`` follows colonnade's models: fused SDPA unless attention dropout
+        is on, in which case the scores are materialised ('eager').
+        """
+        tr, par = cfg.training, cfg.parallel
+        if attention == "auto":
+            attention = "eager" if cfg.model.attention_dropout > 0 else "flash"
+        batch = global_batch if global_batch is not None else tr.global_batch_size
+        if batch is None:
+            raise ValueError("the global batch is unknown: give --global-batch or set "
+                             "training.global_batch_size.")
+        return cls(model=cfg.model, seq_len=seq_len or tr.seq_len, global_batch=batch,
+                   precision=tr.precision, attention=attention,
+                   overlap_grad_reduce=par.overlap_grad_reduce,
+                   overlap_param_gather=par.overlap_param_gather, overlap_p2p=par.overlap_p2p,
+                   bucket_size=par.bucket_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One parallel layout of a workload on ``tp * pp * dp`` devices."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    zero1: bool = False
+    recompute: str = "none"
+    sp: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        """Devices used."""
+        return self.tp * self.pp * self.dp
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step per dp rank, m = B / (dp * micro_batch)."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def short(self) -> str:
+        """Compact one-line description."""
+        extra = []
+        if self.sp:
+            extra.append("sp")
+        if self.zero1:
+            extra.append("zero1")
+        tail = (" " + " ".join(extra)) if extra else ""
+        sched = f" {self.schedule}" if self.pp > 1 else ""
+        return (f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp} mb{self.micro_batch}"
+                f"{sched} rc={self.recompute}{tail}")
+
+    def to_config(self, base: Config, workload: Workload) -> Config:
+        """A colonnade config running this layout (the model and batch of ``workload``)."""
+        par = dataclasses.replace(
+            base.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
+            schedule=self.schedule if self.pp > 1 else "1f1b",
+            use_distributed_optimizer=self.zero1,
+            overlap_grad_reduce=workload.overlap_grad_reduce,
+            overlap_param_gather=workload.overlap_param_gather,
+            overlap_p2p=workload.overlap_p2p, bucket_size=workload.bucket_size,
+        )
+        tr = dataclasses.replace(
+            base.training, seq_len=workload.seq_len, micro_batch_size=self.micro_batch,
+            global_batch_size=workload.global_batch,
+            microbatches=self.microbatches(workload.global_batch),
+            precision=workload.precision, recompute=self.recompute,
+        )
+        return dataclasses.replace(base, model=workload.model, parallel=par, training=tr)
+
+    def overrides(self) -> list[str]:
+        """``--section.field=value`` overrides that select this layout in `colonnade train`."""
+        return [
+            f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}", f"--parallel.vp={self.vp}",
+            f"--parallel.dp={self.dp}", f"--parallel.sp={str(self.sp).lower()}",
+            f"--parallel.schedule={self.schedule if self.pp > 1 else '1f1b'}",
+            f"--parallel.use_distributed_optimizer={str(self.zero1).lower()}",
+            f"--training.micro_batch_size={self.micro_batch}",
+            f"--training.recompute={self.recompute}",
+        ]
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> Layout:
+        """The layout of a colonnade config on ``world_size`` devices."""
+        par, tr = cfg.parallel, cfg.training
+        dp = par.dp if par.dp is not None else world_size // (par.tp * par.pp)
+        return cls(tp=par.tp, pp=par.pp, vp=par.vp, dp=dp, micro_batch=tr.micro_batch_size,
+                   zero1=par.use_distributed_optimizer, recompute=tr.recompute, sp=par.sp,
+                   schedule=par.schedule)

@@ -1,0 +1,78 @@
+"""Published figures the planner is checked against (see shared/anchors/published.md).
+
+Narayanan et al. 2021 (arXiv 2104.04473) Table 1: GPT models, V = 51,200, s = 2048, DGX A100
+(80 GB), interleaved schedule with scatter/gather, full recomputation, dp = GPUs / (tp pp).
+The 2021 Megatron-LM it measured materialised the attention scores (eager attention), did not
+overlap the data-parallel reduction with backward, and sent pipeline tensors synchronously; the
+workload below says so, so those rows are predicted for the system that produced them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colonnade.config.sections import ModelConfig
+from colonnade.planner.layout import Layout, Workload
+
+
+@dataclass(frozen=True)
+class Table1Row:
+    """One row of Narayanan et al. 2021 Table 1."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float
+    peak_pct: int
+    aggregate_pflops: float
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree GPUs / (tp pp)."""
+        return self.gpus // (self.tp * self.pp)
+
+    def model(self) -> ModelConfig:
+        """The GPT model of this row (tied head, biases, dropout 0.1, V = 51,200)."""
+        return ModelConfig(arch="gpt2", num_layers=self.layers, hidden_size=self.hidden,
+                           num_heads=self.heads, vocab_size=51200, max_seq_len=2048,
+                           tie_embeddings=True, bias=True, hidden_dropout=0.1,
+                           attention_dropout=0.1)
+
+    def workload(self) -> Workload:
+        """The row's workload as Megatron-LM 2021 ran it."""
+        return Workload(model=self.model(), seq_len=2048, global_batch=self.batch,
+                        precision="bf16", attention="eager", overlap_grad_reduce=False,
+                        overlap_param_gather=False, overlap_p2p=False)
+
+    def fixed(self) -> dict[str, object]:
+        """The published layout's fixed choices (micro-batch and vp are not published)."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "recompute": ["full"],
+                "sp": [False], "zero1": [False], "schedules": ["1f1b", "interleaved_1f1b"]}
+
+    def layout(self, micro_batch: int, vp: int) -> Layout:
+        """The published layout with a chosen micro-batch and chunk count."""
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, vp=vp, micro_batch=micro_batch,
+                      recompute="full", sp=False, zero1=False,
+                      schedule="interleaved_1f1b" if vp > 1 else "1f1b")
+
+
+TABLE1: tuple[Table1Row, ...] = (
+    Table1Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
+    Table1Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
+    Table1Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
+    Table1Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
+    Table1Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
+    Table1Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
+    Table1Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
+    Table1Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
+    Table1Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
+    Table1Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
+)
+
+# ZeRO (Rajbhandari et al., arXiv 1910.02054), 7.5B parameters, Nd = 64, GB = 1e9 bytes.
+ZERO_EXAMPLE = {"params": 7.5e9, "dp": 64, "gb": {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}}

@@ -1,0 +1,225 @@
+"""Enumerate every valid layout of a workload on N devices, predict each, rank by step time.
+
+Valid means what colonnade's config rules accept (colonnade.config.validate): tp divides the
+query heads, the kv heads and the MLP width; pp * vp divides the layers; dp = N / (tp pp)
+divides the global batch and the micro-batch divides B / dp; the interleaved schedule needs
+vp > 1, pp > 1 and m a multiple of pp; sp needs tp > 1 and s divisible by tp; ZeRO-1 needs
+dp > 1.  tp is kept within one node unless ``max_tp`` says otherwise (a tp group across nodes
+is never faster on these clusters).  Layouts that do not fit in memory are counted, not ranked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from colonnade.planner.estimate import Estimate, estimate
+from colonnade.planner.hardware import GIB, Cluster
+from colonnade.planner.layout import Layout, Workload
+from colonnade.planner.memory import memory_per_device
+from colonnade.planner.model_math import total_params
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
+
+
+class PlanError(ValueError):
+    """No layout can run the workload; the message says why and what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Degrees fixed by the user (None = free) and the options searched."""
+
+    tp: int | None = None
+    pp: int | None = None
+    vp: int | None = None
+    dp: int | None = None
+    micro_batch: int | None = None
+    recompute: tuple[str, ...] = RECOMPUTE
+    sp: tuple[bool, ...] = (False, True)
+    zero1: tuple[bool, ...] = (False, True)
+    schedules: tuple[str, ...] = SCHEDULES
+    max_tp: int | None = None
+    """Largest tp searched; None = GPUs per node."""
+
+
+@dataclass
+class Plan:
+    """Ranked predictions of every fitting layout."""
+
+    workload: Workload
+    cluster: Cluster
+    gpus: int
+    ranked: list[Estimate] = field(default_factory=list)
+    candidates: int = 0
+    smallest: Estimate | None = None
+    """The layout needing the least memory (whether or not it fits)."""
+
+    @property
+    def best(self) -> Estimate:
+        """The top-ranked layout."""
+        return self.ranked[0]
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tp_options(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> list[int]:
+    m = w.shape
+    cap = cons.max_tp or c.gpus_per_node
+    opts = [cons.tp] if cons.tp else [t for t in divisors(gpus) if t <= cap]
+    kv = m.kv_hidden // (m.hidden // m.heads)
+    return [t for t in opts if gpus % t == 0 and m.heads % t == 0 and kv % t == 0
+            and m.ffn % t == 0]
+
+
+def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
+               ) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        if cons.vp in (None, 1):
+            yield "1f1b", 1
+        return
+    for sched in cons.schedules:
+        if sched == "interleaved_1f1b":
+            if m % pp:
+                continue
+            for v in divisors(layers_per_stage):
+                if v > 1 and cons.vp in (None, v):
+                    yield sched, v
+        elif cons.vp in (None, 1):
+            yield sched, 1
+
+
+def layouts(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Iterator[Layout]:
+    """Every valid layout of ``w`` on ``gpus`` devices within ``cons``."""
+    m = w.shape
+    for tp in _tp_options(w, gpus, c, cons):
+        pps = [cons.pp] if cons.pp else divisors(gpus // tp)
+        for pp in pps:
+            if (gpus // tp) % pp or m.layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if (cons.dp and dp != cons.dp) or w.global_batch % dp:
+                continue
+            per = w.global_batch // dp
+            mbs = [cons.micro_batch] if cons.micro_batch else divisors(per)
+            for mb in mbs:
+                if per % mb:
+                    continue
+                for sched, vp in _schedules(pp, m.layers // pp, per // mb, cons):
+                    for rc in cons.recompute:
+                        for sp in cons.sp:
+                            if sp and (tp == 1 or w.seq_len % tp):
+                                continue
+                            for z in cons.zero1:
+                                if z and dp == 1:
+                                    continue
+                                yield Layout(tp=tp, pp=pp, vp=vp, dp=dp, micro_batch=mb,
+                                             zero1=z, recompute=rc, sp=sp, schedule=sched)
+
+
+def check_workload(w: Workload) -> None:
+    """Reject a workload no layout could run (shape errors), naming the fields."""
+    m = w.model
+    if w.seq_len > m.max_seq_len:
+        raise PlanError(f"seq_len={w.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise "
+                        "max_seq_len or shorten --seq-len.")
+    if m.hidden_size % m.num_heads or m.num_heads % m.kv_heads:
+        raise PlanError(f"model.hidden_size={m.hidden_size}, num_heads={m.num_heads}, "
+                        f"num_kv_heads={m.kv_heads}: heads must divide the width and kv heads "
+                        "must divide the heads.")
+
+
+def _factor_error(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> PlanError:
+    m = w.shape
+    tps = _tp_options(w, gpus, c, cons)
+    near = [n for n in range(max(1, gpus - 16), gpus + 17)
+            if n != gpus and any(True for _ in _first(layouts(w, n, c, cons)))]
+    near.sort(key=lambda n: (abs(n - gpus), n))
+    hint = ", ".join(str(n) for n in sorted(near[:4])) or "none within +-16"
+    return PlanError(
+        f"{gpus} GPUs cannot be factored as tp x pp x dp for this workload: tp must divide "
+        f"heads={m.heads}, kv heads and ffn={m.ffn} and be <= {cons.max_tp or c.gpus_per_node} "
+        f"(options {tps or 'none'}); pp must divide layers={m.layers}; dp = GPUs/(tp pp) must "
+        f"divide the global batch {w.global_batch}"
+        + (f"; fixed {_fixed(cons)}" if _fixed(cons) else "")
+        + f". GPU counts near {gpus} that work: {hint}.")
+
+
+def _fixed(cons: Constraints) -> str:
+    names = ("tp", "pp", "vp", "dp", "micro_batch")
+    return ", ".join(f"{n}={getattr(cons, n)}" for n in names if getattr(cons, n))
+
+
+def _first(it: Iterator[Layout]) -> list[Layout]:
+    for item in it:
+        return [item]
+    return []
+
+
+def _fit_error(w: Workload, gpus: int, c: Cluster, cons: Constraints,
+               smallest: Estimate) -> PlanError:
+    need = None
+    n = gpus
+    for _ in range(16):
+        n *= 2
+        if any(memory_per_device(w, lay).total <= c.memory_bytes
+               for lay in layouts(w, n, c, cons)):
+            need = n
+            break
+    mem = smallest.memory.gib()
+    hint = (f"at least {need} GPUs (the first power-of-two multiple of {gpus} that fits)"
+            if need else "a device with more memory")
+    return PlanError(
+        f"the model ({total_params(w.shape) / 1e9:.2f}B parameters, seq_len={w.seq_len}, "
+        f"global batch {w.global_batch}) fits on no layout of {gpus} x {c.name}: the smallest "
+        f"memory per device is {mem['total']:.1f} GiB ({smallest.layout.short()}: params "
+        f"{mem['params']:.1f}, grads {mem['grads']:.1f}, optimizer {mem['optimizer']:.1f}, "
+        f"activations {mem['activations']:.1f} GiB) > {c.memory_bytes / GIB:.1f} GiB usable. "
+        f"Use {hint}, or relax the fixed degrees.")
+
+
+def plan(w: Workload, cluster: Cluster, gpus: int, cons: Constraints | None = None) -> Plan:
+    """Predict every valid layout and rank the fitting ones by step time (fastest first).
+
+    Raises PlanError when no layout exists (GPU count not factorable) or none fits.
+    """
+    cons = cons or Constraints()
+    if gpus < 1:
+        raise PlanError(f"--gpus={gpus} must be >= 1.")
+    check_workload(w)
+    result = Plan(workload=w, cluster=cluster, gpus=gpus)
+    smallest_mem, smallest = float("inf"), None
+    for lay in layouts(w, gpus, cluster, cons):
+        result.candidates += 1
+        mem = memory_per_device(w, lay)
+        if mem.total < smallest_mem:
+            smallest_mem, smallest = mem.total, lay
+        if mem.total <= cluster.memory_bytes:
+            result.ranked.append(estimate(w, lay, cluster))
+    if result.candidates == 0:
+        raise _factor_error(w, gpus, cluster, cons)
+    assert smallest is not None
+    result.smallest = estimate(w, smallest, cluster)
+    if not result.ranked:
+        raise _fit_error(w, gpus, cluster, cons, result.smallest)
+    result.ranked.sort(key=lambda e: (e.step_s, e.memory.total))
+    return result
+
+
+def explain(best: Estimate, ref: Estimate) -> str:
+    """Why ``best`` is faster than ``ref``: the layout fields that differ and the time
+    components that changed most (seconds per step)."""
+    diffs = [f"{k}: {getattr(ref.layout, k)} -> {getattr(best.layout, k)}"
+             for k in ("tp", "pp", "vp", "dp", "micro_batch", "zero1", "recompute", "sp",
+                       "schedule") if getattr(ref.layout, k) != getattr(best.layout, k)]
+    a, b = ref.timing.as_dict(), best.timing.as_dict()
+    deltas = sorted(((b[k] - a[k], k) for k in a if k != "total"), key=lambda x: x[0])
+    parts = [f"{k} {a[k]:.3g}s -> {b[k]:.3g}s" for d, k in deltas if abs(d) > 0.005 * a["total"]]
+    gain = ref.step_s / best.step_s - 1
+    return (f"{gain:+.1%} throughput; changed {'; '.join(diffs) or 'nothing'}; "
+            f"time: {'; '.join(parts) or 'no component moved > 0.5%'}")

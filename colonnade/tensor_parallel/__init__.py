@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism: mappings, layers, cross entropy, sharding declarations."""

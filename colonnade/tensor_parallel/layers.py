@@ -1,0 +1,165 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Column-parallel Y = X A with A = [A_1 ... A_t] split along its output dim: rank i holds A_i
+(torch weight [out/tp, in]) and computes Y_i = X A_i. Entering it, X is copied (f) or, under
+sequence parallelism, all-gathered along the sequence (g_sp).
+
+Row-parallel Y = X A with A split along its input dim: rank i holds A_i (weight [out, in/tp]),
+takes the matching slice X_i (the column layer's output) and computes the partial X_i A_i;
+leaving it, partials are summed (g) or, under sp, reduce-scattered along the sequence (g-bar).
+
+With tp = 1 every operator is the identity, so the same classes form the reference model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colonnade.parallel.comm import CommGroup
+from colonnade.parallel.rng import RNGTracker
+from colonnade.tensor_parallel import mappings as mp
+from colonnade.tensor_parallel.sharding import Sharding, make_param
+
+
+@dataclass
+class TPContext:
+    """What a tensor-parallel layer needs to know about its surroundings."""
+
+    group: CommGroup
+    """The tp group."""
+    sp: bool
+    """Sequence parallelism on: activations between tp regions are [s/tp, b, h]."""
+    seed: int
+    """Run seed (initialisation and dropout)."""
+    rng: RNGTracker
+    """Dropout mask source."""
+    dtype: torch.dtype = torch.float32
+    """Parameter dtype."""
+    device: torch.device | None = None
+    """Parameter device."""
+    comm_chunks: int = 1
+    """Chunks for overlapping sp collectives with matmuls (1: off)."""
+
+    @property
+    def tp(self) -> int:
+        """tp degree."""
+        return self.group.size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in tp."""
+        return self.group.rank
+
+    def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
+        """A parameter holding this rank's shard of its seeded full initial value."""
+        return make_param(sharding, self.tp_rank, self.tp, self.seed, std, kind, self.dtype,
+                          self.device)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with the output features split across tp.
+
+    Input [s, b, in] (or [s/tp, b, in] under sp); output [s, b, out/tp], or [s, b, out] with
+    ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: TPContext, key: str, *,
+                 bias: bool, std: float, gather_output: bool = False, padded_rows: int = 0,
+                 tied_to: str | None = None, shared_weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.ctx, self.gather_output = ctx, gather_output
+        if shared_weight is not None:
+            self.weight = shared_weight
+        else:
+            spec = Sharding(f"{key}.weight", (out_features, in_features), dim=0,
+                            padded_rows=padded_rows, tied_to=tied_to)
+            self.weight = ctx.param(spec, std)
+        self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), dim=0), 0.0, "zeros")
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if ctx.sp:
+            if ctx.comm_chunks > 1:
+                from colonnade.tensor_parallel.partition import gathered_linear
+
+                y = gathered_linear(x, self.weight, self.bias, ctx.group, ctx.comm_chunks)
+            else:
+                y = F.linear(mp.gather_seq(x, ctx.group), self.weight, self.bias)  # [s, b, o/tp]
+        else:
+            y = F.linear(mp.copy_to_tp(x, ctx.group), self.weight, self.bias)  # [s, b, o/tp]
+        if self.gather_output:
+            y = mp.gather_last(y, ctx.group)  # [s, b, o]
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with the input features split across tp.
+
+    Input [s, b, in/tp] (the column layer's output); output [s, b, out], or [s/tp, b, out]
+    under sp. The bias is replicated and added after the reduction; under sp its gradient is a
+    partial sum over this rank's sequence chunk (``sp_partial_grad``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: TPContext, key: str, *,
+                 bias: bool, std: float) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.weight = ctx.param(Sharding(f"{key}.weight", (out_features, in_features), dim=1), std)
+        self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), sp_partial_grad=ctx.sp),
+                               0.0, "zeros") if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if ctx.sp:
+            if ctx.comm_chunks > 1:
+                from colonnade.tensor_parallel.partition import linear_reduce_scatter
+
+                y = linear_reduce_scatter(x, self.weight, ctx.group, ctx.comm_chunks)
+            else:
+                y = mp.reduce_scatter_seq(F.linear(x, self.weight), ctx.group)  # [s/tp, b, o]
+        else:
+            y = mp.reduce_from_tp(F.linear(x, self.weight), ctx.group)  # [s, b, o]
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp."""
+    return -(-vocab // tp) * tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split across tp.
+
+    Rank i holds rows [i V'/tp, (i+1) V'/tp) of the [V', h] table, V' = V padded to a multiple
+    of tp with zero rows. Tokens [s, b] -> [s, b, h] (all-reduced) or [s/tp, b, h]
+    (reduce-scattered) under sp.
+    """
+
+    def __init__(self, vocab: int, hidden: int, ctx: TPContext, key: str, *, std: float) -> None:
+        super().__init__()
+        self.ctx, self.vocab = ctx, vocab
+        pad = padded_vocab(vocab, ctx.tp) - vocab
+        self.weight = ctx.param(Sharding(f"{key}.weight", (vocab, hidden), dim=0, padded_rows=pad),
+                                std)
+        self.rows = self.weight.shape[0]
+        self.start = ctx.tp_rank * self.rows
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if ctx.tp == 1:
+            out = F.embedding(tokens, self.weight)  # [s, b, h]
+            return mp.split_seq(out, ctx.group) if ctx.sp else out
+        local = tokens - self.start  # [s, b]
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [s, b, h]
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if ctx.sp:
+            return mp.reduce_scatter_seq(out, ctx.group)  # [s/tp, b, h]
+        return mp.reduce_from_tp(out, ctx.group)  # [s, b, h]

@@ -1,0 +1,173 @@
+"""Autograd operators that move activations between tensor-parallel regions.
+
+Named after the operators of the papers (Shoeybi et al. 2019, Korthikanti et al. 2022):
+
+  f      (:class:`OpF`)      forward identity,           backward all-reduce over tp
+  g      (:class:`OpG`)      forward all-reduce over tp, backward identity
+  g_sp   (:class:`OpGSeq`)   forward all-gather along the sequence dim 0, backward reduce-scatter
+  gbar   (:class:`OpGBarSeq`) forward reduce-scatter along dim 0, backward all-gather
+  split  (:class:`OpSplitSeq`) forward keep this rank's sequence chunk, backward all-gather
+  gather_last (:class:`OpGatherLast`) forward all-gather along the last dim, backward split
+
+Activations are [s, b, h]; the sequence is dim 0 so the sp collectives work on contiguous
+blocks. Every collective goes through :class:`~colonnade.parallel.comm.CommGroup`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colonnade.parallel.comm import CommGroup
+
+
+def seq_all_gather(x: torch.Tensor, group: CommGroup, name: str = "sp_gather") -> torch.Tensor:
+    """[s/tp, ...] on each rank -> [s, ...] (rank order)."""
+    if group.size == 1:
+        return x
+    out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))  # [s, b, h]
+    group.all_gather_into(out, x.contiguous(), name=name)
+    return out
+
+
+def seq_reduce_scatter(x: torch.Tensor, group: CommGroup,
+                       name: str = "sp_reduce_scatter") -> torch.Tensor:
+    """[s, ...] partial sums -> this rank's [s/tp, ...] chunk of the sum."""
+    if group.size == 1:
+        return x
+    if x.shape[0] % group.size:
+        raise ValueError(f"sequence length {x.shape[0]} not divisible by tp={group.size}")
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))  # [s/tp, b, h]
+    group.reduce_scatter_into(out, x.contiguous(), name=name)
+    return out
+
+
+def seq_split(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """[s, ...] -> this rank's [s/tp, ...] chunk (no communication)."""
+    if group.size == 1:
+        return x
+    return x.chunk(group.size, dim=0)[group.rank].contiguous()
+
+
+def all_reduce_sum(x: torch.Tensor, group: CommGroup, name: str) -> torch.Tensor:
+    """Sum over the group (returns a new tensor; the input is not modified)."""
+    if group.size == 1:
+        return x
+    out = x.clone()
+    group.all_reduce(out, name=name)
+    return out
+
+
+class OpF(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce_sum(grad, ctx.group, "f_bwd"), None
+
+
+class OpG(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        return all_reduce_sum(x, group, "g_fwd")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class OpGSeq(torch.autograd.Function):
+    """g (sequence parallel): all-gather along dim 0 forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        ctx.group = group
+        return seq_all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return seq_reduce_scatter(grad, ctx.group, "sp_gather_bwd"), None
+
+
+class OpGBarSeq(torch.autograd.Function):
+    """g-bar (sequence parallel): reduce-scatter along dim 0 forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        ctx.group = group
+        return seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return seq_all_gather(grad, ctx.group, "sp_reduce_scatter_bwd"), None
+
+
+class OpSplitSeq(torch.autograd.Function):
+    """Keep this rank's sequence chunk forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        ctx.group = group
+        return seq_split(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return seq_all_gather(grad, ctx.group, "sp_split_bwd"), None
+
+
+class OpGatherLast(torch.autograd.Function):
+    """All-gather along the last dim forward ([..., n/tp] -> [..., n]); split it backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        ctx.group = group
+        if group.size == 1:
+            return x
+        moved = x.movedim(-1, 0).contiguous()  # [n/tp, ...]
+        out = seq_all_gather(moved, group, "gather_last")  # [n, ...]
+        return out.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        group = ctx.group
+        if group.size == 1:
+            return grad, None
+        return grad.chunk(group.size, dim=-1)[group.rank].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """f."""
+    return OpF.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """g."""
+    return OpG.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """g of sequence parallelism."""
+    return OpGSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """g-bar of sequence parallelism."""
+    return OpGBarSeq.apply(x, group)
+
+
+def split_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Enter a sequence-parallel region from a replicated one."""
+    return OpSplitSeq.apply(x, group)
+
+
+def gather_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Leave a tp region along the last dim (e.g. gather_output of a column layer)."""
+    return OpGatherLast.apply(x, group)

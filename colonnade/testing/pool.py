@@ -1,0 +1,553 @@
+"""A pool of CPU ranks (gloo) kept alive between calls, for multi-process parity tests.
+
+Starting a rank is the expensive part (importing torch in 8 processes on 2 cores takes
+seconds), so a :class:`RankPool` starts ``world_size`` spawned workers once, joins them into a
+gloo default process group, and then runs any number of functions on them:
+
+    pool = RankPool(4)
+    sums = pool.run(all_reduce_fn, 3.0)   # one result per rank, in rank order
+    pool.close()
+
+Protocol (one duplex pipe per rank, every message a pickled tuple sent as bytes):
+    parent -> rank: ("run", fn_ref, args_bytes) | ("end", ok) | ("stop",)
+    rank -> parent: ("ready",) | ("ok", result_bytes) | ("err", summary, traceback)
+After a run every rank gets ("end", ok): on success it passes a barrier; then each rank
+destroys every process group (including groups the function made) and joins a fresh default
+group under a new store prefix, and resets default dtype, grad mode and the RNG seed. So every
+run starts like a fresh process, whatever the previous one left behind.
+
+Failures: a rank exception becomes :class:`RankError` naming the rank with its remote
+traceback. Ranks that do not answer within ``grace_s`` of the first failure are presumed stuck
+in a collective; the pool is then killed and restarts on the next call. A call that exceeds its
+timeout kills the pool and raises :class:`RankTimeout` naming the ranks that had not answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTS_DIR = REPO_ROOT / "tests"
+FRESH_SEED = 0  # torch.manual_seed applied on every rank before each run
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# Backstop for gloo collectives and the store; the parent enforces the real per-call timeouts
+# (and kills stuck ranks) long before this, so a rank never answers with a gloo timeout first.
+_GLOO_TIMEOUT_S = 3600.0
+_Reply = tuple[Any, ...]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised (or died); ``failures`` maps rank -> remote traceback."""
+
+    def __init__(self, message: str, failures: dict[int, str], stuck: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.stuck = list(stuck)
+
+
+class RankTimeout(RuntimeError):
+    """A call ran past its timeout; ``missing`` lists the ranks that had not answered."""
+
+    def __init__(self, message: str, missing: Sequence[int], timeout_s: float) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.timeout_s = timeout_s
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def _watch_parent() -> None:
+    """Exit this rank as soon as the parent process dies (no orphans left blocked in gloo)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _import_by_name_or_file(module: str, file: str | None) -> types.ModuleType:
+    """Import ``module`` as the parent did; fall back to its file (pytest importlib mode)."""
+    if module in sys.modules:
+        return sys.modules[module]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        if file is None:
+            raise
+    spec = importlib.util.spec_from_file_location(module, file)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"cannot import {module!r} from {file!r} on this rank")
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[module] = loaded
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def _resolve(fn_ref: tuple[Any, ...]) -> Callable[..., Any]:
+    """Turn the parent's function reference back into the callable."""
+    if fn_ref[0] == "pickle":
+        return pickle.loads(fn_ref[1])
+    _, module, qualname, file = fn_ref
+    obj: Any = _import_by_name_or_file(module, file)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _init_group(store: Any, generation: int, rank: int, world_size: int) -> None:
+    """Join a fresh gloo default group; ``generation`` keeps its store keys apart from old ones."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"colonnade-pool/{generation}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=_GLOO_TIMEOUT_S),
+    )
+
+
+def _fresh_state() -> None:
+    """Undo process-wide torch settings a run may have changed."""
+    import torch
+
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)
+    torch.manual_seed(FRESH_SEED)
+
+
+def _run_once(fn_ref: tuple[Any, ...], args_bytes: bytes) -> _Reply:
+    """Call the function; any exception (even a failure to pickle the result) becomes 'err'."""
+    try:
+        fn = _resolve(fn_ref)
+        args, kwargs = pickle.loads(args_bytes)
+        result = fn(*args, **kwargs)
+        return ("ok", pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException as exc:  # report everything, the rank itself must survive
+        return ("err", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection
+) -> None:
+    """Body of one rank: join the group, then serve run/end/stop messages until told to stop.
+
+    sys.path gets the repo root first (pytest's rootdir: ``tests`` is a package, so test modules
+    are ``tests.<dir>.<module>``) and the tests directory last (for top-level test helpers).
+    """
+    _watch_parent()
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    if str(TESTS_DIR) not in sys.path:
+        sys.path.append(str(TESTS_DIR))
+
+    def send(reply: _Reply) -> None:
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+    generation = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work
+            torch.set_num_interop_threads(1)
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=_GLOO_TIMEOUT_S)
+        )
+        _init_group(store, generation, rank, world_size)
+        _fresh_state()
+    except BaseException as exc:
+        send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    send(("ready",))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the parent closed the pipe
+            return
+        if message[0] == "stop":
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # skips the ~1 s interpreter teardown of torch
+        if message[0] == "run":
+            send(_run_once(message[1], message[2]))
+            continue
+        try:  # ("end", ok); the function may have destroyed the group itself
+            if dist.is_initialized():
+                if message[1]:
+                    dist.barrier()
+                dist.destroy_process_group()
+            generation += 1
+            _init_group(store, generation, rank, world_size)
+            _fresh_state()
+            send(("ready",))
+        except BaseException as exc:
+            send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+@contextlib.contextmanager
+def _single_thread_env() -> Iterator[None]:
+    """Spawned ranks inherit OMP/MKL threads = 1 before anything in them imports torch."""
+    saved = {key: os.environ.get(key) for key in _THREAD_ENV}
+    os.environ.update({key: "1" for key in _THREAD_ENV})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _function_reference(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """A module-level function travels by name (module, qualname, file); others are pickled."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(fn, types.FunctionType):
+        qualname = fn.__qualname__
+        if "<locals>" in qualname or "<lambda>" in qualname:
+            raise TypeError(
+                f"fn {fn.__module__}.{qualname} is a lambda or nested function, which ranks cannot "
+                "import; define it at module level"
+            )
+        file = getattr(sys.modules.get(fn.__module__), "__file__", None)
+        return ("ref", fn.__module__, qualname, file)
+    try:
+        return ("pickle", pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:
+        raise TypeError(f"fn {fn!r} cannot be pickled for the ranks: {exc}") from exc
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class RankPool:
+    """``world_size`` gloo CPU ranks kept alive across calls; restarts itself after a failure.
+
+    Args:
+        world_size: number of ranks (>= 1).
+        timeout_s: default limit for one call, from sending the function to the last answer.
+        grace_s: after the first rank failure, how long the other ranks may take to answer
+            before they are presumed stuck in a collective and the pool is killed.
+        start_timeout_s: limit for starting the ranks (importing torch, joining the group).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = 120.0,
+        *,
+        grace_s: float = 3.0,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"RankPool world_size must be an int >= 1, got {world_size!r}")
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("grace_s", grace_s),
+            ("start_timeout_s", start_timeout_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"RankPool {name} must be > 0 seconds, got {value!r}")
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.grace_s = float(grace_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.starts = 0  # how many times the ranks were (re)started
+        self._procs: list[Any] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._store: Any = None
+        self._finalizer: multiprocessing.util.Finalize | None = None
+
+    @property
+    def alive(self) -> bool:
+        """True while the ranks are started and usable."""
+        return bool(self._procs)
+
+    def start(self) -> None:
+        """Start the ranks if they are not running (``run`` calls this for you)."""
+        if self.alive:
+            return
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        ctx = multiprocessing.get_context("spawn")
+        with _single_thread_env():
+            for rank in range(self.world_size):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, self.world_size, self._store.port, child_end),
+                    name=f"colonnade-rank{rank}-of-{self.world_size}",
+                )
+                proc.start()
+                child_end.close()
+                self._procs.append(proc)
+                self._conns.append(parent_end)
+        # Runs on garbage collection, or at exit before multiprocessing joins its children.
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _kill, args=(list(self._procs), list(self._conns)), exitpriority=10
+        )
+        self.starts += 1
+        replies = self._collect(time.monotonic() + self.start_timeout_s)
+        failed = {r: rep for r, rep in replies.items() if rep[0] != "ready"}
+        missing = [r for r in range(self.world_size) if r not in replies]
+        if failed or missing:
+            self.kill()
+            text = _failure_text(failed, f"starting {self.world_size} ranks") if failed else ""
+            if missing:
+                text += (
+                    f"\nrank(s) {_ranks(missing)} did not start within "
+                    f"{self.start_timeout_s:g} s (start_timeout_s)"
+                )
+            raise RankError(text.strip(), {r: rep[-1] for r, rep in failed.items()}, missing)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+        return self.call(fn, args, kwargs)
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Like :meth:`run`, with explicit args/kwargs and an optional per-call timeout."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        fn_ref = _function_reference(fn)
+        try:
+            args_bytes = pickle.dumps((tuple(args), dict(kwargs or {})), pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(f"arguments for {_describe(fn)} cannot be pickled: {exc}") from exc
+        self.start()
+        try:
+            self._broadcast(("run", fn_ref, args_bytes))
+            replies = self._collect(time.monotonic() + timeout, grace_s=self.grace_s)
+        except BaseException:  # e.g. Ctrl-C: the ranks' state is unknown, start afresh
+            self.kill()
+            raise
+        failed = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
+        missing = [r for r in range(self.world_size) if r not in replies]
+        what = f"running {_describe(fn)} on {self.world_size} ranks"
+        if missing and not failed:
+            self.kill()
+            raise RankTimeout(
+                f"{what} timed out after {timeout:g} s: rank(s) {_ranks(missing)} had not "
+                f"answered (ranks {_ranks(sorted(replies))} had); the pool was killed and "
+                "restarts on the next call",
+                missing,
+                timeout,
+            )
+        # Every rank answered: end the run. Otherwise some are stuck (or died): kill the pool.
+        if missing:
+            self.kill()
+        else:
+            self._finish(ok=not failed, what=what)
+        if failed:
+            text = _failure_text(failed, what)
+            if missing:
+                text += (
+                    f"\nrank(s) {_ranks(missing)} did not answer within {self.grace_s:g} s of the "
+                    "failure (blocked in a collective?); the pool was killed and restarts on "
+                    "the next call"
+                )
+            raise RankError(text, {r: rep[-1] for r, rep in failed.items()}, missing)
+        return [pickle.loads(replies[r][1]) for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the ranks politely (kill any that do not exit within 5 s)."""
+        if not self.alive:
+            return
+        with contextlib.suppress(OSError):
+            self._broadcast(("stop",))
+        for proc in self._procs:
+            proc.join(timeout=5.0)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill the ranks now; the next call starts fresh ones."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _kill once
+        self._procs, self._conns, self._store, self._finalizer = [], [], None, None
+
+    def __enter__(self) -> RankPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _broadcast(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError):  # a dead rank shows up in _collect
+                conn.send_bytes(data)
+
+    def _finish(self, *, ok: bool, what: str) -> None:
+        """End a run on every rank (barrier if ok, fresh groups); kill the pool if that fails."""
+        if not all(proc.is_alive() for proc in self._procs):
+            self.kill()
+            return
+        self._broadcast(("end", ok))
+        replies = self._collect(time.monotonic() + self.timeout_s)
+        bad = {r: rep for r, rep in replies.items() if rep[0] != "ready"}
+        missing = [r for r in range(self.world_size) if r not in replies]
+        if bad or missing:
+            self.kill()
+            if ok:
+                text = _failure_text(bad, f"the barrier after {what}")
+                if missing:
+                    text += f"\nrank(s) {_ranks(missing)} never reached the barrier after {what}"
+                raise RankError(text, {r: rep[-1] for r, rep in bad.items()}, missing)
+
+    def _collect(self, deadline: float, grace_s: float | None = None) -> dict[int, _Reply]:
+        """One reply per rank until ``deadline``; after a failure, only ``grace_s`` more."""
+        waiting: dict[Any, int] = {}
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
+            waiting[conn] = rank
+            waiting[proc.sentinel] = rank
+        replies: dict[int, _Reply] = {}
+        while len(replies) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for ready in multiprocessing.connection.wait(list(waiting), remaining):
+                rank = waiting[ready]
+                if rank in replies:
+                    continue
+                replies[rank] = self._receive(rank)
+                if replies[rank][0] == "err" and grace_s is not None:
+                    deadline = min(deadline, time.monotonic() + grace_s)
+            waiting = {obj: r for obj, r in waiting.items() if r not in replies}
+        return replies
+
+    def _receive(self, rank: int) -> _Reply:
+        """Read rank's reply, or describe its death when the pipe is closed."""
+        conn, proc = self._conns[rank], self._procs[rank]
+        try:
+            if conn.poll():
+                return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        proc.join(timeout=1.0)
+        summary = f"rank process died (exit code {proc.exitcode})"
+        return ("err", summary, summary + "\n")
+
+
+def _kill(procs: list[Any], conns: list[multiprocessing.connection.Connection]) -> None:
+    """SIGKILL and reap the ranks (also registered to run at interpreter exit)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5.0)
+    for conn in conns:
+        conn.close()
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks) or "none"
+
+
+def _failure_text(failed: dict[int, _Reply], what: str) -> str:
+    """'rank 1 raised ValueError: boom' lines followed by each rank's remote traceback."""
+    lines = [f"{len(failed)} rank(s) failed {what}:"]
+    lines += [f"  rank {r}: {rep[1]}" for r, rep in sorted(failed.items())]
+    by_traceback: dict[str, list[int]] = {}  # identical tracebacks are printed once
+    for r, rep in sorted(failed.items()):
+        by_traceback.setdefault(rep[-1].rstrip(), []).append(r)
+    for text, ranks in by_traceback.items():
+        lines.append(f"----- traceback of rank {_ranks(ranks)} -----\n{text}")
+    return "\n".join(lines)
+
+
+class RankPools:
+    """One lazily started :class:`RankPool` per world size, for a whole pytest session.
+
+    At most ``max_live_ranks`` rank processes stay alive; beyond that the least recently used
+    pools are closed (each rank holds a torch import, ~200 MB).
+    """
+
+    def __init__(
+        self, timeout_s: float = 120.0, *, max_world_size: int = 8, max_live_ranks: int = 24
+    ) -> None:
+        if max_live_ranks < max_world_size:
+            raise ValueError(
+                f"RankPools max_live_ranks={max_live_ranks} must be >= max_world_size="
+                f"{max_world_size}, or the largest pool could never start"
+            )
+        self.timeout_s = timeout_s
+        self.max_world_size = max_world_size
+        self.max_live_ranks = max_live_ranks
+        self._pools: dict[int, RankPool] = {}  # insertion order = least recently used first
+
+    def get(self, world_size: int) -> RankPool:
+        """The pool for ``world_size`` ranks (created on first use, started on first run)."""
+        if not isinstance(world_size, int) or not 1 <= world_size <= self.max_world_size:
+            raise ValueError(
+                f"world_size must be an int in 1..{self.max_world_size}, got {world_size!r}"
+            )
+        pool = self._pools.pop(world_size, None) or RankPool(world_size, self.timeout_s)
+        live = sum(p.world_size for p in self._pools.values() if p.alive)
+        for other in list(self._pools.values()):
+            if live + world_size <= self.max_live_ranks:
+                break
+            if other.alive:
+                live -= other.world_size
+                other.close()
+        self._pools[world_size] = pool
+        return pool
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on ``world_size`` ranks; results in rank order."""
+        return self.get(world_size).run(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        """Stop every pool."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+def spawn_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any
+) -> list[Any]:
+    """One-off: start ``world_size`` ranks, run ``fn(*args, **kwargs)`` on each, stop them.
+
+    For scripts (benchmarks) outside pytest; ``fn`` must be importable by the ranks, and a
+    script defining it needs an ``if __name__ == "__main__":`` guard (spawn re-imports it).
+    """
+    with RankPool(world_size, timeout_s) as pool:
+        return pool.run(fn, *args, **kwargs)

@@ -1,0 +1,1 @@
+"""The training step, loop, evaluation and logging."""

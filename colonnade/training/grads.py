@@ -1,0 +1,72 @@
+"""Gradient reductions that complete a step's gradients, in one place.
+
+After backward (and after the data-parallel reduction) two partial-sum cases remain:
+* sequence parallelism: tp-replicated parameters (norms, row-parallel biases, gpt2 positions)
+  saw only this rank's sequence chunk, so their gradients are summed across tp;
+* tied embeddings with pp > 1: the first stage's embedding and the last stage's head hold the
+  same logical weight; their gradients are summed across the embedding group.
+Both are sums over disjoint groups, so their order does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from colonnade.parallel.groups import ProcessGroups
+
+
+def grad_of(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient a reduction should act on: ``main_grad`` (fp32 buffer) if present."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def unique_params(chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Parameters of all chunks, each once, in a deterministic order."""
+    seen: set[int] = set()
+    out = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: bool) -> None:
+    """All-reduce sp-partial gradients over tp and tied-embedding gradients over pp ends."""
+    params = unique_params(chunks)
+    if groups.tp.size > 1:
+        partial = [grad_of(p) for p in params
+                   if getattr(getattr(p, "sharding", None), "sp_partial_grad", False)]
+        _all_reduce_flat([g for g in partial if g is not None], groups.tp.all_reduce, "sp_grads")
+    if tied and groups.pp.size > 1 and groups.embedding.size > 1:
+        keys = {"embedding.word.weight", "head.weight"}
+        grads = [grad_of(p) for p in params if p.sharding.key in keys]  # type: ignore[attr-defined]
+        _all_reduce_flat([g for g in grads if g is not None], groups.embedding.all_reduce,
+                         "tied_embedding")
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], reduce: object, name: str) -> None:
+    """Fuse ``grads`` into one buffer, all-reduce it, scatter the result back."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    reduce(flat, name=name)  # type: ignore[operator]
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def all_reduce_dp(chunks: list[nn.Module], groups: ProcessGroups) -> None:
+    """Average every gradient over dp in one fused all-reduce (no buckets, no overlap)."""
+    if groups.dp_cp.size == 1:
+        return
+    grads = [g for g in (grad_of(p) for p in unique_params(chunks)) if g is not None]
+    for g in grads:
+        g.div_(groups.dp_cp.size)
+    _all_reduce_flat(grads, groups.dp_cp.all_reduce, "dp_grads")

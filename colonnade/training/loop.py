@@ -1,0 +1,162 @@
+"""The training loop: steps, periodic evaluation, logging, progress bar, model export."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from colonnade.checkpoint.export import export_model
+from colonnade.config.load import config_to_toml
+from colonnade.config.sections import Config
+from colonnade.data import collate
+from colonnade.device import memory_stats, peak_tflops, synchronize
+from colonnade.models.build import build_chunks, param_dtype
+from colonnade.models.gpt import ModelChunk
+from colonnade.optim.optimizer import AdamWOptimizer
+from colonnade.training.grads import all_reduce_dp, reduce_sp_and_tied
+from colonnade.training.metrics import MetricsWriter, flops_per_token, format_line
+from colonnade.training.setup import Data, Runtime, build_data, init_runtime
+from colonnade.training.step import (
+    Batch,
+    StepPlan,
+    forward_backward,
+    forward_only,
+    mean_loss,
+    set_train_mode,
+)
+
+
+class Trainer:
+    """Owns the model chunks, optimizer and data of one rank and runs steps."""
+
+    def __init__(self, rt: Runtime, data: Data | None = None) -> None:
+        self.rt, self.config, self.groups = rt, rt.config, rt.groups
+        cfg = self.config
+        self.data = data
+        self.chunks: list[ModelChunk] = build_chunks(cfg, self.groups, rt.device)
+        self.optimizer = AdamWOptimizer(self.chunks, cfg.optim, self.groups, cfg.training.steps)
+        self.step = 0
+
+    def train_step(self, batches: list[Batch]) -> dict[str, float]:
+        """Forward/backward every micro-batch, reduce gradients, update. Returns metrics."""
+        set_train_mode(self.chunks, True)
+        self.optimizer.zero_grad()
+        plan = StepPlan(self.groups, self.step, self.config.parallel.schedule)
+        losses = forward_backward(self.chunks, batches, plan)
+        all_reduce_dp(self.chunks, self.groups)
+        reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings)
+        info = self.optimizer.step()
+        self.step += 1
+        return {"loss": mean_loss(losses, self.groups), **info}
+
+    def next_batches(self) -> list[Batch]:
+        """This rank's micro-batches of the next step."""
+        assert self.data is not None
+        device = self.rt.device
+        out = []
+        for indices in self.data.sampler.next_step():
+            tokens, labels = collate(self.data.train, indices)
+            out.append((tokens.to(device), labels.to(device)))
+        return out
+
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` micro-batches of the valid split (same on all ranks)."""
+        assert self.data is not None
+        set_train_mode(self.chunks, False)
+        tr, valid = self.config.training, self.data.valid
+        b = tr.micro_batch_size
+        count = min(tr.eval_batches, max(1, len(valid) // b))
+        batches = []
+        for k in range(count):
+            idx = [(k * b + i) % len(valid) for i in range(b)]
+            tokens, labels = collate(valid, idx)
+            batches.append((tokens.to(self.rt.device), labels.to(self.rt.device)))
+        plan = StepPlan(self.groups, self.step, self.config.parallel.schedule)
+        losses = forward_only(self.chunks, batches, plan)
+        set_train_mode(self.chunks, True)
+        return mean_loss(losses, self.groups)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=False)
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Run a whole training job on this rank; returns a summary (losses, throughput)."""
+    rt = init_runtime(config)
+    cfg = rt.config
+    data = build_data(cfg, rt.groups)
+    trainer = Trainer(rt, data)
+    tr, log_cfg = cfg.training, cfg.logging
+    writer = MetricsWriter(log_cfg.dir, log_cfg.tensorboard) if rt.is_logger else None
+    if rt.is_logger:
+        (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
+        print(f"colonnade: {rt.groups.dims.describe()} on {rt.device}, "
+              f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
+              f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
+    tokens_per_step = int(tr.global_batch_size or 1) * tr.seq_len
+    flops_tok = flops_per_token(cfg.model, tr.seq_len)
+    peak = peak_tflops(rt.device, param_dtype(tr.precision), log_cfg.peak_tflops)
+    bar = _progress(tr.steps, log_cfg.progress and rt.is_logger)
+    history: list[dict[str, Any]] = []
+    valid_losses: list[tuple[int, float]] = []
+    window_start, window_steps = time.perf_counter(), 0
+    if tr.eval_interval:
+        valid_losses.append((0, trainer.evaluate()))
+        if rt.is_logger:
+            print(f"step     0 | valid {valid_losses[-1][1]:.4f}")
+    while trainer.step < tr.steps:
+        metrics = trainer.train_step(trainer.next_batches())
+        window_steps += 1
+        if not math.isfinite(metrics["loss"]) and tr.on_nan == "stop":
+            raise FloatingPointError(f"loss is {metrics['loss']} at step {trainer.step}; "
+                                     "lower optim.lr or set training.on_nan='skip'")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        step = trainer.step
+        evaluate = tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps)
+        if evaluate:
+            valid_losses.append((step, trainer.evaluate()))
+        if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate:
+            synchronize(rt.device)
+            dt = (time.perf_counter() - window_start) / max(1, window_steps)
+            tps = tokens_per_step / dt
+            rec = {"step": step, **metrics, "step_time_s": dt, "tokens_per_s": tps,
+                   "tflops_per_device": tps * flops_tok / 1e12 / rt.groups.world.size,
+                   **memory_stats(rt.device)}
+            rec["mfu"] = rec["tflops_per_device"] / peak if peak else 0.0
+            if evaluate:
+                rec["valid_loss"] = valid_losses[-1][1]
+            history.append(rec)
+            if writer is not None:
+                writer.write(rec)
+                line = format_line(rec)
+                (bar.write if bar is not None else print)(line)
+            window_start, window_steps = time.perf_counter(), 0
+    if bar is not None:
+        bar.close()
+    if cfg.checkpoint.save:
+        export_model(cfg.checkpoint.save, trainer.chunks, rt.groups, cfg, data.tokenizer)
+        if rt.is_logger:
+            print(f"saved model to {cfg.checkpoint.save}")
+    if writer is not None:
+        writer.close()
+    return {"history": history, "valid": valid_losses, "rank": rt.groups.rank}
+
+
+def final_summary(result: dict[str, Any]) -> str:
+    """A closing line: first and last validation loss and the relative drop."""
+    valid = result["valid"]
+    if len(valid) < 2:
+        return "no evaluation was run"
+    first, last = valid[0][1], valid[-1][1]
+    return (f"validation loss {first:.4f} -> {last:.4f} "
+            f"({100 * (first - last) / first:.1f}% lower)")
+

@@ -1,0 +1,110 @@
+"""Start-up of a run: distributed initialisation, device, process groups, datasets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from colonnade.config.sections import Config
+from colonnade.config.validate import resolve, validate
+from colonnade.data import BatchSampler, BlendedDataset, IndexedDataset, WindowDataset, prepare
+from colonnade.device import backend_for, pick_device
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+
+
+@dataclass
+class Runtime:
+    """Where this process sits: its config (resolved, validated), device and groups."""
+
+    config: Config
+    device: torch.device
+    groups: ProcessGroups
+
+    @property
+    def is_logger(self) -> bool:
+        """Rank 0 prints and writes metrics."""
+        return self.groups.rank == 0
+
+
+def init_runtime(config: Config) -> Runtime:
+    """Validate against the world size, then init torch.distributed and build every group.
+
+    Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set by the launcher) the process joins the
+    job; otherwise it is a world of one. The config is checked *before* any group is made.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    config = validate(resolve(config, world), world)
+    device = pick_device(config.training.device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        backend = backend_for(device, config.parallel.backend)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=config.parallel.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+    dims = ParallelDims.from_config(config.parallel, world)
+    groups = ProcessGroups.build(dims, config.parallel.timeout_s)
+    return Runtime(config, device, groups)
+
+
+@dataclass
+class Data:
+    """Train and valid sample sets, the dp-aware sampler and the tokenizer path."""
+
+    train: WindowDataset | BlendedDataset
+    valid: WindowDataset
+    sampler: BatchSampler
+    tokenizer: Path
+    vocab_size: int
+
+
+def prepare_data(config: Config, log: bool = True) -> Path:
+    """Tokenize the input (or the built-in corpus) once; returns the prepared directory."""
+    cfg = config.data
+    out = Path(cfg.prepared_dir)
+    prepare(Path(cfg.input) if cfg.input else None, out, config.model.vocab_size,
+            Path(cfg.tokenizer) if cfg.tokenizer else None, max_bytes=cfg.max_corpus_bytes,
+            progress=log, log=print if log else (lambda _m: None))
+    return out
+
+
+def build_data(config: Config, groups: ProcessGroups) -> Data:
+    """Datasets and sampler; rank 0 prepares the data first, the others then reuse it."""
+    if groups.rank == 0:
+        prepare_data(config)
+    groups.world.barrier()
+    out = prepare_data(config, log=False) if groups.rank != 0 else Path(config.data.prepared_dir)
+    seq, frac = config.training.seq_len, config.data.valid_fraction
+    indexed = IndexedDataset(out / "data")
+    valid = WindowDataset(indexed, seq, "valid", frac)
+    train: WindowDataset | BlendedDataset = WindowDataset(indexed, seq, "train", frac)
+    if config.data.blend:
+        parts, weights = [], []
+        for entry in config.data.blend:
+            weight, _, prefix = entry.partition(":")
+            parts.append(WindowDataset(IndexedDataset(Path(prefix)), seq, "train", frac))
+            weights.append(float(weight))
+        size = config.training.steps * int(config.training.global_batch_size or 1)
+        train = BlendedDataset(parts, weights, size, config.training.seed)
+    tr = config.training
+    sampler = BatchSampler(len(train), int(tr.global_batch_size or 1), tr.micro_batch_size,
+                           groups.dp.rank, groups.dp.size, tr.seed)
+    vocab = _tokenizer_vocab(out / "tokenizer.json")
+    if vocab > config.model.vocab_size:
+        raise ValueError(f"tokenizer has {vocab} tokens but model.vocab_size="
+                         f"{config.model.vocab_size}; raise model.vocab_size")
+    return Data(train, valid, sampler, out / "tokenizer.json", vocab)
+
+
+def _tokenizer_vocab(path: Path) -> int:
+    from colonnade.data import load_tokenizer
+
+    return load_tokenizer(path).get_vocab_size()

@@ -1,0 +1,89 @@
+"""prepare(): corpus -> tokenizer.json + data.bin/.idx, reuse, given tokenizer, stdlib default."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from colonnade.data import CorpusError, DataError, prepare, stdlib_files
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Five small stdlib sources (a few KB) copied into a directory."""
+    out = tmp_path_factory.mktemp("corpus")
+    small = [p for p in stdlib_files() if 500 < p.stat().st_size < 3_000][:5]
+    assert len(small) == 5
+    for i, src in enumerate(small):
+        shutil.copy(src, out / f"{i:02d}_{src.name}")
+    return out
+
+
+def test_prepare_directory_then_reuse(tmp_path: Path, corpus_dir: Path) -> None:
+    out, logs = tmp_path / "out", []
+    res = prepare(corpus_dir, out, 300, progress=False, log=logs.append)
+    assert not res.reused
+    assert {p.name for p in out.iterdir()} == {
+        "tokenizer.json",
+        "data.bin",
+        "data.idx",
+        "prepare.json",
+    }
+    ds, tok = res.dataset(), res.tokenizer()
+    files = sorted(corpus_dir.iterdir())
+    assert (len(ds), res.num_docs, res.num_tokens) == (5, 5, ds.num_tokens)
+    assert res.vocab_size == tok.get_vocab_size() <= 300
+    for d, file in enumerate(files):
+        doc = ds[d].tolist()
+        assert doc[-1] == res.eod_id and res.eod_id not in doc[:-1]
+        assert tok.decode(doc[:-1]) == file.read_text()
+    again = prepare(corpus_dir, out, 300, progress=False, log=logs.append)
+    assert again.reused and again.num_tokens == res.num_tokens
+    assert "reusing" in logs[-1]
+    changed = files[0].read_text() + "\nx = 1\n"
+    files[0].write_text(changed)
+    try:
+        rebuilt = prepare(corpus_dir, out, 300, progress=False, log=logs.append)
+        assert not rebuilt.reused and rebuilt.num_tokens > res.num_tokens
+    finally:
+        files[0].write_text(changed[: -len("\nx = 1\n")])
+
+
+def test_prepare_jsonl_with_given_tokenizer(tmp_path: Path, corpus_dir: Path) -> None:
+    first = prepare(corpus_dir, tmp_path / "a", 300, progress=False, log=lambda _: None)
+    texts = [p.read_text() for p in sorted(corpus_dir.iterdir())]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    second = prepare(
+        jsonl, tmp_path / "b", None, first.tokenizer_path, text_key="body", log=lambda _: None
+    )
+    assert (second.tokenizer_path.read_text()) == first.tokenizer_path.read_text()
+    assert second.dataset().tokens.tolist() == first.dataset().tokens.tolist()
+    with pytest.raises(DataError, match="vocab_size=123 disagrees with tokenizer"):
+        prepare(jsonl, tmp_path / "c", 123, first.tokenizer_path, text_key="body")
+
+
+def test_prepare_default_stdlib_corpus(tmp_path: Path) -> None:
+    res = prepare(None, tmp_path / "std", 300, max_bytes=20_000, progress=False, log=lambda _: None)
+    assert res.num_docs == len(stdlib_files(20_000))
+    assert 0 < res.num_tokens < 20_000
+    assert int((res.dataset().tokens == res.eod_id).sum()) == res.num_docs
+
+
+def test_prepare_non_utf8_strict_and_skip(tmp_path: Path, corpus_dir: Path) -> None:
+    bad_dir = tmp_path / "mixed"
+    shutil.copytree(corpus_dir, bad_dir)
+    (bad_dir / "zz_bad.txt").write_bytes(b"ok \xff\xfe")
+    with pytest.raises(CorpusError, match=r"zz_bad\.txt: not valid UTF-8 at byte offset 3"):
+        prepare(bad_dir, tmp_path / "o1", 300, progress=False, log=lambda _: None)
+    logs: list[str] = []
+    res = prepare(bad_dir, tmp_path / "o2", 300, errors="skip", progress=False, log=logs.append)
+    assert res.num_docs == 5
+    assert any("skipped 1 undecodable" in line for line in logs)
+    manifest = json.loads((tmp_path / "o2" / "prepare.json").read_text())
+    assert len(manifest["result"]["skipped_documents"]) == 1
+    assert not os.path.exists(tmp_path / "o1" / "prepare.json")

@@ -1,0 +1,109 @@
+"""ZeRO accounting, Korthikanti et al. activations and the schedules' in-flight factors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from colonnade.config.sections import ModelConfig
+from colonnade.planner.layout import Layout, Workload
+from colonnade.planner.memory import (
+    in_flight,
+    korthikanti_layer_bytes,
+    layer_activation_bytes,
+    memory_per_device,
+    state_bytes_per_param,
+    zero_paper_bytes,
+)
+from colonnade.planner.model_math import LayerShape
+from colonnade.planner.published import TABLE1, ZERO_EXAMPLE
+
+
+def test_zero_paper_figures_exactly() -> None:
+    """7.5B parameters, Nd = 64: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
+    psi, nd = ZERO_EXAMPLE["params"], ZERO_EXAMPLE["dp"]
+    for stage, gb in ZERO_EXAMPLE["gb"].items():
+        assert round(zero_paper_bytes(psi, nd, stage) / 1e9, 1) == gb
+    with pytest.raises(ValueError, match="stage"):
+        zero_paper_bytes(psi, nd, 4)
+
+
+def test_colonnade_state_bytes() -> None:
+    """bf16 weights + fp32 grads + 12 bytes Adam: 18, and 6 + 12/dp with ZeRO-1."""
+    w = Workload(model=ModelConfig(), seq_len=128, global_batch=64)
+    assert sum(state_bytes_per_param(w, Layout(dp=8))) == 18
+    assert sum(state_bytes_per_param(w, Layout(dp=8, zero1=True))) == 6 + 12 / 8
+    w32 = dataclasses.replace(w, precision="fp32")
+    assert sum(state_bytes_per_param(w32, Layout(dp=4, zero1=True))) == 8 + 8 / 4
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_activations_reduce_to_korthikanti(tp: int, sp: bool, recompute: str) -> None:
+    """GPT, 16-bit, eager attention with dropout: sbh(10 + 24/t + 5as/(ht)) and variants."""
+    if sp and tp == 1:
+        return
+    row = TABLE1[4]
+    w = row.workload()
+    lay = Layout(tp=tp, sp=sp, recompute=recompute)
+    got = layer_activation_bytes(w.shape, w, lay, 2, keep_core=recompute == "none")
+    want = korthikanti_layer_bytes(2048, 2, row.hidden, row.heads, tp, sp, recompute)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_flash_attention_drops_the_s_squared_term() -> None:
+    w = dataclasses.replace(TABLE1[0].workload(), attention="flash")
+    eager = TABLE1[0].workload()
+    lay = Layout()
+    flash_b = layer_activation_bytes(w.shape, w, lay, 1, True)
+    eager_b = layer_activation_bytes(eager.shape, eager, lay, 1, True)
+    s, h, a = 2048, 2304, 24
+    # eager keeps 5 a s^2 b; flash keeps the output (2 sbh) and the fp32 log-sum-exp (4 a s b)
+    assert eager_b - flash_b == pytest.approx(5 * a * s * s - 2 * s * h - 4 * a * s)
+
+
+def test_in_flight_micro_batches() -> None:
+    assert in_flight(Layout(pp=4, schedule="1f1b"), 16) == 4
+    assert in_flight(Layout(pp=4, schedule="1f1b"), 2) == 2
+    assert in_flight(Layout(pp=4, schedule="gpipe"), 16) == 16
+    assert in_flight(Layout(pp=4, vp=2, schedule="interleaved_1f1b"), 16) == 4 * (1 + 3 / 8)
+    assert in_flight(Layout(pp=4, schedule="zb_h1"), 16) == 4
+
+
+def test_first_stage_memory_is_the_whole_model_activation_for_1f1b() -> None:
+    """1F1B: p micro-batches x l/p layers = l layers of one micro-batch (Korthikanti)."""
+    row = TABLE1[5]
+    w = row.workload()
+    m = w.shape
+    one = layer_activation_bytes(m, w, Layout(tp=8, pp=4), 1, True)
+    mem = memory_per_device(w, Layout(tp=8, pp=4, dp=32, micro_batch=1))
+    embed_mask = 4 * 2048 * m.hidden  # dropout mask of the embedding, p micro-batches
+    assert mem.stage == "first"
+    assert mem.activations == pytest.approx(m.layers * one + embed_mask, rel=1e-12)
+    inter = memory_per_device(w, Layout(tp=8, pp=4, vp=3, dp=32, schedule="interleaved_1f1b"))
+    assert inter.activations == pytest.approx((m.layers * one + embed_mask) * (1 + 3 / 12))
+
+
+def test_full_recompute_keeps_layer_inputs() -> None:
+    w = TABLE1[3].workload()
+    m = w.shape
+    lay = Layout(tp=8, dp=32, micro_batch=4, recompute="full", sp=True)
+    mem = memory_per_device(w, lay)
+    inputs = m.layers * 2 * 2048 * 4 * m.hidden / 8
+    working = layer_activation_bytes(m, w, lay, 4, True)
+    logits = 6 * 2048 * 4 * 51200 / 8
+    mask = 2048 * 4 * m.hidden / 8
+    assert mem.activations == pytest.approx(inputs + working + logits + mask, rel=1e-12)
+
+
+def test_params_split_by_tp_and_pp() -> None:
+    w = Workload(model=ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_heads=8,
+                                   vocab_size=1000), seq_len=64, global_batch=8)
+    whole = memory_per_device(w, Layout()).params / 2
+    from colonnade.planner.model_math import total_params
+
+    assert whole == total_params(LayerShape.of(w.model))
+    split = memory_per_device(w, Layout(tp=2, pp=2)).params / 2
+    assert split < whole / 3.5
