@@ -14,7 +14,6 @@ in the tokens before that. The two splits share no token.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -32,6 +31,32 @@ class SampleDataset(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> np.ndarray: ...
+
+
+VALID_BLOCK = 16
+"""Windows per block of the train/valid split."""
+
+
+def _split_windows(total: int, valid_fraction: float, split: Split) -> np.ndarray:
+    """Window ids of one split: the stream is cut into blocks of VALID_BLOCK windows and every
+    k-th block (k = round(1 / valid_fraction)) is validation, so both splits sample the whole
+    corpus (a tail split would measure only the last files). Window w covers tokens
+    [w s, (w + 1) s + 1): it shares its last token with window w + 1, so the train windows just
+    before and just after each valid block are dropped to keep the splits token-disjoint."""
+    ids = np.arange(total, dtype=np.int64)
+    if valid_fraction <= 0:
+        return ids if split == "train" else ids[:0]
+    period = max(2, round(1.0 / valid_fraction))
+    size = max(1, min(VALID_BLOCK, total // (2 * period)))  # smaller blocks for tiny data
+    valid = ((ids // size) % period) == period - 1
+    if total and not valid.any():
+        valid[-1] = True
+    if split == "valid":
+        return ids[valid]
+    neighbour = np.zeros_like(valid)
+    neighbour[:-1] |= valid[1:]
+    neighbour[1:] |= valid[:-1]
+    return ids[~valid & ~neighbour]
 
 
 class WindowDataset:
@@ -54,13 +79,8 @@ class WindowDataset:
         self.tokens = indexed.tokens  # [N] flat memmap
         n_tokens = indexed.num_tokens
         total = max((n_tokens - 1) // seq_len, 0)
-        n_valid = math.ceil(round(total * valid_fraction, 9)) if valid_fraction > 0 else 0
-        valid_base = n_tokens - (n_valid * seq_len + 1) if n_valid else n_tokens
-        n_train = max((valid_base - 1) // seq_len, 0)
-        if split == "train":
-            self.base, self.num_samples = 0, n_train
-        else:
-            self.base, self.num_samples = valid_base, n_valid
+        self.windows = _split_windows(total, valid_fraction, split)  # window ids, ascending
+        self.num_samples = len(self.windows)
         if self.num_samples == 0:
             raise DataError(
                 f"{indexed.prefix}: the {split} split is empty ({n_tokens} tokens, "
@@ -76,7 +96,7 @@ class WindowDataset:
         """[start, end) of sample `i` in the flat token stream (end - start = seq_len + 1)."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} {self.split} samples")
-        start = self.base + i * self.seq_len
+        start = int(self.windows[i]) * self.seq_len
         return start, start + self.seq_len + 1
 
     def __getitem__(self, i: int) -> np.ndarray:

@@ -143,7 +143,7 @@ class CommGroup:
             return Handle(None, self, "all_gather", OpStats()) if async_op else None
         n, b = self.size, _nbytes(out)
         return self._run("all_gather", name, _nbytes(t), (n - 1) / n * b,
-                         lambda a: dist.all_gather_into_tensor(out, t.contiguous(), group=self.pg,
+                         lambda a: dist.all_gather_single(out, t.contiguous(), group=self.pg,
                                                                async_op=a), async_op)
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, *, op: Any = None,
@@ -155,7 +155,7 @@ class CommGroup:
         n, b = self.size, _nbytes(t)
         red = op if op is not None else dist.ReduceOp.SUM
         return self._run("reduce_scatter", name, b, (n - 1) / n * b,
-                         lambda a: dist.reduce_scatter_tensor(out, t.contiguous(), op=red,
+                         lambda a: dist.reduce_scatter_single(out, t.contiguous(), op=red,
                                                               group=self.pg, async_op=a), async_op)
 
     def broadcast(self, t: torch.Tensor, *, src: int = 0, name: str = "") -> None:
