@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,14 @@ TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".py", ".md", ".rst", ".text", ".c", "
 """File suffixes read as documents when the input is a directory."""
 
 SKIPPED_DIRS: frozenset[str] = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings",
+     "pydoc_data"}
 )
-"""Directory names never entered when collecting the stdlib corpus."""
+"""Directory names never entered when collecting the stdlib corpus (encodings and pydoc_data
+hold generated tables and text, not Python people write)."""
+
+MAX_FILE_BYTES = 300_000
+"""Larger stdlib files (generated tables) are left out of the built-in corpus."""
 
 ErrorPolicy = Literal["strict", "skip"]
 
@@ -63,10 +69,12 @@ def stdlib_root() -> Path:
 
 
 def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
-    """Files of the built-in corpus: stdlib `*.py` sorted by relative path, total size <= max_bytes.
+    """Files of the built-in corpus: stdlib `*.py`, total size <= max_bytes, sorted by path.
 
-    Files are taken in order until the next one would exceed the cap (so the choice is a prefix of
-    the sorted list and deterministic for a given Python installation).
+    Candidates are visited in the order of a stable hash (crc32) of their relative path, so a cap
+    samples the whole library rather than its alphabetical beginning; files are taken until the
+    next one would exceed the cap, and the choice is returned sorted by relative path (so a
+    larger cap gives a superset, and the list is deterministic for a given installation).
     """
     if max_bytes <= 0:
         raise CorpusError(f"max_bytes={max_bytes} must be positive; pass e.g. {DEFAULT_MAX_BYTES}")
@@ -77,23 +85,23 @@ def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
         base = Path(dirpath)
         rel_dir = base.relative_to(root).as_posix()
         for name in filenames:
-            if name.endswith(".py"):
+            if name.endswith(".py") and (base / name).stat().st_size <= MAX_FILE_BYTES:
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                 candidates.append((rel, base / name))
-    candidates.sort()
-    chosen: list[Path] = []
+    candidates.sort(key=lambda item: (zlib.crc32(item[0].encode()), item[0]))
+    chosen: list[tuple[str, Path]] = []
     total = 0
-    for _, path in candidates:
+    for rel, path in candidates:
         size = path.stat().st_size
         if total + size > max_bytes:
             break
-        chosen.append(path)
+        chosen.append((rel, path))
         total += size
     if not chosen:
         raise CorpusError(
             f"no stdlib source fits in max_bytes={max_bytes} (root {root}); raise max_bytes"
         )
-    return chosen
+    return [path for _, path in sorted(chosen)]
 
 
 def iter_stdlib_documents(
