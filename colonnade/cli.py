@@ -1,4 +1,4 @@
-"""Command line: ``colonnade prepare | train | generate | plan``.
+"""Command line: ``colonnade prepare | train | generate | plan | convert``.
 
 Config fields are set with ``--section.field=value`` after an optional ``--config FILE.toml``;
 ``colonnade train --help-config`` lists every field with its documentation.
@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    c = sub.add_parser("convert", help="Hugging Face <-> Colonnade checkpoint conversion",
+                       description="Convert LlamaForCausalLM / GPT2LMHeadModel directories.")
+    way = c.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", metavar="DIR", help="HF model directory to import")
+    way.add_argument("--to-hf", metavar="DIR", help="Colonnade checkpoint to export")
+    c.add_argument("--out", required=True, metavar="DIR", help="output directory")
     try:
         from colonnade.planner.cli import add_plan_parser
 
@@ -101,7 +107,12 @@ def _generate(args: argparse.Namespace) -> int:
     from colonnade.generate import generate
 
     _config, model = load_exported(args.model_dir)
-    tok = load_tokenizer(Path(args.model_dir) / "tokenizer.json")
+    tok_path = Path(args.model_dir) / "tokenizer.json"
+    if not tok_path.exists():
+        from colonnade.checkpoint.commit import resolve_checkpoint
+
+        tok_path = resolve_checkpoint(args.model_dir) / "tokenizer.json"
+    tok = load_tokenizer(tok_path)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     prompt = torch.tensor([ids], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
@@ -110,6 +121,30 @@ def _generate(args: argparse.Namespace) -> int:
                    generator=gen)
     print(tok.decode(out[0].tolist()))
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from colonnade.checkpoint import convert
+
+    if args.from_hf:
+        print(convert.describe(convert.from_hf(args.from_hf, args.out)))
+    else:
+        print(f"wrote {convert.to_hf(args.to_hf, args.out)}")
+    return 0
+
+
+def _failure_status(err: BaseException) -> int | None:
+    """Exit status of an expected failure printed as one line (bad input 2, NaN/Inf 1), or None
+    for anything else (a bug: let its traceback show)."""
+    from colonnade.data.errors import DataError
+
+    fmt = sys.modules.get("colonnade.checkpoint.format")
+    if isinstance(err, DataError) or (fmt is not None and isinstance(err, fmt.CheckpointError)):
+        return 2
+    nan = sys.modules.get("colonnade.reliability.nan")
+    if nan is not None and isinstance(err, nan.NonFiniteError):
+        return 1
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "convert":
+            return _convert(args)
         if args.command == "plan":
             from colonnade.planner.cli import run_plan
 
@@ -139,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"colonnade: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        status = _failure_status(err)
+        if status is None:
+            raise
+        print(f"colonnade: {type(err).__name__}: {err}", file=sys.stderr)
+        return status
     parser.error(f"unknown command {args.command}")
     return 2
 

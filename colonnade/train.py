@@ -1,23 +1,39 @@
-"""``torchrun --nproc-per-node N -m colonnade.train [--config F] [--section.field=value ...]``."""
+"""``torchrun --nproc-per-node N -m colonnade.train [--config F] [--section.field=value ...]``.
+
+Every rank parses the same arguments, validates the config against WORLD_SIZE before any
+process group exists (an invalid config exits with status 2 and the list of problems, printed
+by local rank 0), then runs :func:`colonnade.launch.run_rank`.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
-from colonnade.config.load import load_config
+from colonnade.config.load import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse --config and overrides, then run this rank."""
+    from colonnade.config.validate import resolve, validate
     from colonnade.launch import run_rank
 
     argv = list(sys.argv[1:] if argv is None else argv)
     path = None
     if "--config" in argv:
         i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise SystemExit("colonnade.train: --config needs a file")
         path = argv[i + 1]
         del argv[i:i + 2]
-    run_rank(load_config(path, argv))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = validate(resolve(load_config(path, argv), world), world)
+    except ConfigError as err:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"colonnade: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    run_rank(config)
 
 
 if __name__ == "__main__":

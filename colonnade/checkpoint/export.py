@@ -68,8 +68,23 @@ def export_model(directory: str | Path, chunks: list[nn.Module], groups: Process
 
 def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
                   device: torch.device | None = None) -> tuple[Config, ModelChunk]:
-    """Build the single-process model of an exported directory and load its weights."""
+    """Build the single-process model of an exported directory and load its weights.
+
+    ``directory`` may also be a distributed checkpoint (root with ``latest``, or a step
+    directory) written by training or ``colonnade convert``: its model tensors are read whole.
+    """
     directory = Path(directory)
+    if (directory / "latest").exists() or (directory / "index.json").exists():
+        from colonnade.checkpoint.commit import resolve_checkpoint
+        from colonnade.checkpoint.convert import read_full_model
+
+        directory = resolve_checkpoint(directory)
+        config, state = read_full_model(directory)
+        config = dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, dp=1, tp=1, pp=1, vp=1, sp=False, pipeline_layout=None))
+        model = build_reference(config, dtype=dtype, device=device)
+        load_full_state(model, state)
+        return config, model
     if not (directory / "config.toml").exists():
         raise FileNotFoundError(f"{directory}/config.toml missing: not an exported model "
                                 "directory (train with --checkpoint.save=DIR)")

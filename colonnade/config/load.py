@@ -25,8 +25,10 @@ class ConfigError(ValueError):
 
 
 def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    return f" Did you mean '{close[0]}'?" if close else f" Valid names: {', '.join(options)}."
+    close = difflib.get_close_matches(name, options, n=3)
+    if not close:
+        return f" Valid names: {', '.join(options)}."
+    return " Did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
 
 
 def _field_types(cls: type) -> dict[str, Any]:

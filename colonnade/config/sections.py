@@ -99,7 +99,8 @@ class ParallelConfig:
     bucket_size: int = 40_000_000
     """Gradient bucket size in elements (tensor fusion granularity)."""
     average_in_collective: bool = False
-    """Divide by dp inside the reduction (pre-scale) instead of after it."""
+    """Average over dp inside the collective (ReduceOp.AVG) instead of pre-scaling every
+    gradient bucket by 1/dp before a SUM (the default; keeps the summed values in range)."""
     tp_comm_chunks: int = 1
     """Split sp all-gather+matmul / matmul+reduce-scatter into this many chunks (1: off)."""
     overlap_p2p: bool = True
@@ -108,6 +109,10 @@ class ParallelConfig:
     """torch.distributed backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo' or 'nccl'."""
     timeout_s: float = 300.0
     """Timeout of every collective; a rank that waits longer fails naming group and operation."""
+    watchdog_s: float | None = None
+    """Hang detector: a rank with no finished step and no completed collective for this long
+    dumps its Python stacks and last collective to logging.dir/failures and exits; None means
+    2 x timeout_s, 0 disables."""
 
 
 @dataclass(frozen=True, kw_only=True)

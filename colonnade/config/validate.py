@@ -114,7 +114,8 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
         out.append(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tp={tp}; use "
                    "tp <= kv heads that divides them, or more kv heads.")
     if tp >= 1 and m.ffn_size % tp:
-        out.append(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}.")
+        out.append(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}; "
+                   "set ffn_hidden_size to a multiple of tp.")
     if m.arch == "llama" and m.head_dim % 2:
         out.append(f"head dim {m.head_dim} (model.hidden_size / model.num_heads) must be even "
                    "for RoPE.")
@@ -139,10 +140,14 @@ def _degrees(c: Config, world: int | None) -> list[str]:
                    "tp regions); set sp=false or tp >= 2.")
     if p.sp and p.tp > 1 and c.training.seq_len % p.tp:
         out.append(f"training.seq_len={c.training.seq_len} is not divisible by parallel.tp="
-                   f"{p.tp}, needed by parallel.sp=true.")
+                   f"{p.tp}, needed by parallel.sp=true; pick a multiple of tp.")
     if p.tp_comm_chunks > 1 and not p.sp:
         out.append("parallel.tp_comm_chunks > 1 needs parallel.sp=true (it chunks the sp "
                    "all-gather / reduce-scatter).")
+    if p.tp_comm_chunks > 1 and p.sp and c.training.seq_len % (p.tp * p.tp_comm_chunks):
+        out.append(f"training.seq_len={c.training.seq_len} is not divisible by parallel.tp="
+                   f"{p.tp} x tp_comm_chunks={p.tp_comm_chunks} (each rank's sequence block is "
+                   "cut into tp_comm_chunks pieces); change seq_len or tp_comm_chunks.")
     if world is not None:
         model_ranks = p.tp * p.pp * p.cp * p.ep
         if p.dp is None or p.dp * model_ranks != world:
@@ -238,8 +243,47 @@ def _io(c: Config, _: int | None) -> list[str]:
     return out
 
 
+def _reliability(c: Config, _: int | None) -> list[str]:
+    p, out = c.parallel, []
+    if p.timeout_s <= 0:
+        out.append(f"parallel.timeout_s={p.timeout_s} must be > 0 (seconds a collective may "
+                   "wait before the rank fails), e.g. 300.")
+    if p.watchdog_s is not None and p.watchdog_s < 0:
+        out.append(f"parallel.watchdog_s={p.watchdog_s} must be >= 0 (0 disables the hang "
+                   "detector; unset means 2 x parallel.timeout_s).")
+    return out
+
+
+def _files_and_loop(c: Config, _: int | None) -> list[str]:
+    t, out = c.training, []
+    if c.checkpoint.load is not None and not Path(c.checkpoint.load).exists():
+        out.append(f"checkpoint.load='{c.checkpoint.load}' does not exist; give a checkpoint "
+                   "directory (or a Hugging Face model directory), or unset it to start fresh.")
+    if c.data.tokenizer is not None and not Path(c.data.tokenizer).exists():
+        out.append(f"data.tokenizer='{c.data.tokenizer}' does not exist; give a tokenizer.json "
+                   "or unset it to train one.")
+    for entry in c.data.blend:
+        prefix = Path(entry.partition(":")[2])
+        missing = [str(prefix.with_suffix(s)) for s in (".bin", ".idx")
+                   if prefix.name and not prefix.with_suffix(s).is_file()]
+        if missing:
+            out.append(f"data.blend entry '{entry}': {' and '.join(missing)} missing; run "
+                       "`colonnade prepare` for that dataset or fix the prefix.")
+    if t.eval_interval < 0:
+        out.append(f"training.eval_interval={t.eval_interval} must be >= 0 (0 disables).")
+    if t.eval_interval > 0 and t.eval_batches < 1:
+        out.append(f"training.eval_batches={t.eval_batches} must be >= 1 when "
+                   "training.eval_interval > 0.")
+    if t.eval_interval > 0 and c.data.valid_fraction <= 0:
+        out.append(f"training.eval_interval={t.eval_interval} needs data.valid_fraction > 0 "
+                   "(there is no validation split); set valid_fraction or eval_interval=0.")
+    if c.logging.log_interval < 1:
+        out.append(f"logging.log_interval={c.logging.log_interval} must be >= 1.")
+    return out
+
+
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _pipeline, _batch,
-                           _optim, _io)
+                           _optim, _io, _reliability, _files_and_loop)
 
 
 def problems(config: Config, world_size: int | None = None) -> list[str]:

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
-from colonnade.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, TPContext
+from colonnade.models.recompute import checkpoint
+from colonnade.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    enter_tp_region,
+)
 from colonnade.tensor_parallel.sharding import Sharding, output_std
 
 
@@ -86,11 +92,13 @@ class Attention(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         d = self.cfg.head_dim
-        q = self.q(x)  # [s, b, a/tp * d]
+        x, entered = enter_tp_region(x, self.ctx)  # [s, b, h]: one f / all-gather for q, k, v
+        q = self.q(x, entered=entered)  # [s, b, a/tp * d]
         s, b = q.shape[0], q.shape[1]
         q = q.view(s, b, self.heads, d).permute(1, 2, 0, 3)  # [b, a/tp, s, d]
-        k = self.k(x).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
-        v = self.v(x).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        k = self.k(x, entered=entered).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
+        v = self.v(x, entered=entered).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
+        # k, v: [b, kv/tp, s, d]
         start = cache.length if cache is not None else 0
         if rope is not None:
             cos, sin = rope[0][start:start + s], rope[1][start:start + s]
@@ -101,8 +109,7 @@ class Attention(nn.Module):
             cache.length = start + s
             k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
         if self.recompute_core and self.training:
-            ctx = self.core_attention
-            out = torch.utils.checkpoint.checkpoint(ctx, q, k, v, start, use_reentrant=False)
+            out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start)  # [s, b, a/tp*d]
         else:
             out = self.core_attention(q, k, v, start)  # [s, b, a/tp * d]
         return self.o(out)
@@ -140,7 +147,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str) -> None:
         super().__init__()
         h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
-        self.swiglu = cfg.arch == "llama"
+        self.ctx, self.swiglu = ctx, cfg.arch == "llama"
         self.up = ColumnParallelLinear(h, f, ctx, f"{key}.up", bias=cfg.bias, std=std)
         self.gate = (ColumnParallelLinear(h, f, ctx, f"{key}.gate", bias=cfg.bias, std=std)
                      if self.swiglu else None)
@@ -149,10 +156,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        x, entered = enter_tp_region(x, self.ctx)  # [s, b, h]: one f / all-gather for gate, up
         if self.gate is not None:
-            y = F.silu(self.gate(x)) * self.up(x)  # [s, b, f/tp]
+            y = F.silu(self.gate(x, entered=entered)) * self.up(x, entered=entered)  # [s, b, f/tp]
         else:
-            y = F.gelu(self.up(x), approximate="tanh")  # [s, b, f/tp]
+            y = F.gelu(self.up(x, entered=entered), approximate="tanh")  # [s, b, f/tp]
         return self.down(y)
 
 

@@ -6,6 +6,8 @@ import torch
 
 from colonnade.config.sections import Config
 from colonnade.models.gpt import ModelChunk
+from colonnade.models.recompute import RecomputePlan
+from colonnade.models.recompute import install as install_recompute
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
 from colonnade.pipeline.partition import stage_chunks
@@ -36,7 +38,8 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     """The vp model chunks of this pipeline rank (one chunk when vp = 1).
 
     Initial weights are bit-identical to the single-process model's in every layout: each
-    parameter's full value is drawn from (seed, global name) and sharded.
+    parameter's full value is drawn from (seed, global name) and sharded. The activation
+    recomputation plan of ``config.training`` is installed on every chunk.
     """
     par = config.parallel
     ctx = make_context(config, groups, device, dtype)
@@ -46,6 +49,7 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     for layers, first, last in specs:
         chunk = ModelChunk(config.model, ctx, layers, first=first, last=last)
         chunks.append(chunk.to(device) if device is not None else chunk)
+    install_recompute(chunks, RecomputePlan.from_config(config.training))
     return chunks
 
 

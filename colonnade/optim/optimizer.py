@@ -6,6 +6,11 @@ and fp32 runs use the parameters themselves) and Adam moments in the master dtyp
 Step: grads -> master grads; norm over every group (:mod:`colonnade.optim.clip`); scale by the
 clip coefficient; AdamW update with the scheduled LR; copy masters back into the model.
 Weight decay skips 1-D parameters (norms, biases).
+
+This is the plain per-tensor optimizer (no buckets, no dp sharding; gradients from ``.grad`` or
+``main_grad``) kept for single-process use and tests. Training uses
+:class:`colonnade.optim.distributed.DistributedOptimizer` over the flat data-parallel buffers
+(DDP or ZeRO-1, fp16 loss scaling).
 """
 
 from __future__ import annotations

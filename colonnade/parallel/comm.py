@@ -8,6 +8,11 @@ re-raised as :class:`CommError` naming the group, its ranks and the operation.
 Wire bytes per rank for a payload of B bytes on n ranks (ring algorithms):
 all-reduce 2(n-1)/n B, all-gather (n-1)/n B_out, reduce-scatter (n-1)/n B_in, send/recv B.
 A group of size 1 performs no communication and counts nothing.
+
+For failure diagnosis :class:`CommStats` also keeps the last posted operation, the operations
+still in flight and the time of the latest completion (:class:`OpRecord`); the hang detector of
+:mod:`colonnade.reliability` reads them. A backend timeout or a dead peer becomes a
+:class:`CommError` that says which of the two it was.
 """
 
 from __future__ import annotations
@@ -23,6 +28,42 @@ import torch.distributed as dist
 
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names group, ranks and operation."""
+
+    def __init__(self, message: str, *, group: str = "", op: str = "",
+                 ranks: tuple[int, ...] = (), timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.group, self.op, self.ranks, self.timed_out = group, op, ranks, timed_out
+
+
+def ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 3]`` -> ``'[0..3]'`` for long contiguous runs, else the plain list."""
+    ranks = list(ranks)
+    if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"[{ranks[0]}..{ranks[-1]}]"
+    return str(ranks)
+
+
+@dataclass
+class OpRecord:
+    """One posted operation as the hang detector and failure dumps see it."""
+
+    group: str
+    ranks: tuple[int, ...]
+    op: str
+    """Operation and its name, e.g. 'all_reduce(dp_grads)'."""
+    payload_bytes: int
+    started: float
+    """``time.monotonic()`` when it was posted."""
+    finished: float | None = None
+    """``time.monotonic()`` when it completed; None while in flight (or when it failed)."""
+
+    def describe(self, now: float | None = None) -> str:
+        """'all_reduce(x) on group 'dp' (ranks [0, 2], 64 B), in flight for 3.2 s'."""
+        now = time.monotonic() if now is None else now
+        state = (f"in flight for {now - self.started:.1f} s" if self.finished is None
+                 else f"completed {now - self.finished:.1f} s ago")
+        return (f"{self.op} on group '{self.group}' (ranks {ranks_text(self.ranks)}, "
+                f"{self.payload_bytes} B), {state}")
 
 
 @dataclass
@@ -41,6 +82,34 @@ class CommStats:
     """Counters of every operation of every group of one rank, keyed by 'group/op'."""
 
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    last: OpRecord | None = None
+    """The operation posted most recently (what a hang dump reports)."""
+    in_flight: dict[int, OpRecord] = field(default_factory=dict)
+    """Posted operations not yet completed, by sequence number."""
+    last_progress: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` of the latest completion (the hang detector's progress signal)."""
+    posted: int = 0
+    """Operations posted so far (sequence numbers)."""
+
+    def begin(self, group: CommGroup, op: str, payload: int) -> int:
+        """Note that ``op`` was posted on ``group``; returns its sequence number."""
+        rec = OpRecord(group.name, tuple(group.ranks), op, payload, time.monotonic())
+        self.posted += 1
+        self.last = rec
+        self.in_flight[self.posted] = rec
+        return self.posted
+
+    def finish(self, seq: int) -> None:
+        """Note that operation ``seq`` completed."""
+        rec = self.in_flight.pop(seq, None)
+        now = time.monotonic()
+        if rec is not None:
+            rec.finished = now
+        self.last_progress = now
+
+    def pending(self) -> list[OpRecord]:
+        """Operations in flight, oldest first (a snapshot, safe from another thread)."""
+        return list(self.in_flight.values())
 
     def record(self, key: str, payload: int, wire: float) -> OpStats:
         """Count one call and return its stats entry."""
@@ -66,8 +135,10 @@ class CommStats:
 class Handle:
     """An in-flight asynchronous operation; :meth:`wait` records the exposed time."""
 
-    def __init__(self, work: Any, group: CommGroup, op: str, entry: OpStats) -> None:
+    def __init__(self, work: Any, group: CommGroup, op: str, entry: OpStats,
+                 seq: int = 0) -> None:
         self._work, self._group, self._op, self._entry = work, group, op, entry
+        self._seq = seq
         self._start = time.perf_counter()
         self.done = work is None
 
@@ -79,7 +150,8 @@ class Handle:
         try:
             self._work.wait()
         except Exception as err:  # re-raised with context
-            raise self._group.error(self._op, err) from err
+            raise self._group.error(self._op, err, self._start) from err
+        self._group.stats.finish(self._seq)
         end = time.perf_counter()
         self._entry.waited_s += end - begin
         self._entry.in_flight_s += end - self._start
@@ -105,24 +177,46 @@ class CommGroup:
     def __repr__(self) -> str:
         return f"CommGroup({self.name}, ranks={self.ranks})"
 
-    def error(self, op: str, err: BaseException) -> CommError:
-        """Wrap a backend failure with the group, ranks and operation named."""
-        return CommError(f"{op} on group '{self.name}' (ranks {self.ranks}, this rank's index "
-                         f"{self.rank}) failed: {err}")
+    def error(self, op: str, err: BaseException, started: float | None = None) -> CommError:
+        """Wrap a backend failure with the group, ranks and operation named, plus a diagnosis.
+
+        ``started`` (``time.perf_counter()`` when the operation was posted) adds how long it
+        waited. A timeout means another rank of the group never joined (stuck or dead); a
+        closed connection means a peer process died.
+        """
+        text = " ".join(str(err).split())
+        low = text.lower()
+        timed_out = "timed out" in low or "timeout" in low
+        waited = f" after {time.perf_counter() - started:.1f} s" if started is not None else ""
+        me = self.ranks[self.rank] if self.rank >= 0 else "?"
+        hint = ""
+        if timed_out:
+            hint = (" [timed out (parallel.timeout_s): another rank of this group never joined; "
+                    "it is stuck or dead - see every rank's dump under logging.dir/failures]")
+        elif any(k in low for k in ("connection closed", "connection reset", "broken pipe",
+                                    "connection refused", "peer")):
+            hint = " [a peer rank of this group has died; the launcher's report names it]"
+        return CommError(f"{op} on group '{self.name}' (ranks {ranks_text(self.ranks)}, this "
+                         f"rank's index {self.rank}, global rank {me}) failed{waited}: "
+                         f"{text}{hint}", group=self.name, op=op, ranks=tuple(self.ranks),
+                         timed_out=timed_out)
 
     def _run(self, op: str, name: str, payload: int, wire: float, fn: Any,
              async_op: bool) -> Handle | None:
         key = f"{self.name}/{op}" + (f"/{name}" if name else "")
         entry = self.stats.record(key, payload, wire)
+        seq = self.stats.begin(self, f"{op}({name})", payload)
         start = time.perf_counter()
         try:
             work = fn(async_op)
         except Exception as err:
-            raise self.error(f"{op}({name})", err) from err
+            raise self.error(f"{op}({name})", err, start) from err
         if async_op:
-            return Handle(work, self, f"{op}({name})", entry)
-        entry.in_flight_s += time.perf_counter() - start
-        entry.waited_s += time.perf_counter() - start
+            return Handle(work, self, f"{op}({name})", entry, seq)
+        self.stats.finish(seq)
+        elapsed = time.perf_counter() - start
+        entry.in_flight_s += elapsed
+        entry.waited_s += elapsed
         return None
 
     def all_reduce(self, t: torch.Tensor, *, op: Any = None, name: str = "",
@@ -172,19 +266,23 @@ class CommGroup:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
+        seq, start = self.stats.begin(self, "all_gather_object", 0), time.perf_counter()
         try:
             dist.all_gather_object(out, obj, group=self.pg)
         except Exception as err:
-            raise self.error("all_gather_object", err) from err
+            raise self.error("all_gather_object", err, start) from err
+        self.stats.finish(seq)
         return out
 
     def barrier(self) -> None:
         """Block until every rank of the group arrives."""
         if self.size > 1:
+            seq, start = self.stats.begin(self, "barrier", 0), time.perf_counter()
             try:
                 dist.barrier(group=self.pg)
             except Exception as err:
-                raise self.error("barrier", err) from err
+                raise self.error("barrier", err, start) from err
+            self.stats.finish(seq)
 
     def p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
             *, name: str = "") -> Handle:
@@ -200,11 +298,12 @@ class CommGroup:
                                   payload, float(payload))
         if not ops:
             return Handle(None, self, "p2p", entry)
+        seq, start = self.stats.begin(self, f"p2p({name})", payload), time.perf_counter()
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as err:
-            raise self.error(f"p2p({name})", err) from err
-        return Handle(_WorkList(works), self, f"p2p({name})", entry)
+            raise self.error(f"p2p({name})", err, start) from err
+        return Handle(_WorkList(works), self, f"p2p({name})", entry, seq)
 
 
 class _WorkList:
@@ -216,3 +315,16 @@ class _WorkList:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+
+
+def set_timeout(pg: Any, seconds: float) -> None:
+    """Set the timeout of every later operation on process group ``pg`` (None: the default).
+
+    Used to give the default group a long timeout for start-up (ranks join at different times)
+    and the configured ``parallel.timeout_s`` afterwards.
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), pg)

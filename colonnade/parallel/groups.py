@@ -118,10 +118,12 @@ class ProcessGroups:
 
 
 def _embedding_groups(dims: ParallelDims) -> list[list[int]]:
-    """First and last stage of each pipeline (one rank when pp == 1)."""
+    """First and last stage of each pipeline (one rank when pp == 1); every middle stage
+    (pp > 2) holds no embedding and is a group of its own (size 1: nothing to reduce)."""
     out = []
     for pipeline in dims.group_ranks("pp"):
         out.append(sorted({pipeline[0], pipeline[-1]}))
+        out.extend([r] for r in pipeline[1:-1])
     return out
 
 

@@ -21,7 +21,12 @@ from colonnade.parallel.comm import CommGroup
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss[s, b] from logits [s, b, V'/tp] and targets [s, b]."""
+    """loss[s, b] from logits [s, b, V'/tp] and targets [s, b].
+
+    Hot path (every step): besides the max and the sums, the forward makes one [s, b, V'/tp]
+    tensor (shifted logits, turned into the softmax in place) and the backward one (the
+    gradient); padded columns are only touched on a rank that holds some.
+    """
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: CommGroup,
@@ -29,44 +34,47 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         rows = work.shape[-1]
         start = group.rank * rows
-        cols = torch.arange(start, start + rows, device=work.device)
-        padded = cols >= vocab  # [V'/tp]
-        work = work.masked_fill(padded, float("-inf"))
+        real = min(rows, max(0, vocab - start))  # columns [real, rows) are vocabulary padding
+        if real < rows:
+            work = work.clone()
+            work[..., real:] = float("-inf")
         gmax = work.max(dim=-1).values  # [s, b]
         group.all_reduce(gmax, op=dist.ReduceOp.MAX, name="ce_max")
-        shifted = work - gmax.unsqueeze(-1)  # [s, b, V'/tp]
+        shifted = work - gmax.unsqueeze(-1)  # [s, b, V'/tp] (a new tensor: logits untouched)
         local_t = targets - start
         inside = (local_t >= 0) & (local_t < rows)
-        picked = shifted.gather(-1, local_t.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        index = local_t.clamp(0, rows - 1)  # [s, b]
+        picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1)
         target_logit = torch.where(inside, picked, torch.zeros_like(picked))  # [s, b]
-        exp = shifted.exp()  # [s, b, V'/tp]
-        sum_exp = exp.sum(dim=-1)  # [s, b]
-        packed = torch.stack([target_logit, sum_exp])  # [2, s, b]
+        sums = [target_logit]
         if smoothing > 0:
-            real_sum = shifted.masked_fill(padded, 0.0).sum(dim=-1)
-            packed = torch.cat([packed, real_sum.unsqueeze(0)])
+            real_sum = shifted[..., :real].sum(dim=-1)  # [s, b]
+        exp = shifted.exp_()  # [s, b, V'/tp], in place
+        sums.append(exp.sum(dim=-1))  # [s, b]
+        if smoothing > 0:
+            sums.append(real_sum)
+        packed = torch.stack(sums)  # [2 or 3, s, b]
         group.all_reduce(packed, name="ce_sums")
         log_z = packed[1].log()
         loss = log_z - packed[0]
         if smoothing > 0:
             smooth = log_z - packed[2] / vocab
             loss = (1 - smoothing) * loss + smoothing * smooth
-        softmax = exp / packed[1].unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_t, inside, padded)
-        ctx.smoothing, ctx.vocab = smoothing, vocab
+        softmax = exp.div_(packed[1].unsqueeze(-1))  # [s, b, V'/tp], in place
+        ctx.save_for_backward(softmax, index, inside)
+        ctx.smoothing, ctx.vocab, ctx.real = smoothing, vocab, real
         return loss.to(logits.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        softmax, local_t, inside, padded = ctx.saved_tensors
-        grad = softmax.clone()  # [s, b, V'/tp]
-        rows = grad.shape[-1]
-        hit = torch.nn.functional.one_hot(local_t.clamp(0, rows - 1), rows).to(grad.dtype)
-        hit = hit * inside.unsqueeze(-1).to(grad.dtype)
-        grad -= (1 - ctx.smoothing) * hit
+        """d loss / d z = g * (softmax - (1 - eps) one_hot(y) - eps / V on real columns)."""
+        softmax, index, inside = ctx.saved_tensors
+        g = grad_loss.to(softmax.dtype)  # [s, b]
+        grad = softmax * g.unsqueeze(-1)  # [s, b, V'/tp]
+        hit = -(1 - ctx.smoothing) * g * inside.to(g.dtype)  # [s, b]
+        grad.scatter_add_(-1, index.unsqueeze(-1), hit.unsqueeze(-1))
         if ctx.smoothing > 0:
-            grad -= (ctx.smoothing / ctx.vocab) * (~padded).to(grad.dtype)
-        grad *= grad_loss.unsqueeze(-1).to(grad.dtype)
+            grad[..., :ctx.real] -= (ctx.smoothing / ctx.vocab) * g.unsqueeze(-1)
         return grad.to(grad_loss.dtype), None, None, None, None
 
 

@@ -13,6 +13,7 @@ With tp = 1 every operator is the identity, so the same classes form the referen
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.sharding import Sharding, make_param
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +63,24 @@ class TPContext:
                           self.device)
 
 
+def enter_tp_region(x: torch.Tensor, ctx: TPContext) -> tuple[torch.Tensor, bool]:
+    """Enter a tp region once for every column-parallel layer that reads ``x``.
+
+    Attention's q, k, v (and SwiGLU's gate, up) read the same input: one f (tp) or one
+    sequence all-gather (sp) serves them all, so a layer costs 2 entries, not 5. Returns the
+    input for the layers ([s, b, h]) and whether it was entered; the layers are then called
+    with ``entered=...``. With ``comm_chunks > 1`` each layer pipelines its own chunked
+    all-gather with its matmul, so x is returned untouched ([s/tp, b, h]) and False.
+    """
+    if ctx.tp == 1:
+        return x, True
+    if ctx.sp:
+        if ctx.comm_chunks > 1:
+            return x, False
+        return mp.gather_seq(x, ctx.group), True  # [s, b, h]
+    return mp.copy_to_tp(x, ctx.group), True  # [s, b, h]
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with the output features split across tp.
 
@@ -81,9 +102,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), dim=0), 0.0, "zeros")
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
+        """``entered``: x already went through :func:`enter_tp_region` (shared with siblings)."""
         ctx = self.ctx
-        if ctx.sp:
+        if entered:
+            y = F.linear(x, self.weight, self.bias)  # [s, b, o/tp]
+        elif ctx.sp:
             if ctx.comm_chunks > 1:
                 from colonnade.tensor_parallel.partition import gathered_linear
 
@@ -100,21 +124,25 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with the input features split across tp.
 
-    Input [s, b, in/tp] (the column layer's output); output [s, b, out], or [s/tp, b, out]
-    under sp. The bias is replicated and added after the reduction; under sp its gradient is a
-    partial sum over this rank's sequence chunk (``sp_partial_grad``).
+    Input [s, b, in/tp] (the column layer's output), or the full [s, b, in] when
+    ``input_is_parallel`` is False (each rank then keeps its slice, the gradient is
+    all-gathered); output [s, b, out], or [s/tp, b, out] under sp. The bias is replicated and
+    added after the reduction; under sp its gradient is a partial sum over this rank's sequence
+    chunk (``sp_partial_grad``).
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: TPContext, key: str, *,
-                 bias: bool, std: float) -> None:
+                 bias: bool, std: float, input_is_parallel: bool = True) -> None:
         super().__init__()
-        self.ctx = ctx
+        self.ctx, self.input_is_parallel = ctx, input_is_parallel
         self.weight = ctx.param(Sharding(f"{key}.weight", (out_features, in_features), dim=1), std)
         self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), sp_partial_grad=ctx.sp),
                                0.0, "zeros") if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
+        if not self.input_is_parallel:
+            x = mp.split_last(x, ctx.group)  # [s, b, in/tp]
         if ctx.sp:
             if ctx.comm_chunks > 1:
                 from colonnade.tensor_parallel.partition import linear_reduce_scatter
@@ -146,6 +174,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.ctx, self.vocab = ctx, vocab
         pad = padded_vocab(vocab, ctx.tp) - vocab
+        if pad and ctx.tp_rank == 0:
+            log.info("%s: vocab %d padded to %d (+%d zero rows) for tp=%d; the padded logits are "
+                     "masked out of the loss and the output", key, vocab, vocab + pad, pad, ctx.tp)
         self.weight = ctx.param(Sharding(f"{key}.weight", (vocab, hidden), dim=0, padded_rows=pad),
                                 std)
         self.rows = self.weight.shape[0]

@@ -8,6 +8,8 @@ Named after the operators of the papers (Shoeybi et al. 2019, Korthikanti et al.
   gbar   (:class:`OpGBarSeq`) forward reduce-scatter along dim 0, backward all-gather
   split  (:class:`OpSplitSeq`) forward keep this rank's sequence chunk, backward all-gather
   gather_last (:class:`OpGatherLast`) forward all-gather along the last dim, backward split
+  split_last  (:class:`OpSplitLast`)  forward keep this rank's slice of the last dim, backward
+                                      all-gather along it
 
 Activations are [s, b, h]; the sequence is dim 0 so the sp collectives work on contiguous
 blocks. Every collective goes through :class:`~colonnade.parallel.comm.CommGroup`.
@@ -48,6 +50,15 @@ def seq_split(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     if group.size == 1:
         return x
     return x.chunk(group.size, dim=0)[group.rank].contiguous()
+
+
+def last_all_gather(x: torch.Tensor, group: CommGroup, name: str) -> torch.Tensor:
+    """[..., n/tp] on each rank -> [..., n] (rank order along the last dim)."""
+    if group.size == 1:
+        return x
+    moved = x.movedim(-1, 0).contiguous()  # [n/tp, ...]
+    out = seq_all_gather(moved, group, name)  # [n, ...]
+    return out.movedim(0, -1).contiguous()
 
 
 def all_reduce_sum(x: torch.Tensor, group: CommGroup, name: str) -> torch.Tensor:
@@ -129,11 +140,7 @@ class OpGatherLast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
         ctx.group = group
-        if group.size == 1:
-            return x
-        moved = x.movedim(-1, 0).contiguous()  # [n/tp, ...]
-        out = seq_all_gather(moved, group, "gather_last")  # [n, ...]
-        return out.movedim(0, -1).contiguous()
+        return last_all_gather(x, group, "gather_last")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -141,6 +148,24 @@ class OpGatherLast(torch.autograd.Function):
         if group.size == 1:
             return grad, None
         return grad.chunk(group.size, dim=-1)[group.rank].contiguous(), None
+
+
+class OpSplitLast(torch.autograd.Function):
+    """Keep this rank's slice of the last dim forward ([..., n] -> [..., n/tp]); all-gather
+    the gradient along it backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        ctx.group = group
+        if group.size == 1:
+            return x
+        if x.shape[-1] % group.size:
+            raise ValueError(f"last dim {x.shape[-1]} not divisible by tp={group.size}")
+        return x.chunk(group.size, dim=-1)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return last_all_gather(grad, ctx.group, "split_last_bwd"), None
 
 
 def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
@@ -171,3 +196,8 @@ def split_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 def gather_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """Leave a tp region along the last dim (e.g. gather_output of a column layer)."""
     return OpGatherLast.apply(x, group)
+
+
+def split_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Enter a tp region along the last dim (a row layer whose input is not yet parallel)."""
+    return OpSplitLast.apply(x, group)

@@ -1,6 +1,7 @@
 """Gradient reductions that complete a step's gradients, in one place.
 
-After backward (and after the data-parallel reduction) two partial-sum cases remain:
+The data-parallel reduction (bucketed, overlapped with backward) lives in
+:mod:`colonnade.data_parallel`. After it two partial-sum cases remain:
 * sequence parallelism: tp-replicated parameters (norms, row-parallel biases, gpt2 positions)
   saw only this rank's sequence chunk, so their gradients are summed across tp;
 * tied embeddings with pp > 1: the first stage's embedding and the last stage's head hold the
@@ -61,12 +62,3 @@ def _all_reduce_flat(grads: list[torch.Tensor], reduce: object, name: str) -> No
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
 
-
-def all_reduce_dp(chunks: list[nn.Module], groups: ProcessGroups) -> None:
-    """Average every gradient over dp in one fused all-reduce (no buckets, no overlap)."""
-    if groups.dp_cp.size == 1:
-        return
-    grads = [g for g in (grad_of(p) for p in unique_params(chunks)) if g is not None]
-    for g in grads:
-        g.div_(groups.dp_cp.size)
-    _all_reduce_flat(grads, groups.dp_cp.all_reduce, "dp_grads")

@@ -1,21 +1,23 @@
-"""The training loop: steps, periodic evaluation, logging, progress bar, model export."""
+"""The training loop: steps, periodic evaluation, logging, progress bar, checkpoints."""
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
 
-from colonnade.checkpoint.export import export_model
+from colonnade.checkpoint.training_state import PendingSave, save_training, start_from
 from colonnade.config.load import config_to_toml
 from colonnade.config.sections import Config
 from colonnade.data import collate
+from colonnade.data_parallel import build_data_parallel
 from colonnade.device import memory_stats, peak_tflops, synchronize
 from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.gpt import ModelChunk
-from colonnade.optim.optimizer import AdamWOptimizer
-from colonnade.training.grads import all_reduce_dp, reduce_sp_and_tied
+from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.reliability.monitor import RankMonitor
+from colonnade.reliability.nan import check_step
+from colonnade.training.grads import reduce_sp_and_tied
 from colonnade.training.metrics import MetricsWriter, flops_per_token, format_line
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
@@ -36,19 +38,25 @@ class Trainer:
         cfg = self.config
         self.data = data
         self.chunks: list[ModelChunk] = build_chunks(cfg, self.groups, rt.device)
-        self.optimizer = AdamWOptimizer(self.chunks, cfg.optim, self.groups, cfg.training.steps)
+        self.ddp = build_data_parallel(self.chunks, cfg, self.groups)
+        self.optimizer = DistributedOptimizer(self.ddp, cfg.optim, self.groups, cfg.training.steps,
+                                              cfg.training.precision)
         self.step = 0
 
     def train_step(self, batches: list[Batch]) -> dict[str, float]:
         """Forward/backward every micro-batch, reduce gradients, update. Returns metrics."""
         set_train_mode(self.chunks, True)
         self.optimizer.zero_grad()
-        plan = StepPlan(self.groups, self.step, self.config.parallel.schedule)
+        plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
+                        loss_scale=self.optimizer.loss_scale,
+                        grad_sync=self.ddp.grad_sync_hook(len(batches)))
         losses = forward_backward(self.chunks, batches, plan)
-        all_reduce_dp(self.chunks, self.groups)
+        self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings)
         info = self.optimizer.step()
         self.step += 1
+        if self.step >= self.config.training.steps:
+            self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
         return {"loss": mean_loss(losses, self.groups), **info}
 
     def next_batches(self) -> list[Batch]:
@@ -87,13 +95,21 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=False)
 
 
-def train(config: Config) -> dict[str, Any]:
-    """Run a whole training job on this rank; returns a summary (losses, throughput)."""
+def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
+    """Run a whole training job on this rank; returns a summary (losses, throughput).
+
+    ``monitor`` (the launcher's per-rank heartbeat / hang watchdog) is told about every step.
+    """
     rt = init_runtime(config)
     cfg = rt.config
     data = build_data(cfg, rt.groups)
     trainer = Trainer(rt, data)
-    tr, log_cfg = cfg.training, cfg.logging
+    tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
+    if ck.load:
+        note = start_from(trainer, ck.load)
+        if rt.is_logger:
+            print(f"colonnade: {note}")
+    pending: PendingSave | None = None
     writer = MetricsWriter(log_cfg.dir, log_cfg.tensorboard) if rt.is_logger else None
     if rt.is_logger:
         (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
@@ -112,15 +128,20 @@ def train(config: Config) -> dict[str, Any]:
         if rt.is_logger:
             print(f"step     0 | valid {valid_losses[-1][1]:.4f}")
     while trainer.step < tr.steps:
+        if monitor is not None:
+            monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
         metrics = trainer.train_step(trainer.next_batches())
         window_steps += 1
-        if not math.isfinite(metrics["loss"]) and tr.on_nan == "stop":
-            raise FloatingPointError(f"loss is {metrics['loss']} at step {trainer.step}; "
-                                     "lower optim.lr or set training.on_nan='skip'")
+        check_step(trainer, metrics)  # training.on_nan: raise or skip, before anything is saved
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         step = trainer.step
+        if ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps:
+            if pending is not None:
+                pending.wait()
+            pending = save_training(trainer, ck.save, keep_last=ck.keep_last,
+                                    async_save=ck.async_save, tokenizer=data.tokenizer)
         evaluate = tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps)
         if evaluate:
             valid_losses.append((step, trainer.evaluate()))
@@ -142,10 +163,12 @@ def train(config: Config) -> dict[str, Any]:
             window_start, window_steps = time.perf_counter(), 0
     if bar is not None:
         bar.close()
-    if cfg.checkpoint.save:
-        export_model(cfg.checkpoint.save, trainer.chunks, rt.groups, cfg, data.tokenizer)
+    if pending is not None:
+        pending.wait()
+    if ck.save:
+        final = save_training(trainer, ck.save, keep_last=ck.keep_last, tokenizer=data.tokenizer)
         if rt.is_logger:
-            print(f"saved model to {cfg.checkpoint.save}")
+            print(f"saved checkpoint {final.path}")
     if writer is not None:
         writer.close()
     return {"history": history, "valid": valid_losses, "rank": rt.groups.rank}

@@ -1,0 +1,154 @@
+"""Atomic commit of a checkpoint directory and the ``latest`` marker.
+
+Protocol (the root holds ``step_XXXXXXXX/`` directories and a ``latest`` text file):
+
+1. rank 0 removes stale ``*.tmp`` directories and creates ``step_XXXXXXXX.tmp/``;
+2. every rank writes its shard, fsyncs it, then writes its index fragment (fsync, rename);
+3. rank 0, once all fragments exist, merges them into ``index.json``, writes ``metadata.json``
+   and ``config.toml``, fsyncs every file and the directory, renames ``.tmp`` to the final
+   name and fsyncs the root;
+4. rank 0 writes ``latest.tmp`` (fsync) and renames it onto ``latest`` (fsync root);
+5. checkpoints beyond the last K are deleted (never the one ``latest`` names).
+
+A step directory is never overwritten: saving a step that is already committed keeps the old
+one (deleting it first would leave ``latest`` naming nothing for a moment).
+
+A crash before 3's rename leaves only a ``.tmp`` directory (ignored, removed next time); a crash
+between 3 and 4 leaves a complete directory that ``latest`` does not name yet; ``latest`` is
+replaced by a rename, so it always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from colonnade.checkpoint.format import (
+    INDEX,
+    CheckpointError,
+    fsync_path,
+    merge_fragments,
+    write_json,
+)
+
+LATEST = "latest"
+METADATA = "metadata.json"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+PhaseHook = Callable[[str], None]
+
+
+def step_dirname(step: int) -> str:
+    """Directory name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"step_{step:08d}"
+
+
+def prepare_tmp(root: Path, step: int) -> Path:
+    """(rank 0) Create an empty ``step_XXXXXXXX.tmp`` directory, removing stale ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    tmp = root / (step_dirname(step) + ".tmp")
+    tmp.mkdir()
+    return tmp
+
+
+def wait_for_fragments(tmp: Path, world_size: int, timeout_s: float) -> None:
+    """Poll until every rank's index fragment exists (the async commit needs no collective)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world_size) if not (tmp / f"rank-{r:05d}.json").exists()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"{tmp}: ranks {missing} did not finish writing within "
+                                  f"{timeout_s:.0f} s; the checkpoint is not committed")
+        time.sleep(0.01)
+
+
+def commit(root: Path, tmp: Path, step: int, world_size: int, metadata: dict[str, Any],
+           files: dict[str, bytes], keep_last: int, on_phase: PhaseHook | None = None) -> Path:
+    """(rank 0) Steps 3-5 of the protocol; returns the committed directory."""
+    hook = on_phase or (lambda _p: None)
+    write_json(tmp / INDEX, merge_fragments(tmp, world_size))
+    hook("index_written")
+    write_json(tmp / METADATA, metadata)
+    for name, data in files.items():
+        with open(tmp / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_path(tmp)
+    hook("files_written")
+    final = root / step_dirname(step)
+    if final.exists():  # same step committed before (e.g. resumed at the end): keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    os.replace(tmp, final)
+    fsync_path(root)
+    hook("renamed")
+    marker = root / (LATEST + ".tmp")
+    with open(marker, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    hook("latest_tmp_written")
+    os.replace(marker, root / LATEST)
+    fsync_path(root)
+    hook("latest_written")
+    prune(root, keep_last)
+    return final
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps of the committed checkpoints under ``root``, ascending."""
+    out = []
+    for p in root.iterdir() if root.exists() else []:
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / INDEX).exists():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete committed checkpoints older than the last ``keep_last`` (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    latest = read_latest(root)
+    for step in committed_steps(root)[:-keep_last]:
+        path = root / step_dirname(step)
+        if latest is None or path.resolve() != latest.resolve():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_latest(root: Path) -> Path | None:
+    """The directory ``latest`` names, or None when there is no marker."""
+    marker = root / LATEST
+    if not marker.exists():
+        return None
+    name = marker.read_text().strip()
+    if not _STEP_RE.match(name):
+        raise CheckpointError(f"{marker} holds '{name}', not a step_XXXXXXXX name")
+    return root / name
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A committed checkpoint directory from a root (through ``latest``) or a step directory."""
+    path = Path(path)
+    if (path / INDEX).exists():
+        return path
+    latest = read_latest(path)
+    if latest is not None:
+        if not (latest / INDEX).exists():
+            raise CheckpointError(f"{path}/{LATEST} names {latest.name}, which has no {INDEX}")
+        return latest
+    raise CheckpointError(f"{path}: neither a checkpoint ({INDEX}) nor a checkpoint root "
+                          f"({LATEST} marker); nothing to load")

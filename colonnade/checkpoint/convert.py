@@ -1,0 +1,76 @@
+"""``colonnade convert``: HF directory <-> Colonnade checkpoint (single process, full tensors).
+
+``--from-hf HF --out DIR`` writes a committed Colonnade checkpoint (model only, step 0) that
+``colonnade train --checkpoint.load=DIR`` loads into any layout and ``colonnade generate DIR``
+samples from; ``--to-hf CKPT --out DIR`` writes config.json + model.safetensors + tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from colonnade.checkpoint.commit import METADATA, commit, prepare_tmp, resolve_checkpoint
+from colonnade.checkpoint.format import FORMAT_VERSION, CheckpointReader, Entry, write_rank_shard
+from colonnade.checkpoint.hf import TOKENIZER_FILES, read_hf, write_hf
+from colonnade.checkpoint.pieces import Piece
+from colonnade.config.load import config_to_dict, config_to_toml, load_config
+from colonnade.config.sections import Config, ModelConfig
+
+
+def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, torch.Tensor],
+                           tokenizer_dir: str | Path | None = None) -> Path:
+    """A committed step-0 checkpoint holding only model tensors (full, one rank)."""
+    root = Path(root)
+    tmp = prepare_tmp(root, 0)
+    entries = [Entry(f"model/{k}", v.contiguous(), Piece((0,) * v.ndim, tuple(v.shape)),
+                     tuple(v.shape)) for k, v in sorted(full.items())]
+    write_rank_shard(tmp, 0, entries)
+    meta = {"format_version": FORMAT_VERSION, "step": 0, "consumed_samples": None,
+            "sampler": None, "optimizer": {"step_count": 0}, "scaler": None, "rng": None,
+            "layout": {"tp": 1, "pp": 1, "vp": 1, "dp": 1, "world_size": 1},
+            "model": config_to_dict(config)["model"]}
+    files = {"config.toml": config_to_toml(config).encode()}
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                files[name] = (Path(tokenizer_dir) / name).read_bytes()
+    return commit(root, tmp, 0, 1, meta, files, keep_last=0)
+
+
+def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
+    """HF directory -> Colonnade checkpoint; returns the committed step directory."""
+    model_cfg, full = read_hf(hf_dir)
+    return write_model_checkpoint(out, Config(model=model_cfg), full, hf_dir)
+
+
+def read_full_model(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """Config and full model tensors of a Colonnade checkpoint (root or step directory)."""
+    ckpt = resolve_checkpoint(path)
+    config = load_config(ckpt / "config.toml")
+    reader = CheckpointReader(ckpt)
+    full = {}
+    for name in sorted(reader.tensors):
+        if name.startswith("model/"):
+            shape = reader.full_shape(name)
+            full[name.removeprefix("model/")] = reader.read_box(name, ((0,) * len(shape), shape))
+    return config, full
+
+
+def to_hf(path: str | Path, out: str | Path) -> Path:
+    """Colonnade checkpoint -> HF directory."""
+    ckpt = resolve_checkpoint(path)
+    config, full = read_full_model(ckpt)
+    model: ModelConfig = config.model
+    if model.tie_embeddings:
+        full.pop("head.weight", None)
+    return write_hf(out, model, full, ckpt)
+
+
+def describe(path: Path) -> str:
+    """One line about a written checkpoint."""
+    meta = json.loads((path / METADATA).read_text()) if (path / METADATA).exists() else {}
+    return f"wrote {path} (step {meta.get('step', '-')})"
+

@@ -1,0 +1,245 @@
+"""On-disk format of a distributed checkpoint: safetensors shards plus a JSON index.
+
+A checkpoint directory (``step_000100/``) holds:
+
+* ``rank-00003.safetensors``: the pieces rank 3 owns, each stored under ``NAME@k``;
+* ``rank-00003.json``: that rank's fragment of the index (written after its shard is durable);
+* ``index.json``: merged by rank 0 at commit: for every logical tensor (``model/<key>``,
+  ``optim/<key>/<state>``) its full shape, dtype and pieces (file, stored name, box in full
+  coordinates, optional flat range, crc32 of the bytes);
+* ``metadata.json`` (step, layout, sampler, LR, scaler, RNG; see :mod:`.training_state`),
+  ``config.toml`` (the resolved config) and ``tokenizer.json`` when known.
+
+Why safetensors + JSON rather than ``torch.distributed.checkpoint`` (DCP): ZeRO-1 ranks own
+*flat ranges* of a tp shard, which are not rectangular boxes of the full tensor and so cannot be
+described as DTensor / ShardedTensor chunks without first gathering; DCP's metadata file is a
+pickle, so loading it executes pickled code; and its planner needs a process group of the saved
+shape or a rewrite for resharding. Here a piece is (box, flat range), resharding is box
+intersection in :mod:`.pieces`, loading never unpickles (safetensors + JSON), every file is
+readable by hand, and the same reader serves one process (conversion, ``generate``) and any
+layout. Integrity: each piece carries a crc32; a missing, truncated or corrupted file or piece
+raises :class:`CheckpointError` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from colonnade.checkpoint.pieces import Box, Piece, box_slices, intersect
+
+FORMAT_VERSION = 1
+INDEX = "index.json"
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
+    torch.float16: "float16", torch.int64: "int64", torch.uint8: "uint8",
+}
+DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, broken or does not fit the model; names file and tensor."""
+
+
+@dataclass
+class Entry:
+    """One piece a rank writes: logical tensor ``name``, its values and where they sit."""
+
+    name: str
+    tensor: torch.Tensor
+    """The piece's values: shaped like ``piece.shape``, or 1-D for a flat range."""
+    piece: Piece
+    full_shape: tuple[int, ...]
+
+
+def crc32(t: torch.Tensor) -> int:
+    """crc32 of a tensor's bytes (row-major)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return zlib.crc32(flat.numpy()) if flat.numel() else 0
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file or directory to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON durably: temporary file, fsync, rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_rank_shard(directory: Path, rank: int, entries: list[Entry]) -> Path:
+    """Write this rank's pieces (shard file, fsync, then its index fragment); returns fragment."""
+    file = f"rank-{rank:05d}.safetensors"
+    tensors: dict[str, torch.Tensor] = {}
+    fragment: dict[str, dict[str, Any]] = {}
+    for k, e in enumerate(entries):
+        stored = f"{e.name}@{k}"
+        data = e.tensor.detach().contiguous()
+        if tuple(data.shape) != ((e.piece.numel,) if e.piece.flat else e.piece.shape):
+            raise ValueError(f"{e.name}: piece data shape {tuple(data.shape)} does not match "
+                             f"{e.piece}")
+        tensors[stored] = data
+        info = fragment.setdefault(e.name, {"full_shape": list(e.full_shape),
+                                            "dtype": DTYPE_NAMES[data.dtype], "pieces": []})
+        info["pieces"].append({**e.piece.to_json(), "file": file, "tensor": stored,
+                               "crc32": crc32(data)})
+    save_file(tensors, str(directory / file), metadata={"format": "pt"})
+    fsync_path(directory / file)
+    out = directory / f"rank-{rank:05d}.json"
+    write_json(out, {"format_version": FORMAT_VERSION, "file": file, "tensors": fragment})
+    return out
+
+
+def merge_fragments(directory: Path, world_size: int) -> dict[str, Any]:
+    """Join every rank's fragment into the index (checking full shapes agree)."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for rank in range(world_size):
+        path = directory / f"rank-{rank:05d}.json"
+        frag = json.loads(path.read_text())
+        for name, info in frag["tensors"].items():
+            have = tensors.setdefault(name, {"full_shape": info["full_shape"],
+                                             "dtype": info["dtype"], "pieces": []})
+            if have["full_shape"] != info["full_shape"]:
+                raise CheckpointError(f"{path}: tensor '{name}' has full shape "
+                                      f"{info['full_shape']} but another rank wrote "
+                                      f"{have['full_shape']}")
+            have["pieces"].extend(info["pieces"])
+    return {"format_version": FORMAT_VERSION, "tensors": tensors}
+
+
+class CheckpointReader:
+    """Reads any box (or flat range of a box) of any logical tensor of one checkpoint."""
+
+    def __init__(self, directory: str | Path, verify: bool = True) -> None:
+        self.directory = Path(directory)
+        self.verify = verify
+        path = self.directory / INDEX
+        if not path.exists():
+            raise CheckpointError(f"{path} missing: {self.directory} is not a committed "
+                                  "checkpoint (pass the checkpoint root or a step_* directory)")
+        try:
+            index = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{path} is not valid JSON ({err}); the file is "
+                                  "corrupted") from err
+        version = index.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {version} is not supported (this "
+                                  f"Colonnade reads version {FORMAT_VERSION})")
+        self.tensors: dict[str, dict[str, Any]] = index["tensors"]
+        self._files: dict[str, Any] = {}
+
+    def has(self, name: str) -> bool:
+        """Whether the logical tensor ``name`` is stored."""
+        return name in self.tensors
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """Full (logical) shape of a stored tensor."""
+        return tuple(self.tensors[name]["full_shape"])
+
+    def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        """Raise naming the tensor when the stored full shape differs from the model's."""
+        if not self.has(name):
+            raise CheckpointError(f"{self.directory}/{INDEX}: tensor '{name}' missing from the "
+                                  "checkpoint (was it saved from a different model?)")
+        got = self.full_shape(name)
+        if got != tuple(expected):
+            raise CheckpointError(f"{self.directory}: tensor '{name}' has shape {got} in the "
+                                  f"checkpoint but {tuple(expected)} in this model; the "
+                                  "checkpoint comes from a different model shape (check "
+                                  "the [model] section)")
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._files:
+            path = self.directory / file
+            if not path.exists():
+                raise CheckpointError(f"{path} missing (the checkpoint is incomplete)")
+            try:
+                self._files[file] = safe_open(str(path), framework="pt")
+            except Exception as err:
+                raise CheckpointError(f"{path}: cannot open shard ({err}); the file is "
+                                      "truncated or corrupted") from err
+        return self._files[file]
+
+    def _load_piece(self, name: str, p: dict[str, Any]) -> torch.Tensor:
+        path = self.directory / p["file"]
+        try:
+            t = self._handle(p["file"]).get_tensor(p["tensor"])
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' (stored as "
+                                  f"'{p['tensor']}'): {err}; the file is truncated or "
+                                  "corrupted") from err
+        if self.verify and crc32(t) != p["crc32"]:
+            raise CheckpointError(f"{path}: tensor '{name}' (stored as '{p['tensor']}') fails "
+                                  "its crc32 check; the file is corrupted")
+        return t
+
+    def read_box(self, name: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values of ``box`` of tensor ``name``, assembled from every intersecting piece."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.directory}/{INDEX}: tensor '{name}' missing")
+        out = torch.empty(box[1], dtype=DTYPES[info["dtype"]])
+        covered = 0
+        for stored, parts in _group_by_box(info["pieces"]).items():
+            common = intersect(stored, box)
+            if common is None:
+                continue
+            values = self._assemble(name, stored, parts)
+            out[box_slices(box, common)] = values[box_slices(stored, common)]
+            covered += math.prod(common[1])
+        if covered != math.prod(box[1]):
+            raise CheckpointError(f"{self.directory}: tensor '{name}' box {box} is only "
+                                  f"{covered}/{math.prod(box[1])} covered by stored pieces")
+        return out if dtype is None else out.to(dtype)
+
+    def _assemble(self, name: str, stored: Box, parts: list[dict[str, Any]]) -> torch.Tensor:
+        """Full values of one stored box from its (possibly flat-range) pieces."""
+        numel = math.prod(stored[1])
+        if len(parts) == 1 and parts[0]["flat"] is None:
+            return self._load_piece(name, parts[0]).reshape(stored[1])
+        flat, filled = None, 0
+        for p in parts:
+            t = self._load_piece(name, p).reshape(-1)
+            if flat is None:
+                flat = t.new_empty(numel)
+            a, b = p["flat"] if p["flat"] is not None else (0, numel)
+            flat[a:b] = t
+            filled += b - a
+        if flat is None or filled != numel:
+            raise CheckpointError(f"{self.directory}: tensor '{name}' box {stored} has "
+                                  f"{filled}/{numel} elements stored (a rank's shard is missing)")
+        return flat.reshape(stored[1])
+
+    def close(self) -> None:
+        """Drop open file handles."""
+        self._files.clear()
+
+
+def _group_by_box(pieces: list[dict[str, Any]]) -> dict[Box, list[dict[str, Any]]]:
+    out: dict[Box, list[dict[str, Any]]] = {}
+    for p in pieces:
+        out.setdefault((tuple(p["offsets"]), tuple(p["shape"])), []).append(p)
+    return out

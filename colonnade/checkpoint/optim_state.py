@@ -1,0 +1,156 @@
+"""Optimizer state in logical, layout-independent form.
+
+The checkpoint never sees an optimizer's buffers. An optimizer exposes two methods:
+
+``logical_state() -> dict[str, dict[str, OptimSlice]]``
+    global parameter key -> state name (``master``, ``exp_avg``, ``exp_avg_sq``) -> the values
+    this rank owns: its tp shard (``flat=None``) or a flat range ``[start, end)`` of the
+    row-major flattening of its (padded) local tp shard (a ZeRO-1 rank's part of the bucket).
+    ``master`` may be left out when it *is* the model parameter (fp32 / fp64 runs).
+``load_logical_state(read: StateReader) -> None``
+    ``read(key, name, flat)`` returns the values the optimizer asks for, shaped like its local
+    tp shard (``flat=None``, zero padded) or 1-D for a flat range; ``None`` when the checkpoint
+    has no such state (a model-only checkpoint: masters are then re-copied from the model
+    parameters and moments start at zero).
+plus the attributes ``step_count: int`` and ``dp_sharded: bool`` (True when every dp rank owns
+a disjoint part, as with ZeRO-1; False when dp ranks hold replicas, so dp rank 0 alone writes).
+
+Parameters tied to another (the last stage's copy of a tied embedding) are left out by
+:func:`writes_param` and read under the key they are tied to.
+
+:func:`logical_state` / :func:`load_logical_state` call those methods, and adapt the plain
+:class:`~colonnade.optim.optimizer.AdamWOptimizer` (whole parameters, one
+``torch.optim.AdamW`` state per master) when it does not have them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from colonnade.tensor_parallel.sharding import Sharding
+
+STATE_NAMES: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class OptimSlice:
+    """Values of one optimizer state this rank owns (see the module docstring)."""
+
+    tensor: torch.Tensor
+    sharding: Sharding
+    flat: tuple[int, int] | None = None
+
+
+StateReader = Callable[[str, str, tuple[int, int] | None], torch.Tensor | None]
+
+
+def read_key(sharding: Sharding) -> str:
+    """The key a parameter's values are stored under (its tie target if tied)."""
+    return sharding.tied_to or sharding.key
+
+
+def writes_param(sharding: Sharding) -> bool:
+    """False for a duplicate of a tied parameter (stored once, under the tie target)."""
+    return sharding.tied_to is None or sharding.tied_to == sharding.key
+
+
+def logical_state(optimizer: Any) -> dict[str, dict[str, OptimSlice]]:
+    """This rank's optimizer state in logical form (the optimizer's own method if it has one)."""
+    if hasattr(optimizer, "logical_state"):
+        return optimizer.logical_state()
+    if hasattr(optimizer, "shard_state"):
+        return _flat_logical_state(optimizer)
+    return _adamw_logical_state(optimizer)
+
+
+def load_logical_state(optimizer: Any, read: StateReader) -> None:
+    """Fill an optimizer from logical state (its own method if it has one)."""
+    if hasattr(optimizer, "load_logical_state"):
+        optimizer.load_logical_state(read)
+    elif hasattr(optimizer, "shard_state"):
+        _flat_load_logical_state(optimizer, read)
+    else:
+        _adamw_load_logical_state(optimizer, read)
+
+
+def dp_sharded(optimizer: Any) -> bool:
+    """Whether dp ranks own disjoint parts of the optimizer state (ZeRO-1)."""
+    if hasattr(optimizer, "dp_sharded"):
+        return bool(optimizer.dp_sharded)
+    ddp = getattr(optimizer, "ddp", None)
+    return bool(getattr(ddp, "sharded", False))
+
+
+def _flat_params(optimizer: Any) -> dict[str, Any]:
+    """key -> parameter of a flat-buffer optimizer (:class:`DistributedOptimizer`)."""
+    return {p.sharding.key: p for p in optimizer.ddp.buffers.params}
+
+
+def _flat_logical_state(opt: Any) -> dict[str, dict[str, OptimSlice]]:
+    """Adapter for ``DistributedOptimizer.shard_state()``: (key, lo, hi, views) per owned
+    range [lo, hi) of a flattened local tp shard (the whole shard without ZeRO-1)."""
+    params = _flat_params(opt)
+    out: dict[str, dict[str, OptimSlice]] = {}
+    for key, lo, hi, views in opt.shard_state():
+        sharding: Sharding = params[key].sharding
+        if not writes_param(sharding) or hi <= lo:
+            continue
+        if key in out:
+            raise AssertionError(f"{key}: two owned ranges on one rank")
+        names = [n for n in STATE_NAMES if n in views and (n != "master" or opt.own_masters)]
+        out[key] = {n: OptimSlice(views[n].detach(), sharding, (lo, hi)) for n in names}
+    return out
+
+
+def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
+    params = _flat_params(opt)
+    with torch.no_grad():
+        for key, lo, hi, views in opt.shard_state():
+            p = params[key]
+            rk = read_key(p.sharding)
+            for name in STATE_NAMES:
+                if name not in views or (name == "master" and not opt.own_masters):
+                    continue
+                value = read(rk, name, (lo, hi))
+                if value is None:
+                    value = (p.detach().reshape(-1)[lo:hi] if name == "master"
+                             else torch.zeros_like(views[name]))
+                views[name].copy_(value.to(views[name].device))
+
+
+def _adamw_logical_state(opt: Any) -> dict[str, dict[str, OptimSlice]]:
+    out: dict[str, dict[str, OptimSlice]] = {}
+    for p, m in zip(opt.params, opt.masters, strict=True):
+        sharding: Sharding = p.sharding
+        if not writes_param(sharding):
+            continue
+        entry: dict[str, OptimSlice] = {}
+        if m is not p:
+            entry["master"] = OptimSlice(m.detach(), sharding)
+        state = opt.inner.state.get(m, {})
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name in state:
+                entry[name] = OptimSlice(state[name].detach(), sharding)
+        out[sharding.key] = entry
+    return out
+
+
+def _adamw_load_logical_state(opt: Any, read: StateReader) -> None:
+    step = int(opt.step_count)
+    for p, m in zip(opt.params, opt.masters, strict=True):
+        key = read_key(p.sharding)
+        with torch.no_grad():
+            if m is not p:
+                master = read(key, "master", None)
+                m.copy_(master.to(m.device) if master is not None else p.detach())
+        avg, sq = read(key, "exp_avg", None), read(key, "exp_avg_sq", None)
+        if avg is None or sq is None or step == 0:
+            opt.inner.state.pop(m, None)
+            continue
+        opt.inner.state[m] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                              "exp_avg": avg.to(m.device, m.dtype, copy=True),
+                              "exp_avg_sq": sq.to(m.device, m.dtype, copy=True)}

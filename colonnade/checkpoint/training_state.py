@@ -1,0 +1,188 @@
+"""Save and resume a whole training run: tensors, step, data position, LR, scaler, RNG.
+
+``metadata.json`` of a checkpoint::
+
+    format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
+    total_steps}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
+    sp, zero1, bucket_size, world_size}, model {...the [model] section...}
+
+Everything that decides the continuation is here or in the tensors: dropout masks are a pure
+function of (seed, site, step, micro-batch) and the data order of (seed, consumed samples), so
+resuming reproduces the uninterrupted run exactly, in the same or in another layout.
+The LR is a pure function of the optimizer's ``step_count`` (stored) and the schedule config.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from colonnade.checkpoint.commit import (
+    METADATA,
+    PhaseHook,
+    commit,
+    prepare_tmp,
+    resolve_checkpoint,
+    step_dirname,
+    wait_for_fragments,
+)
+from colonnade.checkpoint.format import FORMAT_VERSION, CheckpointReader, write_rank_shard
+from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
+from colonnade.config.load import config_to_dict, config_to_toml
+from colonnade.optim.lr import lr_at
+
+
+@dataclass
+class PendingSave:
+    """A save in progress (asynchronous) or done; :meth:`wait` re-raises its error."""
+
+    path: Path
+    thread: threading.Thread | None = None
+    errors: list[BaseException] = field(default_factory=list)
+
+    def wait(self) -> Path:
+        """Block until this rank's part (and, on rank 0, the commit) is done."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.errors:
+            raise self.errors[0]
+        return self.path
+
+
+def _scaler(trainer: Any) -> Any:
+    """The loss scaler (the trainer's or its optimizer's), if any."""
+    scaler = getattr(trainer, "scaler", None)
+    return scaler if scaler is not None else getattr(trainer.optimizer, "scaler", None)
+
+
+def _finish_gathers(trainer: Any) -> None:
+    """ZeRO-1 with overlapped param gathers: wait so parameters are complete."""
+    ddp = getattr(trainer, "ddp", None)
+    if ddp is not None and hasattr(ddp, "finish_param_gather"):
+        ddp.finish_param_gather()
+
+
+def _metadata(trainer: Any) -> dict[str, Any]:
+    cfg, groups, opt = trainer.config, trainer.groups, trainer.optimizer
+    data = getattr(trainer, "data", None)
+    sampler = data.sampler.state_dict() if data is not None else None
+    scaler = _scaler(trainer)
+    step_count = int(opt.step_count)
+    par = cfg.parallel
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(trainer.step),
+        "consumed_samples": sampler["consumed_samples"] if sampler else None,
+        "sampler": sampler,
+        "optimizer": {"step_count": step_count, "total_steps": cfg.training.steps,
+                      "lr": lr_at(max(0, step_count - 1), cfg.training.steps, cfg.optim)},
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": trainer.chunks[0].ctx.rng.state_dict(),
+        "layout": {"tp": groups.tp.size, "pp": groups.pp.size, "vp": par.vp,
+                   "dp": groups.dp.size, "sp": par.sp,
+                   "zero1": par.use_distributed_optimizer, "bucket_size": par.bucket_size,
+                   "world_size": groups.world.size},
+        "model": config_to_dict(cfg)["model"],
+    }
+
+
+def save_training(trainer: Any, root: str | Path, *, keep_last: int = 3,
+                  async_save: bool = False, tokenizer: str | Path | None = None,
+                  on_phase: PhaseHook | None = None, timeout_s: float = 600.0) -> PendingSave:
+    """Write a checkpoint of ``trainer`` after ``trainer.step`` steps (collective: all ranks).
+
+    Synchronous: returns once committed. Asynchronous: tensors are copied to host memory, a
+    thread writes them (rank 0's thread also commits, polling for the other ranks' index
+    fragments, so the thread runs no collective) and the caller must :meth:`PendingSave.wait`
+    before the next save and before exiting.
+    """
+    root = Path(root)
+    groups = trainer.groups
+    _finish_gathers(trainer)
+    rank, world, step = groups.world.rank, groups.world.size, int(trainer.step)
+    if rank == 0:
+        prepare_tmp(root, step)
+    groups.world.barrier()
+    tmp = root / (step_dirname(step) + ".tmp")
+    entries = (model_entries(trainer.chunks, groups, async_save)
+               + optim_entries(trainer.optimizer, groups, async_save))
+    meta = _metadata(trainer) if rank == 0 else {}
+    files = {"config.toml": config_to_toml(trainer.config).encode()}
+    if tokenizer is not None and Path(tokenizer).exists():
+        files["tokenizer.json"] = Path(tokenizer).read_bytes()
+    pending = PendingSave(root / step_dirname(step))
+    hook = on_phase or (lambda _p: None)
+
+    def write() -> None:
+        try:
+            write_rank_shard(tmp, rank, entries)
+            hook("shard_written")
+            if rank == 0:
+                wait_for_fragments(tmp, world, timeout_s)
+                commit(root, tmp, step, world, meta, files, keep_last, on_phase)
+        except BaseException as err:  # surfaced by wait()
+            pending.errors.append(err)
+
+    if async_save:
+        pending.thread = threading.Thread(target=write, name="colonnade-ckpt", daemon=False)
+        pending.thread.start()
+        return pending
+    write()
+    groups.world.barrier()
+    pending.wait()
+    return pending
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """metadata.json of a checkpoint (root or step directory)."""
+    ckpt = resolve_checkpoint(path)
+    return json.loads((ckpt / METADATA).read_text())
+
+
+def load_training(trainer: Any, path: str | Path, *, load_optimizer_state: bool = True,
+                  verify: bool = True) -> dict[str, Any]:
+    """Restore ``trainer`` from a checkpoint written under any layout; returns its metadata.
+
+    Restores parameters, optimizer state (masters, moments, step count hence the LR), the
+    step, the sampler position, the RNG tracker and the loss scaler.
+    """
+    ckpt = resolve_checkpoint(path)
+    meta = json.loads((ckpt / METADATA).read_text())
+    reader = CheckpointReader(ckpt, verify=verify)
+    _finish_gathers(trainer)
+    load_model(reader, trainer.chunks, trainer.groups)
+    step_count = int(meta["optimizer"]["step_count"]) if load_optimizer_state else 0
+    load_optimizer(reader if load_optimizer_state else None, trainer.optimizer, trainer.chunks,
+                   trainer.groups, step_count)
+    reader.close()
+    if not load_optimizer_state:
+        return meta
+    trainer.step = int(meta["step"])
+    data = getattr(trainer, "data", None)
+    if data is not None and meta.get("sampler") is not None:
+        data.sampler.load_state_dict(meta["sampler"])
+    if meta.get("rng") is not None:
+        trainer.chunks[0].ctx.rng.load_state_dict(meta["rng"])
+    scaler = _scaler(trainer)
+    if scaler is not None and meta.get("scaler") is not None:
+        scaler.load_state_dict(meta["scaler"])
+    return meta
+
+
+def start_from(trainer: Any, path: str | Path) -> str:
+    """``checkpoint.load``: resume a Colonnade checkpoint, or start from an HF model directory
+    (weights only: step 0, fresh optimizer). Returns a line for the log."""
+    from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, read_hf
+
+    if is_hf_dir(path) and not (Path(path) / "latest").exists():
+        _model_cfg, full = read_hf(path)
+        _finish_gathers(trainer)
+        load_hf_into_chunks(trainer.chunks, trainer.groups, full, source=str(path))
+        load_optimizer(None, trainer.optimizer, trainer.chunks, trainer.groups, 0)
+        return f"loaded Hugging Face weights from {path}"
+    meta = load_training(trainer, path)
+    return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}"

@@ -1,0 +1,236 @@
+"""Data parallelism: bucketed gradient reduction overlapped with backward, and (ZeRO-1) the
+bucketed parameter all-gather overlapped with the next forward.
+
+Gradient accumulation: every parameter's gradient lands in its ``main_grad`` view of the flat
+fp32 gradient buffer: directly (fp32 / fp64 models: ``param.grad`` is that view, autograd adds
+in place) or through a post-accumulate-grad hook that adds the bf16 / fp16 ``param.grad`` into
+it and frees it. Nothing is communicated until the step's last micro-batch: the training step
+calls the hook returned by :meth:`DataParallel.grad_sync_hook` before the backward of
+micro-batch k, which turns the sync on for k = m - 1 only. During that backward, each hook
+marks its parameter ready; when every parameter of a bucket is ready (and
+``overlap_grad_reduce``) the bucket's reduction is launched asynchronously at once:
+
+* DDP:    all-reduce of the bucket; every rank gets the whole averaged gradient.
+* ZeRO-1: reduce-scatter of the bucket; rank r gets its range [start + rL, start + (r+1)L).
+
+Averaging over the n = dp ranks: by default the bucket is pre-scaled by 1/n before a SUM (the
+sum of n scaled gradients stays in range); with ``average_in_collective`` the collective
+averages itself (ReduceOp.AVG). :meth:`finish_grad_sync` launches whatever is left and waits.
+
+ZeRO-1 parameter gather: after the optimizer has written the updated shard of every bucket into
+``param_data``, :meth:`start_param_gather` all-gathers the buckets in forward order. With
+``overlap_param_gather`` nothing waits there: a forward-pre-hook on each module that owns
+parameters waits for exactly the buckets holding them, so the gather of later layers overlaps
+the forward of earlier ones. :meth:`finish_param_gather` waits for all (before reading weights
+outside a forward: export, checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from colonnade.config.sections import Config, ParallelConfig
+from colonnade.data_parallel.buffer import Bucket, FlatBuffers
+from colonnade.parallel.comm import CommGroup, Handle
+from colonnade.parallel.groups import ProcessGroups
+
+TIED_KEYS = frozenset({"embedding.word.weight", "head.weight"})
+"""The tied embedding and head: a bucket each when pp > 1 (identical layout on both ends)."""
+
+
+def chunk_parameters(chunks: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
+    """Each chunk's parameters in forward order, each parameter once over all chunks."""
+    seen: set[int] = set()
+    out: list[list[nn.Parameter]] = []
+    for chunk in chunks:
+        mine = []
+        for p in chunk.parameters():
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                mine.append(p)
+        out.append(mine)
+    return out
+
+
+class DataParallel:
+    """Owns the flat buffers of one rank's chunks and every dp collective on them.
+
+    ``group`` is the gradient-reduction group (dp x cp). ``isolate`` names parameters that get
+    a bucket of their own (the tied embedding and head when pp > 1).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], group: CommGroup, cfg: ParallelConfig,
+                 isolate: frozenset[str] = frozenset()) -> None:
+        self.group, self.cfg = group, cfg
+        self.sharded = cfg.use_distributed_optimizer
+        self.buffers = FlatBuffers(chunk_parameters(chunks), cfg.bucket_size,
+                                   group.size if self.sharded else 1, isolate)
+        self.buckets: list[Bucket] = self.buffers.buckets
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._grad_handles: list[Handle | None] = [None] * len(self.buckets)
+        self._gather_handles: list[Handle | None] = [None] * len(self.buckets)
+        self._sync = False
+        self.launched_in_backward = 0
+        """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
+        self._hooks: list[RemovableHandle] = []
+        for p in self.buffers.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.sharded and cfg.overlap_param_gather:
+            self._install_pre_forward_hooks(chunks)
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ gradients
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the reduction group (its ZeRO shard)."""
+        return max(self.group.rank, 0)
+
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        """Ranges of the flat buffers whose reduced gradient this rank holds after the sync."""
+        if not self.sharded:
+            return [(0, self.buffers.numel)]
+        return self.buffers.owned_ranges(self.rank)
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffer and forget the previous step's sync state.
+
+        When the model dtype equals the main-gradient dtype (fp32, fp64), ``param.grad`` *is*
+        the ``main_grad`` view: autograd then accumulates in place into the flat buffer (no
+        per-micro-batch gradient allocation, no extra add). Otherwise ``param.grad`` (bf16 /
+        fp16) is folded into the fp32 ``main_grad`` by the hook and freed.
+        """
+        self.buffers.grad_data.zero_()
+        alias = self.buffers.param_dtype == self.buffers.grad_dtype
+        for p in self.buffers.params:
+            p.grad = p.main_grad if alias else None  # type: ignore[attr-defined]
+        self.launched_in_backward = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        for ready in self._ready:
+            ready.clear()
+        self._grad_handles = [None] * len(self.buckets)
+        self._sync = False
+
+    def grad_sync_hook(self, microbatches: int) -> Callable[[int], None]:
+        """The ``StepPlan.grad_sync`` callback: sync on during micro-batch ``microbatches-1``."""
+        last = microbatches - 1
+
+        def grad_sync(k: int) -> None:
+            self._sync = k == last
+
+        return grad_sync
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate hook: fold param.grad into main_grad; mark ready on the last pass."""
+        grad, main = param.grad, param.main_grad  # type: ignore[attr-defined]
+        if grad is None:
+            return
+        if grad.data_ptr() != main.data_ptr():
+            main.add_(grad)
+            param.grad = main if grad.dtype == main.dtype else None
+        if not self._sync:
+            return
+        index = self.buffers.slot(param).bucket  # type: ignore[arg-type]
+        ready = self._ready[index]
+        ready.add(id(param))
+        if (self.cfg.overlap_grad_reduce and len(ready) == len(self.buckets[index].params)
+                and self._grad_handles[index] is None):
+            self._launch_reduce(index)
+            self.launched_in_backward += 1
+
+    def _reduce_op(self) -> object:
+        return dist.ReduceOp.AVG if self.cfg.average_in_collective else dist.ReduceOp.SUM
+
+    def _launch_reduce(self, index: int) -> None:
+        bucket = self.buckets[index]
+        data = self.buffers.grad_data[bucket.start:bucket.end]  # [bucket]
+        if self.group.size > 1 and not self.cfg.average_in_collective:
+            data.mul_(1.0 / self.group.size)
+        if self.sharded:
+            lo, hi = self.buffers.shard(bucket, self.rank)
+            out = self.buffers.grad_data[lo:hi]  # [bucket / n], aliases data
+            handle = self.group.reduce_scatter_into(out, data, op=self._reduce_op(),
+                                                    name="grad_bucket", async_op=True)
+        else:
+            handle = self.group.all_reduce(data, op=self._reduce_op(), name="grad_bucket",
+                                           async_op=True)
+        assert handle is not None
+        self._grad_handles[index] = handle
+
+    def finish_grad_sync(self) -> None:
+        """Launch every bucket not launched yet (overlap off, or unused params), wait for all.
+
+        Afterwards main_grad holds the dp-averaged gradient: everywhere (DDP) or on this
+        rank's owned ranges (ZeRO-1; elsewhere the buffer holds stale local values).
+        """
+        for index in range(len(self.buckets)):
+            if self._grad_handles[index] is None:
+                self._launch_reduce(index)
+        for handle in self._grad_handles:
+            assert handle is not None
+            handle.wait()
+        self._reset()
+
+    # ------------------------------------------------------------------ parameters (ZeRO-1)
+
+    def start_param_gather(self) -> None:
+        """All-gather every bucket's updated shards into param_data, in forward order."""
+        if not self.sharded:
+            return
+        for bucket in reversed(self.buckets):
+            lo, hi = self.buffers.shard(bucket, self.rank)
+            full = self.buffers.param_data[bucket.start:bucket.end]  # [bucket]
+            handle = self.group.all_gather_into(full, self.buffers.param_data[lo:hi],
+                                                name="param_bucket", async_op=True)
+            self._gather_handles[bucket.index] = handle
+        if not self.cfg.overlap_param_gather:
+            self.finish_param_gather()
+
+    def finish_param_gather(self, buckets: Sequence[int] | None = None) -> None:
+        """Wait for the all-gather of ``buckets`` (all when None)."""
+        for index in range(len(self.buckets)) if buckets is None else buckets:
+            handle = self._gather_handles[index]
+            if handle is not None:
+                handle.wait()
+                self._gather_handles[index] = None
+
+    @property
+    def pending_gathers(self) -> int:
+        """Buckets whose parameter all-gather has not been waited for yet."""
+        return sum(h is not None for h in self._gather_handles)
+
+    def _install_pre_forward_hooks(self, chunks: Sequence[nn.Module]) -> None:
+        for chunk in chunks:
+            for module in chunk.modules():
+                own = [p for p in module.parameters(recurse=False) if id(p) in self.buffers.slots]
+                if not own:
+                    continue
+                needed = sorted({self.buffers.slot(p).bucket for p in own})
+                hook = module.register_forward_pre_hook(self._pre_forward_hook(needed))
+                self._hooks.append(hook)
+
+    def _pre_forward_hook(self, needed: list[int]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: object) -> None:
+            self.finish_param_gather(needed)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        """Detach every hook (the buffers stay attached to the parameters)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def build_data_parallel(chunks: Sequence[nn.Module], config: Config,
+                        groups: ProcessGroups) -> DataParallel:
+    """The DataParallel of a run: reduction over dp x cp, tied weights isolated when pp > 1."""
+    tied = config.model.tie_embeddings and config.parallel.pp > 1
+    return DataParallel(chunks, groups.dp_cp, config.parallel, TIED_KEYS if tied else frozenset())

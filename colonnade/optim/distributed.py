@@ -1,0 +1,215 @@
+"""Mixed-precision AdamW over the data-parallel flat buffers; ZeRO-1 when they are sharded.
+
+The optimizer works on *ranges* of the flat buffers of a :class:`DataParallel`:
+  * DDP:    one range, the whole buffer; every dp rank updates every parameter.
+  * ZeRO-1: this dp rank's range of each bucket (1/dp of it); after the update the ranges are
+            all-gathered back into the parameter buffer (:meth:`DataParallel.start_param_gather`).
+For each range it keeps fp32 Adam moments m, v and, when the model is bf16/fp16, an fp32 master
+copy of the weights: 12 bytes per owned element (4 master + 4 m + 4 v); fp32/fp64 models update
+the parameter buffer in place (8 or 16 bytes of moments). With ZeRO-1 the owned elements are
+(params + padding) / dp, padding < buckets x dp x ALIGN (see :mod:`colonnade.data_parallel.buffer`).
+
+Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), unscaled by the
+loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
+otherwise gradients are multiplied by clip_coefficient / S, AdamW updates the masters with the
+scheduled LR, masters are cast into the parameter buffer and (ZeRO-1) gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colonnade.config.sections import OptimConfig
+from colonnade.data_parallel.buffer import param_key
+from colonnade.data_parallel.ddp import DataParallel
+from colonnade.optim.adamw import AdamWHyper, adamw_update
+from colonnade.optim.clip import clip_coefficient, global_norm, owns_grad
+from colonnade.optim.lr import lr_at
+from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from colonnade.parallel.groups import ProcessGroups
+
+Interval = tuple[int, int, int]  # (range index, lo, hi) relative to the range start
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    """Join intervals of the same range that touch."""
+    out: list[Interval] = []
+    for i, lo, hi in intervals:
+        if out and out[-1][0] == i and out[-1][2] == lo:
+            out[-1] = (i, out[-1][1], hi)
+        else:
+            out.append((i, lo, hi))
+    return out
+
+
+def make_scaler(precision: str, cfg: OptimConfig) -> LossScaler:
+    """Dynamic scaler for fp16, constant 1 otherwise."""
+    if precision == "fp16":
+        return DynamicLossScaler(scale=cfg.initial_loss_scale, window=cfg.loss_scale_window,
+                                 min_scale=cfg.min_loss_scale)
+    return ConstantLossScaler()
+
+
+class DistributedOptimizer:
+    """AdamW on this rank's ranges of the flat buffers (all of them unless ZeRO-1)."""
+
+    def __init__(self, ddp: DataParallel, cfg: OptimConfig, groups: ProcessGroups,
+                 total_steps: int, precision: str = "fp32") -> None:
+        self.ddp, self.cfg, self.groups, self.total_steps = ddp, cfg, groups, total_steps
+        buffers = ddp.buffers
+        self.ranges = ddp.owned_ranges()
+        dtype = buffers.grad_dtype  # fp32 masters and moments (fp64 for fp64 models)
+        self.own_masters = buffers.param_dtype != dtype
+        numel = sum(hi - lo for lo, hi in self.ranges)
+        self.device = device = buffers.param_data.device
+        self.exp_avg_flat = torch.zeros(numel, dtype=dtype, device=device)  # [shard]
+        self.exp_avg_sq_flat = torch.zeros(numel, dtype=dtype, device=device)  # [shard]
+        self.master_flat = (torch.empty(numel, dtype=dtype, device=device)  # [shard]
+                            if self.own_masters else None)
+        self.masters: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.exp_avgs: list[torch.Tensor] = []
+        self.exp_avg_sqs: list[torch.Tensor] = []
+        offset = 0
+        for lo, hi in self.ranges:
+            n = hi - lo
+            self.exp_avgs.append(self.exp_avg_flat[offset:offset + n])
+            self.exp_avg_sqs.append(self.exp_avg_sq_flat[offset:offset + n])
+            if self.master_flat is not None:
+                master = self.master_flat[offset:offset + n]
+                master.copy_(buffers.param_data[lo:hi])
+            else:
+                master = buffers.param_data[lo:hi]
+            self.masters.append(master)
+            self.grads.append(buffers.grad_data[lo:hi])
+            offset += n
+        self._index_segments(groups.tp.rank)
+        self.scaler: LossScaler = make_scaler(precision, cfg)
+        self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
+        self.step_count = 0
+
+    def _index_segments(self, tp_rank: int) -> None:
+        """Views for weight decay (matrices), the norm (owned grads) and the inf check (rest)."""
+        decayed: list[Interval] = []
+        counted: list[Interval] = []
+        rest: list[Interval] = []
+        for i, (lo, hi) in enumerate(self.ranges):
+            for p, a, b in self.ddp.buffers.segments(lo, hi):
+                interval = (i, a - lo, b - lo)
+                if p.ndim > 1:
+                    decayed.append(interval)
+                (counted if owns_grad(p, tp_rank) else rest).append(interval)
+        self.decayed = [self.masters[i][a:b] for i, a, b in _merge(decayed)]
+        self.counted = [self.grads[i][a:b] for i, a, b in _merge(counted)]
+        self.uncounted = [self.grads[i][a:b] for i, a, b in _merge(rest)]
+
+    @property
+    def loss_scale(self) -> float:
+        """The multiplier the step applies to the loss before backward (``StepPlan.loss_scale``)."""
+        return float(self.scaler.scale)
+
+    def zero_grad(self) -> None:
+        """Zero the main gradients (the flat gradient buffer)."""
+        self.ddp.zero_grad()
+
+    def _sum_sq(self, views: list[torch.Tensor]) -> torch.Tensor:
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch._foreach_norm(views)
+        return torch.stack([n.to(torch.float64) for n in norms]).pow(2).sum()
+
+    def grad_norm(self) -> tuple[float, bool]:
+        """(global L2 norm of the unscaled gradients, whether any rank saw inf/NaN).
+
+        Each rank sums squares over the gradient entries it owns (tp-replicated parameters on
+        tp rank 0, the tied head never, ZeRO-1 shards disjoint across dp) and the sums are
+        all-reduced over tp, pp (and dp with ZeRO-1).
+        """
+        total = global_norm(self._sum_sq(self.counted), self.norm_groups)
+        norm = float(total) / self.scaler.scale
+        if isinstance(self.scaler, DynamicLossScaler):
+            local_bad = not math.isfinite(norm) or not math.isfinite(
+                float(self._sum_sq(self.uncounted)))
+            flag = torch.tensor([1.0 if local_bad else 0.0], dtype=torch.float64,
+                                device=self.device)
+            self.groups.world.all_reduce(flag, op=dist.ReduceOp.MAX, name="found_inf")
+            return norm, bool(flag[0] > 0)
+        return norm, not math.isfinite(norm)
+
+    def step(self) -> dict[str, float]:
+        """One update (or a skipped one); returns grad_norm, lr, loss_scale, skipped."""
+        norm, found_inf = self.grad_norm()
+        lr = lr_at(self.step_count, self.total_steps, self.cfg)
+        scale = self.loss_scale
+        info = {"grad_norm": norm, "lr": lr, "loss_scale": scale, "skipped": float(found_inf)}
+        self.scaler.update(found_inf)
+        if found_inf:
+            return info
+        coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
+        if coef != 1.0:
+            torch._foreach_mul_(self.grads, coef)
+        hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
+        adamw_update(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs, self.decayed,
+                     self.step_count + 1, hp)
+        if self.own_masters:
+            data = self.ddp.buffers.param_data
+            with torch.no_grad():
+                for (lo, hi), master in zip(self.ranges, self.masters, strict=True):
+                    data[lo:hi].copy_(master)
+        self.ddp.start_param_gather()
+        self.step_count += 1
+        return info
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: moments plus master copies (when separate)."""
+        tensors = [self.exp_avg_flat, self.exp_avg_sq_flat]
+        if self.master_flat is not None:
+            tensors.append(self.master_flat)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def shard_state(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """(param key, lo, hi, views) per owned piece: elements [lo, hi) of the flattened local
+        (tp-shard) parameter, with views of its master, exp_avg and exp_avg_sq (resharding)."""
+        out = []
+        buffers = self.ddp.buffers
+        for i, (lo, hi) in enumerate(self.ranges):
+            for p, a, b in buffers.segments(lo, hi):
+                start = buffers.slot(p).start
+                views = {"master": self.masters[i][a - lo:b - lo],
+                         "exp_avg": self.exp_avgs[i][a - lo:b - lo],
+                         "exp_avg_sq": self.exp_avg_sqs[i][a - lo:b - lo]}
+                out.append((param_key(p), a - start, b - start, views))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Flat shard tensors, the layout they follow, the step counter and the scaler."""
+        state: dict[str, Any] = {
+            "step_count": self.step_count, "scaler": self.scaler.state_dict(),
+            "ranges": list(self.ranges), "exp_avg": self.exp_avg_flat,
+            "exp_avg_sq": self.exp_avg_sq_flat,
+        }
+        if self.master_flat is not None:
+            state["master"] = self.master_flat
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of the same layout (same buffers, same dp rank)."""
+        if [tuple(r) for r in state["ranges"]] != self.ranges:
+            raise ValueError("optimizer state was saved with a different bucket layout or dp "
+                             "rank; reshard it through shard_state() instead")
+        self.step_count = int(state["step_count"])
+        self.scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            self.exp_avg_flat.copy_(state["exp_avg"])
+            self.exp_avg_sq_flat.copy_(state["exp_avg_sq"])
+            if self.master_flat is not None:
+                self.master_flat.copy_(state["master"])
+                data = self.ddp.buffers.param_data
+                for (lo, hi), master in zip(self.ranges, self.masters, strict=True):
+                    data[lo:hi].copy_(master)
+                self.ddp.start_param_gather()
+

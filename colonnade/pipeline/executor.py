@@ -1,0 +1,315 @@
+"""Run one stage's pipeline action list: forwards, backwards, weight gradients and p2p.
+
+A schedule (:mod:`colonnade.pipeline.schedules`) gives every stage an ordered list of actions.
+The executor walks this stage's list. Communication actions between two computes form a *run*:
+its sends are posted at once (asynchronous), its receives are posted (and, with ``overlap``,
+the next run's receives too, so they arrive during the compute in between); a compute waits
+only for the message it consumes. Compute actions on micro-batch k of local chunk c:
+
+* F: point dropout at micro-batch k (``set_rng_context``), then y = chunk(x). The first virtual
+  stage takes the tokens [b, s]; the others the received activation x [s(/tp), b, h] (a leaf
+  that requires grad). The last virtual stage returns the micro-batch's mean loss L_k; the
+  step's loss is (1/m) sum_k L_k, so backward starts from y = L_k * loss_scale / m.
+  (x, y) are stashed until B.
+* B: backward of the stashed y with the received gradient dy (none on the last virtual stage),
+  giving dx (sent back unless this is the first virtual stage). Schedules with W actions (ZB-H1)
+  compute only dx here and keep what W needs (:mod:`colonnade.pipeline.split_backward`).
+* W: the deferred weight gradients dW of micro-batch k, accumulated into ``.grad``.
+
+Megatron's output deallocation: once y [s(/tp), b, h] is sent, this stage needs only its
+autograd node (``grad_fn``) for B, not its values. The send keeps its own reference to the
+storage (released when the send completes), and y's data is replaced by one element expanded
+to y's shape, so the activation memory goes as soon as the transfer does.
+
+Memory: a stage holds at most `peak_stashed` (x, y, graph) stashes, the schedule's peak
+in-flight count (1F1B: min(p - s, m)), plus, for ZB-H1, up to s + 1 pending W graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from colonnade.models.gpt import ModelChunk
+from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
+from colonnade.pipeline.p2p import Message, PipeComm, message_shape
+from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
+from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
+from colonnade.training.step import Batch, StepPlan, set_rng_context
+
+Item = tuple[int, int]  # (microbatch, local chunk)
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When a compute action ran on this stage (seconds of ``time.perf_counter``)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class ExecResult:
+    """What one step of the executor did on this stage."""
+
+    losses: list[float]
+    """Per-micro-batch losses in micro-batch order (last stage only, else empty)."""
+    start: float
+    end: float
+    timeline: list[ActionTime] = field(default_factory=list)
+    """Compute actions with start/end times (only when recording)."""
+    peak_stashed: int = 0
+    """Most micro-batch stashes (F done, B not done) held at once, over all chunks."""
+    peak_pending_w: int = 0
+    """Most deferred weight gradients (B done, W not done) held at once."""
+    recv_wait: float = 0.0
+    """Seconds spent blocked on receives (only when recording)."""
+    peak_output_bytes: int = 0
+    """Most bytes held by stashed chunk outputs, seen before each F (only when recording);
+    with output deallocation only the unsent ones and the scalar losses remain."""
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent computing (sum over compute actions; needs recording)."""
+        return sum(t.end - t.start for t in self.timeline)
+
+
+@dataclass
+class ExecOptions:
+    """Executor switches; none of them changes results."""
+
+    overlap: bool = True
+    """Post each compute's receives one compute early (``parallel.overlap_p2p``)."""
+    deallocate: bool = True
+    """Free a sent activation's data (Megatron's output deallocation)."""
+    record: bool = False
+    """Record a timestamp pair per compute action (benchmarks; synchronises the device)."""
+
+
+def forward_only_lists(pp: int, vp: int, m: int) -> list[list[Action]]:
+    """Action lists of an inference pass: every (micro-batch, chunk) forward, no backward.
+
+    Items run in Megatron's interleaved order (chunk-major within micro-batch groups), the same
+    on every stage, so each item's input comes from an item earlier in that order.
+    """
+    items = interleaved_items(pp, vp, m, backward=False)
+    return [add_comm([compute(Kind.F, mb, c) for mb, c in items], s, pp, vp) for s in range(pp)]
+
+
+def release_output(y: torch.Tensor) -> torch.Tensor:
+    """Megatron's output deallocation: keep y's autograd node, drop its values.
+
+    Returns a tensor sharing y's current storage (to hand to the send, which keeps it alive
+    until the transfer completes); y itself then points at one element expanded to its shape,
+    so ``backward(y, dy)`` still type- and shape-checks while the [s(/tp), b, h] values are
+    gone. Leaves and views (whose storage others share) are left alone.
+    """
+    data = y.detach()
+    if y.grad_fn is not None and y._base is None:
+        y.data = torch.zeros((), dtype=y.dtype, device=y.device).expand(y.shape)
+    return data
+
+
+def split_runs(actions: list[Action]) -> list[tuple[list[Action], Action | None]]:
+    """[(communication run before a compute, the compute)], the last run has compute None."""
+    out: list[tuple[list[Action], Action | None]] = []
+    run: list[Action] = []
+    for a in actions:
+        if a.is_comm:
+            run.append(a)
+        else:
+            out.append((run, a))
+            run = []
+    out.append((run, None))
+    return out
+
+
+class StageExecutor:
+    """Executes one stage's action list for one step (see the module docstring)."""
+
+    def __init__(self, chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
+                 lists: list[list[Action]], *, train: bool, options: ExecOptions) -> None:
+        groups = plan.groups
+        self.chunks, self.batches, self.plan = chunks, batches, plan
+        self.train, self.options = train, options
+        self.pp, self.vp, self.m = groups.pp.size, len(chunks), len(batches)
+        self.stage = groups.pp_rank
+        self.actions = lists[self.stage]
+        self.splits_w = any(a.kind == Kind.W for a in self.actions)
+        self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+        ctx = chunks[0].ctx
+        hidden = chunks[0].cfg.hidden_size
+        device = next(iter(chunks[0].parameters())).device
+        self.comm = PipeComm(groups.pp, self.stage, lists,
+                             lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp),
+                             ctx.dtype, device)
+        self.device = device
+        self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
+        self.pending_w: dict[Item, PendingWeightGrad] = {}
+        self.losses: dict[int, float] = {}
+        self.result = ExecResult([], 0.0, 0.0)
+
+    def _virtual(self, chunk: int) -> int:
+        return virtual_stage(self.stage, chunk, self.pp)
+
+    def run(self) -> ExecResult:
+        """Execute every action; returns losses, timings and memory peaks."""
+        runs = split_runs(self.actions)
+        self._sync()
+        self.result.start = time.perf_counter()
+        for i, (comm, action) in enumerate(runs):
+            sends = [(a, self._outgoing(a)) for a in comm if a.is_send]
+            recvs = [self._message(a) for a in comm if a.is_recv]
+            if self.options.overlap and i + 1 < len(runs):
+                recvs += [self._message(a) for a in runs[i + 1][0] if a.is_recv]
+            if sends or recvs:
+                self.comm.post(sends, recvs)
+            self.comm.reap()
+            if action is not None:
+                self._compute(action)
+        self.comm.finish()
+        self._sync()
+        self.result.end = time.perf_counter()
+        if self.stash or self.pending_w or self.outbox:
+            raise RuntimeError(f"stage {self.stage}: schedule left work undone: stashes "
+                               f"{sorted(self.stash)}, pending W {sorted(self.pending_w)}")
+        self.result.losses = [self.losses[k] for k in sorted(self.losses)]
+        return self.result
+
+    def _sync(self) -> None:
+        if self.options.record:
+            from colonnade.device import synchronize
+
+            synchronize(self.device)
+
+    def _message(self, a: Action) -> Message:
+        """The message a receive action brings (named by the compute it feeds)."""
+        return Message(a.direction, a.microbatch, a.chunk)
+
+    def _outgoing(self, a: Action) -> torch.Tensor:
+        """The tensor a send action ships; frees the stage's copy of a sent activation."""
+        kind = Kind.F if a.kind == Kind.SEND_F else Kind.B
+        t = self.outbox.pop((kind, (a.microbatch, a.chunk)))
+        if kind == Kind.B:
+            return t
+        if self.train and self.options.deallocate:
+            return release_output(t)
+        return t.detach()
+
+    def _input(self, a: Action) -> torch.Tensor | None:
+        """Wait for the message compute ``a`` consumes (None if it takes none)."""
+        v = self._virtual(a.chunk)
+        if a.kind == Kind.F and v > 0:
+            return self.comm.wait(Message("F", a.microbatch, a.chunk))
+        if a.kind == Kind.B and v < self.pp * self.vp - 1:
+            return self.comm.wait(Message("B", a.microbatch, a.chunk))
+        return None
+
+    def _compute(self, a: Action) -> None:
+        """Wait for the input message (idle time), then run ``a`` (busy time)."""
+        if self.options.record:
+            begin = time.perf_counter()
+            received = self._input(a)
+            start = time.perf_counter()
+            self.result.recv_wait += start - begin
+        else:
+            received, start = self._input(a), 0.0
+        if a.kind == Kind.F:
+            self._forward(a.microbatch, a.chunk, received)
+        elif a.kind == Kind.B:
+            self._backward(a.microbatch, a.chunk, received)
+        else:
+            self._weight(a.microbatch, a.chunk)
+        if self.options.record:
+            self._sync()
+            self.result.timeline.append(ActionTime(a, start, time.perf_counter()))
+
+    def _forward(self, k: int, c: int, x: torch.Tensor | None) -> None:
+        chunk = self.chunks[c]
+        if self.options.record:
+            held = sum(y.untyped_storage().nbytes() for _, y in self.stash.values())
+            self.result.peak_output_bytes = max(self.result.peak_output_bytes, held)
+        set_rng_context(self.chunks, self.plan, k, self.m)
+        tokens, labels = self.batches[k]
+        if chunk.first:
+            inputs = tokens
+        else:
+            assert x is not None
+            inputs = x.requires_grad_() if self.train else x
+        if chunk.last:
+            loss = chunk(inputs, labels)
+            self.losses[k] = float(loss.detach())
+            y = loss * (self.plan.loss_scale / self.m) if self.train else loss
+        else:
+            y = chunk(inputs)
+            self.outbox[(Kind.F, (k, c))] = y
+        if self.train:
+            self.stash[(k, c)] = (x, y)
+            self.result.peak_stashed = max(self.result.peak_stashed, len(self.stash))
+
+    def _backward(self, k: int, c: int, dy: torch.Tensor | None) -> None:
+        x, y = self.stash.pop((k, c))
+        v = self._virtual(c)
+        if self.splits_w:
+            dx, pending = backward_input(y, dy, x, self.params[c])
+            self.pending_w[(k, c)] = pending
+            self.result.peak_pending_w = max(self.result.peak_pending_w, len(self.pending_w))
+        else:
+            if self.plan.grad_sync is not None:
+                self.plan.grad_sync(k)
+            torch.autograd.backward(y, dy)
+            dx = x.grad if x is not None else None
+        if v > 0:
+            if dx is None:
+                raise RuntimeError(f"stage {self.stage}: no input gradient for micro-batch {k} "
+                                   f"chunk {c}")
+            self.outbox[(Kind.B, (k, c))] = dx
+
+    def _weight(self, k: int, c: int) -> None:
+        if self.plan.grad_sync is not None:
+            self.plan.grad_sync(k)
+        backward_weight(self.pending_w.pop((k, c)))
+
+
+def _options(plan: StepPlan, **kw: bool) -> ExecOptions:
+    extra = plan.extra
+    return ExecOptions(overlap=bool(extra.get("overlap_p2p", True)),
+                       deallocate=bool(extra.get("deallocate_outputs", True)),
+                       record=bool(extra.get("record", False)), **kw)
+
+
+def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
+            lists: list[list[Action]] | None = None, *, train: bool = True,
+            options: ExecOptions | None = None) -> ExecResult:
+    """Run this stage's list of ``lists`` (default: ``plan.schedule`` for pp, vp = len(chunks),
+    m = len(batches)); the full result with timings and memory peaks."""
+    pp, vp, m = plan.groups.pp.size, len(chunks), len(batches)
+    if lists is None:
+        lists = (build_schedule(plan.schedule, pp, vp, m) if train
+                 else forward_only_lists(pp, vp, m))
+    if len(lists) != pp:
+        raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
+    opts = options or _options(plan)
+    return StageExecutor(chunks, batches, plan, lists, train=train, options=opts).run()
+
+
+def run_pipeline(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan) -> list[float]:
+    """Forward and backward of every micro-batch through ``plan.schedule``.
+
+    Returns this rank's per-micro-batch losses on the last pipeline stage, [] elsewhere.
+    Options in ``plan.extra``: ``overlap_p2p`` (default True), ``deallocate_outputs`` (True).
+    """
+    return execute(chunks, batches, plan).losses
+
+
+def run_pipeline_forward(chunks: list[ModelChunk], batches: list[Batch],
+                         plan: StepPlan) -> list[float]:
+    """Evaluation: forward every micro-batch through the pipeline (call under no_grad).
+
+    Returns the per-micro-batch losses on the last stage, [] elsewhere.
+    """
+    return execute(chunks, batches, plan, train=False).losses

@@ -1,0 +1,282 @@
+"""Per-rank heartbeat, hang watchdog, and the record of why a rank ended.
+
+Every rank of a run writes under ``logging.dir`` (the launcher reads these after a failure):
+
+  heartbeat/rank{r}-a{k}.json pid, host, attempt, step, phase and the last collective; rewritten
+                              at most every ``heartbeat_s`` seconds, and at start and end
+  failures/rank{r}-a{k}.json  why rank r ended on attempt k: kind 'exception' | 'hang' |
+                              'terminated', a one-line summary, the step, the last collective
+  failures/rank{r}-a{k}.txt   the full dump: message, collectives in flight, the traceback and
+                              the Python stack of every thread
+A fatal signal (SIGSEGV, SIGABRT, ...) makes faulthandler print every thread's stack to stderr.
+
+The watchdog is a daemon thread. Progress is a finished training step (:meth:`beat`) or a
+completed collective (``CommStats.last_progress``); with no progress for ``watchdog_s`` seconds
+it writes a 'hang' record and exits the process with :data:`HANG_EXIT_CODE`. The same thread
+serves SIGTERM (how a launcher stops the surviving ranks): it records what the rank was doing
+(kind 'terminated'), then exits with 128 + SIGTERM. A Python signal handler alone could not do
+this: it runs only when the main thread returns to the interpreter, never while the main
+thread is blocked in a collective; ``signal.set_wakeup_fd`` hands the signal to the thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from colonnade.parallel.comm import CommStats
+from colonnade.reliability.dump import comm_state, last_op_text, python_stacks
+
+HANG_EXIT_CODE = 124
+"""Exit status of a rank stopped by its own hang detector (like coreutils' timeout)."""
+TERM_EXIT_CODE = 128 + int(signal.SIGTERM)
+"""Exit status of a rank stopped by SIGTERM after recording its state."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is in the job (from the launcher's environment)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    attempt: int = 0
+    """Restart count: 0 on the first launch, k after k restarts."""
+    run_id: str = ""
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        """Read RANK / WORLD_SIZE / LOCAL_RANK / TORCHELASTIC_RESTART_COUNT / _RUN_ID."""
+        env = os.environ
+        return cls(rank=int(env.get("RANK", "0")), world=int(env.get("WORLD_SIZE", "1")),
+                   local_rank=int(env.get("LOCAL_RANK", "0")),
+                   attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   run_id=env.get("TORCHELASTIC_RUN_ID", ""))
+
+    def describe(self) -> str:
+        """'rank 2 of 4 (pid 123 on node7, attempt 0)'."""
+        return (f"rank {self.rank} of {self.world} (pid {self.pid} on {self.host}, "
+                f"attempt {self.attempt})")
+
+
+def heartbeat_path(run_dir: str | Path, rank: int, attempt: int = 0) -> Path:
+    """Where rank ``rank`` keeps its heartbeat during attempt ``attempt``."""
+    return Path(run_dir) / "heartbeat" / f"rank{rank}-a{attempt}.json"
+
+
+def failure_path(run_dir: str | Path, rank: int, attempt: int, suffix: str = ".json") -> Path:
+    """Where rank ``rank`` records why it ended on attempt ``attempt`` (.json, .txt, .crash.txt)."""
+    return Path(run_dir) / "failures" / f"rank{rank}-a{attempt}{suffix}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RankMonitor:
+    """Heartbeat + watchdog + failure records of one rank; ``start`` it, ``beat`` every step."""
+
+    def __init__(self, run_dir: str | Path, info: RankInfo | None = None, *,
+                 watchdog_s: float = 0.0, heartbeat_s: float = 1.0,
+                 exit_process: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.info = info or RankInfo.from_env()
+        self.watchdog_s = watchdog_s
+        """No progress for this long is a hang (0 disables the check)."""
+        self.heartbeat_s = heartbeat_s
+        self.exit_process = exit_process
+        """Exit after a hang or SIGTERM record (False only in tests)."""
+        self.stats: CommStats | None = None
+        self.step = 0
+        self.phase = "setup"
+        self.armed = False
+        """The hang check starts with the first :meth:`beat` (set-up has its own timeouts)."""
+        self.fired: str | None = None
+        """Kind of the record written ('exception', 'hang', 'terminated'), None while running."""
+        self._last_beat = time.monotonic()
+        self._last_write = float("-inf")
+        self._stop = threading.Event()
+        self._record_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None
+        self._previous: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self, signals: bool = True) -> RankMonitor:
+        """Create the directories, write the first heartbeat, start the watchdog thread.
+
+        ``signals`` installs the SIGTERM and fatal-signal dumps (main thread only; tests that
+        run in-process pass False).
+        """
+        for sub in ("heartbeat", "failures"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._write_heartbeat(force=True)
+        if signals and threading.current_thread() is threading.main_thread():
+            self._install_signals()
+        self._thread = threading.Thread(target=self._watch, name="colonnade-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self, step: int, stats: CommStats | None = None, phase: str = "train") -> None:
+        """Progress: step ``step`` (1-based, as logged) starts; ``stats`` counts the collectives."""
+        first = self.phase != phase
+        self.step, self.phase, self.armed = step, phase, True
+        if stats is not None:
+            self.stats = stats
+        self._last_beat = time.monotonic()
+        self._write_heartbeat(force=first)
+
+    def stop(self, ok: bool = True) -> None:
+        """Stop the thread, restore signal handlers, write the final heartbeat."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._restore_signals()
+        self.phase = "done" if ok else "failed"
+        with contextlib.suppress(OSError):
+            self._write_heartbeat(force=True)
+
+    # ------------------------------------------------------------------ records
+
+    def record_failure(self, exc: BaseException) -> Path | None:
+        """Record an exception that ends this rank (called from the rank's ``except``)."""
+        tb = "".join(traceback.format_exception(exc))
+        summary = f"{type(exc).__name__}: {exc}"
+        return self._record("exception", summary, f"--- traceback ---\n{tb}")
+
+    def _record(self, kind: str, summary: str, body: str = "") -> Path | None:
+        """Write the .json summary and the .txt dump once; later calls return None."""
+        with self._record_lock:
+            if self.fired is not None:
+                return None
+            self.fired = kind
+        now = time.monotonic()
+        info = self.info
+        header = f"{info.describe()} at step {self.step} ({self.phase}): {kind}: {summary}"
+        text = "\n".join([header, *comm_state(self.stats, now), body,
+                          "--- Python stacks of every thread ---", python_stacks()])
+        txt = failure_path(self.run_dir, info.rank, info.attempt, ".txt")
+        idle = now - max(self._last_beat, self.stats.last_progress if self.stats else 0.0)
+        record = {"rank": info.rank, "world": info.world, "attempt": info.attempt,
+                  "run_id": info.run_id, "pid": info.pid, "host": info.host, "kind": kind,
+                  "summary": " ".join(summary.split())[:2000], "step": self.step,
+                  "phase": self.phase, "last_op": last_op_text(self.stats),
+                  "in_flight": [r.describe(now) for r in (self.stats.pending()
+                                                          if self.stats else [])],
+                  "idle_s": round(idle, 2), "dump": str(txt), "time": time.time()}
+        try:
+            txt.parent.mkdir(parents=True, exist_ok=True)
+            txt.write_text(text + "\n")
+            _write_atomic(failure_path(self.run_dir, info.rank, info.attempt),
+                          json.dumps(record, indent=1))
+        except OSError as err:  # the dump must never hide the original failure
+            print(f"colonnade: could not write the failure record: {err}", file=sys.stderr)
+        if kind == "hang":
+            print(text, file=sys.stderr, flush=True)
+        elif kind == "terminated":
+            brief = "\n  ".join([header, *comm_state(self.stats, now)])
+            print(f"{brief}\n  dump: {txt}", file=sys.stderr, flush=True)
+        return txt
+
+    def _write_heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_write < self.heartbeat_s:
+            return
+        self._last_write = now
+        info = self.info
+        body = {"rank": info.rank, "world": info.world, "attempt": info.attempt,
+                "run_id": info.run_id, "pid": info.pid, "host": info.host, "step": self.step,
+                "phase": self.phase, "last_op": last_op_text(self.stats), "time": time.time()}
+        _write_atomic(heartbeat_path(self.run_dir, info.rank, info.attempt), json.dumps(body))
+
+    # ------------------------------------------------------------------ watchdog thread
+
+    def idle_s(self) -> float:
+        """Seconds since the last progress (a step beat or a completed collective)."""
+        last = self._last_beat
+        if self.stats is not None:
+            last = max(last, self.stats.last_progress)
+        return time.monotonic() - last
+
+    def _watch(self) -> None:
+        poll = 0.5 if self.watchdog_s <= 0 else min(0.5, self.watchdog_s / 4)
+        while not self._stop.is_set():
+            if self._wake is not None:
+                ready, _, _ = select.select([self._wake[0]], [], [], poll)
+                if ready and self._got_sigterm():
+                    self._on_terminate()
+                    return
+            else:
+                self._stop.wait(poll)
+            if self.armed and self.watchdog_s > 0 and self.idle_s() > self.watchdog_s:
+                self._on_hang()
+                return
+
+    def _got_sigterm(self) -> bool:
+        assert self._wake is not None
+        try:
+            data = os.read(self._wake[0], 512)
+        except (BlockingIOError, OSError):
+            return False
+        return int(signal.SIGTERM) in data
+
+    def _on_hang(self) -> None:
+        self._record("hang", f"no progress for {self.idle_s():.1f} s (parallel.watchdog_s="
+                     f"{self.watchdog_s:g}): no step finished and no collective completed; this "
+                     "rank is stuck (see its stack below) or waits for a stuck peer")
+        if self.exit_process:
+            os._exit(HANG_EXIT_CODE)
+
+    def _on_terminate(self) -> None:
+        self._record("terminated", "stopped by SIGTERM (the launcher stops the surviving ranks "
+                     "when one fails)")
+        if self.exit_process:
+            os._exit(TERM_EXIT_CODE)
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_signals(self) -> None:
+        self._previous["faulthandler"] = faulthandler.is_enabled()
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._wake = (read_fd, write_fd)
+        self._previous["wakeup"] = signal.set_wakeup_fd(write_fd)
+        self._previous["sigterm"] = signal.signal(signal.SIGTERM, self._sigterm_in_main)
+
+    def _sigterm_in_main(self, signum: int, frame: Any) -> None:
+        """Python-level handler: the watchdog thread does the work; do it here if it is gone."""
+        if self._thread is None or not self._thread.is_alive():
+            self._on_terminate()
+
+    def _restore_signals(self) -> None:
+        if self._wake is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous.get("sigterm") or signal.SIG_DFL)
+            signal.set_wakeup_fd(self._previous.get("wakeup", -1))
+        for fd in self._wake:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake = None
+        if not self._previous.get("faulthandler"):
+            faulthandler.disable()

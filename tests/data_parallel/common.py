@@ -1,0 +1,226 @@
+"""Shared pieces of the data-parallel tests: tiny configs, data, the single-process AdamW
+reference, and the rank-side training loop through DataParallel + DistributedOptimizer.
+
+The reference is independent of the code under test: the single-process model of the same
+config and seed, ``torch.optim.AdamW`` (decay on matrices only), the global batch as
+micro-batches accumulated with loss / (microbatches x dp), clipping by the plain L2 norm of all
+its gradients. Rank r of dp takes micro-batches [r m, (r + 1) m) of each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colonnade.checkpoint.export import full_state
+from colonnade.config.sections import (
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+from colonnade.config.validate import resolve, validate
+from colonnade.data_parallel import build_data_parallel
+from colonnade.models.build import build_chunks, build_reference, param_dtype
+from colonnade.optim.clip import clip_coefficient
+from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.optim.lr import lr_at
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.training.grads import reduce_sp_and_tied
+from colonnade.training.step import Batch, StepPlan, forward_backward
+
+VOCAB = 101
+
+
+def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,
+                schedule: str = "1f1b", sp: bool = False,
+                zero: bool = False, overlap: bool = True, bucket: int = 10**9,
+                average_in_collective: bool = False, microbatches: int = 4, steps: int = 3,
+                precision: str = "fp64", clip: float = 0.05, lr: float = 1e-2,
+                loss_scale: float = 2.0**10, scale_window: int = 1000) -> Config:
+    """A resolved, validated config of a tiny model (h=32, max(2, pp x vp) layers, vocab 101,
+    seq 16).
+
+    gpt2 ties embeddings and has biases (tied + sp-partial paths); llama has neither.
+    """
+    model = ModelConfig(arch=arch, num_layers=max(2, pp * vp), hidden_size=32, num_heads=4,
+                        vocab_size=VOCAB, max_seq_len=16, init_std=0.05,
+                        tie_embeddings=arch == "gpt2", bias=arch == "gpt2")
+    parallel = ParallelConfig(tp=tp, pp=pp, vp=vp, schedule=schedule, dp=dp, sp=sp,
+                              use_distributed_optimizer=zero, overlap_grad_reduce=overlap,
+                              overlap_param_gather=overlap, bucket_size=bucket,
+                              average_in_collective=average_in_collective)
+    config = Config(
+        model=model, parallel=parallel,
+        training=TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
+                                microbatches=microbatches, precision=precision, seed=11,
+                                eval_interval=0),
+        optim=OptimConfig(lr=lr, min_lr=lr / 10, warmup_steps=1, weight_decay=0.1,
+                          clip_grad=clip, initial_loss_scale=loss_scale,
+                          loss_scale_window=scale_window),
+    )
+    world = dp * tp * pp
+    return validate(resolve(config, world), world)
+
+
+def make_batches(config: Config, seed: int = 5) -> list[list[Batch]]:
+    """Per step, every micro-batch of the global batch (microbatches x dp of them)."""
+    tr = config.training
+    dp = config.parallel.dp or 1
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(tr.steps):
+        step = []
+        for _ in range((tr.microbatches or 1) * dp):
+            ids = torch.randint(0, VOCAB, (tr.micro_batch_size, tr.seq_len + 1), generator=gen)
+            step.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+        out.append(step)
+    return out
+
+
+_REFERENCE: dict[str, dict[str, Any]] = {}
+
+
+def reference_run(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any]:
+    """Single-process float64 AdamW: per-step mean loss and grad norm, final parameters.
+
+    Independent of the parallel layout, so it is computed once per (model, training, optim,
+    data) and reused by every layout of the same problem.
+    """
+    key = repr((config.model, config.training, config.optim,
+                [[(t.sum().item(), t.shape) for t, _ in s] for s in step_batches]))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference(config, step_batches)
+    return _REFERENCE[key]
+
+
+def _reference(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any]:
+    model = build_reference(config, torch.float64)
+    o = config.optim
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
+         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    losses, norms = [], []
+    for step, batches in enumerate(step_batches):
+        opt.zero_grad()
+        total = 0.0
+        for tokens, labels in batches:
+            loss = model(tokens, labels)
+            (loss / len(batches)).backward()
+            total += float(loss.detach())
+        losses.append(total / len(batches))
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        norms.append(float(norm))
+        coef = clip_coefficient(norm, o.clip_grad)
+        for p in params:
+            p.grad.mul_(coef)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, config.training.steps, o)
+        opt.step()
+    state = {p.sharding.key: p.detach().clone() for p in params}  # type: ignore[attr-defined]
+    return {"losses": losses, "norms": norms, "params": state}
+
+
+def rank_groups(config: Config) -> ProcessGroups:
+    """This pool rank's groups for the config's layout (one thread per rank)."""
+    torch.set_num_threads(1)
+    par = config.parallel
+    dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1)
+    if dist.get_world_size() != dims.world_size:
+        raise AssertionError(f"pool has {dist.get_world_size()} ranks, layout needs "
+                             f"{dims.world_size}")
+    return ProcessGroups.build(dims)
+
+
+def rank_train(config: Config, step_batches: list[list[Batch]],
+               inject: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank body: train this rank's shard through DataParallel + DistributedOptimizer.
+
+    ``inject`` = {"step": k, "rank": r, "value": float}: after step k's gradient sync, rank r
+    writes ``value`` into the first element of its owned main gradient (a local overflow).
+    Returns losses (this rank's micro-batches), step infos, the gathered parameters, the comm
+    stats of the last step, buffer facts and overlap evidence.
+    """
+    groups = rank_groups(config)
+    dtype = param_dtype(config.training.precision)
+    chunks = build_chunks(config, groups, dtype=dtype)
+    ddp = build_data_parallel(chunks, config, groups)
+    opt = DistributedOptimizer(ddp, config.optim, groups, config.training.steps,
+                               config.training.precision)
+    m = config.training.microbatches or 1
+    r = groups.dp_rank
+    losses: list[list[float]] = []
+    infos: list[dict[str, float]] = []
+    launched, pending_after_step, pending_after_fb = [], [], []
+    for step, batches in enumerate(step_batches):
+        if step == len(step_batches) - 1:
+            groups.stats.reset()
+        mine = batches[r * m:(r + 1) * m]
+        opt.zero_grad()
+        plan = StepPlan(groups, step, config.parallel.schedule, loss_scale=opt.loss_scale,
+                        grad_sync=ddp.grad_sync_hook(m))
+        losses.append(forward_backward(chunks, mine, plan))
+        pending_after_fb.append(ddp.pending_gathers)
+        launched.append(ddp.launched_in_backward)
+        ddp.finish_grad_sync()
+        reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
+        if inject is not None and inject["step"] == step and inject["rank"] == groups.rank:
+            opt.grads[0][0] = inject["value"]
+        infos.append(opt.step())
+        pending_after_step.append(ddp.pending_gathers)
+    stats = groups.stats.snapshot()
+    ddp.finish_param_gather()
+    return {
+        "rank": groups.rank, "dp_rank": r, "losses": losses, "infos": infos,
+        "params": {k: v.double() for k, v in full_state(chunks, groups).items()},
+        "stats": stats, "numel": ddp.buffers.numel, "num_params": ddp.buffers.num_params,
+        "buckets": len(ddp.buckets), "num_tensors": len(ddp.buffers.params),
+        "grad_bytes": ddp.buffers.grad_data.element_size(),
+        "param_bytes": ddp.buffers.param_data.element_size(), "launched": launched,
+        "pending_after_step": pending_after_step, "pending_after_fb": pending_after_fb,
+        "adam_steps": opt.step_count, "state_bytes": opt.state_bytes(),
+        "final_scale": opt.loss_scale,
+    }
+
+
+def mean_losses(results: list[dict[str, Any]]) -> list[float]:
+    """Per-step mean loss over every micro-batch any rank reported (last pp stage only)."""
+    steps = len(results[0]["losses"])
+    out = []
+    for s in range(steps):
+        values = [v for res in results for v in res["losses"][s]]
+        out.append(sum(values) / len(values))
+    return out
+
+
+def merged_params(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Parameters of every pipeline stage in one dict (dp/tp replicas must agree)."""
+    out: dict[str, torch.Tensor] = {}
+    for res in results:
+        for key, value in res["params"].items():
+            if key in out:
+                assert torch.equal(out[key], value), f"replicas disagree on {key}"
+            out[key] = value
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """||a - b|| / max(||b||, floor)."""
+    ref = max(float(b.double().norm()), floor)
+    diff = float((a.double() - b.double()).norm())
+    return diff / ref if ref > 0 else diff
+
+
+def with_parallel(config: Config, **changes: Any) -> Config:
+    """The config with parallel fields replaced (re-validated)."""
+    par = dataclasses.replace(config.parallel, **changes)
+    new = dataclasses.replace(config, parallel=par)
+    world = (par.dp or 1) * par.tp * par.pp
+    return validate(resolve(new, world), world)

@@ -1,0 +1,86 @@
+"""Optimizer-state bytes per rank (ZeRO's P_os) and the flat-buffer layout, in one process.
+
+Building the buffers and the optimizer does not communicate, so a CommGroup that only claims
+dp ranks (no process group behind it) lets one process build what dp rank r would build.
+
+bf16 model, fp32 masters and moments: 12 bytes per optimizer element. Without ZeRO-1 every
+rank holds all P parameters: exactly 12 P bytes. With ZeRO-1 each rank holds 1/dp of every
+bucket, padded to a multiple of dp x ALIGN elements: 12 (P + pad) / dp bytes with
+0 <= pad < buckets x dp x ALIGN, i.e. at most 12 (P / dp + buckets x ALIGN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from colonnade.data_parallel import ALIGN, DataParallel
+from colonnade.models.build import build_reference
+from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.parallel.comm import CommGroup, CommStats
+from colonnade.parallel.groups import ProcessGroups
+from tests.data_parallel.common import tiny_config
+
+
+def _build(dp: int, rank: int, zero: bool, bucket: int) -> tuple[DataParallel,
+                                                                   DistributedOptimizer, int]:
+    config = tiny_config(dp=1, precision="bf16", zero=zero, bucket=bucket)
+    model = build_reference(config)
+    params = sum(p.numel() for p in model.parameters())
+    group = CommGroup("dp_cp", list(range(dp)), None, CommStats(), rank)
+    par = dataclasses.replace(config.parallel, use_distributed_optimizer=zero)
+    ddp = DataParallel([model], group, par)
+    opt = DistributedOptimizer(ddp, config.optim, ProcessGroups.single(), 3, "bf16")
+    return ddp, opt, params
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+@pytest.mark.parametrize("bucket", [1, 5000, 10**9], ids=["per_param", "mid", "one"])
+def test_zero1_state_bytes(dp: int, bucket: int) -> None:
+    """Every rank: 12 x (P + pad) / dp bytes, pad bounded; the shards tile the buffer."""
+    owned: list[tuple[int, int]] = []
+    for rank in range(dp):
+        ddp, opt, params = _build(dp, rank, True, bucket)
+        pad = ddp.buffers.padding
+        buckets = len(ddp.buckets)
+        assert 0 <= pad < buckets * dp * ALIGN
+        assert (params + pad) % dp == 0
+        assert opt.state_bytes() == 12 * (params + pad) // dp
+        assert 12 * params / dp <= opt.state_bytes() <= 12 * (params / dp + buckets * ALIGN)
+        owned += ddp.owned_ranges()
+        assert all(lo % ALIGN == 0 for lo, _ in ddp.owned_ranges()), "ranges must be aligned"
+    owned.sort()
+    assert owned[0][0] == 0 and owned[-1][1] == ddp.buffers.numel
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(owned)), "gap or overlap"
+
+
+def test_zero1_memory_shrinks_with_dp() -> None:
+    """The one-bucket layout: dp=8 holds ~1/8 of the dp=1 state (within the padding)."""
+    _, opt1, params = _build(1, 0, True, 10**9)
+    _, opt8, _ = _build(8, 3, True, 10**9)
+    assert opt1.state_bytes() == 12 * params
+    assert 12 * params / 8 <= opt8.state_bytes() <= 12 * params / 8 + 12 * ALIGN
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_ddp_state_bytes(dp: int) -> None:
+    """Without ZeRO-1: no padding, every rank holds 12 x P bytes."""
+    ddp, opt, params = _build(dp, 1, False, 5000)
+    assert ddp.buffers.padding == 0
+    assert opt.state_bytes() == 12 * params
+    assert ddp.owned_ranges() == [(0, params)]
+
+
+def test_fp32_model_keeps_no_master_copy() -> None:
+    """fp32 params are their own masters: 8 bytes (moments) per element."""
+    config = tiny_config(dp=1, precision="fp32")
+    model = build_reference(config)
+    params = sum(p.numel() for p in model.parameters())
+    group = CommGroup("dp_cp", [0], None, CommStats(), 0)
+    ddp = DataParallel([model], group, config.parallel)
+    opt = DistributedOptimizer(ddp, config.optim, ProcessGroups.single(), 3, "fp32")
+    assert opt.state_bytes() == 8 * params
+    assert ddp.buffers.grad_data.dtype == torch.float32

@@ -1,0 +1,188 @@
+"""CommGroup byte/call/time accounting and ProcessGroups membership on gloo ranks.
+
+Wire bytes per rank follow the ring algorithms: all-reduce 2(n-1)/n B, all-gather (n-1)/n B_out,
+reduce-scatter (n-1)/n B_in, broadcast and send B. Size-1 groups communicate and count nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from colonnade.parallel.comm import CommError, CommStats
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+
+# ----------------------------------------------------------------------------- rank functions
+
+
+def _accounting() -> dict[str, Any]:
+    """Every operation once on a 2-rank pp group; returns values and the stats snapshot."""
+    groups = ProcessGroups.build(ParallelDims(pp=2))
+    g, r = groups.pp, groups.rank
+    x = torch.full((10,), float(r + 1), dtype=torch.float32)  # 40 bytes
+    g.all_reduce(x, name="sum")
+    gathered = torch.empty(2, 3, dtype=torch.float64)  # 48 bytes out, 24 in
+    g.all_gather_into(gathered, torch.full((1, 3), float(r), dtype=torch.float64), name="ag")
+    scattered = torch.empty(2, dtype=torch.float32)
+    g.reduce_scatter_into(scattered, torch.arange(4, dtype=torch.float32) + r, name="rs")
+    b = torch.full((5,), float(r), dtype=torch.int64)  # 40 bytes
+    g.broadcast(b, src=1, name="bc")
+    send = torch.full((6,), float(r), dtype=torch.float32)  # 24 bytes
+    recv = torch.empty(6, dtype=torch.float32)
+    peer = groups.pp_peer(r + 1)
+    g.p2p([(send, peer)], [(recv, peer)], name="swap").wait()
+    m = torch.tensor([float(r)])
+    g.all_reduce(m, op=dist.ReduceOp.MAX, name="max")
+    # size-1 groups: no communication, nothing counted
+    y = torch.ones(4)
+    groups.tp.all_reduce(y)
+    out = torch.empty(4)
+    groups.dp.all_gather_into(out, y)
+    handle = groups.cp.all_reduce(y, async_op=True)
+    assert handle is not None and handle.done
+    handle.wait()
+    return {"x": x, "gathered": gathered, "scattered": scattered, "b": b, "recv": recv,
+            "max": m, "y": y, "stats": groups.stats.snapshot(),
+            "tp_calls": groups.stats.total("tp/", "calls")}
+
+
+def _async_exposed(delay_s: float) -> dict[str, Any]:
+    """Rank 1 joins an async all-reduce late; rank 0 overlaps it with a sleep, then waits."""
+    groups = ProcessGroups.build(ParallelDims(dp=2))
+    g = groups.dp
+    t = torch.full((1000,), float(groups.rank + 1))
+    if groups.rank == 1:
+        time.sleep(delay_s)
+    handle = g.all_reduce(t, name="grads", async_op=True)
+    assert handle is not None
+    if groups.rank == 0:
+        time.sleep(2 * delay_s)  # "compute" that hides the collective
+    handle.wait()
+    handle.wait()  # idempotent: counted once
+    entry = groups.stats.ops["dp/all_reduce/grads"]
+    # a blocking call on a late peer: all of its time is exposed
+    if groups.rank == 1:
+        time.sleep(2 * delay_s)  # arrives ~delay_s after rank 0
+    s = torch.ones(3)
+    g.all_reduce(s, name="blocking")
+    blocking = groups.stats.ops["dp/all_reduce/blocking"]
+    return {"t0": float(t[0]), "calls": entry.calls, "waited": entry.waited_s,
+            "in_flight": entry.in_flight_s, "b_waited": blocking.waited_s,
+            "b_in_flight": blocking.in_flight_s, "exposed_total": groups.stats.total(
+                "dp/", "waited_s")}
+
+
+def _error_names_group() -> str:
+    groups = ProcessGroups.build(ParallelDims(tp=2))
+    out = torch.empty(3)  # wrong: needs 2 x 2 elements
+    try:
+        groups.tp.all_gather_into(out, torch.ones(2), name="bad")
+    except CommError as err:
+        return str(err)
+    return "no error"
+
+
+def _membership(order: str) -> dict[str, Any]:
+    dims = ParallelDims(tp=2, pp=2, order=tuple(order.split("-")))
+    groups = ProcessGroups.build(dims)
+    out: dict[str, Any] = {name: getattr(groups, name).ranks for name in
+                           ("tp", "pp", "dp", "cp", "dp_cp", "model", "embedding", "world")}
+    out["index"] = {name: getattr(groups, name).rank for name in ("tp", "pp", "world")}
+    value = torch.tensor([float(dist.get_rank())])
+    groups.tp.all_reduce(value)
+    out["tp_sum"] = float(value)
+    out["first"], out["last"] = groups.is_first_stage, groups.is_last_stage
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_byte_accounting_two_ranks(run_ranks: Callable[..., list[Any]]) -> None:
+    results = run_ranks(2, _accounting)
+    for r, res in enumerate(results):
+        torch.testing.assert_close(res["x"], torch.full((10,), 3.0))
+        torch.testing.assert_close(res["gathered"], torch.tensor([[0.0] * 3, [1.0] * 3],
+                                                                 dtype=torch.float64))
+        # sum of [0,1,2,3] and [1,2,3,4] = [1,3,5,7]; rank r keeps slice r
+        torch.testing.assert_close(res["scattered"], torch.tensor([1.0, 3.0] if r == 0
+                                                                  else [5.0, 7.0]))
+        torch.testing.assert_close(res["b"], torch.full((5,), 1, dtype=torch.int64))
+        torch.testing.assert_close(res["recv"], torch.full((6,), float(1 - r)))
+        assert float(res["max"]) == 1.0
+        torch.testing.assert_close(res["y"], torch.ones(4))
+        assert res["tp_calls"] == 0.0
+        stats = res["stats"]
+        expected = {  # key: (calls, payload, wire)
+            "pp/all_reduce/sum": (1, 40, 2 * 1 / 2 * 40),
+            "pp/all_gather/ag": (1, 24, 1 / 2 * 48),
+            "pp/reduce_scatter/rs": (1, 16, 1 / 2 * 16),
+            "pp/broadcast/bc": (1, 40, 40),
+            "pp/p2p/swap": (1, 24, 24),
+            "pp/all_reduce/max": (1, 4, 4),
+        }
+        assert set(stats) == set(expected), sorted(stats)
+        for key, (calls, payload, wire) in expected.items():
+            assert stats[key]["calls"] == calls, key
+            assert stats[key]["payload_bytes"] == payload, key
+            assert stats[key]["wire_bytes"] == pytest.approx(wire), key
+            assert 0.0 <= stats[key]["waited_s"] <= stats[key]["in_flight_s"] + 1e-9, key
+
+
+def test_async_handle_exposed_time(run_ranks: Callable[..., list[Any]]) -> None:
+    delay = 0.3
+    r0, r1 = run_ranks(2, _async_exposed, delay)
+    for res in (r0, r1):
+        assert res["t0"] == 3.0
+        assert res["calls"] == 1
+        assert res["waited"] <= res["in_flight"] + 1e-9
+        assert res["exposed_total"] == pytest.approx(res["waited"] + res["b_waited"])
+    # rank 0 posted first and slept 2*delay: the collective finished behind its "compute"
+    assert r0["in_flight"] >= 0.8 * 2 * delay
+    assert r0["waited"] < 0.5 * delay
+    # rank 0 waits for the late rank 1 in the blocking call: exposed ~ delay
+    assert r0["b_waited"] >= 0.8 * delay
+    assert r0["b_waited"] == pytest.approx(r0["b_in_flight"], abs=1e-3)
+
+
+def test_backend_error_names_group_and_op(run_ranks: Callable[..., list[Any]]) -> None:
+    for text in run_ranks(2, _error_names_group):
+        assert "all_gather(bad) on group 'tp' (ranks [0, 1]" in text, text
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "pp-tp-dp-cp-ep"])
+def test_groups_match_dims(run_ranks: Callable[..., list[Any]], order: str) -> None:
+    dims = ParallelDims(tp=2, pp=2, order=tuple(order.split("-")))
+    results = run_ranks(4, _membership, order)
+    for rank, res in enumerate(results):
+        assert res["tp"] == dims.group_of(rank, "tp")
+        assert res["pp"] == dims.group_of(rank, "pp")
+        assert res["dp"] == [rank] and res["cp"] == [rank] and res["dp_cp"] == [rank]
+        assert res["model"] == [0, 1, 2, 3]
+        assert res["embedding"] == res["pp"]  # first and last stage of a 2-stage pipeline
+        assert res["world"] == [0, 1, 2, 3]
+        coords = dims.coords(rank)
+        assert res["index"] == {"tp": coords["tp"], "pp": coords["pp"], "world": rank}
+        assert res["tp_sum"] == float(sum(dims.group_of(rank, "tp")))
+        assert (res["first"], res["last"]) == (coords["pp"] == 0, coords["pp"] == 1)
+
+
+def test_single_groups_count_nothing() -> None:
+    groups = ProcessGroups.single()
+    t = torch.arange(4.0)
+    groups.dp.all_reduce(t)
+    out = torch.empty(4)
+    groups.tp.reduce_scatter_into(out, t)
+    groups.pp.broadcast(t)
+    groups.world.barrier()
+    torch.testing.assert_close(out, torch.arange(4.0))
+    assert groups.stats.snapshot() == {}
+    assert isinstance(groups.stats, CommStats)
+    with pytest.raises(ValueError, match="world of size 1"):
+        ProcessGroups.single(ParallelDims(tp=2))

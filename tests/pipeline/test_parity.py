@@ -1,0 +1,199 @@
+"""Float64 parity of the pipeline executor with the single-process model.
+
+Each case trains 3 AdamW steps (with clipping, weight decay and dropout) through the Trainer on
+N gloo ranks and compares, against the single-process reference fed the same micro-batches
+(gradient accumulation over all dp x m micro-batches): the loss of every step, the gathered
+gradients of every step and the parameters after 3 steps, each with relative error <= 1e-10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from colonnade.checkpoint.export import gather_full
+from colonnade.config.sections import (
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+from colonnade.config.validate import resolve, validate
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.training.grads import grad_of, reduce_sp_and_tied, unique_params
+from colonnade.training.step import StepPlan, forward_backward, mean_loss
+
+STEPS, SEQ, MICRO, VOCAB = 3, 16, 2, 96
+TOL = 1e-10
+
+
+def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int = 1,
+                dp: int = 1, sp: bool = False, arch: str = "llama") -> Config:
+    """A tiny float64 model with one layer per virtual stage (embedding and head on top)."""
+    gpt2 = arch == "gpt2"
+    model = ModelConfig(arch=arch, num_layers=pp * vp, hidden_size=32, num_heads=4,
+                        num_kv_heads=2 if not gpt2 else None, vocab_size=VOCAB, max_seq_len=SEQ,
+                        bias=gpt2, tie_embeddings=gpt2, hidden_dropout=0.1,
+                        attention_dropout=0.1 if gpt2 else 0.0)
+    par = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule)
+    tr = TrainingConfig(steps=STEPS, seq_len=SEQ, micro_batch_size=MICRO, microbatches=m,
+                        precision="fp64", seed=7, eval_interval=0)
+    opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0, clip_grad=0.05, weight_decay=0.1)
+    cfg = Config(model=model, parallel=par, training=tr, optim=opt)
+    world = tp * pp * dp
+    return validate(resolve(cfg, world), world)
+
+
+def step_batches(cfg: Config, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of ``step``: dp x m micro-batches (dp rank d takes [d m, (d + 1) m))."""
+    tr = cfg.training
+    gen = torch.Generator().manual_seed(1000 + step)
+    count = int(tr.microbatches or 1) * int(cfg.parallel.dp or 1)
+    data = torch.randint(0, VOCAB, (count, MICRO, SEQ + 1), generator=gen)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def _ref_key(key: str, ref: dict[str, torch.Tensor]) -> str:
+    return key if key in ref or key != "head.weight" else "embedding.word.weight"
+
+
+def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """3 Trainer steps on this rank's micro-batches: losses, full grads per step, full params.
+
+    With ``extra`` the Trainer's step is assembled by hand so that ``extra`` (executor options)
+    reaches the executor through the StepPlan; otherwise ``Trainer.train_step`` runs as is.
+    """
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+
+    trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
+    m, d = int(cfg.training.microbatches or 1), groups.dp_rank
+    losses, grads = [], []
+    for step in range(STEPS):
+        batches = step_batches(cfg, step)[d * m:(d + 1) * m]
+        if extra is None:
+            losses.append(trainer.train_step(batches)["loss"])
+        else:
+            trainer.optimizer.zero_grad()
+            plan = StepPlan(groups, step, cfg.parallel.schedule, extra=dict(extra),
+                            grad_sync=trainer.ddp.grad_sync_hook(m))
+            out = forward_backward(trainer.chunks, batches, plan)
+            trainer.ddp.finish_grad_sync()
+            reduce_sp_and_tied(trainer.chunks, groups, cfg.model.tie_embeddings)
+            trainer.optimizer.step()
+            losses.append(mean_loss(out, groups))
+        grads.append({p.sharding.key: gather_full(grad_of(p), p.sharding, groups.tp)
+                      for p in unique_params(trainer.chunks)})
+    trainer.ddp.finish_param_gather()
+    params = {p.sharding.key: gather_full(p, p.sharding, groups.tp)
+              for p in unique_params(trainer.chunks)}
+    return {"loss": losses, "grads": grads, "params": params, "stage": groups.pp_rank}
+
+
+def reference_run(cfg: Config) -> dict[str, Any]:
+    """The same 3 steps on the single-process model fed all dp x m micro-batches."""
+    par, tr = cfg.parallel, cfg.training
+    single = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(par, tp=1, pp=1, vp=1, dp=1, sp=False,
+                                          schedule="1f1b"),
+        training=dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * int(par.dp or 1),
+                                     global_batch_size=None))
+    return _reference(validate(resolve(single, 1), 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _reference(single: Config) -> dict[str, Any]:
+    """Cached per single-process config: schedules of the same model and batch share it."""
+    torch.set_num_threads(1)
+    return train_steps(single, ProcessGroups.single())
+
+
+def rank_train(cfg: Config, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """On each rank: the 3 steps; tp rank 0 returns its results."""
+    torch.set_num_threads(1)
+    par = cfg.parallel
+    groups = ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=int(par.dp or 1),
+                                              vp=par.vp))
+    out = train_steps(cfg, groups, extra)
+    return out if groups.tp_rank == 0 else None
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    """||a - b|| / max(||b||, floor). The floor only matters for key biases: their gradient is
+    mathematically zero (softmax is shift invariant), the computed one is rounding noise
+    ~1e-17, and Adam turns that noise into ~1e-11 parameter values; neither has a meaningful
+    relative error, so they are compared in absolute terms."""
+    return float((a - b).norm() / b.norm().clamp_min(floor))
+
+
+def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any]) -> None:
+    """Every returned rank matches the reference; every reference parameter is covered."""
+    seen: set[str] = set()
+    for r in results:
+        if r is None:
+            continue
+        for step in range(STEPS):
+            assert abs(r["loss"][step] - ref["loss"][step]) <= TOL * abs(ref["loss"][step]), (
+                f"step {step} loss {r['loss'][step]} != reference {ref['loss'][step]}")
+            for key, g in r["grads"][step].items():
+                err = _rel(g, ref["grads"][step][_ref_key(key, ref["params"])], 1e-6)
+                assert err <= TOL, f"stage {r['stage']} step {step} grad {key}: rel err {err:.2e}"
+        for key, p in r["params"].items():
+            err = _rel(p, ref["params"][_ref_key(key, ref["params"])], 1e-3)
+            assert err <= TOL, f"stage {r['stage']} param {key} after {STEPS} steps: {err:.2e}"
+            seen.add(_ref_key(key, ref["params"]))
+    assert seen == set(ref["params"]), f"parameters never compared: {set(ref['params']) - seen}"
+
+
+def check(run_ranks: Callable[..., list[Any]], cfg: Config,
+          extra: dict[str, Any] | None = None) -> None:
+    par = cfg.parallel
+    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, extra)
+    assert_parity(results, reference_run(cfg))
+
+
+CASES = [  # (pp, vp, schedule, m): m = pp, a multiple of pp, not a multiple
+    (pp, vp, sched, m)
+    for pp in (2, 4)
+    for vp, sched in ((1, "gpipe"), (1, "1f1b"), (1, "zb_h1"), (2, "interleaved_1f1b"))
+    for m in (pp, 2 * pp, pp + 1)
+]
+
+
+@pytest.mark.parametrize(("pp", "vp", "schedule", "m"), CASES,
+                         ids=[f"pp{p}-vp{v}-{s}-m{m}" for p, v, s, m in CASES])
+def test_schedule_parity(run_ranks: Callable[..., list[Any]], pp: int, vp: int, schedule: str,
+                         m: int) -> None:
+    arch = "gpt2" if (m + vp) % 2 else "llama"  # both archs, tied embeddings across stages
+    check(run_ranks, make_config(pp=pp, vp=vp, schedule=schedule, m=m, arch=arch))
+
+
+@pytest.mark.parametrize(("tp", "dp", "sp", "schedule", "vp", "arch"), [
+    (2, 1, False, "1f1b", 1, "gpt2"),
+    (2, 1, True, "interleaved_1f1b", 2, "llama"),
+    (1, 2, False, "zb_h1", 1, "gpt2"),
+    (1, 2, False, "interleaved_1f1b", 2, "gpt2"),
+    (2, 2, True, "1f1b", 1, "gpt2"),
+    (2, 2, True, "zb_h1", 1, "llama"),
+])
+def test_combined_layout_parity(run_ranks: Callable[..., list[Any]], tp: int, dp: int, sp: bool,
+                                schedule: str, vp: int, arch: str) -> None:
+    check(run_ranks, make_config(pp=2, vp=vp, schedule=schedule, m=3, tp=tp, dp=dp, sp=sp,
+                                 arch=arch))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1"])
+def test_switches_off_give_the_same_numbers(run_ranks: Callable[..., list[Any]],
+                                            schedule: str) -> None:
+    """No p2p overlap, no output deallocation: same numbers (a switch never changes results)."""
+    cfg = make_config(pp=2, vp=2 if schedule == "interleaved_1f1b" else 1, schedule=schedule,
+                      m=5, arch="gpt2")
+    check(run_ranks, cfg, {"overlap_p2p": False, "deallocate_outputs": False})

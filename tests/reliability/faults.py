@@ -1,0 +1,126 @@
+"""Fault injection for the reliability tests: ranks that misbehave on purpose.
+
+A :class:`Fault` hits one rank at one training step (1-based, the step being taken) of one
+attempt:
+  'hang'   the rank sleeps in Python (blocked outside any collective) for an hour;
+  'kill'   the rank SIGKILLs itself in the middle of the step's backward pass;
+  'nan'    the gradient of parameter ``param`` becomes NaN on that step;
+  'raise'  the rank raises RuntimeError at the start of the step.
+
+Run a job with a fault (same arguments as ``colonnade train``)::
+
+    python -m tests.reliability.faults --fault hang:1:3 --nproc 4 --parallel.tp=2 ...
+
+``install`` patches ``Trainer.train_step`` in the current process (used inside the spawned
+ranks and by in-process tests).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from colonnade.config.sections import Config
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What goes wrong, where and when."""
+
+    kind: str
+    rank: int
+    step: int
+    attempt: int = 0
+    param: str = "layers.1.mlp.down.weight"
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """'kind:rank:step[:attempt[:param]]'."""
+        kind, rank, step, *rest = text.split(":")
+        attempt = int(rest[0]) if rest else 0
+        param = rest[1] if len(rest) > 1 else cls.param
+        return cls(kind, int(rank), int(step), attempt, param)
+
+
+def _find(trainer: Any, key: str) -> torch.nn.Parameter | None:
+    for chunk in trainer.chunks:
+        for p in chunk.parameters():
+            if p.sharding.key == key:
+                return p
+    return None
+
+
+def install(fault: Fault) -> None:
+    """Patch ``Trainer.train_step`` so that ``fault`` happens (idempotent per process)."""
+    from colonnade.training.loop import Trainer
+
+    original = getattr(Trainer, "_unfaulted_train_step", Trainer.train_step)
+    Trainer._unfaulted_train_step = original  # type: ignore[attr-defined]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def train_step(self: Any, batches: list[Any]) -> dict[str, float]:
+        hit = (self.groups.rank == fault.rank and self.step + 1 == fault.step
+               and attempt == fault.attempt)
+        handles = []
+        if hit and fault.kind == "hang":
+            time.sleep(3600)
+        if hit and fault.kind == "raise":
+            raise RuntimeError(f"injected failure on rank {fault.rank} at step {fault.step}")
+        if hit and fault.kind in ("nan", "kill"):
+            p = _find(self, fault.param)
+            if p is None:  # this pp stage does not hold it: use its first parameter
+                p = next(iter(self.chunks[0].parameters()))
+            if fault.kind == "nan":
+                handles.append(p.register_hook(lambda g: torch.full_like(g, float("nan"))))
+            else:
+                handles.append(p.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL)))
+        try:
+            return original(self, batches)
+        finally:
+            for h in handles:
+                h.remove()
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (ranks of a persistent pool run later tests)."""
+    from colonnade.training.loop import Trainer
+
+    original = getattr(Trainer, "_unfaulted_train_step", None)
+    if original is not None:
+        Trainer.train_step = original  # type: ignore[method-assign]
+
+
+def faulty_rank(config: Config, fault: Fault) -> dict[str, Any]:
+    """A rank entry point: install the fault, then run the ordinary rank body."""
+    from colonnade.launch import run_rank
+
+    install(fault)
+    return run_rank(config)
+
+
+def main(argv: list[str]) -> int:
+    """``colonnade train`` with ``--fault kind:rank:step[:attempt[:param]]``."""
+    from colonnade.cli import build_parser
+    from colonnade.config.load import load_config
+    from colonnade.config.validate import resolve, validate
+    from colonnade.launch import launch
+
+    i = argv.index("--fault")
+    fault = Fault.parse(argv[i + 1])
+    rest = argv[:i] + argv[i + 2:]
+    args, extra = build_parser().parse_known_args(["train", *rest])
+    world = args.nproc * args.nnodes
+    config = validate(resolve(load_config(args.config, extra), world), world)
+    return launch(config, args, extra, entrypoint=faulty_rank, entry_args=(config, fault))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

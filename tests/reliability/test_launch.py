@@ -1,0 +1,147 @@
+"""Real jobs through the elastic launcher: multi-node, a killed rank, restart, a hung rank.
+
+Each test starts `colonnade train` (or the fault-injecting twin in ``faults.py``) as its own
+process tree on CPU/gloo with a tiny model, and asserts on exit codes, timings, the launcher's
+report, the ranks' dumps and the losses in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from colonnade.config.load import load_config
+from colonnade.training.setup import prepare_data
+from tests.reliability.jobs import alive, heartbeat, losses, start, tiny_args, write_corpus
+
+STEPS = 8
+JOB_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(text directory, prepared directory) shared by every job of this module."""
+    root = tmp_path_factory.mktemp("reliability_data")
+    text = write_corpus(root / "text")
+    prepared = root / "prepared"
+    prepare_data(load_config(None, tiny_args(text, prepared, root / "unused")), log=False)
+    return text, prepared
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[int, float]:
+    """Losses of an uninterrupted tp2 x dp2 run started by one launcher with --nproc 4."""
+    run = tmp_path_factory.mktemp("reference")
+    job = start(["train", "--nproc", "4", *tiny_args(*corpus, run, parallel__tp=2)],
+                run / "job.log")
+    assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1)), got
+    return got
+
+
+def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want), (got, want)
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=0.0), (step, got[step], loss)
+
+
+def test_two_launchers_nnodes2_match_one_launcher(corpus: tuple[Path, Path],
+                                                  reference: dict[int, float],
+                                                  tmp_path: Path) -> None:
+    """Two launchers x 2 ranks (--nnodes 2 on 127.0.0.1) train tp2 x dp2 like --nproc 4."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2)
+    nodes = [start(["train", "--nproc", "2", "--nnodes", "2", "--node-rank", str(i),
+                    "--rdzv-endpoint", endpoint, *args], tmp_path / f"node{i}.log")
+             for i in (1, 0)]
+    for node in nodes:
+        assert node.wait(JOB_TIMEOUT_S) == 0, node.output()
+    _assert_same_losses(losses(tmp_path), reference)
+    assert "tp2-dp2" in nodes[1].output()  # node 0 hosts rank 0, which prints the layout
+
+
+def test_kill_9_one_rank_fails_the_job_fast_and_names_it(corpus: tuple[Path, Path],
+                                                         tmp_path: Path) -> None:
+    """kill -9 of rank 2 mid-training: every rank gone within 60 s, exit 1, rank 2 named."""
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, training__steps=100_000,
+                     logging__log_interval=1000)
+    job = start(["train", "--nproc", "4", *args], tmp_path / "job.log")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    victim = None
+    while victim is None or int(victim["step"]) < 4:  # wait until rank 2 is training
+        assert job.proc.poll() is None, job.output()
+        assert time.monotonic() < deadline, job.output()
+        time.sleep(0.2)
+        victim = heartbeat(tmp_path, 2)
+    beats = [heartbeat(tmp_path, r) for r in range(4)]
+    pids = [int(b["pid"]) for b in beats if b is not None]
+    assert len(pids) == 4
+    os.kill(int(victim["pid"]), signal.SIGKILL)
+    killed_at = time.monotonic()
+    status = job.wait(JOB_TIMEOUT_S)
+    gone_after = time.monotonic() - killed_at
+    out = job.output()
+    assert status == 1, out
+    assert gone_after < 60, gone_after
+    assert not [p for p in pids if alive(p)], "ranks survived the failed job"
+    cause = next(line for line in out.splitlines() if "likely cause:" in line)
+    assert "likely cause: rank 2:" in cause, cause
+    assert "SIGKILL" in cause or "died without a Python error" in cause, cause
+    assert "on group '" in out  # the survivors name the collective they were in
+
+
+def test_max_restarts_resumes_from_latest_checkpoint(corpus: tuple[Path, Path],
+                                                     reference: dict[int, float],
+                                                     tmp_path: Path) -> None:
+    """Rank 2 SIGKILLs itself in step 5's backward; --max-restarts 1 resumes from step 4 and
+    the losses of every step equal the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, checkpoint__save=ckpt,
+                     checkpoint__interval=2)
+    job = start(["--fault", "kill:2:5", "--nproc", "4", "--max-restarts", "1", *args],
+                tmp_path / "job.log", module="tests.reliability.faults")
+    status = job.wait(JOB_TIMEOUT_S)
+    out = job.output()
+    assert status == 0, out
+    assert "likely cause: rank 2:" in out, out  # attempt 0's report, printed on restart
+    assert "restart 1: resuming from" in out and "step_00000004" in out, out
+    _assert_same_losses(losses(tmp_path), reference)
+
+
+def test_hung_rank_times_out_the_others_with_dumps(corpus: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    """Rank 1 blocks in Python at step 3: rank 0 fails with the timeout naming group 'tp' and
+    the operation; the report names rank 1 as stuck; both dumps hold stacks and collectives."""
+    timeout_s = 8
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, parallel__timeout_s=timeout_s,
+                     training__steps=50)
+    job = start(["--fault", "hang:1:3", "--nproc", "2", *args], tmp_path / "job.log",
+                module="tests.reliability.faults")
+    status = job.wait(JOB_TIMEOUT_S)
+    out = job.output()
+    assert status == 1, out
+    cause = next(line for line in out.splitlines() if "likely cause:" in line)
+    assert "rank 1: STUCK outside any collective" in cause and "at step 3" in cause, cause
+    timeout_line = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
+    assert "on group 'tp'" in timeout_line and "all_reduce(" in timeout_line, timeout_line
+    assert f"failed after {timeout_s}." in timeout_line, timeout_line
+    assert "timed out (parallel.timeout_s)" in timeout_line, timeout_line
+    stuck = (tmp_path / "failures" / "rank1-a0.txt").read_text()
+    assert "time.sleep(3600)" in stuck and "in train_step" in stuck, stuck
+    assert "in flight: nothing" in stuck and "last collective: all_reduce(" in stuck, stuck
+    waiting = (tmp_path / "failures" / "rank0-a0.txt").read_text()
+    assert "in flight: all_reduce(" in waiting and "group 'tp'" in waiting, waiting
+    assert "Thread 'MainThread'" in waiting, waiting
