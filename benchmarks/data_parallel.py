@@ -17,8 +17,9 @@ bucket_cap_mb = the same bytes; FSDP2 has no bucket size: its unit is one layer)
 interleaved round by round (order rotated), each run builds a fresh model, warms up, times
 ``steps`` steps; the table shows medians over all measured steps.
 
-Columns: step time, tokens/s, throughput ratio to torch DDP (median over rounds of the
-paired ratio: each run against torch DDP's run of the same round and rank), bytes on the wire
+Columns: step time (median, best), tokens/s, throughput ratio to torch DDP (median over rounds
+of the paired ratio: each run against torch DDP's run of the same round and rank; and "best",
+the ratio of the fastest steps, the least disturbed by other load on a shared machine), bytes on the wire
 per rank and step (Colonnade: counted by colonnade.parallel.comm; torch DDP: 2(n-1)/n x grad
 bytes, exact since every gradient is all-reduced once; FSDP2: counted by wrapping
 dist.all_gather_single / reduce_scatter_single), peak RSS growth of the rank during the run
@@ -360,8 +361,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], cfg: Config) -> dict[str, A
     base = rows["baseline"]["step_s"]
     for row in rows.values():
         row["exposed_est_s"] = row["step_s"] - base
+    best_ref = rows["torch_ddp"]["step_s_min"]
     for name, row in rows.items():
         row["vs_torch_ddp"] = _paired_ratio(runs["torch_ddp"], runs[name])
+        row["vs_torch_ddp_best"] = best_ref / row["step_s_min"]
     hidden = {}
     for kind in ("colonnade_ddp", "colonnade_zero1"):
         on, off = rows[kind]["grad_exposed_s"], rows[f"{kind}_no_overlap"]["grad_exposed_s"]
@@ -386,7 +389,8 @@ def _paired_ratio(ref: list[dict[str, Any]], other: list[dict[str, Any]]) -> flo
 
 def print_table(summary: dict[str, Any]) -> None:
     rows = summary["rows"]
-    head = (f"{'variant':<28}{'step ms':>9}{'tok/s':>9}{'vs DDP':>8}{'MB wire':>9}"
+    head = (f"{'variant':<28}{'step ms':>9}{'best ms':>9}{'tok/s':>9}{'vs DDP':>8}{'best':>6}"
+            f"{'MB wire':>9}"
             f"{'state MB':>9}{'RSS+ MB':>9}{'exp ms':>8}{'est ms':>8}")
     print(head)
     print("-" * len(head))
@@ -395,8 +399,9 @@ def print_table(summary: dict[str, Any]) -> None:
             return f"{r[key] / 2**20:9.2f}" if key in r else f"{'-':>9}"
 
         exp = f"{1e3 * r['exposed_s']:8.1f}" if "exposed_s" in r else f"{'-':>8}"
-        print(f"{name:<28}{1e3 * r['step_s']:9.1f}{r['tokens_per_s']:9.0f}"
-              f"{r['vs_torch_ddp']:8.2f}{mb('wire_bytes')}{mb('state_bytes')}"
+        print(f"{name:<28}{1e3 * r['step_s']:9.1f}{1e3 * r['step_s_min']:9.1f}"
+              f"{r['tokens_per_s']:9.0f}{r['vs_torch_ddp']:8.2f}{r['vs_torch_ddp_best']:6.2f}"
+              f"{mb('wire_bytes')}{mb('state_bytes')}"
               f"{mb('rss_peak_bytes')}{exp}{1e3 * r['exposed_est_s']:8.1f}")
     print("gradient communication hidden by overlap:",
           ", ".join(f"{k} {100 * v:.0f}%" for k, v in summary["grad_comm_hidden_fraction"]

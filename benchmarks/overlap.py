@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -307,45 +308,74 @@ def bench_pipeline(pool: RankPool, size: dict[str, int], rounds: int,
     return table
 
 
+SECTIONS = ("probe", "block", "model", "pp")
+
+
+def print_probe(probe: dict[str, float]) -> None:
+    """The probe's numbers of one rank."""
+    print("probe (2 ranks, 1 MiB all-gather vs 384^3 matmul), rank 0:")
+    for key, value in probe.items():
+        unit = " ms" if key.endswith("_s") else ""
+        print(f"  {key:<24} {value * 1e3 if unit else value:>8.3f}{unit}")
+
+
+def run_sections(pool: RankPool, sections: list[str], size: dict[str, int], rounds: int,
+                 steps: int, quick: bool) -> dict[str, Any]:
+    """Run the chosen measurements; returns their report entries."""
+    report: dict[str, Any] = {}
+    if "probe" in sections:
+        report["probe"] = pool.run(probe_rank, 1 << 18, 384, 10 if quick else 40)
+        print_probe(report["probe"][0])
+    if "block" in sections:
+        ffn = -(-(8 * size["hidden"] // 3) // 64) * 64
+        res = pool.run(block_rank, size["hidden"], ffn, size["seq"], rounds, 3 * steps)
+        report["tp2_sp_mlp_block"] = summarise(res, size["seq"], "tp", lambda _: "chunks=1")
+        print_table("tp=2 + sp, one SwiGLU MLP block forward+backward", report["tp2_sp_mlp_block"])
+    if "model" in sections:
+        configs = {f"chunks={n}": bench_config(2, 1, n, **size) for n in CHUNKS}
+        extras: dict[str, dict[str, object]] = {name: {} for name in configs}
+        res = pool.run(variants_rank, configs, extras, rounds, steps)
+        tokens = size["seq"] * size["micro"] * size["microbatches"]
+        report["tp2_sp"] = summarise(res, tokens, "tp", lambda _: "chunks=1")
+        report["tp2_sp_ops_rank0_last_step"] = {k: v[-1]["ops"] for k, v in res[0].items()}
+        print_table("tp=2 + sp, llama training step, tp communication", report["tp2_sp"])
+    if "pp" in sections:
+        if importlib.util.find_spec("colonnade.pipeline.executor") is not None:
+            pp_size = {**size, "hidden": size["hidden"] // 2}
+            report["pp2"] = bench_pipeline(pool, pp_size, rounds, steps)
+        else:
+            report["pp2"] = "skipped: colonnade/pipeline/executor.py does not exist yet"
+            print(f"\npp=2: {report['pp2']}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="small model, 2 rounds (smoke)")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    if unknown := sorted(set(sections) - set(SECTIONS)):
+        parser.error(f"--sections: unknown {unknown}; choose from {SECTIONS}")
     size = (dict(hidden=128, layers=2, seq=64, micro=1, microbatches=1) if args.quick else
             dict(hidden=512, layers=2, seq=512, micro=1, microbatches=1))
     rounds = 2 if args.quick else args.rounds
-    report: dict[str, Any] = {"machine": {"cpus": torch.get_num_threads(),
-                                          "torch": torch.__version__, "backend": "gloo"},
-                              "rounds": rounds, "steps_per_round": args.steps, "model": size}
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "gloo",
+                    "threads_per_rank": 1, "load_average_before": os.getloadavg()},
+        "rounds": rounds, "steps_per_round": args.steps, "model": size}
     with RankPool(2, timeout_s=3600) as pool:
-        probe = pool.run(probe_rank, 1 << 18, 384, 10 if args.quick else 30)
-        report["probe"] = probe
-        print("probe (2 ranks, 1 MiB all-gather vs 384^3 matmul), rank 0:")
-        for key, value in probe[0].items():
-            print(f"  {key:<24} {value * 1e3 if key.endswith('_s') else value:>8.3f}"
-                  f"{' ms' if key.endswith('_s') else ''}")
-        ffn = -(-(8 * size["hidden"] // 3) // 64) * 64
-        res = pool.run(block_rank, size["hidden"], ffn, size["seq"], rounds, 3 * args.steps)
-        report["tp2_sp_mlp_block"] = summarise(res, size["seq"], "tp", lambda _: "chunks=1")
-        print_table("tp=2 + sp, one SwiGLU MLP block forward+backward", report["tp2_sp_mlp_block"])
-        configs = {f"chunks={n}": bench_config(2, 1, n, **size) for n in CHUNKS}
-        extras: dict[str, dict[str, object]] = {name: {} for name in configs}
-        res = pool.run(variants_rank, configs, extras, rounds, args.steps)
-        tokens = size["seq"] * size["micro"] * size["microbatches"]
-        report["tp2_sp"] = summarise(res, tokens, "tp", lambda _: "chunks=1")
-        report["tp2_sp_ops_rank0_last_step"] = {k: v[-1]["ops"] for k, v in res[0].items()}
-        print_table("tp=2 + sp, tp communication (gloo, 1 thread per rank)", report["tp2_sp"])
-        if importlib.util.find_spec("colonnade.pipeline.executor") is not None:
-            report["pp2"] = bench_pipeline(pool, size, rounds, args.steps)
-        else:
-            report["pp2"] = "skipped: colonnade/pipeline/executor.py does not exist yet"
-            print(f"\npp=2: {report['pp2']}")
+        report.update(run_sections(pool, sections, size, rounds, args.steps, args.quick))
+    report["machine"]["load_average_after"] = os.getloadavg()
+    print(f"\nload average before {report['machine']['load_average_before']}, after "
+          f"{report['machine']['load_average_after']} ({os.cpu_count()} cpus)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.json}")
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ zb_h1, and torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleI
 is forward + backward of all micro-batches (no optimizer). Variants are interleaved round by
 round (order rotated each round) after warm-up; numbers are medians over rounds.
 
-Step time = last rank's end - first rank's start (one machine: perf_counter is one clock).
+Step time = last rank's end - first rank's start (one machine: perf_counter is one clock);
+tokens/s = m b s / step time. CPU time = process time summed over ranks (gloo threads included):
+on a shared, oversubscribed machine the wall clock mostly measures the other tenants, while
+CPU seconds per step measure the work each implementation does; both are compared to torch.
 Bubble of a stage = idle / step = 1 - busy / step, busy = the stage's summed compute time
 (F, B, W, timestamped by the executor). Theory, as idle / step:
 * formula (equal stages): x / (1 + x) with x = idle / ideal = (p - 1) / m (gpipe, 1F1B),
@@ -161,11 +164,11 @@ def bench_rank(args: dict[str, Any]) -> dict[str, Any]:
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             groups.world.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             info = runners[name]()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             if r >= args["warmup"]:
-                out[name].append({"t0": t0, "t1": t1, **info})
+                out[name].append({"t0": t0, "t1": t1, "cpu": c1 - c0, **info})
     return {"stage": groups.pp_rank, "runs": out}
 
 
@@ -205,9 +208,12 @@ def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[st
         steps = [max(r["runs"][name][i]["t1"] for r in ranks)
                  - min(r["runs"][name][i]["t0"] for r in ranks) for i in range(rounds)]
         step = statistics.median(steps)
+        cpu = statistics.median(sum(r["runs"][name][i]["cpu"] for r in ranks)
+                                for i in range(rounds))
         row: dict[str, Any] = {"pp": p, "m": m, "impl": impl, "schedule": sched,
                                "torch_class": TORCH[sched] if impl == "torch" else None,
                                "step_s": step, "tokens_per_s": tokens / step,
+                               "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu,
                                "step_s_all": steps}
         if impl == "colonnade":
             per_stage = sorted(ranks, key=lambda r: r["stage"])
@@ -233,15 +239,18 @@ def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[st
         twin = [r for r in rows if r["impl"] == "torch" and r["schedule"] == row["schedule"]]
         if row["impl"] == "colonnade" and twin:
             row["speedup_vs_torch"] = twin[0]["step_s"] / row["step_s"]
+            row["cpu_efficiency_vs_torch"] = twin[0]["cpu_s"] / row["cpu_s"]
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'pp':>2} {'impl':9} {'schedule':17} {'tok/s':>8} {'vs torch':>8} {'bubble':>7} "
+    print(f"{'pp':>2} {'impl':9} {'schedule':17} {'tok/s':>7} {'vs torch':>8} {'tok/cpu-s':>9} "
+          f"{'vs torch':>8} {'bubble':>7} "
           f"{'formula':>7} {'sim':>6} {'meas/form':>9}  peak stashed (checker)")
     for r in rows:
-        line = (f"{r['pp']:>2} {r['impl']:9} {r['schedule']:17} {r['tokens_per_s']:>8.0f} "
-                f"{r.get('speedup_vs_torch', float('nan')):>8.2f}")
+        line = (f"{r['pp']:>2} {r['impl']:9} {r['schedule']:17} {r['tokens_per_s']:>7.0f} "
+                f"{r.get('speedup_vs_torch', float('nan')):>8.2f} {r['tokens_per_cpu_s']:>9.0f} "
+                f"{r.get('cpu_efficiency_vs_torch', float('nan')):>8.2f}")
         if r["impl"] == "colonnade":
             ratio = r["bubble_measured"] / r["bubble_theory_formula"]
             line += (f" {r['bubble_measured']:>7.3f} {r['bubble_theory_formula']:>7.3f} "
@@ -256,7 +265,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=8)

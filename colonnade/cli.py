@@ -139,7 +139,8 @@ def _failure_status(err: BaseException) -> int | None:
     from colonnade.data.errors import DataError
 
     fmt = sys.modules.get("colonnade.checkpoint.format")
-    if isinstance(err, DataError) or (fmt is not None and isinstance(err, fmt.CheckpointError)):
+    if isinstance(err, (DataError, FileNotFoundError)) or (
+            fmt is not None and isinstance(err, fmt.CheckpointError)):
         return 2
     nan = sys.modules.get("colonnade.reliability.nan")
     if nan is not None and isinstance(err, nan.NonFiniteError):

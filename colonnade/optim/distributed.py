@@ -11,8 +11,9 @@ the parameter buffer in place (8 or 16 bytes of moments). With ZeRO-1 the owned 
 
 Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), unscaled by the
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
-otherwise gradients are multiplied by clip_coefficient / S, AdamW updates the masters with the
-scheduled LR, masters are cast into the parameter buffer and (ZeRO-1) gathered.
+otherwise AdamW updates the masters with the scheduled LR from the gradients times
+clip_coefficient / S (applied inside the update: the main gradients stay as reduced), masters
+are cast into the parameter buffer and (ZeRO-1) gathered.
 """
 
 from __future__ import annotations
@@ -150,11 +151,9 @@ class DistributedOptimizer:
         if found_inf:
             return info
         coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
-        if coef != 1.0:
-            torch._foreach_mul_(self.grads, coef)
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
         adamw_update(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs, self.decayed,
-                     self.step_count + 1, hp)
+                     self.step_count + 1, hp, grad_scale=coef)
         if self.own_masters:
             data = self.ddp.buffers.param_data
             with torch.no_grad():

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+MAX_IN_FLIGHT = 4096
+"""Records of un-waited operations kept at most (older ones are dropped)."""
+
 
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names group, ranks and operation."""
@@ -97,6 +100,8 @@ class CommStats:
         self.posted += 1
         self.last = rec
         self.in_flight[self.posted] = rec
+        if len(self.in_flight) > MAX_IN_FLIGHT:  # a handle dropped without wait(): forget it
+            self.in_flight.pop(next(iter(self.in_flight)))
         return self.posted
 
     def finish(self, seq: int) -> None:

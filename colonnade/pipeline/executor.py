@@ -142,7 +142,8 @@ class StageExecutor:
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
         ctx = chunks[0].ctx
         hidden = chunks[0].cfg.hidden_size
-        device = next(iter(chunks[0].parameters())).device
+        device = next((p.device for c in chunks for p in c.parameters()),
+                      ctx.device or torch.device("cpu"))  # a chunk may hold no layers
         self.comm = PipeComm(groups.pp, self.stage, lists,
                              lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp),
                              ctx.dtype, device)
@@ -255,7 +256,8 @@ class StageExecutor:
         x, y = self.stash.pop((k, c))
         v = self._virtual(c)
         if self.splits_w:
-            dx, pending = backward_input(y, dy, x, self.params[c])
+            full = self.chunks[c].layer_runner is not None  # full recompute: one W pass
+            dx, pending = backward_input(y, dy, x, self.params[c], full_pass=full)
             self.pending_w[(k, c)] = pending
             self.result.peak_pending_w = max(self.result.peak_pending_w, len(self.pending_w))
         else:

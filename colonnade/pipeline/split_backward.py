@@ -19,8 +19,9 @@ from y to a parameter leaves the x-paths at exactly one (boundary, weight edge) 
 gradient arriving there is the same in both. If some parameter is reachable from two boundaries
 (a weight used twice inside one chunk), the per-boundary calls would each follow the other's
 path; then W falls back to a second full pass ``backward(y, dy, inputs=params)`` (same result,
-more compute). Chunks without an input that needs a gradient (the first virtual stage) have
-nothing to split: B does nothing and W runs the whole backward.
+more compute); so it does with full recomputation (see ``backward_input``). Chunks without an
+input that needs a gradient (the first virtual stage) have nothing to split: B does nothing
+and W runs the whole backward.
 """
 
 from __future__ import annotations
@@ -113,9 +114,14 @@ def find_boundaries(output: torch.Tensor, x: torch.Tensor,
 
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
-                   params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor | None,
-                                                                   PendingWeightGrad]:
-    """B: dx = (dy/dx)^T grad_output, keeping what W needs. Returns (dx or None, pending W)."""
+                   params: Sequence[torch.nn.Parameter], *, full_pass: bool = False
+                   ) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+    """B: dx = (dy/dx)^T grad_output, keeping what W needs. Returns (dx or None, pending W).
+
+    ``full_pass`` makes W one second pass instead of one engine call per boundary: needed with
+    full activation recomputation, where every engine call that unpacks a checkpointed
+    block's saved tensors recomputes the block (one recompute instead of one per boundary).
+    """
     params = [p for p in params if p.requires_grad]
     pending = PendingWeightGrad(output, grad_output, params)
     if x is not None and output is x:  # a chunk without layers: dy passes straight through
@@ -123,7 +129,7 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: to
     if x is None or output.grad_fn is None:
         pending.full_pass = True
         return None, pending
-    boundaries = find_boundaries(output, x, params)
+    boundaries = None if full_pass else find_boundaries(output, x, params)
     if boundaries is None:
         pending.full_pass = True
         (dx,) = torch.autograd.grad(output, x, grad_output, retain_graph=True)

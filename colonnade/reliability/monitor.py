@@ -255,7 +255,8 @@ class RankMonitor:
 
     def _install_signals(self) -> None:
         self._previous["faulthandler"] = faulthandler.is_enabled()
-        faulthandler.enable(file=sys.stderr, all_threads=True)
+        if not self._previous["faulthandler"]:  # keep one already set up (pytest's, say)
+            faulthandler.enable(file=sys.stderr, all_threads=True)
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)

@@ -35,14 +35,17 @@ TOL = 1e-10
 
 
 def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int = 1,
-                dp: int = 1, sp: bool = False, arch: str = "llama") -> Config:
+                dp: int = 1, sp: bool = False, arch: str = "llama",
+                layout: tuple[int, ...] | None = None) -> Config:
     """A tiny float64 model with one layer per virtual stage (embedding and head on top)."""
     gpt2 = arch == "gpt2"
-    model = ModelConfig(arch=arch, num_layers=pp * vp, hidden_size=32, num_heads=4,
+    layers = sum(layout) if layout is not None else pp * vp
+    model = ModelConfig(arch=arch, num_layers=layers, hidden_size=32, num_heads=4,
                         num_kv_heads=2 if not gpt2 else None, vocab_size=VOCAB, max_seq_len=SEQ,
                         bias=gpt2, tie_embeddings=gpt2, hidden_dropout=0.1,
                         attention_dropout=0.1 if gpt2 else 0.0)
-    par = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule)
+    par = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule,
+                         pipeline_layout=layout)
     tr = TrainingConfig(steps=STEPS, seq_len=SEQ, micro_batch_size=MICRO, microbatches=m,
                         precision="fp64", seed=7, eval_interval=0)
     opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0, clip_grad=0.05, weight_decay=0.1)
@@ -103,7 +106,7 @@ def reference_run(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
     single = dataclasses.replace(
         cfg, parallel=dataclasses.replace(par, tp=1, pp=1, vp=1, dp=1, sp=False,
-                                          schedule="1f1b"),
+                                          schedule="1f1b", pipeline_layout=None),
         training=dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * int(par.dp or 1),
                                      global_batch_size=None))
     return _reference(validate(resolve(single, 1), 1))
@@ -190,6 +193,16 @@ def test_combined_layout_parity(run_ranks: Callable[..., list[Any]], tp: int, dp
                                  arch=arch))
 
 
+@pytest.mark.parametrize(("schedule", "vp", "layout"), [
+    ("zb_h1", 1, (3, 1)),  # uneven stages
+    ("interleaved_1f1b", 2, (2, 0, 1, 1)),  # a virtual stage without layers passes through
+])
+def test_uneven_layout_parity(run_ranks: Callable[..., list[Any]], schedule: str, vp: int,
+                              layout: tuple[int, ...]) -> None:
+    check(run_ranks, make_config(pp=2, vp=vp, schedule=schedule, m=3, arch="gpt2",
+                                 layout=layout))
+
+
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1"])
 def test_switches_off_give_the_same_numbers(run_ranks: Callable[..., list[Any]],
                                             schedule: str) -> None:
@@ -197,3 +210,13 @@ def test_switches_off_give_the_same_numbers(run_ranks: Callable[..., list[Any]],
     cfg = make_config(pp=2, vp=2 if schedule == "interleaved_1f1b" else 1, schedule=schedule,
                       m=5, arch="gpt2")
     check(run_ranks, cfg, {"overlap_p2p": False, "deallocate_outputs": False})
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_zero_bubble_with_recompute_parity(run_ranks: Callable[..., list[Any]],
+                                           recompute: str) -> None:
+    """W after recomputed blocks (full: W runs one second pass, selective: per boundary)."""
+    cfg = make_config(pp=2, schedule="zb_h1", m=3, arch="gpt2")
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                recompute=recompute))
+    check(run_ranks, cfg)

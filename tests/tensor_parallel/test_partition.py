@@ -207,6 +207,34 @@ def test_model_step_chunked_equals_unchunked(run_ranks: Callable[..., list[Any]]
             assert_same_step(res[1], res[n], f"{arch} tp{tp} rank {rank} chunks={n}")
 
 
+def bf16_rank(config: Config) -> dict[int, dict[str, Any]]:
+    """Rank function: one bf16 step (bf16 params and activations), unchunked and 4 chunks."""
+    torch.set_num_threads(1)
+    groups = ProcessGroups.build(ParallelDims(tp=config.parallel.tp))
+    (batches,) = make_batches(config)
+    out = {}
+    for n in (1, 4):
+        chunks = build_chunks(with_chunks(config, n), groups, dtype=torch.bfloat16)
+        losses = forward_backward(chunks, batches, StepPlan(groups, 0))
+        reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
+        out[n] = {"losses": losses,
+                  "grads": {k: v.float() for k, v in full_tensors(chunks, groups, True).items()}}
+    return out
+
+
+def test_bf16_step_chunked_close_to_unchunked(run_ranks: Callable[..., list[Any]]) -> None:
+    """bf16 rounds each chunk's matmul alone, so only closeness is expected: loss within
+    1e-2 and every gradient within 5e-2 relative (a wrong row order gives errors near 1)."""
+    config = tiny_config("llama", 2, True, steps=1)
+    for rank, res in enumerate(run_ranks(2, bf16_rank, config)):
+        err = rel_err(torch.tensor(res[4]["losses"]), torch.tensor(res[1]["losses"]))
+        assert err <= 1e-2, f"rank {rank}: bf16 losses {res[4]['losses']} vs {res[1]['losses']}"
+        for key, ref in res[1]["grads"].items():
+            if float(ref.norm()) > 1e-3 * max(float(g.norm()) for g in res[1]["grads"].values()):
+                err = rel_err(res[4]["grads"][key], ref)
+                assert err <= 5e-2, f"rank {rank}: bf16 gradient {key} relative error {err:.3e}"
+
+
 def pipeline_rank(config: Config, variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rank function (tp2 x pp2): the same step under each (tp_comm_chunks, overlap_p2p)."""
     torch.set_num_threads(1)
