@@ -86,17 +86,18 @@ def comm_report(stats: CommStats, prefix: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------- 1. probe
 
 
-def _median_time(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+def _timed(fn: Any) -> float:
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
 
 
 def probe_rank(numel: int, mm: int, reps: int) -> dict[str, float]:
-    """Rank function: all-gather alone, matmul alone, and the two overlapped (plus sleep)."""
+    """Rank function: all-gather alone, matmul alone, and the two overlapped (plus sleep).
+
+    The four measurements are interleaved within every repetition (robust to load drift);
+    medians over repetitions.
+    """
     torch.set_num_threads(1)
     groups = ProcessGroups.build(ParallelDims(tp=2))
     group = groups.tp
@@ -110,29 +111,32 @@ def probe_rank(numel: int, mm: int, reps: int) -> dict[str, float]:
     def compute() -> None:
         a.mm(b)
 
+    def overlapped(work: Any) -> tuple[float, float, float]:
+        group.barrier()
+        begin = time.perf_counter()
+        handle = group.all_gather_into(out, x, async_op=True)
+        work()
+        mid = time.perf_counter()
+        handle.wait()
+        end = time.perf_counter()
+        return end - begin, mid - begin, end - mid
+
     comm()
-    group.barrier()
-    c_alone = _median_time(comm, reps)
-    t_alone = _median_time(compute, reps)
-    res = {"comm_alone_s": c_alone, "compute_alone_s": t_alone}
-    for label, work in (("matmul", compute), ("sleep", lambda: time.sleep(t_alone))):
-        totals, waits, works = [], [], []
-        for _ in range(reps):
-            group.barrier()
-            begin = time.perf_counter()
-            handle = group.all_gather_into(out, x, async_op=True)
-            work()
-            mid = time.perf_counter()
-            handle.wait()
-            end = time.perf_counter()
-            totals.append(end - begin)
-            waits.append(end - mid)
-            works.append(mid - begin)
-        both = statistics.median(totals)
-        res[f"{label}_both_s"] = both
-        res[f"{label}_during_comm_s"] = statistics.median(works)
-        res[f"{label}_waited_s"] = statistics.median(waits)
-        res[f"{label}_hidden_fraction"] = (c_alone + t_alone - both) / min(c_alone, t_alone)
+    samples: dict[str, list[float]] = {}
+    for _ in range(reps):
+        group.barrier()
+        row = {"comm_alone_s": _timed(comm), "compute_alone_s": _timed(compute)}
+        nap = row["compute_alone_s"]
+        for label, work in (("matmul", compute), ("sleep", lambda t=nap: time.sleep(t))):
+            both, during, waited = overlapped(work)
+            row |= {f"{label}_both_s": both, f"{label}_during_comm_s": during,
+                    f"{label}_waited_s": waited}
+        for key, value in row.items():
+            samples.setdefault(key, []).append(value)
+    res = {key: statistics.median(values) for key, values in samples.items()}
+    c, t = res["comm_alone_s"], res["compute_alone_s"]
+    for label in ("matmul", "sleep"):
+        res[f"{label}_hidden_fraction"] = (c + t - res[f"{label}_both_s"]) / min(c, t)
     return res
 
 
@@ -165,6 +169,9 @@ def block_rank(hidden: int, ffn: int, seq: int, rounds: int,
     shapes = [(ffn // 2, hidden), (ffn // 2, hidden), (hidden, ffn // 2)]
     weights = [(torch.randn(shape, generator=gen) * 0.02).requires_grad_() for shape in shapes]
     grad = torch.randn(seq // 2, 1, hidden, generator=gen)
+    # The same matmuls and copies with no communication: a group of one, the full sequence.
+    alone, x_full = ProcessGroups.single().tp, torch.randn(seq, 1, hidden).requires_grad_()
+    grad_full = torch.randn(seq, 1, hidden)
     variants = {"chunks=1": (1, True)}
     variants |= {f"chunks={n} shared": (n, True) for n in CHUNKS[1:]}
     variants |= {f"chunks={n} separate": (n, False) for n in CHUNKS[1:]}
@@ -178,8 +185,12 @@ def block_rank(hidden: int, ffn: int, seq: int, rounds: int,
                 begin = time.perf_counter()
                 _block(x, weights, groups.tp, *variants[name]).backward(grad)
                 wall = time.perf_counter() - begin
+                tp = comm_report(groups.stats, "tp/")
+                begin = time.perf_counter()
+                _block(x_full, weights, alone, *variants[name]).backward(grad_full)
+                compute = time.perf_counter() - begin
                 if r > 0:
-                    out[name].append({"wall_s": wall, "tp": comm_report(groups.stats, "tp/")})
+                    out[name].append({"wall_s": wall, "tp": tp, "compute_only_s": compute})
     return out
 
 
@@ -268,6 +279,11 @@ def summarise(per_rank: list[dict[str, list[dict[str, Any]]]], tokens: int, grou
         table[name] = {"step_s": wall, "tokens_per_s": tokens / wall,
                        "exposed_s": med("exposed_s"), "in_flight_s": med("in_flight_s"),
                        "calls": med("calls"), "samples": float(len(steps))}
+        table[name]["step_minus_exposed_s"] = statistics.median(
+            max(s["wall_s"] - s[group]["exposed_s"] for s in step) for step in steps)
+        if "compute_only_s" in steps[0][0]:
+            table[name]["compute_only_s"] = statistics.median(
+                max(s["compute_only_s"] for s in step) for step in steps)
     for name, row in table.items():
         base = table[baseline(name)]
         row["exposed_vs_off"] = row["exposed_s"] / base["exposed_s"] - 1
@@ -276,16 +292,23 @@ def summarise(per_rank: list[dict[str, list[dict[str, Any]]]], tokens: int, grou
 
 
 def print_table(title: str, table: dict[str, dict[str, float]]) -> None:
-    """One line per variant."""
+    """One line per variant; with ``compute_only_s``: the step less its exposed time (compute
+    while communicating) and the same compute with no communication at all."""
     print(f"\n{title}")
+    extra = "compute_only_s" in next(iter(table.values()))
     head = (f"{'variant':<18} {'step ms':>8} {'tok/s':>8} {'in flight ms':>12} "
-            f"{'exposed ms':>10} {'exposed vs off':>14} {'step vs off':>11}")
+            f"{'exposed ms':>10} {'exposed vs off':>14} {'step vs off':>11} "
+            f"{'step-exposed ms':>15}" + (f" {'no-comm ms':>10}" if extra else ""))
     print(head)
     print("-" * len(head))
     for name, r in table.items():
-        print(f"{name:<18} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>8.0f} "
-              f"{r['in_flight_s'] * 1e3:>12.1f} {r['exposed_s'] * 1e3:>10.1f} "
-              f"{r['exposed_vs_off']:>+14.1%} {r['step_vs_off']:>+11.1%}")
+        line = (f"{name:<18} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>8.0f} "
+                f"{r['in_flight_s'] * 1e3:>12.1f} {r['exposed_s'] * 1e3:>10.1f} "
+                f"{r['exposed_vs_off']:>+14.1%} {r['step_vs_off']:>+11.1%} "
+                f"{r['step_minus_exposed_s'] * 1e3:>15.1f}")
+        if extra:
+            line += f" {r['compute_only_s'] * 1e3:>10.1f}"
+        print(line)
 
 
 def bench_pipeline(pool: RankPool, size: dict[str, int], rounds: int,
@@ -313,7 +336,7 @@ SECTIONS = ("probe", "block", "model", "pp")
 
 def print_probe(probe: dict[str, float]) -> None:
     """The probe's numbers of one rank."""
-    print("probe (2 ranks, 1 MiB all-gather vs 384^3 matmul), rank 0:")
+    print("probe (2 ranks, all-gather of 4 MiB per rank vs a 640^3 matmul), rank 0:")
     for key, value in probe.items():
         unit = " ms" if key.endswith("_s") else ""
         print(f"  {key:<24} {value * 1e3 if unit else value:>8.3f}{unit}")
@@ -324,7 +347,7 @@ def run_sections(pool: RankPool, sections: list[str], size: dict[str, int], roun
     """Run the chosen measurements; returns their report entries."""
     report: dict[str, Any] = {}
     if "probe" in sections:
-        report["probe"] = pool.run(probe_rank, 1 << 18, 384, 10 if quick else 40)
+        report["probe"] = pool.run(probe_rank, 1 << 20, 640, 10 if quick else 60)
         print_probe(report["probe"][0])
     if "block" in sections:
         ffn = -(-(8 * size["hidden"] // 3) // 64) * 64
@@ -356,13 +379,15 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (tp sections)")
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="small model, 2 rounds (smoke)")
     args = parser.parse_args()
     sections = args.sections.split(",")
     if unknown := sorted(set(sections) - set(SECTIONS)):
         parser.error(f"--sections: unknown {unknown}; choose from {SECTIONS}")
     size = (dict(hidden=128, layers=2, seq=64, micro=1, microbatches=1) if args.quick else
-            dict(hidden=512, layers=2, seq=512, micro=1, microbatches=1))
+            dict(hidden=args.hidden, layers=2, seq=args.seq, micro=1, microbatches=1))
     rounds = 2 if args.quick else args.rounds
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "backend": "gloo",

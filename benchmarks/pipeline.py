@@ -7,7 +7,8 @@ model and the same m micro-batches: Colonnade's gpipe, 1f1b, interleaved_1f1b (v
 zb_h1, and torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
 (vp = 2, same layer placement) and ScheduleZBVZeroBubble (2 V-placed stages per rank). A step
 is forward + backward of all micro-batches (no optimizer). Variants are interleaved round by
-round (order rotated each round) after warm-up; numbers are medians over rounds.
+round (order rotated, and reversed every other round) after warm-up; numbers are medians over
+rounds.
 
 Step time = last rank's end - first rank's start (one machine: perf_counter is one clock);
 tokens/s = m b s / step time. CPU time = process time summed over ranks (gloo threads included):
@@ -17,7 +18,7 @@ Bubble of a stage = idle / step = 1 - busy / step, busy = the stage's summed com
 (F, B, W, timestamped by the executor). Theory, as idle / step:
 * formula (equal stages): x / (1 + x) with x = idle / ideal = (p - 1) / m (gpipe, 1F1B),
   (p - 1) / (v m) (interleaved), (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) (ZB-H1,
-  T_* the measured mean durations);
+  T_* the measured mean durations of the stages after the first);
 * sim: the same action lists replayed (colonnade.pipeline.simulate.replay) with each stage's
   measured mean F / B / W durations and free communication: what the schedule costs on this
   model's actual (unequal: embedding on the first stage, head + loss on the last) stages.
@@ -162,7 +163,8 @@ def bench_rank(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args["warmup"] + args["rounds"]):
         shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in order[::-1] if r % 2 else order:  # each pair runs in both orders
             groups.world.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             info = runners[name]()
@@ -222,7 +224,10 @@ def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[st
                        for r in per_stage]
             means = [{k: statistics.median(run["mean"][k] for run in r["runs"][name])
                       for k in r["runs"][name][0]["mean"]} for r in per_stage]
-            overall = {k: statistics.mean(s[k] for s in means) for k in means[0]}
+            # ZB-H1's first stage has no input gradient: its B is empty and W is the whole
+            # backward, so T_F, T_B, T_W of the formula come from the other stages.
+            typical = means[1:] if sched == "zb_h1" and len(means) > 1 else means
+            overall = {k: statistics.mean(s[k] for s in typical) for k in typical[0]}
             report = check_schedule(build_schedule(sched, p, OURS[sched], m), p, OURS[sched], m)
             row.update({
                 "bubble_measured": statistics.mean(bubbles),
@@ -283,14 +288,14 @@ def main() -> None:
     if a.quick:
         args.update(rounds=2, warmup=1, hidden=64, seq=32, vocab=128)
     rows: list[dict[str, Any]] = []
-    began = time.perf_counter()
+    began, load = time.perf_counter(), os.getloadavg()
     for p in a.pp:
         spec = {**args, "pp": p}
         with RankPool(p, timeout_s=900.0) as pool:
             ranks = pool.run(bench_rank, spec)
         rows += summarise(spec, ranks)
     print_table(rows)
-    machine = {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
+    machine = {"cpus": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
                "torch": torch.__version__, "wall_s": time.perf_counter() - began}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({"args": args, "machine": machine, "rows": rows}, indent=1))

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from colonnade.config.sections import Config, ParallelConfig
-from colonnade.data_parallel.buffer import Bucket, FlatBuffers
+from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
 
@@ -138,10 +138,14 @@ class DataParallel:
         if not self._sync:
             return
         index = self.buffers.slot(param).bucket  # type: ignore[arg-type]
+        if self._grad_handles[index] is not None:
+            raise RuntimeError(
+                f"a gradient of {param_key(param)} arrived after its bucket's reduction was "  # type: ignore[arg-type]
+                "launched: the parameter is accumulated twice in the last micro-batch's "
+                "backward; set parallel.overlap_grad_reduce=false for this model")
         ready = self._ready[index]
         ready.add(id(param))
-        if (self.cfg.overlap_grad_reduce and len(ready) == len(self.buckets[index].params)
-                and self._grad_handles[index] is None):
+        if self.cfg.overlap_grad_reduce and len(ready) == len(self.buckets[index].params):
             self._launch_reduce(index)
             self.launched_in_backward += 1
 

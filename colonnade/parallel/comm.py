@@ -162,6 +162,10 @@ class Handle:
         self._entry.in_flight_s += end - self._start
         self.done = True
 
+    def is_completed(self) -> bool:
+        """Whether the operation has finished, without blocking."""
+        return self.done or bool(self._work.is_completed())
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -320,6 +324,9 @@ class _WorkList:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def set_timeout(pg: Any, seconds: float) -> None:

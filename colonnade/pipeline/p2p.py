@@ -82,14 +82,6 @@ def message_streams(lists: Sequence[Sequence[Action]], stage: int) -> dict[int, 
     return streams
 
 
-def _completed(handle: Handle) -> bool:
-    """Whether an async operation has finished, without blocking."""
-    if handle.done:
-        return True
-    works = getattr(getattr(handle, "_work", None), "works", None)
-    return works is not None and all(w.is_completed() for w in works)
-
-
 class PipeComm:
     """The p2p messages of one stage in one step (see the module docstring).
 
@@ -167,7 +159,7 @@ class PipeComm:
 
     def reap(self) -> None:
         """Complete (and release) the sends the backend has finished, oldest first."""
-        while self.sends and _completed(self.sends[0][0]):
+        while self.sends and self.sends[0][0].is_completed():
             self.sends.popleft()[0].wait()
 
     def finish(self) -> None:

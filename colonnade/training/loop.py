@@ -49,7 +49,8 @@ class Trainer:
         self.optimizer.zero_grad()
         plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
                         loss_scale=self.optimizer.loss_scale,
-                        grad_sync=self.ddp.grad_sync_hook(len(batches)))
+                        grad_sync=self.ddp.grad_sync_hook(len(batches)),
+                        extra=self.executor_options())
         losses = forward_backward(self.chunks, batches, plan)
         self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings)
@@ -58,6 +59,10 @@ class Trainer:
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
         return {"loss": mean_loss(losses, self.groups), **info}
+
+    def executor_options(self) -> dict[str, object]:
+        """Pipeline executor switches taken from the config."""
+        return {"overlap_p2p": self.config.parallel.overlap_p2p}
 
     def next_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next step."""
@@ -81,7 +86,8 @@ class Trainer:
             idx = [(k * b + i) % len(valid) for i in range(b)]
             tokens, labels = collate(valid, idx)
             batches.append((tokens.to(self.rt.device), labels.to(self.rt.device)))
-        plan = StepPlan(self.groups, self.step, self.config.parallel.schedule)
+        plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
+                        extra=self.executor_options())
         losses = forward_only(self.chunks, batches, plan)
         set_train_mode(self.chunks, True)
         return mean_loss(losses, self.groups)
@@ -92,7 +98,8 @@ def _progress(total: int, enabled: bool) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=False,
+                disable=None)  # None: off when stdout is not a terminal (logs stay readable)
 
 
 def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:

@@ -119,3 +119,16 @@ def test_low_precision_grads_fold_into_fp32_main_grad() -> None:
     ddp.finish_grad_sync()
     torch.testing.assert_close(lin.weight.main_grad,  # type: ignore[attr-defined]
                                torch.full((3, 4), 4.0))
+
+
+def test_gradient_after_launch_is_an_error() -> None:
+    """A second accumulation into an already launched bucket would race the reduction."""
+    lin = nn.Linear(2, 2, dtype=torch.float64)
+    group = CommGroup("dp_cp", [0], None, CommStats(), 0)
+    ddp = DataParallel([lin], group, ParallelConfig(bucket_size=1))
+    ddp.grad_sync_hook(1)(0)
+    x = torch.ones(1, 2, dtype=torch.float64)
+    lin(x).sum().backward()
+    assert ddp.launched_in_backward == 2
+    with pytest.raises(RuntimeError, match="arrived after its bucket"):
+        lin(x).sum().backward()

@@ -141,7 +141,7 @@ def test_pipe_comm_rejects_a_message_nobody_sends() -> None:
     assert message_shape((2, 16), 32, 2, False) == (16, 2, 32)
 
 
-@pytest.mark.parametrize(("pp", "vp", "m"), [(2, 1, 3), (4, 1, 4), (2, 2, 5), (4, 2, 8)])
+@pytest.mark.parametrize(("pp", "vp", "m"), [(2, 1, 3), (4, 1, 4), (2, 2, 5), (4, 2, 8), (4, 2, 3)])
 def test_forward_only_lists_are_complete_and_deadlock_free(pp: int, vp: int, m: int) -> None:
     lists = forward_only_lists(pp, vp, m)
     for s, actions in enumerate(lists):
