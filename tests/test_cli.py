@@ -127,6 +127,7 @@ def test_train_then_generate_end_to_end(tmp_path: Path,
     assert capsys.readouterr().out == sampled  # seeded sampling is reproducible
 
 
-def test_generate_on_a_missing_model(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"config\.toml missing"):
-        main(["generate", str(tmp_path)])
+def test_generate_on_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(tmp_path)]) == 2  # one clear line, no traceback
+    err = capsys.readouterr().err
+    assert "config.toml missing" in err and "--checkpoint.save" in err

@@ -4,7 +4,10 @@ Measured (each the median of several repeats, one thread per rank as training ru
   matmul   fp32 GFLOP/s of [s b, h] x [h, 4h] at the tiny model's shapes -> peak_tflops_fp32
            (efficiency is then 1: the measurement already is the achieved rate);
   memory   bandwidth of an elementwise add on 4M floats (3 x 4 bytes per element) -> hbm_gbps;
-  dispatch host time of one small tensor op -> op_overhead_us;
+  dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (1 vs 3 layer
+           models, difference / 2) / (3 * OPS_PER_LAYER) -> op_overhead_us;
+  layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the one fitted
+           constant (see :func:`fit_cpu_efficiency`): no layout's step time is used;
   gloo     with 2 local processes: half the round trip of a 4-byte send/recv -> latency, and a
            4 MB send/recv -> bandwidth (intra- and inter-"node" links are the same here).
 The cluster is ``cpu-local``: one node with as many ranks as asked, sharing ``os.cpu_count()``
@@ -25,6 +28,7 @@ from colonnade.config.sections import ModelConfig
 from colonnade.planner.estimate import Estimate, estimate
 from colonnade.planner.hardware import PRESETS, Cluster, cluster_to_toml
 from colonnade.planner.layout import Layout, Workload
+from colonnade.planner.timing import OPS_PER_LAYER, layer_forward_s
 
 TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(),
@@ -49,8 +53,33 @@ def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> 
     return statistics.median(times)
 
 
-def measure_local(model: ModelConfig, tokens: int) -> dict[str, float]:
-    """Matmul GFLOP/s, memory GB/s and per-op microseconds of this process (one thread)."""
+def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
+    """Seconds of one decoder layer's forward + backward (single process, fp32, one thread).
+
+    The reference model is built with 1 and with 3 layers; half the difference of their
+    fwd+bwd times is one layer (embedding, head and loss cancel)."""
+    import torch
+
+    from colonnade.config.sections import Config
+    from colonnade.models.build import build_reference
+
+    times = []
+    for layers in (1, 3):
+        net = build_reference(Config(model=dataclasses.replace(model, num_layers=layers)),
+                              torch.float32)
+        tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+        times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
+                                  repeats=7, inner=3))
+    return (times[1] - times[0]) / 2
+
+
+def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
+                  seq_len: int = 128) -> dict[str, float]:
+    """This process (one thread): matmul GFLOP/s, memory GB/s, host us per op, layer seconds.
+
+    ``op_us``: one layer's fwd+bwd at 4 tokens (compute negligible) / (3 * OPS_PER_LAYER);
+    ``layer_s``: one layer's fwd+bwd at ``micro_batch`` x ``seq_len`` tokens (for
+    :func:`fit_cpu_efficiency`)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -62,12 +91,26 @@ def measure_local(model: ModelConfig, tokens: int) -> dict[str, float]:
         x, y = torch.randn(4_000_000), torch.randn(4_000_000)
         out = torch.empty_like(x)
         add = _median_time(lambda: torch.add(x, y, out=out))
-        s1, s2 = torch.randn(8), torch.randn(8)
-        op = _median_time(lambda: s1 + s2, inner=200)
+        op = _layer_fwd_bwd_s(model, 1, 4) / (3 * OPS_PER_LAYER)
+        layer = _layer_fwd_bwd_s(model, micro_batch, seq_len)
     finally:
         torch.set_num_threads(threads)
     return {"matmul_gflops": 2.0 * tokens * h * 4 * h / mm / 1e9,
-            "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6}
+            "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6, "layer_s": layer}
+
+
+def fit_cpu_efficiency(cluster: Cluster, w: Workload, micro_batch: int,
+                       layer_s: float) -> float:
+    """The one fitted CPU constant: achieved fraction of the measured matmul/memory peaks.
+
+    Chosen so the model's time of one layer's fwd+bwd (tp = 1) equals the measured
+    ``layer_s``: 3 roofline / eff + 3 host = layer_s (clamped to [0.05, 1]).  The micro-
+    benchmark peaks are reached by one big GEMM; real layers (small GEMMs, attention,
+    norms, autograd bookkeeping) reach a fraction of them."""
+    base = dataclasses.replace(cluster, efficiency=1.0)
+    roof, host = layer_forward_s(w, Layout(micro_batch=micro_batch), base)
+    spare = layer_s - 3 * host
+    return min(1.0, max(0.05, 3 * roof / spare)) if spare > 0 else 0.05
 
 
 def _gloo_pingpong() -> dict[str, float]:
@@ -100,15 +143,20 @@ def measure_gloo() -> dict[str, float]:
         return pool.run(_gloo_pingpong)[0]
 
 
-def calibrated_cluster(local: dict[str, float], gloo: dict[str, float]) -> Cluster:
-    """The cpu-local cluster from measurements."""
-    return dataclasses.replace(
+def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
+                       w: Workload | None = None, micro_batch: int = 4) -> Cluster:
+    """The cpu-local cluster from measurements (efficiency fitted when ``layer_s`` is known)."""
+    c = dataclasses.replace(
         PRESETS["cpu-local"], peak_tflops=local["matmul_gflops"] / 1e3,
         peak_tflops_fp32=local["matmul_gflops"] / 1e3, hbm_gbps=local["memory_gbps"],
         intra_node_gbps=gloo["gbps"], inter_node_gbps=gloo["gbps"] * PRESETS[
             "cpu-local"].gpus_per_node, intra_latency_us=gloo["latency_us"],
         inter_latency_us=gloo["latency_us"], op_overhead_us=local["op_us"],
         efficiency=1.0, compute_units=os.cpu_count() or 1)
+    if "layer_s" not in local:
+        return c
+    eff = fit_cpu_efficiency(c, w or tiny_workload(), micro_batch, local["layer_s"])
+    return dataclasses.replace(c, efficiency=eff)
 
 
 def tiny_workload(model: ModelConfig | None = None, seq_len: int = 128,
@@ -127,12 +175,14 @@ def predict_tiny(cluster: Cluster, w: Workload, micro_batch: int = 4) -> list[Es
 def run_calibrate(args: argparse.Namespace) -> int:
     """Measure, print the cluster, predict the tiny layouts; optionally save the cluster."""
     w = tiny_workload()
-    local = measure_local(w.model, tokens=w.seq_len * 4)
+    local = measure_local(w.model, tokens=w.seq_len * 4, micro_batch=4, seq_len=w.seq_len)
     print(f"matmul {local['matmul_gflops']:.1f} GFLOP/s (1 thread), memory "
-          f"{local['memory_gbps']:.1f} GB/s, {local['op_us']:.1f} us per op")
+          f"{local['memory_gbps']:.1f} GB/s, {local['op_us']:.1f} us per op, one layer "
+          f"fwd+bwd {local['layer_s'] * 1e3:.2f} ms")
     gloo = measure_gloo()
     print(f"gloo: latency {gloo['latency_us']:.0f} us, bandwidth {gloo['gbps']:.2f} GB/s")
-    cluster = calibrated_cluster(local, gloo)
+    cluster = calibrated_cluster(local, gloo, w)
+    print(f"fitted CPU efficiency {cluster.efficiency:.3f}")
     print(cluster_to_toml(cluster))
     if getattr(args, "save_cluster", None):
         Path(args.save_cluster).write_text(

@@ -22,7 +22,9 @@ Data parallel: all-reduce of the gradient buffer (ZeRO-1: reduce-scatter of it +
   the 16-bit weights).  With overlap, the reduction hides behind the last micro-batch's backward
   (the first micro-batch's forward for the weight all-gather), except the last bucket.
 Optimizer: Adam reads/writes ~30 bytes per owned parameter (mixed precision) from HBM.
-CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores.
+CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores,
+where busy time is compute (+ optimizer) only: a rank waiting for a message leaves its core
+to the others.
 """
 
 from __future__ import annotations
@@ -88,6 +90,20 @@ def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> 
         if m.attention_dropout:
             core += (2 * e + 1) * m.heads * w.seq_len
     return rep / (t if layout.sp else 1) + (shard + core) / t, core / t
+
+
+def layer_forward_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:
+    """(roofline seconds, host seconds) of one layer's forward of one micro-batch on a device.
+
+    Roofline = FLOPs / (eff * peak) + elementwise bytes / (eff * bandwidth); host =
+    ``OPS_PER_LAYER * op_overhead_us``.  Backward without recompute costs 2x both.
+    """
+    m, t = w.shape, layout.tp
+    tokens = float(layout.micro_batch) * w.seq_len
+    f_fwd = tokens * layer_forward_flops_per_token(m, w.seq_len) / t
+    b_fwd = tokens * _elementwise_bytes_per_token(m, w, layout)[0]
+    roof = f_fwd / c.flops_per_s(w.precision) + b_fwd / c.bytes_per_s()
+    return roof, OPS_PER_LAYER * c.op_overhead_us * 1e-6
 
 
 def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
@@ -189,12 +205,14 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         p2p_full = 2 * (m * layout.vp + layout.pp - 1) * one
         p2p = hops * one if w.overlap_p2p else p2p_full
     params = max(stage_params(w.shape, layout, n) for n in names)
-    dp, dp_full = _dp_exposed(w, layout, c, params, stages[0].bwd / layout.vp,
+    dp, _ = _dp_exposed(w, layout, c, params, stages[0].bwd / layout.vp,
                               stages[0].fwd / layout.vp)
     opt = _optimizer_s(w, layout, c, params)
     total = steady + bubble + p2p + dp + opt + c.step_overhead_s
     if c.compute_units and layout.world > c.compute_units:
-        busy = steady + p2p_full + dp_full + opt
+        # Waiting on a message uses no core: only the ranks' compute time-shares the cores
+        # (tiny messages: latency, not copying, dominates their communication).
+        busy = (steady - tp_comm) + opt
         total = max(total, busy * layout.world / c.compute_units + c.step_overhead_s)
     return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),

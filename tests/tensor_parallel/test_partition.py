@@ -1,11 +1,12 @@
 """Tensor partitioning (parallel.tp_comm_chunks) preserves results exactly.
 
-Operator level: the chunked column (all-gather + matmul) and row (matmul + reduce-scatter)
-operators equal the unchunked ones in output and in every gradient (float64, rel. error
-<= 1e-12), on tp 2 and 4 with 2 and 4 chunks, and they really issue ``chunks`` collectives.
-Model level: a training step of tp2+sp and tp4+sp models (llama and gpt2) with 2 and 4 chunks
-gives the loss and gathered gradients of the unchunked model. Pipeline: tp2 x pp2 with vp2
-(interleaved 1F1B) with chunking and p2p overlap on vs off.
+Operator level: the chunked column (all-gather + matmul, one or several sibling weights) and
+row (matmul + reduce-scatter) operators equal the unchunked ones in output and in every
+gradient (float64, rel. error <= 1e-12), on tp 2 and 4 with 2 and 4 chunks, and they really
+issue ``chunks`` collectives. Model level: a training step of tp2+sp and tp4+sp models (llama
+and gpt2) with 2 and 4 chunks gives the loss and gathered gradients of the unchunked model;
+one bf16 step stays close. Pipeline: tp2 x pp2 with vp2 (interleaved 1F1B), chunking and
+overlap_p2p on vs off. Config: a chunk count not dividing seq_len / tp is rejected.
 """
 
 from __future__ import annotations

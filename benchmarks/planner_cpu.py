@@ -1,0 +1,195 @@
+"""Planner vs this machine: predicted and measured step time of tiny CPU layouts.
+
+    .venv/bin/python benchmarks/planner_cpu.py [--rounds 5] [--steps 4] [--warmup 2] [--json PATH]
+
+1. Calibrate: ``colonnade.planner.calibrate`` measures one-thread matmul GFLOP/s, memory GB/s
+   and per-op host time in this process, and gloo latency / bandwidth on 2 ranks; that is the
+   ``cpu-local`` cluster the predictions use (nothing else is fitted per layout).
+2. Measure: every layout of ``calibrate.TINY_LAYOUTS`` (tiny workload: default ModelConfig,
+   llama h=64, 4 layers, vocab 2048, seq 128, global batch 16, micro-batch 4, fp32) trains on
+   gloo CPU ranks (one thread each; persistent pools of 1, 2 and 4 ranks) with the real
+   ``Trainer.train_step``.  Each run builds a fresh model, runs ``warmup`` steps (excluded),
+   then ``steps`` steps each framed by world barriers; rank 0's step times are kept.  Layouts
+   are interleaved round by round (order rotated) so slow phases of the shared machine hit all
+   of them; the measured value is the median over all kept steps of all rounds.
+3. Compare: relative error predicted / measured - 1 per layout (target |err| <= 30%) and the
+   Spearman rank correlation of the two orderings (target: identical ranking, rho = 1).
+   The 1-minute load average before and after is reported: other processes share the cores.
+
+Writes benchmarks/results/planner_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+
+from colonnade.config.sections import Config, OptimConfig, TrainingConfig
+from colonnade.config.validate import resolve, validate
+from colonnade.planner.calibrate import (
+    TINY_LAYOUTS,
+    _gloo_pingpong,
+    calibrated_cluster,
+    measure_local,
+    predict_tiny,
+    tiny_workload,
+)
+from colonnade.planner.layout import Layout, Workload
+from colonnade.testing import RankPool
+
+RESULTS = Path(__file__).resolve().parent / "results" / "planner_cpu.json"
+MICRO_BATCH = 4
+
+
+def layout_config(layout: Layout, w: Workload) -> Config:
+    """A runnable config of ``layout`` for the tiny workload (resolved and validated)."""
+    base = Config(training=TrainingConfig(steps=1000, seq_len=w.seq_len, precision="fp32",
+                                          seed=1, eval_interval=0),
+                  optim=OptimConfig(lr=1e-4, warmup_steps=0, clip_grad=1.0))
+    cfg = layout.to_config(base, w)
+    return validate(resolve(cfg, layout.world), layout.world)
+
+
+def _rank_batches(cfg: Config, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tr = cfg.training
+    gen = torch.Generator().manual_seed(100 + dp_rank)
+    out = []
+    for _ in range(tr.microbatches or 1):
+        ids = torch.randint(0, cfg.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
+                            generator=gen)  # [b, s+1]
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def time_layout(cfg: Config, warmup: int, steps: int) -> list[float]:
+    """Run on every rank: build a Trainer, warm up, return rank 0's per-step seconds."""
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.parallel.groups import ProcessGroups
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    groups = ProcessGroups.build(ParallelDims.from_config(cfg.parallel, world))
+    trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
+    batches = _rank_batches(cfg, groups.dp.rank)
+    times = []
+    for k in range(warmup + steps):
+        groups.world.barrier()
+        t0 = time.perf_counter()
+        trainer.train_step(batches)
+        groups.world.barrier()
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 1.0
+
+
+def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool], rounds: int,
+            warmup: int, steps: int) -> dict[int, list[float]]:
+    """Interleaved rounds; all kept step times of each layout (index into ``layouts``)."""
+    cfgs = [layout_config(lay, w) for lay in layouts]
+    times: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
+    for r in range(rounds):
+        order = list(range(len(layouts)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            got = pools[layouts[i].world].run(time_layout, cfgs[i], warmup, steps)[0]
+            times[i].extend(got)
+        print(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=str(RESULTS))
+    args = p.parse_args()
+    w = tiny_workload(global_batch=16)
+    load_before = os.getloadavg()
+    pools = {n: RankPool(n, timeout_s=600.0) for n in sorted({lay.world for lay in TINY_LAYOUTS})}
+    try:
+        local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
+        gloo = pools[2].run(_gloo_pingpong)[0]
+        cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH)
+        print(f"calibrated: matmul {local['matmul_gflops']:.1f} GFLOP/s, memory "
+              f"{local['memory_gbps']:.1f} GB/s, op {local['op_us']:.2f} us, gloo latency "
+              f"{gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; {os.cpu_count()} cores")
+        layouts = tuple(dataclasses.replace(lay, micro_batch=MICRO_BATCH) for lay in TINY_LAYOUTS)
+        times = measure(layouts, w, pools, args.rounds, args.warmup, args.steps)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    load_after = os.getloadavg()
+    preds = predict_tiny(cluster, w, MICRO_BATCH)
+    rows = []
+    for i, (lay, est) in enumerate(zip(layouts, preds, strict=True)):
+        meas = statistics.median(times[i])
+        rows.append({"layout": lay.short(), "world": lay.world, "measured_s": meas,
+                     "measured_min_s": min(times[i]), "samples": len(times[i]),
+                     "predicted_s": est.step_s, "relative_error": est.step_s / meas - 1,
+                     "predicted_breakdown_s": est.timing.as_dict()})
+    rho = spearman([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
+    head = f"{'layout':<44} {'ranks':>5} {'measured ms':>11} {'predicted ms':>12} {'error':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ok = "" if abs(r["relative_error"]) <= 0.30 else "  MISS"
+        print(f"{r['layout']:<44} {r['world']:>5} {r['measured_s'] * 1e3:>11.1f} "
+              f"{r['predicted_s'] * 1e3:>12.1f} {r['relative_error']:>+7.1%}{ok}")
+    meas_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+    pred_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
+    worst = max(abs(r["relative_error"]) for r in rows)
+    print(f"max |error| {worst:.1%} (target 30%); Spearman rho {rho:.3f}; same ranking: "
+          f"{meas_rank == pred_rank}; load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
+          f"on {os.cpu_count()} cores")
+    out = {"cluster": dataclasses.asdict(cluster), "calibration": {**local, **gloo},
+           "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch,
+                        "micro_batch": MICRO_BATCH, "precision": w.precision},
+           "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+           "load_average_before": load_before, "load_average_after": load_after,
+           "cores": os.cpu_count(), "rows": rows, "spearman": rho,
+           "max_abs_error": worst, "measured_ranking": meas_rank,
+           "predicted_ranking": pred_rank}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
