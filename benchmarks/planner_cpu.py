@@ -41,6 +41,7 @@ from colonnade.planner.calibrate import (
     TINY_LAYOUTS,
     _gloo_pingpong,
     calibrated_cluster,
+    measure_cores,
     measure_local,
     predict_tiny,
     tiny_workload,
@@ -146,10 +147,13 @@ def main() -> None:
     try:
         local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
         gloo = pools[2].run(_gloo_pingpong)[0]
-        cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH)
+        cores = measure_cores(pools[2])
+        cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
         print(f"calibrated: matmul {local['matmul_gflops']:.1f} GFLOP/s, memory "
               f"{local['memory_gbps']:.1f} GB/s, op {local['op_us']:.2f} us, gloo latency "
-              f"{gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; {os.cpu_count()} cores")
+              f"{gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; {os.cpu_count()} cores; "
+              f"one layer fwd+bwd {local['layer_s'] * 1e3:.2f} ms -> fitted efficiency "
+              f"{cluster.efficiency:.3f}; cores available {cores:.2f}")
         layouts = tuple(dataclasses.replace(lay, micro_batch=MICRO_BATCH) for lay in TINY_LAYOUTS)
         times = measure(layouts, w, pools, args.rounds, args.warmup, args.steps)
     finally:
@@ -178,7 +182,7 @@ def main() -> None:
     print(f"max |error| {worst:.1%} (target 30%); Spearman rho {rho:.3f}; same ranking: "
           f"{meas_rank == pred_rank}; load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
           f"on {os.cpu_count()} cores")
-    out = {"cluster": dataclasses.asdict(cluster), "calibration": {**local, **gloo},
+    out = {"cluster": dataclasses.asdict(cluster), "calibration": {**local, **gloo, "cores": cores},
            "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch,
                         "micro_batch": MICRO_BATCH, "precision": w.precision},
            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,

@@ -135,6 +135,41 @@ def _gloo_pingpong() -> dict[str, float]:
     return {"latency_us": out["lat"] * 1e6, "gbps": 4e6 / max(out["bw"] - out["lat"], 1e-9) / 1e9}
 
 
+def _parallel_work() -> float:
+    """Run on 2 ranks: seconds of a fixed matmul loop when both ranks run it at once,
+    divided by the seconds when rank 0 runs it alone (rank 1 idle in a barrier)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        for _ in range(150):
+            a @ a
+        return time.perf_counter() - t0
+
+    ratios = []
+    for _ in range(5):
+        dist.barrier()
+        alone = work() if dist.get_rank() == 0 else 0.0
+        dist.barrier()
+        both = work()
+        dist.barrier()
+        ratios.append(both / alone if alone else 0.0)
+    return statistics.median(ratios)
+
+
+def measure_cores(pool: object) -> float:
+    """Cores available to our ranks now: 2 / slowdown of 2 concurrent ranks (<= cpu_count).
+
+    On a shared machine other processes take part of the cores; this is what
+    ``compute_units`` (ranks beyond it time-share) should be."""
+    slow = max(pool.run(_parallel_work)[0], 1.0)  # type: ignore[attr-defined]
+    return max(1.0, min(float(os.cpu_count() or 1), 2.0 / slow))
+
+
 def measure_gloo() -> dict[str, float]:
     """Gloo latency and bandwidth between 2 local processes."""
     from colonnade.testing import RankPool
@@ -144,7 +179,8 @@ def measure_gloo() -> dict[str, float]:
 
 
 def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
-                       w: Workload | None = None, micro_batch: int = 4) -> Cluster:
+                       w: Workload | None = None, micro_batch: int = 4,
+                       cores: float | None = None) -> Cluster:
     """The cpu-local cluster from measurements (efficiency fitted when ``layer_s`` is known)."""
     c = dataclasses.replace(
         PRESETS["cpu-local"], peak_tflops=local["matmul_gflops"] / 1e3,
@@ -152,7 +188,7 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
         intra_node_gbps=gloo["gbps"], inter_node_gbps=gloo["gbps"] * PRESETS[
             "cpu-local"].gpus_per_node, intra_latency_us=gloo["latency_us"],
         inter_latency_us=gloo["latency_us"], op_overhead_us=local["op_us"],
-        efficiency=1.0, compute_units=os.cpu_count() or 1)
+        efficiency=1.0, compute_units=cores or os.cpu_count() or 1)
     if "layer_s" not in local:
         return c
     eff = fit_cpu_efficiency(c, w or tiny_workload(), micro_batch, local["layer_s"])

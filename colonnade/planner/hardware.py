@@ -58,8 +58,9 @@ class Cluster:
     """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
     reserved_gib: float = 2.0
     """Memory the runtime keeps per device (CUDA context, workspaces, fragmentation)."""
-    compute_units: int | None = None
-    """CPU only: cores shared by all ranks on the node (ranks beyond it time-share)."""
+    compute_units: float | None = None
+    """CPU only: cores shared by all ranks on the node (ranks beyond it time-share); may be
+    fractional on a shared machine (`calibrate.measure_cores`)."""
     step_overhead_s: float = 0.0
     """Fixed host overhead per step (Python, optimizer loop): ~0 on big GPUs."""
     op_overhead_us: float = 0.0
