@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/colonnade generate checkpoints/demo --prompt "def " --max-new-tokens 160 --temperature 0.7
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

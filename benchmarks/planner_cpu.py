@@ -2,16 +2,19 @@
 
     .venv/bin/python benchmarks/planner_cpu.py [--rounds 5] [--steps 4] [--warmup 2] [--json PATH]
 
-1. Calibrate: ``colonnade.planner.calibrate`` measures one-thread matmul GFLOP/s, memory GB/s
-   and per-op host time in this process, and gloo latency / bandwidth on 2 ranks; that is the
-   ``cpu-local`` cluster the predictions use (nothing else is fitted per layout).
+1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.planner.
+   calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op and one
+   decoder layer's fwd+bwd (-> the one fitted constant, ``efficiency``) in this process, gloo
+   latency / bandwidth and the cores free for our ranks on 2 ranks; that round's predictions
+   use that ``cpu-local`` cluster (no layout's step time is ever used to fit anything).
 2. Measure: every layout of ``calibrate.TINY_LAYOUTS`` (tiny workload: default ModelConfig,
    llama h=64, 4 layers, vocab 2048, seq 128, global batch 16, micro-batch 4, fp32) trains on
    gloo CPU ranks (one thread each; persistent pools of 1, 2 and 4 ranks) with the real
    ``Trainer.train_step``.  Each run builds a fresh model, runs ``warmup`` steps (excluded),
    then ``steps`` steps each framed by world barriers; rank 0's step times are kept.  Layouts
    are interleaved round by round (order rotated) so slow phases of the shared machine hit all
-   of them; the measured value is the median over all kept steps of all rounds.
+   of them; the measured value is the median over all kept steps of all rounds, the predicted
+   value the median of the rounds' predictions.
 3. Compare: relative error predicted / measured - 1 per layout (target |err| <= 30%) and the
    Spearman rank correlation of the two orderings (target: identical ranking, rho = 1).
    The 1-minute load average before and after is reported: other processes share the cores.
@@ -43,9 +46,10 @@ from colonnade.planner.calibrate import (
     calibrated_cluster,
     measure_cores,
     measure_local,
-    predict_tiny,
     tiny_workload,
 )
+from colonnade.planner.estimate import estimate
+from colonnade.planner.hardware import Cluster
 from colonnade.planner.layout import Layout, Workload
 from colonnade.testing import RankPool
 
@@ -119,19 +123,47 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 1.0
 
 
+def calibrated_cluster_from(cal: dict[str, float], w: Workload) -> tuple[Cluster, float]:
+    """The cluster of a (median) calibration record, and its fitted efficiency."""
+    c = calibrated_cluster(cal, cal, w, MICRO_BATCH, cal["cores"])
+    return c, c.efficiency
+
+
+def calibrate(w: Workload, pools: dict[int, RankPool]) -> tuple[Cluster, dict[str, float]]:
+    """One calibration of the cpu-local cluster (see colonnade.planner.calibrate)."""
+    local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
+    gloo = pools[2].run(_gloo_pingpong)[0]
+    cores = measure_cores(pools[2])
+    cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
+    return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency}
+
+
 def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool], rounds: int,
-            warmup: int, steps: int) -> dict[int, list[float]]:
-    """Interleaved rounds; all kept step times of each layout (index into ``layouts``)."""
+            warmup: int, steps: int) -> tuple[dict[int, list[float]], dict[int, list[float]],
+                                              list[dict[str, float]]]:
+    """Interleaved rounds, each starting with a fresh calibration (the load changes).
+
+    Returns (kept step times per layout, that round's predictions per layout, calibrations).
+    """
     cfgs = [layout_config(lay, w) for lay in layouts]
     times: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
+    preds: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
+    cals = []
     for r in range(rounds):
+        cluster, cal = calibrate(w, pools)
+        cals.append(cal)
+        for i, lay in enumerate(layouts):
+            preds[i].append(estimate(w, lay, cluster).step_s)
         order = list(range(len(layouts)))
         order = order[r % len(order):] + order[:r % len(order)]
         for i in order:
             got = pools[layouts[i].world].run(time_layout, cfgs[i], warmup, steps)[0]
             times[i].extend(got)
-        print(f"  round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
-    return times
+        print(f"  round {r + 1}/{rounds}: load {os.getloadavg()[0]:.1f}, matmul "
+              f"{cal['matmul_gflops']:.0f} GFLOP/s, op {cal['op_us']:.1f} us, layer "
+              f"{cal['layer_s'] * 1e3:.2f} ms -> efficiency {cal['efficiency']:.3f}, gloo "
+              f"{cal['latency_us']:.0f} us, cores {cal['cores']:.2f}", flush=True)
+    return times, preds, cals
 
 
 def main() -> None:
@@ -144,30 +176,23 @@ def main() -> None:
     w = tiny_workload(global_batch=16)
     load_before = os.getloadavg()
     pools = {n: RankPool(n, timeout_s=600.0) for n in sorted({lay.world for lay in TINY_LAYOUTS})}
+    layouts = tuple(dataclasses.replace(lay, micro_batch=MICRO_BATCH) for lay in TINY_LAYOUTS)
     try:
-        local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
-        gloo = pools[2].run(_gloo_pingpong)[0]
-        cores = measure_cores(pools[2])
-        cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
-        print(f"calibrated: matmul {local['matmul_gflops']:.1f} GFLOP/s, memory "
-              f"{local['memory_gbps']:.1f} GB/s, op {local['op_us']:.2f} us, gloo latency "
-              f"{gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; {os.cpu_count()} cores; "
-              f"one layer fwd+bwd {local['layer_s'] * 1e3:.2f} ms -> fitted efficiency "
-              f"{cluster.efficiency:.3f}; cores available {cores:.2f}")
-        layouts = tuple(dataclasses.replace(lay, micro_batch=MICRO_BATCH) for lay in TINY_LAYOUTS)
-        times = measure(layouts, w, pools, args.rounds, args.warmup, args.steps)
+        times, preds, cals = measure(layouts, w, pools, args.rounds, args.warmup, args.steps)
     finally:
         for pool in pools.values():
             pool.close()
     load_after = os.getloadavg()
-    preds = predict_tiny(cluster, w, MICRO_BATCH)
+    median_cal = {k: statistics.median(c[k] for c in cals) for k in cals[0]}
+    cluster, _ = calibrated_cluster_from(median_cal, w)
     rows = []
-    for i, (lay, est) in enumerate(zip(layouts, preds, strict=True)):
-        meas = statistics.median(times[i])
+    for i, lay in enumerate(layouts):
+        meas, pred = statistics.median(times[i]), statistics.median(preds[i])
         rows.append({"layout": lay.short(), "world": lay.world, "measured_s": meas,
                      "measured_min_s": min(times[i]), "samples": len(times[i]),
-                     "predicted_s": est.step_s, "relative_error": est.step_s / meas - 1,
-                     "predicted_breakdown_s": est.timing.as_dict()})
+                     "predicted_s": pred, "predicted_per_round_s": preds[i],
+                     "relative_error": pred / meas - 1,
+                     "predicted_breakdown_s": estimate(w, lay, cluster).timing.as_dict()})
     rho = spearman([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
     head = f"{'layout':<44} {'ranks':>5} {'measured ms':>11} {'predicted ms':>12} {'error':>7}"
     print(head)
@@ -182,7 +207,7 @@ def main() -> None:
     print(f"max |error| {worst:.1%} (target 30%); Spearman rho {rho:.3f}; same ranking: "
           f"{meas_rank == pred_rank}; load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
           f"on {os.cpu_count()} cores")
-    out = {"cluster": dataclasses.asdict(cluster), "calibration": {**local, **gloo, "cores": cores},
+    out = {"cluster_median_calibration": dataclasses.asdict(cluster), "calibrations": cals,
            "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch,
                         "micro_batch": MICRO_BATCH, "precision": w.precision},
            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,

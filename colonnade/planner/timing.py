@@ -23,8 +23,8 @@ Data parallel: all-reduce of the gradient buffer (ZeRO-1: reduce-scatter of it +
   (the first micro-batch's forward for the weight all-gather), except the last bucket.
 Optimizer: Adam reads/writes ~30 bytes per owned parameter (mixed precision) from HBM.
 CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores,
-where busy time is compute (+ optimizer) only: a rank waiting for a message leaves its core
-to the others.
+busy time counting communication (gloo polls while waiting); ``compute_units`` may be the
+fractional number of cores free on a shared machine (calibrate.measure_cores).
 """
 
 from __future__ import annotations
@@ -205,14 +205,14 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         p2p_full = 2 * (m * layout.vp + layout.pp - 1) * one
         p2p = hops * one if w.overlap_p2p else p2p_full
     params = max(stage_params(w.shape, layout, n) for n in names)
-    dp, _ = _dp_exposed(w, layout, c, params, stages[0].bwd / layout.vp,
+    dp, dp_full = _dp_exposed(w, layout, c, params, stages[0].bwd / layout.vp,
                               stages[0].fwd / layout.vp)
     opt = _optimizer_s(w, layout, c, params)
     total = steady + bubble + p2p + dp + opt + c.step_overhead_s
     if c.compute_units and layout.world > c.compute_units:
-        # Waiting on a message uses no core: only the ranks' compute time-shares the cores
-        # (tiny messages: latency, not copying, dominates their communication).
-        busy = (steady - tp_comm) + opt
+        # Communication counts as busy: gloo polls while it waits, so a waiting rank still
+        # takes its time slice (measured: tp2 x dp2 on ~1.3 free cores ~ tp2's step).
+        busy = steady + p2p_full + dp_full + opt
         total = max(total, busy * layout.world / c.compute_units + c.step_overhead_s)
     return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
