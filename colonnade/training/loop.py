@@ -131,9 +131,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     valid_losses: list[tuple[int, float]] = []
     window_start, window_steps = time.perf_counter(), 0
     if tr.eval_interval:
-        valid_losses.append((0, trainer.evaluate()))
+        valid_losses.append((trainer.step, trainer.evaluate()))
         if rt.is_logger:
-            print(f"step     0 | valid {valid_losses[-1][1]:.4f}")
+            print(f"step {trainer.step:>5} | valid {valid_losses[-1][1]:.4f}")
     while trainer.step < tr.steps:
         if monitor is not None:
             monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
