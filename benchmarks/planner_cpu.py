@@ -1,12 +1,13 @@
 """Planner vs this machine: predicted and measured step time of tiny CPU layouts.
 
-    .venv/bin/python benchmarks/planner_cpu.py [--rounds 5] [--steps 4] [--warmup 2] [--json PATH]
+    .venv/bin/python benchmarks/planner_cpu.py [--rounds 6] [--steps 3] [--warmup 2] [--json PATH]
 
 1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.planner.
    calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op and one
-   decoder layer's fwd+bwd (-> the one fitted constant, ``efficiency``) in this process, gloo
-   latency / bandwidth and the cores free for our ranks on 2 ranks; that round's predictions
-   use that ``cpu-local`` cluster (no layout's step time is ever used to fit anything).
+   decoder layer's fwd+bwd (-> the one fitted constant, ``efficiency``) in this process,
+   gloo send/recv and all-reduce latency / bandwidth and the cores free for our ranks on 2
+   ranks; that round's predictions use that ``cpu-local`` cluster (no layout's step time is
+   ever used to fit anything).
 2. Measure: every layout of ``calibrate.TINY_LAYOUTS`` (tiny workload: default ModelConfig,
    llama h=64, 4 layers, vocab 2048, seq 128, global batch 16, micro-batch 4, fp32) trains on
    gloo CPU ranks (one thread each; persistent pools of 1, 2 and 4 ranks) with the real
@@ -42,9 +43,9 @@ from colonnade.config.sections import Config, OptimConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.planner.calibrate import (
     TINY_LAYOUTS,
-    _gloo_pingpong,
     calibrated_cluster,
     measure_cores,
+    measure_gloo,
     measure_local,
     tiny_workload,
 )
@@ -132,8 +133,8 @@ def calibrated_cluster_from(cal: dict[str, float], w: Workload) -> tuple[Cluster
 def calibrate(w: Workload, pools: dict[int, RankPool]) -> tuple[Cluster, dict[str, float]]:
     """One calibration of the cpu-local cluster (see colonnade.planner.calibrate)."""
     local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
-    gloo = pools[2].run(_gloo_pingpong)[0]
-    cores = measure_cores(pools[2])
+    gloo = measure_gloo(pools[2], w.seq_len * MICRO_BATCH * w.model.hidden_size)
+    cores = measure_cores(pools[2], w.model, MICRO_BATCH, w.seq_len)
     cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
     return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency}
 
@@ -162,14 +163,15 @@ def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool]
         print(f"  round {r + 1}/{rounds}: load {os.getloadavg()[0]:.1f}, matmul "
               f"{cal['matmul_gflops']:.0f} GFLOP/s, op {cal['op_us']:.1f} us, layer "
               f"{cal['layer_s'] * 1e3:.2f} ms -> efficiency {cal['efficiency']:.3f}, gloo "
-              f"{cal['latency_us']:.0f} us, cores {cal['cores']:.2f}", flush=True)
+              f"p2p {cal['latency_us']:.0f} us, all-reduce {cal['ar_latency_us']:.0f} us, "
+              f"cores {cal['cores']:.2f}", flush=True)
     return times, preds, cals
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=str(RESULTS))
     args = p.parse_args()

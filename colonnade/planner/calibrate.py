@@ -8,8 +8,11 @@ Measured (each the median of several repeats, one thread per rank as training ru
            models, difference / 2) / (3 * OPS_PER_LAYER) -> op_overhead_us;
   layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the one fitted
            constant (see :func:`fit_cpu_efficiency`): no layout's step time is used;
-  gloo     with 2 local processes: half the round trip of a 4-byte send/recv -> latency, and a
-           4 MB send/recv -> bandwidth (intra- and inter-"node" links are the same here).
+  gloo     with 2 local processes: half the round trip of a 4-byte send/recv -> p2p latency, a
+           4 MB send/recv -> p2p bandwidth; all-reduces of the tp message (tokens x h floats)
+           and of 4 MB fitted to S / W + 2 alpha -> collective latency alpha and bandwidth W
+           (intra- and inter-"node" links are the same here); all-gather and reduce-scatter of
+           the tp message -> their own latencies (gloo: ~0.3 ms and ~1.7 ms vs ~1.2 ms);
 The cluster is ``cpu-local``: one node with as many ranks as asked, sharing ``os.cpu_count()``
 cores.  The tiny layouts predicted are tp/pp/dp mixes on 1-4 ranks.
 """
@@ -135,21 +138,50 @@ def _gloo_pingpong() -> dict[str, float]:
     return {"latency_us": out["lat"] * 1e6, "gbps": 4e6 / max(out["bw"] - out["lat"], 1e-9) / 1e9}
 
 
-def _parallel_work() -> float:
-    """Run on 2 ranks: seconds of a fixed matmul loop when both ranks run it at once,
-    divided by the seconds when rank 0 runs it alone (rank 1 idle in a barrier)."""
+def _gloo_all_reduce(numel: int) -> dict[str, float]:
+    """Run on 2 ranks: fit the ring model t = S / W + 2 alpha to all-reduces of ``numel``
+    floats (the tp message) and of 1M floats.  Gloo's all-reduce costs far more per call
+    than a send/recv round trip (~1 ms vs ~0.1 ms here), so tp/dp collectives use this."""
     import torch
     import torch.distributed as dist
 
+    times = {}
+    for n in (numel, 1_000_000):
+        buf = torch.zeros(n)
+        times[n] = _median_time(lambda buf=buf: dist.all_reduce(buf), repeats=5, inner=5)
+    full, half = torch.zeros(2 * (numel // 2)), torch.zeros(numel // 2)
+    t_ag = _median_time(lambda: dist.all_gather_single(full, half), repeats=5, inner=5)
+    t_rs = _median_time(lambda: dist.reduce_scatter_single(half, full), repeats=5, inner=5)
+    s1, s2 = 4.0 * numel, 4.0e6
+    bw = (s2 - s1) / max(times[1_000_000] - times[numel], 1e-9)  # bytes/s
+    alpha = max((times[numel] - s1 / bw) / 2, 1e-6)
+    return {"ar_latency_us": alpha * 1e6, "ar_gbps": bw / 1e9,
+            "ag_latency_us": max(t_ag - s1 / 2 / bw, 1e-6) * 1e6,
+            "rs_latency_us": max(t_rs - s1 / 2 / bw, 1e-6) * 1e6}
+
+
+def _parallel_work(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
+    """Run on 2 ranks: seconds of a fixed training workload (fwd+bwd of the 2-layer model at
+    the workload's micro-batch) when both ranks run it at once, divided by the seconds when
+    rank 0 runs it alone (rank 1 idle in a barrier).  Shared caches and memory bandwidth,
+    and other processes, make it > 1 even when both ranks have a core."""
+    import torch
+    import torch.distributed as dist
+
+    from colonnade.config.sections import Config
+    from colonnade.models.build import build_reference
+
     torch.set_num_threads(1)
-    a = torch.randn(256, 256)
+    net = build_reference(Config(model=dataclasses.replace(model, num_layers=2)), torch.float32)
+    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
 
     def work() -> float:
         t0 = time.perf_counter()
-        for _ in range(150):
-            a @ a
+        for _ in range(3):
+            net(tokens, tokens).backward()
         return time.perf_counter() - t0
 
+    work()
     ratios = []
     for _ in range(5):
         dist.barrier()
@@ -161,21 +193,27 @@ def _parallel_work() -> float:
     return statistics.median(ratios)
 
 
-def measure_cores(pool: object) -> float:
-    """Cores available to our ranks now: 2 / slowdown of 2 concurrent ranks (<= cpu_count).
-
-    On a shared machine other processes take part of the cores; this is what
+def measure_cores(pool: object, model: ModelConfig | None = None, micro_batch: int = 4,
+                  seq_len: int = 128) -> float:
+    """Cores our ranks effectively have now: 2 / slowdown of 2 concurrent ranks, in
+    [1, cpu_count].  On a shared machine other processes take part of the cores; this is what
     ``compute_units`` (ranks beyond it time-share) should be."""
-    slow = max(pool.run(_parallel_work)[0], 1.0)  # type: ignore[attr-defined]
+    run = pool.run  # type: ignore[attr-defined]
+    slow = max(run(_parallel_work, model or ModelConfig(), micro_batch, seq_len)[0], 1.0)
     return max(1.0, min(float(os.cpu_count() or 1), 2.0 / slow))
 
 
-def measure_gloo() -> dict[str, float]:
-    """Gloo latency and bandwidth between 2 local processes."""
+def measure_gloo(pool: object | None = None, numel: int = 32768) -> dict[str, float]:
+    """Gloo between 2 local processes: send/recv latency and bandwidth (pipeline p2p) and the
+    all-reduce fit of :func:`_gloo_all_reduce` (tp/dp collectives); ``pool``: a 2-rank
+    RankPool to use (else one is started)."""
     from colonnade.testing import RankPool
 
-    with RankPool(2, timeout_s=120.0) as pool:
-        return pool.run(_gloo_pingpong)[0]
+    if pool is not None:
+        run = pool.run  # type: ignore[attr-defined]
+        return {**run(_gloo_pingpong)[0], **run(_gloo_all_reduce, numel)[0]}
+    with RankPool(2, timeout_s=120.0) as own:
+        return measure_gloo(own, numel)
 
 
 def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
@@ -185,9 +223,13 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
     c = dataclasses.replace(
         PRESETS["cpu-local"], peak_tflops=local["matmul_gflops"] / 1e3,
         peak_tflops_fp32=local["matmul_gflops"] / 1e3, hbm_gbps=local["memory_gbps"],
-        intra_node_gbps=gloo["gbps"], inter_node_gbps=gloo["gbps"] * PRESETS[
-            "cpu-local"].gpus_per_node, intra_latency_us=gloo["latency_us"],
-        inter_latency_us=gloo["latency_us"], op_overhead_us=local["op_us"],
+        intra_node_gbps=gloo.get("ar_gbps", gloo["gbps"]),
+        inter_node_gbps=gloo.get("ar_gbps", gloo["gbps"]) * PRESETS["cpu-local"].gpus_per_node,
+        intra_latency_us=gloo.get("ar_latency_us", gloo["latency_us"]),
+        inter_latency_us=gloo.get("ar_latency_us", gloo["latency_us"]),
+        p2p_latency_us=gloo["latency_us"], p2p_gbps=gloo["gbps"], op_overhead_us=local["op_us"],
+        all_gather_latency_us=gloo.get("ag_latency_us"),
+        reduce_scatter_latency_us=gloo.get("rs_latency_us"),
         efficiency=1.0, compute_units=cores or os.cpu_count() or 1)
     if "layer_s" not in local:
         return c
@@ -215,8 +257,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"matmul {local['matmul_gflops']:.1f} GFLOP/s (1 thread), memory "
           f"{local['memory_gbps']:.1f} GB/s, {local['op_us']:.1f} us per op, one layer "
           f"fwd+bwd {local['layer_s'] * 1e3:.2f} ms")
-    gloo = measure_gloo()
-    print(f"gloo: latency {gloo['latency_us']:.0f} us, bandwidth {gloo['gbps']:.2f} GB/s")
+    gloo = measure_gloo(numel=w.seq_len * 4 * w.model.hidden_size)
+    print(f"gloo: send/recv latency {gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; "
+          f"all-reduce latency {gloo['ar_latency_us']:.0f} us, {gloo['ar_gbps']:.2f} GB/s")
     cluster = calibrated_cluster(local, gloo, w)
     print(f"fitted CPU efficiency {cluster.efficiency:.3f}")
     print(cluster_to_toml(cluster))

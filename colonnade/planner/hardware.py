@@ -54,6 +54,16 @@ class Cluster:
     """Latency of one message step inside a node in microseconds."""
     inter_latency_us: float = 10.0
     """Latency of one message step across nodes in microseconds."""
+    p2p_latency_us: float | None = None
+    """Latency of one point-to-point message inside a node when it differs from the collective
+    step latency (gloo on CPU: send/recv ~0.1 ms, an all-reduce ~1 ms); None: intra_latency_us."""
+    p2p_gbps: float | None = None
+    """Point-to-point bandwidth inside a node when it differs; None: intra_node_gbps."""
+    all_gather_latency_us: float | None = None
+    """Per-step latency of an all-gather when it differs from ``intra_latency_us`` (gloo's
+    all-gather is cheaper, its reduce-scatter dearer, than half an all-reduce); None: same."""
+    reduce_scatter_latency_us: float | None = None
+    """Per-step latency of a reduce-scatter when it differs; None: ``intra_latency_us``."""
     efficiency: float = 0.6
     """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
     reserved_gib: float = 2.0
@@ -98,11 +108,17 @@ class Cluster:
         bw, lat = self.link(group, per_node)
         return 2 * (group - 1) / group * nbytes / bw + 2 * (group - 1) * lat
 
-    def gather_s(self, nbytes: float, group: int, per_node: int) -> float:
-        """Ring reduce-scatter or all-gather time (``nbytes`` is the full, unsharded size)."""
+    def gather_s(self, nbytes: float, group: int, per_node: int, kind: str = "") -> float:
+        """Ring reduce-scatter or all-gather time (``nbytes`` is the full, unsharded size);
+        ``kind`` 'all_gather' / 'reduce_scatter' picks that collective's own latency inside a
+        node when the cluster has one."""
         if group <= 1 or nbytes <= 0:
             return 0.0
         bw, lat = self.link(group, per_node)
+        own = {"all_gather": self.all_gather_latency_us,
+               "reduce_scatter": self.reduce_scatter_latency_us}.get(kind)
+        if own is not None and group <= per_node:
+            lat = own * 1e-6
         return (group - 1) / group * nbytes / bw + (group - 1) * lat
 
     def p2p_s(self, nbytes: float, cross_node: bool) -> float:
@@ -112,7 +128,9 @@ class Cluster:
         if cross_node:
             bw = self.inter_node_gbps / self.gpus_per_node * 1e9
             return nbytes / bw + self.inter_latency_us * 1e-6
-        return nbytes / (self.intra_node_gbps * 1e9) + self.intra_latency_us * 1e-6
+        bw = self.p2p_gbps if self.p2p_gbps is not None else self.intra_node_gbps
+        lat = self.p2p_latency_us if self.p2p_latency_us is not None else self.intra_latency_us
+        return nbytes / (bw * 1e9) + lat * 1e-6
 
 
 # A100 efficiency: fitted by colonnade.planner.fit.fit_efficiency on Narayanan et al. Table 1

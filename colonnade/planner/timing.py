@@ -122,6 +122,9 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         bwd += tokens * attention_core_flops_per_token(m, w.seq_len) / t / flops + b_core / bw
     per_node = min(t, c.gpus_per_node)
     ar = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
+    if layout.sp:  # each all-reduce becomes an all-gather + a reduce-scatter pair
+        ar = (c.gather_s(tokens * m.hidden * w.elem, t, per_node, "all_gather")
+              + c.gather_s(tokens * m.hidden * w.elem, t, per_node, "reduce_scatter"))
     comm_f, comm_b = 2 * ar, (4 if layout.recompute == "full" else 2) * ar
     fwd_s = layers * (fwd + comm_f)
     bwd_s = layers * (bwd + comm_b)
@@ -171,8 +174,8 @@ def _dp_exposed(w: Workload, layout: Layout, c: Cluster, params: float, window_b
     wb, gb, _ = state_bytes_per_param(w, layout)
     last_bucket = min(1.0, w.bucket_size / max(params, 1.0))
     if layout.zero1:
-        red = c.gather_s(params * gb, layout.dp, per_node)
-        gather = c.gather_s(params * wb, layout.dp, per_node)
+        red = c.gather_s(params * gb, layout.dp, per_node, "reduce_scatter")
+        gather = c.gather_s(params * wb, layout.dp, per_node, "all_gather")
     else:
         red, gather = c.all_reduce_s(params * gb, layout.dp, per_node), 0.0
     exposed_red = max(red - window_b, red * last_bucket) if w.overlap_grad_reduce else red
@@ -200,7 +203,7 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         full = tokens * w.shape.hidden * w.elem
         one = c.p2p_s(full / layout.tp, layout.world > c.gpus_per_node)
         if layout.tp > 1 and not layout.sp:
-            one += c.gather_s(full, layout.tp, min(layout.tp, c.gpus_per_node))
+            one += c.gather_s(full, layout.tp, min(layout.tp, c.gpus_per_node), "all_gather")
         hops = 2 * (layout.pp - 1)
         p2p_full = 2 * (m * layout.vp + layout.pp - 1) * one
         p2p = hops * one if w.overlap_p2p else p2p_full
@@ -210,10 +213,12 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     opt = _optimizer_s(w, layout, c, params)
     total = steady + bubble + p2p + dp + opt + c.step_overhead_s
     if c.compute_units and layout.world > c.compute_units:
-        # Communication counts as busy: gloo polls while it waits, so a waiting rank still
-        # takes its time slice (measured: tp2 x dp2 on ~1.3 free cores ~ tp2's step).
-        busy = steady + p2p_full + dp_full + opt
-        total = max(total, busy * layout.world / c.compute_units + c.step_overhead_s)
+        # Compute (and the optimizer) time-shares the cores; the communication waits then
+        # follow on top (a rank blocked in a collective gives its core to the others, but
+        # its partner only answers once it has had its own share).
+        busy = steady - tp_comm + opt
+        waits = tp_comm + p2p_full + dp_full
+        total = max(total, busy * layout.world / c.compute_units + waits + c.step_overhead_s)
     return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
                   total=total)
