@@ -66,6 +66,7 @@ from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.testing import RankPool
+from colonnade.testing.batches import random_steps
 from colonnade.training.step import StepPlan, forward_backward
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_parallel.json"
@@ -114,17 +115,7 @@ class RssPeak:
 
 
 def _batches(cfg: Config, rank: int, count: int) -> list[list[tuple[torch.Tensor, ...]]]:
-    tr = cfg.training
-    gen = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for _ in range(count):
-        step = []
-        for _ in range(tr.microbatches or 1):
-            ids = torch.randint(0, cfg.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
-                                generator=gen)
-            step.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-        out.append(step)
-    return out
+    return random_steps(cfg, count, seed=100 + rank)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

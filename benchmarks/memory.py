@@ -32,6 +32,7 @@ from colonnade.models.build import build_chunks
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.testing.batches import random_batches
 from colonnade.training.memory import (
     ActivationShape,
     PeakTensorBytes,
@@ -152,13 +153,7 @@ def step_costs(dropout: float, rounds: int) -> list[dict[str, Any]]:
     config = tiny_config(dropout)
     groups = ProcessGroups.single()
     (chunk,) = build_chunks(config, groups, dtype=torch.float32)
-    tr = config.training
-    gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(tr.microbatches or 1):
-        ids = torch.randint(0, config.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
-                            generator=gen)
-        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    batches = random_batches(config, seed=0)
     chunk.train()
 
     def step() -> None:

@@ -63,6 +63,7 @@ from colonnade.tensor_parallel.partition import (
     linear_reduce_scatter,
 )
 from colonnade.testing import RankPool
+from colonnade.testing.batches import random_batches
 from colonnade.training.grads import reduce_sp_and_tied
 from colonnade.training.step import StepPlan, forward_backward, set_train_mode
 
@@ -214,14 +215,7 @@ def bench_config(tp: int, pp: int, chunks: int, *, hidden: int, layers: int, seq
 
 
 def _batches(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tr = config.training
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(tr.microbatches or 1):
-        ids = torch.randint(0, config.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
-                            generator=gen)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
+    return random_batches(config, seed=0)
 
 
 def timed_step(chunks: list[Any], config: Config, groups: ProcessGroups,

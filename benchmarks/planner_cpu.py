@@ -53,6 +53,7 @@ from colonnade.planner.estimate import estimate
 from colonnade.planner.hardware import Cluster
 from colonnade.planner.layout import Layout, Workload
 from colonnade.testing import RankPool
+from colonnade.testing.batches import random_batches
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_cpu.json"
 MICRO_BATCH = 4
@@ -68,14 +69,7 @@ def layout_config(layout: Layout, w: Workload) -> Config:
 
 
 def _rank_batches(cfg: Config, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    tr = cfg.training
-    gen = torch.Generator().manual_seed(100 + dp_rank)
-    out = []
-    for _ in range(tr.microbatches or 1):
-        ids = torch.randint(0, cfg.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
-                            generator=gen)  # [b, s+1]
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
+    return random_batches(cfg, seed=100 + dp_rank)
 
 
 def time_layout(cfg: Config, warmup: int, steps: int) -> list[float]:

@@ -27,6 +27,7 @@ from colonnade.models.gpt import LayerFn, ModelChunk
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.testing.batches import random_batches
 from colonnade.training.grads import unique_params
 from colonnade.training.step import Batch, StepPlan, forward_backward, set_rng_context
 
@@ -72,14 +73,7 @@ def with_recompute(config: Config, mode: str, method: str = "uniform", n: int = 
 
 def make_batches(config: Config, seed: int = 5) -> list[Batch]:
     """The micro-batches (tokens [b, s], labels [b, s]) of one step."""
-    tr = config.training
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(tr.microbatches or 1):
-        ids = torch.randint(0, config.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
-                            generator=gen)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
+    return random_batches(config, seed=seed)
 
 
 def rank_groups(config: Config) -> ProcessGroups:
