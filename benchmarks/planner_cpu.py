@@ -47,6 +47,7 @@ from colonnade.planner.calibrate import (
     measure_cores,
     measure_gloo,
     measure_local,
+    measure_skew,
     tiny_workload,
 )
 from colonnade.planner.estimate import estimate
@@ -129,6 +130,8 @@ def calibrate(w: Workload, pools: dict[int, RankPool]) -> tuple[Cluster, dict[st
     local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
     gloo = measure_gloo(pools[2], w.seq_len * MICRO_BATCH * w.model.hidden_size)
     cores = measure_cores(pools[2], w.model, MICRO_BATCH, w.seq_len)
+    gloo |= measure_skew({n: pools[n] for n in (2, 4) if n in pools}, w.model, MICRO_BATCH,
+                         w.seq_len)
     cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
     return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency}
 
@@ -158,7 +161,8 @@ def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool]
               f"{cal['matmul_gflops']:.0f} GFLOP/s, op {cal['op_us']:.1f} us, layer "
               f"{cal['layer_s'] * 1e3:.2f} ms -> efficiency {cal['efficiency']:.3f}, gloo "
               f"p2p {cal['latency_us']:.0f} us, all-reduce {cal['ar_latency_us']:.0f} us, "
-              f"cores {cal['cores']:.2f}", flush=True)
+              f"cores {cal['cores']:.2f}, skew {cal['sync_skew_2']:.1%}/"
+              f"{cal['sync_skew_4']:.1%}", flush=True)
     return times, preds, cals
 
 

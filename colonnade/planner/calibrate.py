@@ -13,6 +13,8 @@ Measured (each the median of several repeats, one thread per rank as training ru
            and of 4 MB fitted to S / W + 2 alpha -> collective latency alpha and bandwidth W
            (intra- and inter-"node" links are the same here); all-gather and reduce-scatter of
            the tp message -> their own latencies (gloo: ~0.3 ms and ~1.7 ms vs ~1.2 ms);
+  skew     on 2 and 4 ranks: time lost waiting at a barrier after each of a series of
+           1-layer fwd+bwd segments, as a fraction of the segment -> sync_skew_2/_4;
 The cluster is ``cpu-local``: one node with as many ranks as asked, sharing ``os.cpu_count()``
 cores.  The tiny layouts predicted are tp/pp/dp mixes on 1-4 ranks.
 """
@@ -193,6 +195,59 @@ def _parallel_work(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
     return statistics.median(ratios)
 
 
+def _sync_skew(model: ModelConfig, micro_batch: int, seq_len: int, iters: int = 12) -> float:
+    """Run on n ranks: the fraction of a compute segment lost waiting at a barrier after it.
+
+    Each rank runs ``iters`` x [the 1-layer model's fwd+bwd at the workload's micro-batch (one
+    segment: between a tp collective's ~1 ms and a dp step's ~50 ms of compute), barrier],
+    timing its own segments.  Wait per segment = loop time / iters - own
+    mean segment - a bare barrier's time; returned divided by the mean segment."""
+    import torch
+    import torch.distributed as dist
+
+    from colonnade.config.sections import Config
+    from colonnade.models.build import build_reference
+
+    torch.set_num_threads(1)
+    net = build_reference(Config(model=dataclasses.replace(model, num_layers=1)), torch.float32)
+    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+
+    def seg() -> float:
+        t0 = time.perf_counter()
+        net(tokens, tokens).backward()
+        return time.perf_counter() - t0
+
+    seg()
+    dist.barrier()
+    bare = _median_time(dist.barrier, repeats=5, inner=10)
+    dist.barrier()
+    t0 = time.perf_counter()
+    own = []
+    for _ in range(iters):
+        own.append(seg())
+        dist.barrier()
+    loop = (time.perf_counter() - t0) / iters
+    mean = statistics.fmean(own)
+    return max(loop - mean - bare, 0.0) / mean
+
+
+def measure_skew(pools: dict[int, object], model: ModelConfig | None = None,
+                 micro_batch: int = 4, seq_len: int = 128) -> dict[str, float]:
+    """``sync_skew_2`` / ``sync_skew_4``: :func:`_sync_skew` averaged over the ranks of a 2- and
+    a 4-rank pool (a missing pool: the other's value)."""
+    out: dict[str, float] = {}
+    for n in (2, 4):
+        if n in pools:
+            got = pools[n].run(_sync_skew, model or ModelConfig(), micro_batch,  # type: ignore
+                               seq_len)
+            out[f"sync_skew_{n}"] = statistics.fmean(got)
+    if not out:
+        raise ValueError("measure_skew: pass a 2- or a 4-rank pool in `pools`")
+    out.setdefault("sync_skew_2", out.get("sync_skew_4", 0.0))
+    out.setdefault("sync_skew_4", out["sync_skew_2"])
+    return out
+
+
 def measure_cores(pool: object, model: ModelConfig | None = None, micro_batch: int = 4,
                   seq_len: int = 128) -> float:
     """Cores our ranks effectively have now: 2 / slowdown of 2 concurrent ranks, in
@@ -230,7 +285,8 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
         p2p_latency_us=gloo["latency_us"], p2p_gbps=gloo["gbps"], op_overhead_us=local["op_us"],
         all_gather_latency_us=gloo.get("ag_latency_us"),
         reduce_scatter_latency_us=gloo.get("rs_latency_us"),
-        efficiency=1.0, compute_units=cores or os.cpu_count() or 1)
+        efficiency=1.0, compute_units=cores or os.cpu_count() or 1,
+        sync_skew_2=gloo.get("sync_skew_2", 0.0), sync_skew_4=gloo.get("sync_skew_4", 0.0))
     if "layer_s" not in local:
         return c
     eff = fit_cpu_efficiency(c, w or tiny_workload(), micro_batch, local["layer_s"])
@@ -257,7 +313,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"matmul {local['matmul_gflops']:.1f} GFLOP/s (1 thread), memory "
           f"{local['memory_gbps']:.1f} GB/s, {local['op_us']:.1f} us per op, one layer "
           f"fwd+bwd {local['layer_s'] * 1e3:.2f} ms")
-    gloo = measure_gloo(numel=w.seq_len * 4 * w.model.hidden_size)
+    from colonnade.testing import RankPool
+
+    with RankPool(2, timeout_s=120.0) as two, RankPool(4, timeout_s=120.0) as four:
+        gloo = measure_gloo(two, numel=w.seq_len * 4 * w.model.hidden_size)
+        gloo |= measure_skew({2: two, 4: four}, w.model, 4, w.seq_len)
+    print(f"sync skew: {gloo['sync_skew_2']:.1%} (2 ranks), {gloo['sync_skew_4']:.1%} (4 ranks)")
     print(f"gloo: send/recv latency {gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; "
           f"all-reduce latency {gloo['ar_latency_us']:.0f} us, {gloo['ar_gbps']:.2f} GB/s")
     cluster = calibrated_cluster(local, gloo, w)

@@ -19,6 +19,7 @@ per node), capped by NVLink.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -76,6 +77,12 @@ class Cluster:
     op_overhead_us: float = 0.0
     """Host time per tensor operation (dispatch); matters for tiny models on CPU, hidden by
     asynchronous launches on GPUs (0 there)."""
+    sync_skew_2: float = 0.0
+    """Measured (``calibrate.measure_skew``): extra wall time, as a fraction of the compute
+    between two blocking collectives, that 2 ranks lose waiting for the slower one (OS
+    scheduling jitter, other processes); 0 on dedicated GPUs."""
+    sync_skew_4: float = 0.0
+    """The same for 4 ranks; :meth:`skew_fraction` interpolates in log2(ranks)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -100,6 +107,14 @@ class Cluster:
         nic = self.inter_node_gbps / self.gpus_per_node
         bw = min(self.intra_node_gbps, max(1, per_node) * nic)
         return bw * 1e9, self.inter_latency_us * 1e-6
+
+    def skew_fraction(self, ranks: int) -> float:
+        """Waiting for the slowest of ``ranks`` ranks at each blocking collective, as a
+        fraction of the compute between collectives: s2 + (s4 - s2)(log2 n - 1), >= 0."""
+        if ranks <= 1:
+            return 0.0
+        f = self.sync_skew_2 + (self.sync_skew_4 - self.sync_skew_2) * (math.log2(ranks) - 1)
+        return max(f, 0.0)
 
     def all_reduce_s(self, nbytes: float, group: int, per_node: int) -> float:
         """Ring all-reduce time of ``nbytes`` over ``group`` ranks."""

@@ -25,6 +25,11 @@ Optimizer: Adam reads/writes ~30 bytes per owned parameter (mixed precision) fro
 CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores,
 busy time counting communication (gloo polls while waiting); ``compute_units`` may be the
 fractional number of cores free on a shared machine (calibrate.measure_cores).
+Per step, the small blocking collectives (grad-norm over tp, pp (and dp with ZeRO-1), the
+logged loss over the world, sp-partial and tied gradients) each pay their latency
+(:func:`step_collectives_s`); per micro-batch, vocab-parallel cross entropy adds 2
+all-reduces under tp.  Ranks wait for the slowest at each blocking collective: the step's
+compute grows by ``Cluster.skew_fraction(world)``, measured in calibration (0 on GPUs).
 """
 
 from __future__ import annotations
@@ -137,6 +142,11 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         lf = tokens * logits_forward_flops_per_token(m) / t
         lb = tokens * m.vocab / t * (w.elem + 8)  # logits, fp32 softmax, its gradient
         head_comm = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
+        # vocab-parallel cross entropy: all-reduce of the max [tokens] and of the packed
+        # (sum exp, target logit) [2, tokens], fp32, in the forward
+        ce = c.all_reduce_s(tokens * 4, t, per_node) + c.all_reduce_s(tokens * 8, t, per_node)
+        fwd_s += ce
+        comm += ce
         fwd_s += lf / flops + lb / bw
         bwd_s += 2 * lf / flops + lb / bw + head_comm
         wgrad += lf / flops
@@ -191,6 +201,28 @@ def _optimizer_s(w: Workload, layout: Layout, c: Cluster, params: float) -> floa
     return params * per_param / c.bytes_per_s()
 
 
+def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
+    """Seconds of the small blocking collectives issued once per step (latency-bound).
+
+    grad-norm all-reduce (one float64) over tp, over pp, and over dp with ZeRO-1; the logged
+    loss all-reduce ([2] float64) over the world; the fused sp-partial gradient all-reduce
+    over tp (norm weights: (2 l/p + 1) h) with sp; the tied embedding/head gradient
+    all-reduce (V h / t) over the pp ends with tied embeddings."""
+    t, p, g = layout.tp, layout.pp, c.gpus_per_node
+    m = w.shape
+
+    def ar(nbytes: float, n: int) -> float:
+        return c.all_reduce_s(nbytes, n, min(n, g))
+
+    total = ar(8, t) + ar(8, p) + (ar(8, layout.dp) if layout.zero1 else 0.0)
+    total += ar(16, layout.world)
+    if layout.sp and t > 1:
+        total += ar((2 * m.layers / p + 1) * m.hidden * w.elem, t)
+    if m.tied and p > 1:
+        total += ar(m.vocab * m.hidden / t * w.elem, 2)
+    return total
+
+
 def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     """Predicted seconds per optimizer step of ``layout`` (see the module docstring)."""
     m = layout.microbatches(w.global_batch)
@@ -211,14 +243,19 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     dp, dp_full = _dp_exposed(w, layout, c, params, stages[0].bwd / layout.vp,
                               stages[0].fwd / layout.vp)
     opt = _optimizer_s(w, layout, c, params)
-    total = steady + bubble + p2p + dp + opt + c.step_overhead_s
+    extra = step_collectives_s(w, layout, c)
+    skew = c.skew_fraction(layout.world)
+    # ranks wait for the slowest at every blocking collective: a measured fraction of the
+    # compute between them (the whole step's compute is cut into such segments)
+    total = (steady + bubble + p2p + dp + opt + extra + c.step_overhead_s
+             + skew * (steady - tp_comm))
     if c.compute_units and layout.world > c.compute_units:
         # Compute (and the optimizer) time-shares the cores; the communication waits then
         # follow on top (a rank blocked in a collective gives its core to the others, but
         # its partner only answers once it has had its own share).
-        busy = steady - tp_comm + opt
-        waits = tp_comm + p2p_full + dp_full
-        total = max(total, busy * layout.world / c.compute_units + waits + c.step_overhead_s)
+        busy = (steady - tp_comm + opt) * layout.world / c.compute_units
+        waits = tp_comm + p2p_full + dp_full + extra
+        total = max(total, busy * (1 + skew) + waits + c.step_overhead_s)
     return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
                   total=total)
