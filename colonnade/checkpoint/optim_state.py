@@ -18,9 +18,9 @@ a disjoint part, as with ZeRO-1; False when dp ranks hold replicas, so dp rank 0
 Parameters tied to another (the last stage's copy of a tied embedding) are left out by
 :func:`writes_param` and read under the key they are tied to.
 
-:func:`logical_state` / :func:`load_logical_state` call those methods, and adapt the plain
-:class:`~colonnade.optim.optimizer.AdamWOptimizer` (whole parameters, one
-``torch.optim.AdamW`` state per master) when it does not have them.
+:func:`logical_state` / :func:`load_logical_state` call those methods, and adapt
+:class:`~colonnade.optim.distributed.DistributedOptimizer` (its ``shard_state()`` ranges of the
+flat buffers) when it does not have them.
 """
 
 from __future__ import annotations
@@ -62,19 +62,15 @@ def logical_state(optimizer: Any) -> dict[str, dict[str, OptimSlice]]:
     """This rank's optimizer state in logical form (the optimizer's own method if it has one)."""
     if hasattr(optimizer, "logical_state"):
         return optimizer.logical_state()
-    if hasattr(optimizer, "shard_state"):
-        return _flat_logical_state(optimizer)
-    return _adamw_logical_state(optimizer)
+    return _flat_logical_state(optimizer)
 
 
 def load_logical_state(optimizer: Any, read: StateReader) -> None:
     """Fill an optimizer from logical state (its own method if it has one)."""
     if hasattr(optimizer, "load_logical_state"):
         optimizer.load_logical_state(read)
-    elif hasattr(optimizer, "shard_state"):
-        _flat_load_logical_state(optimizer, read)
     else:
-        _adamw_load_logical_state(optimizer, read)
+        _flat_load_logical_state(optimizer, read)
 
 
 def dp_sharded(optimizer: Any) -> bool:
@@ -120,37 +116,3 @@ def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
                     value = (p.detach().reshape(-1)[lo:hi] if name == "master"
                              else torch.zeros_like(views[name]))
                 views[name].copy_(value.to(views[name].device))
-
-
-def _adamw_logical_state(opt: Any) -> dict[str, dict[str, OptimSlice]]:
-    out: dict[str, dict[str, OptimSlice]] = {}
-    for p, m in zip(opt.params, opt.masters, strict=True):
-        sharding: Sharding = p.sharding
-        if not writes_param(sharding):
-            continue
-        entry: dict[str, OptimSlice] = {}
-        if m is not p:
-            entry["master"] = OptimSlice(m.detach(), sharding)
-        state = opt.inner.state.get(m, {})
-        for name in ("exp_avg", "exp_avg_sq"):
-            if name in state:
-                entry[name] = OptimSlice(state[name].detach(), sharding)
-        out[sharding.key] = entry
-    return out
-
-
-def _adamw_load_logical_state(opt: Any, read: StateReader) -> None:
-    step = int(opt.step_count)
-    for p, m in zip(opt.params, opt.masters, strict=True):
-        key = read_key(p.sharding)
-        with torch.no_grad():
-            if m is not p:
-                master = read(key, "master", None)
-                m.copy_(master.to(m.device) if master is not None else p.detach())
-        avg, sq = read(key, "exp_avg", None), read(key, "exp_avg_sq", None)
-        if avg is None or sq is None or step == 0:
-            opt.inner.state.pop(m, None)
-            continue
-        opt.inner.state[m] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                              "exp_avg": avg.to(m.device, m.dtype, copy=True),
-                              "exp_avg_sq": sq.to(m.device, m.dtype, copy=True)}

@@ -10,7 +10,7 @@ from colonnade.planner.calibrate import fit_cpu_efficiency, tiny_workload
 from colonnade.planner.estimate import estimate
 from colonnade.planner.hardware import PRESETS
 from colonnade.planner.layout import Layout
-from colonnade.planner.timing import layer_forward_s
+from colonnade.planner.timing import layer_forward_s, step_collectives_s, step_time
 
 CPU = dataclasses.replace(PRESETS["cpu-local"], efficiency=1.0, compute_units=2,
                           op_overhead_us=10.0)
@@ -34,7 +34,8 @@ def test_ranks_beyond_free_cores_time_share() -> None:
     t = estimate(w, Layout(dp=2, micro_batch=4), one_core).timing
     assert dp2_two_cores < 0.6 * single  # half the micro-batches per rank, two cores
     # one free core: the two ranks' compute + optimizer time-share it, the waits add on top
-    expected = (t.compute + t.optimizer) * 2 + t.dp_comm + CPU.step_overhead_s
+    expected = ((t.compute + t.optimizer) * 2 + t.dp_comm + CPU.step_overhead_s
+                + step_collectives_s(w, Layout(dp=2, micro_batch=4), one_core))
     assert t.total == pytest.approx(expected, rel=1e-9)
     assert single * 0.95 < t.total < single * 1.15
 
@@ -49,3 +50,34 @@ def test_sp_uses_the_gather_and_scatter_latencies() -> None:
     assert estimate(w, lay, slow_rs).timing.tp_comm - base == pytest.approx(16 * 4 * 1e-3)
     no_sp = estimate(w, dataclasses.replace(lay, sp=False), CPU).timing.tp_comm
     assert base == pytest.approx(no_sp)  # ring model: all-reduce = reduce-scatter + all-gather
+
+
+def test_step_collectives_count_the_layout() -> None:
+    """Latency-only all-reduces per step: grad norm over tp and pp (+dp with ZeRO-1), the
+    logged loss over the world, sp-partial grads over tp with sp; each 2 (n-1) alpha here."""
+    w = tiny_workload()
+    lat = dataclasses.replace(CPU, intra_latency_us=1000.0, intra_node_gbps=1e9)
+    alpha = 1e-3
+
+    def count(lay: Layout) -> float:
+        return step_collectives_s(w, lay, lat) / alpha
+
+    assert count(Layout()) == pytest.approx(0.0)
+    assert count(Layout(dp=2)) == pytest.approx(2.0, rel=1e-6)  # log loss over 2 ranks
+    assert count(Layout(tp=2, pp=2)) == pytest.approx(2 + 2 + 6, rel=1e-6)  # norm tp, pp; loss 4
+    assert count(Layout(tp=2, dp=2, sp=True, zero1=True)) == pytest.approx(
+        2 + 2 + 6 + 2, rel=1e-6)  # norm tp, dp; loss over 4; sp grads over tp
+
+
+def test_skew_scales_the_compute_of_synchronised_ranks() -> None:
+    w = tiny_workload()
+    many = dataclasses.replace(CPU, compute_units=8)
+    lay = Layout(tp=2, micro_batch=4)
+    base = step_time(w, lay, many)
+    skewed = dataclasses.replace(many, sync_skew_2=0.1, sync_skew_4=0.3)
+    assert skewed.skew_fraction(1) == 0.0
+    assert skewed.skew_fraction(2) == pytest.approx(0.1)
+    assert skewed.skew_fraction(4) == pytest.approx(0.3)
+    assert step_time(w, lay, skewed).total - base.total == pytest.approx(0.1 * base.compute)
+    one = Layout(micro_batch=4)
+    assert step_time(w, one, skewed) == step_time(w, one, many)

@@ -103,6 +103,8 @@ def test_tp_comm_volume_is_8bsh_per_layer() -> None:
     per_layer = 8 * 512 * 1024 * 3 / 4 * 2 / 300e9
     # 4 layers, 2 micro-batches, + embedding fwd and head bwd all-reduces (2 x 2(t-1)/t bsh E)
     extra = 2 * (2 * 2 * 512 * 1024 * 3 / 4 * 2 / 300e9)
+    # + vocab-parallel CE's 2 fp32 all-reduces ([b s] max, [2, b s] sums) per micro-batch
+    extra += 2 * (2 * 3 / 4 * 512 * (4 + 8) / 300e9)
     assert t.tp_comm == pytest.approx(4 * 2 * per_layer + extra, rel=1e-9)
     full = step_time(w, dataclasses.replace(lay, recompute="full"), fast)
     assert full.tp_comm == pytest.approx(4 * 2 * per_layer * 1.5 + extra, rel=1e-9)

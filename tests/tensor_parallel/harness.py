@@ -23,9 +23,10 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.data_parallel import build_data_parallel
 from colonnade.models.build import build_chunks
 from colonnade.models.gpt import ModelChunk
-from colonnade.optim.optimizer import AdamWOptimizer
+from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
@@ -106,13 +107,17 @@ def run_training(chunks: list[ModelChunk], groups: ProcessGroups, config: Config
     (chunk,) = chunks
     set_train_mode(chunks, False)
     logits = chunk.full_logits(step_batches[0][0][0])  # [b, s, V]
-    opt = AdamWOptimizer(chunks, config.optim, groups, config.training.steps)
+    ddp = build_data_parallel(chunks, config, groups)
+    opt = DistributedOptimizer(ddp, config.optim, groups, config.training.steps,
+                               config.training.precision)
     losses: list[list[float]] = []
     grads: dict[str, torch.Tensor] = {}
     for step, batches in enumerate(step_batches):
         set_train_mode(chunks, True)
         opt.zero_grad()
-        losses.append(forward_backward(chunks, batches, StepPlan(groups, step)))
+        plan = StepPlan(groups, step, grad_sync=ddp.grad_sync_hook(len(batches)))
+        losses.append(forward_backward(chunks, batches, plan))
+        ddp.finish_grad_sync()
         reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
         if step == 0:
             grads = full_tensors(chunks, groups, grads=True)
