@@ -19,7 +19,7 @@ from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPContext,
-    column_parallel,
+    enter_tp_region,
 )
 from colonnade.tensor_parallel.sharding import Sharding, output_std
 
@@ -92,11 +92,13 @@ class Attention(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         d = self.cfg.head_dim
-        q, k, v = column_parallel(x, [self.q, self.k, self.v])  # one tp entry for all three
+        x, entered = enter_tp_region(x, self.ctx)  # [s, b, h]: one f / all-gather for q, k, v
+        q = self.q(x, entered=entered)  # [s, b, a/tp * d]
         s, b = q.shape[0], q.shape[1]
         q = q.view(s, b, self.heads, d).permute(1, 2, 0, 3)  # [b, a/tp, s, d]
-        k = k.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
-        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        k = self.k(x, entered=entered).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
+        v = self.v(x, entered=entered).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
+        # k, v: [b, kv/tp, s, d]
         start = cache.length if cache is not None else 0
         if rope is not None:
             cos, sin = rope[0][start:start + s], rope[1][start:start + s]
@@ -154,11 +156,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        x, entered = enter_tp_region(x, self.ctx)  # [s, b, h]: one f / all-gather for gate, up
         if self.gate is not None:
-            gate, up = column_parallel(x, [self.gate, self.up])  # one tp entry for both
-            y = F.silu(gate) * up  # [s, b, f/tp]
+            y = F.silu(self.gate(x, entered=entered)) * self.up(x, entered=entered)  # [s, b, f/tp]
         else:
-            y = F.gelu(self.up(x), approximate="tanh")  # [s, b, f/tp]
+            y = F.gelu(self.up(x, entered=entered), approximate="tanh")  # [s, b, f/tp]
         return self.down(y)
 
 

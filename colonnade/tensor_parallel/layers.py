@@ -63,24 +63,22 @@ class TPContext:
                           self.device)
 
 
-def column_parallel(x: torch.Tensor, layers: list[ColumnParallelLinear]) -> list[torch.Tensor]:
-    """Apply column-parallel layers that read the same input ``x``, entering tp only once.
+def enter_tp_region(x: torch.Tensor, ctx: TPContext) -> tuple[torch.Tensor, bool]:
+    """Enter a tp region once for every column-parallel layer that reads ``x``.
 
-    Attention's q, k, v (and SwiGLU's gate, up) share one f (tp) or one sequence all-gather
-    (sp), so a transformer layer costs 2 entries, not 5; with ``comm_chunks > 1`` they share one
-    chunked all-gather pipelined with their matmuls (and one reduce-scatter of the summed input
-    gradient backward). x [s, b, h] (or [s/tp, b, h] under sp) -> one [s, b, o_k/tp] per layer.
+    Attention's q, k, v (and SwiGLU's gate, up) read the same input: one f (tp) or one
+    sequence all-gather (sp) serves them all, so a layer costs 2 entries, not 5. Returns the
+    input for the layers ([s, b, h]) and whether it was entered; the layers are then called
+    with ``entered=...``. With ``comm_chunks > 1`` each layer pipelines its own chunked
+    all-gather with its matmul, so x is returned untouched ([s/tp, b, h]) and False.
     """
-    ctx = layers[0].ctx
-    weights = [layer.weight for layer in layers]
-    biases = [layer.bias for layer in layers]
-    if ctx.tp > 1 and ctx.sp and ctx.comm_chunks > 1:
-        from colonnade.tensor_parallel.partition import gathered_linears
-
-        return list(gathered_linears(x, weights, biases, ctx.group, ctx.comm_chunks))
-    if ctx.tp > 1:
-        x = mp.gather_seq(x, ctx.group) if ctx.sp else mp.copy_to_tp(x, ctx.group)  # [s, b, h]
-    return [F.linear(x, w, bias) for w, bias in zip(weights, biases, strict=True)]
+    if ctx.tp == 1:
+        return x, True
+    if ctx.sp:
+        if ctx.comm_chunks > 1:
+            return x, False
+        return mp.gather_seq(x, ctx.group), True  # [s, b, h]
+    return mp.copy_to_tp(x, ctx.group), True  # [s, b, h]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -104,10 +102,22 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), dim=0), 0.0, "zeros")
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (y,) = column_parallel(x, [self])  # [s, b, o/tp]
+    def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
+        """``entered``: x already went through :func:`enter_tp_region` (shared with siblings)."""
+        ctx = self.ctx
+        if entered:
+            y = F.linear(x, self.weight, self.bias)  # [s, b, o/tp]
+        elif ctx.sp:
+            if ctx.comm_chunks > 1:
+                from colonnade.tensor_parallel.partition import gathered_linear
+
+                y = gathered_linear(x, self.weight, self.bias, ctx.group, ctx.comm_chunks)
+            else:
+                y = F.linear(mp.gather_seq(x, ctx.group), self.weight, self.bias)  # [s, b, o/tp]
+        else:
+            y = F.linear(mp.copy_to_tp(x, ctx.group), self.weight, self.bias)  # [s, b, o/tp]
         if self.gather_output:
-            y = mp.gather_last(y, self.ctx.group)  # [s, b, o]
+            y = mp.gather_last(y, ctx.group)  # [s, b, o]
         return y
 
 
