@@ -20,22 +20,12 @@ import pytest
 from colonnade.cli import main
 from colonnade.config.load import load_config
 from colonnade.training.loop import train
-from colonnade.training.setup import prepare_data
 from tests.reliability.jobs import tiny_args, write_corpus
 
 
 def _hashes(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("bad_files")
-    text = write_corpus(root / "text", docs=3, words=1200)
-    prepared = root / "prepared"
-    prepare_data(load_config(None, tiny_args(text, prepared, root / "unused")), log=False)
-    return text, prepared
 
 
 def _copy_dataset(prepared: Path, where: Path) -> Path:

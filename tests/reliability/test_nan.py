@@ -21,22 +21,12 @@ from colonnade.config.load import load_config
 from colonnade.config.validate import resolve, validate
 from colonnade.reliability.nan import NonFiniteError, check_step
 from colonnade.training.loop import Trainer, train
-from colonnade.training.setup import prepare_data
 from tests.reliability.faults import Fault, install, uninstall
-from tests.reliability.jobs import tiny_args, write_corpus
+from tests.reliability.jobs import tiny_args
 
 PARAM = "layers.1.mlp.down.weight"
 DOWN_NUMEL = 32 * 128  # hidden 32 x SwiGLU width round_up(8 * 32 / 3, 64) = 128
 N_PARAMS = 21  # embedding, 2 x 9 per layer, final norm, head
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("nan_data")
-    text = write_corpus(root / "text", docs=3, words=1200)
-    prepared = root / "prepared"
-    prepare_data(load_config(None, tiny_args(text, prepared, root / "unused")), log=False)
-    return text, prepared
 
 
 @pytest.fixture
