@@ -1,21 +1,15 @@
-"""Whole-model export: gather tp shards into full tensors and write safetensors.
-
-Used by ``colonnade generate`` and as the single-process model format: a directory holding
-``config.toml``, ``tokenizer.json`` (when known) and one ``model-pp{k}.safetensors`` per pipeline
-stage (each with full, unsharded tensors under their global names). Loading never unpickles.
+"""Whole tensors: gather tp shards into full tensors, and load a checkpoint's full model into the
+single-process model (``colonnade generate``). Loading never unpickles.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from colonnade.config.load import config_to_toml, load_config
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
 from colonnade.models.gpt import ModelChunk
@@ -50,51 +44,21 @@ def full_state(chunks: list[nn.Module], groups: ProcessGroups) -> dict[str, torc
     return out
 
 
-def export_model(directory: str | Path, chunks: list[nn.Module], groups: ProcessGroups,
-                 config: Config, tokenizer: str | Path | None = None) -> Path:
-    """Write this layout's model as full tensors (collective over tp; dp rank 0 writes)."""
-    directory = Path(directory)
-    state = full_state(chunks, groups)
-    if groups.dp.rank == 0 and groups.tp.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(directory / f"model-pp{groups.pp.rank}.safetensors"))
-        if groups.pp.rank == 0:
-            (directory / "config.toml").write_text(config_to_toml(config))
-            if tokenizer is not None and Path(tokenizer).exists():
-                shutil.copy(tokenizer, directory / "tokenizer.json")
-    groups.world.barrier()
-    return directory
-
-
 def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
                   device: torch.device | None = None) -> tuple[Config, ModelChunk]:
-    """Build the single-process model of an exported directory and load its weights.
-
-    ``directory`` may also be a distributed checkpoint (root with ``latest``, or a step
-    directory) written by training or ``colonnade convert``: its model tensors are read whole.
-    """
+    """The single-process model of a checkpoint (root with ``latest``, or a step directory)
+    written by training or ``colonnade convert``; its model tensors are read whole."""
     directory = Path(directory)
-    if (directory / "latest").exists() or (directory / "index.json").exists():
-        from colonnade.checkpoint.commit import resolve_checkpoint
-        from colonnade.checkpoint.convert import read_full_model
+    if not ((directory / "latest").exists() or (directory / "index.json").exists()):
+        raise FileNotFoundError(f"{directory}/config.toml missing: not a checkpoint directory "
+                                "(train with --checkpoint.save=DIR)")
+    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.convert import read_full_model
 
-        directory = resolve_checkpoint(directory)
-        config, state = read_full_model(directory)
-        config = dataclasses.replace(config, parallel=dataclasses.replace(
-            config.parallel, dp=1, tp=1, pp=1, vp=1, sp=False, pipeline_layout=None))
-        model = build_reference(config, dtype=dtype, device=device)
-        load_full_state(model, state)
-        return config, model
-    if not (directory / "config.toml").exists():
-        raise FileNotFoundError(f"{directory}/config.toml missing: not an exported model "
-                                "directory (train with --checkpoint.save=DIR)")
-    config = load_config(directory / "config.toml")
+    config, state = read_full_model(resolve_checkpoint(directory))
     config = dataclasses.replace(config, parallel=dataclasses.replace(
         config.parallel, dp=1, tp=1, pp=1, vp=1, sp=False, pipeline_layout=None))
     model = build_reference(config, dtype=dtype, device=device)
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("model-pp*.safetensors")):
-        state.update(load_file(str(path)))
     load_full_state(model, state)
     return config, model
 
