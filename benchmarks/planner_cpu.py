@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/planner_cpu.py [--rounds 6] [--steps 3] [--warmup 2] [--json PATH]
 
 1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.planner.
-   calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op and one
-   decoder layer's fwd+bwd (-> the one fitted constant, ``efficiency``) in this process,
-   gloo send/recv and all-reduce latency / bandwidth and the cores free for our ranks on 2
-   ranks; that round's predictions use that ``cpu-local`` cluster (no layout's step time is
-   ever used to fit anything).
+   calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op, one
+   decoder layer's fwd+bwd and the output layer + loss's (-> ``efficiency`` and
+   ``head_efficiency``) in this process, gloo send/recv latency / bandwidth, all-reduce
+   bandwidth and the in-situ cost of all-reduce / all-gather / reduce-scatter after a forward
+   segment, the cores free for our ranks and the barrier skew on 2 and 4 ranks; that round's
+   predictions use that ``cpu-local`` cluster (no layout's step time is ever used to fit
+   anything).
 2. Measure: every layout of ``calibrate.TINY_LAYOUTS`` (tiny workload: default ModelConfig,
    llama h=64, 4 layers, vocab 2048, seq 128, global batch 16, micro-batch 4, fp32) trains on
    gloo CPU ranks (one thread each; persistent pools of 1, 2 and 4 ranks) with the real
@@ -17,7 +19,9 @@
    of them; the measured value is the median over all kept steps of all rounds, the predicted
    value the median of the rounds' predictions.
 3. Compare: relative error predicted / measured - 1 per layout (target |err| <= 30%) and the
-   Spearman rank correlation of the two orderings (target: identical ranking, rho = 1).
+   Spearman rank correlation of the two orderings (target: identical ranking, rho = 1);
+   for each pair of neighbours in the measured order, in how many rounds the per-round
+   medians put them in that order (a pair the rounds disagree on is within the noise).
    The 1-minute load average before and after is reported: other processes share the cores.
 
 Writes benchmarks/results/planner_cpu.json.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -119,6 +124,24 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 1.0
 
 
+def adjacent_pairs(rows: list[dict], times: dict[int, list[float]], rounds: int,
+                   steps: int) -> list[dict]:
+    """Neighbours in the measured order: their gap, in how many rounds the per-round medians
+    order them the same way (how well measured the order is), and whether the prediction
+    does (a pair the rounds disagree on is a tie within this machine's noise)."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["measured_s"])
+    out = []
+    for a, b in itertools.pairwise(order):
+        agree = sum(statistics.median(times[a][r * steps:(r + 1) * steps])
+                    < statistics.median(times[b][r * steps:(r + 1) * steps])
+                    for r in range(rounds))
+        out.append({"faster": rows[a]["layout"], "slower": rows[b]["layout"],
+                    "gap": rows[b]["measured_s"] / rows[a]["measured_s"] - 1,
+                    "rounds_agreeing": agree, "rounds": rounds,
+                    "predicted_agrees": rows[a]["predicted_s"] < rows[b]["predicted_s"]})
+    return out
+
+
 def calibrated_cluster_from(cal: dict[str, float], w: Workload) -> tuple[Cluster, float]:
     """The cluster of a (median) calibration record, and its fitted efficiency."""
     c = calibrated_cluster(cal, cal, w, MICRO_BATCH, cal["cores"])
@@ -128,12 +151,16 @@ def calibrated_cluster_from(cal: dict[str, float], w: Workload) -> tuple[Cluster
 def calibrate(w: Workload, pools: dict[int, RankPool]) -> tuple[Cluster, dict[str, float]]:
     """One calibration of the cpu-local cluster (see colonnade.planner.calibrate)."""
     local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
-    gloo = measure_gloo(pools[2], w.seq_len * MICRO_BATCH * w.model.hidden_size)
+    gloo = measure_gloo(pools[2], w.seq_len * MICRO_BATCH * w.model.hidden_size, w.model,
+                        w.seq_len)
     cores = measure_cores(pools[2], w.model, MICRO_BATCH, w.seq_len)
     gloo |= measure_skew({n: pools[n] for n in (2, 4) if n in pools}, w.model, MICRO_BATCH,
                          w.seq_len)
     cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
-    return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency}
+    return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency,
+            "head_efficiency": cluster.head_efficiency or 0.0}
+
+
 
 
 def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool], rounds: int,
@@ -159,7 +186,8 @@ def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool]
             times[i].extend(got)
         print(f"  round {r + 1}/{rounds}: load {os.getloadavg()[0]:.1f}, matmul "
               f"{cal['matmul_gflops']:.0f} GFLOP/s, op {cal['op_us']:.1f} us, layer "
-              f"{cal['layer_s'] * 1e3:.2f} ms -> efficiency {cal['efficiency']:.3f}, gloo "
+              f"{cal['layer_s'] * 1e3:.2f} ms, head {cal['head_s'] * 1e3:.2f} ms -> efficiency "
+              f"{cal['efficiency']:.3f}/{cal['head_efficiency']:.3f}, gloo "
               f"p2p {cal['latency_us']:.0f} us, all-reduce {cal['ar_latency_us']:.0f} us, "
               f"cores {cal['cores']:.2f}, skew {cal['sync_skew_2']:.1%}/"
               f"{cal['sync_skew_4']:.1%}", flush=True)
@@ -204,6 +232,11 @@ def main() -> None:
     meas_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
     pred_rank = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_s"])]
     worst = max(abs(r["relative_error"]) for r in rows)
+    pairs = adjacent_pairs(rows, times, args.rounds, args.steps)
+    print("neighbours in the measured order (gap, rounds agreeing, prediction agrees):")
+    for q in pairs:
+        print(f"  {q['faster']:<40} < {q['slower']:<40} {q['gap']:>+6.1%} "
+              f"{q['rounds_agreeing']}/{q['rounds']} {'yes' if q['predicted_agrees'] else 'NO'}")
     print(f"max |error| {worst:.1%} (target 30%); Spearman rho {rho:.3f}; same ranking: "
           f"{meas_rank == pred_rank}; load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
           f"on {os.cpu_count()} cores")
@@ -214,7 +247,7 @@ def main() -> None:
            "load_average_before": load_before, "load_average_after": load_after,
            "cores": os.cpu_count(), "rows": rows, "spearman": rho,
            "max_abs_error": worst, "measured_ranking": meas_rank,
-           "predicted_ranking": pred_rank}
+           "predicted_ranking": pred_rank, "adjacent_pairs": pairs}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.json}")

@@ -6,13 +6,18 @@ Measured (each the median of several repeats, one thread per rank as training ru
   memory   bandwidth of an elementwise add on 4M floats (3 x 4 bytes per element) -> hbm_gbps;
   dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (1 vs 3 layer
            models, difference / 2) / (3 * OPS_PER_LAYER) -> op_overhead_us;
-  layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the one fitted
+  layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the fitted
            constant (see :func:`fit_cpu_efficiency`): no layout's step time is used;
+  head     the 1-layer model's time minus that layer (embedding, output layer, cross entropy)
+           -> ``head_efficiency`` by the same inversion: its one large GEMM and vocabulary-wide
+           fp32 passes reach another fraction of the peaks than a layer's small ops do;
   gloo     with 2 local processes: half the round trip of a 4-byte send/recv -> p2p latency, a
-           4 MB send/recv -> p2p bandwidth; all-reduces of the tp message (tokens x h floats)
-           and of 4 MB fitted to S / W + 2 alpha -> collective latency alpha and bandwidth W
-           (intra- and inter-"node" links are the same here); all-gather and reduce-scatter of
-           the tp message -> their own latencies (gloo: ~0.3 ms and ~1.7 ms vs ~1.2 ms);
+           4 MB send/recv -> p2p bandwidth; isolated all-reduces of the tp message (tokens x h
+           floats) and of 4 MB -> bandwidth W; all-reduce, all-gather and reduce-scatter of the
+           tp message *in situ*, each after a forward of the 1-layer model, minus the forwards
+           alone -> their latencies (arrival skew and waking on cold caches included: ~1 ms
+           each here, 2-3x what back-to-back collectives show; intra- and inter-"node" links
+           are the same here);
   skew     on 2 and 4 ranks: time lost waiting at a barrier after each of a series of
            1-layer fwd+bwd segments, as a fraction of the segment -> sync_skew_2/_4;
 The cluster is ``cpu-local``: one node with as many ranks as asked, sharing ``os.cpu_count()``
@@ -33,7 +38,7 @@ from colonnade.config.sections import ModelConfig
 from colonnade.planner.estimate import Estimate, estimate
 from colonnade.planner.hardware import PRESETS, Cluster, cluster_to_toml
 from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.timing import OPS_PER_LAYER, layer_forward_s
+from colonnade.planner.timing import OPS_PER_LAYER, head_fwd_bwd_s, layer_forward_s
 
 TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(),
@@ -58,11 +63,14 @@ def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> 
     return statistics.median(times)
 
 
-def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
-    """Seconds of one decoder layer's forward + backward (single process, fp32, one thread).
+def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
+                     seq_len: int) -> tuple[float, float]:
+    """Seconds of one decoder layer's forward + backward, and of the rest (embedding, final
+    norm, output layer, cross entropy), single process, fp32, one thread.
 
-    The reference model is built with 1 and with 3 layers; half the difference of their
-    fwd+bwd times is one layer (embedding, head and loss cancel)."""
+    The reference model is built with 1 and with 3 layers: half the difference of their
+    fwd+bwd times is one layer (embedding, head and loss cancel); the 1-layer time minus
+    that is the rest."""
     import torch
 
     from colonnade.config.sections import Config
@@ -75,7 +83,8 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int, seq_len: int) -> floa
         tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
         times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
                                   repeats=7, inner=3))
-    return (times[1] - times[0]) / 2
+    layer = (times[1] - times[0]) / 2
+    return layer, times[0] - layer
 
 
 def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
@@ -83,8 +92,8 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
     """This process (one thread): matmul GFLOP/s, memory GB/s, host us per op, layer seconds.
 
     ``op_us``: one layer's fwd+bwd at 4 tokens (compute negligible) / (3 * OPS_PER_LAYER);
-    ``layer_s``: one layer's fwd+bwd at ``micro_batch`` x ``seq_len`` tokens (for
-    :func:`fit_cpu_efficiency`)."""
+    ``layer_s`` / ``head_s``: one layer's, and the output layer + loss's, fwd+bwd at
+    ``micro_batch`` x ``seq_len`` tokens (for :func:`fit_cpu_efficiency`)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -96,17 +105,24 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
         x, y = torch.randn(4_000_000), torch.randn(4_000_000)
         out = torch.empty_like(x)
         add = _median_time(lambda: torch.add(x, y, out=out))
-        op = _layer_fwd_bwd_s(model, 1, 4) / (3 * OPS_PER_LAYER)
-        layer = _layer_fwd_bwd_s(model, micro_batch, seq_len)
+        op = _layer_fwd_bwd_s(model, 1, 4)[0] / (3 * OPS_PER_LAYER)
+        layer, head = _layer_fwd_bwd_s(model, micro_batch, seq_len)
     finally:
         torch.set_num_threads(threads)
     return {"matmul_gflops": 2.0 * tokens * h * 4 * h / mm / 1e9,
-            "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6, "layer_s": layer}
+            "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6, "layer_s": layer,
+            "head_s": head}
+
+
+def _achieved(roof: float, host: float, measured: float) -> float:
+    """The fraction f with roof / f + host = measured, clamped to [0.05, 1]."""
+    spare = measured - host
+    return min(1.0, max(0.05, roof / spare)) if spare > 0 else 0.05
 
 
 def fit_cpu_efficiency(cluster: Cluster, w: Workload, micro_batch: int,
                        layer_s: float) -> float:
-    """The one fitted CPU constant: achieved fraction of the measured matmul/memory peaks.
+    """The fitted CPU constant: achieved fraction of the measured matmul/memory peaks.
 
     Chosen so the model's time of one layer's fwd+bwd (tp = 1) equals the measured
     ``layer_s``: 3 roofline / eff + 3 host = layer_s (clamped to [0.05, 1]).  The micro-
@@ -114,8 +130,16 @@ def fit_cpu_efficiency(cluster: Cluster, w: Workload, micro_batch: int,
     norms, autograd bookkeeping) reach a fraction of them."""
     base = dataclasses.replace(cluster, efficiency=1.0)
     roof, host = layer_forward_s(w, Layout(micro_batch=micro_batch), base)
-    spare = layer_s - 3 * host
-    return min(1.0, max(0.05, 3 * roof / spare)) if spare > 0 else 0.05
+    return _achieved(3 * roof, 3 * host, layer_s)
+
+
+def fit_cpu_head_efficiency(cluster: Cluster, w: Workload, micro_batch: int,
+                            head_s: float) -> float:
+    """``head_efficiency``: the same inversion for the output layer + cross entropy (tp = 1),
+    whose one large GEMM and vocabulary-wide passes reach another fraction of the peaks."""
+    base = dataclasses.replace(cluster, efficiency=1.0, head_efficiency=None)
+    roof, host, _ = head_fwd_bwd_s(w, Layout(micro_batch=micro_batch), base)
+    return _achieved(roof, host, head_s)
 
 
 def _gloo_pingpong() -> dict[str, float]:
@@ -140,10 +164,35 @@ def _gloo_pingpong() -> dict[str, float]:
     return {"latency_us": out["lat"] * 1e6, "gbps": 4e6 / max(out["bw"] - out["lat"], 1e-9) / 1e9}
 
 
-def _gloo_all_reduce(numel: int) -> dict[str, float]:
-    """Run on 2 ranks: fit the ring model t = S / W + 2 alpha to all-reduces of ``numel``
-    floats (the tp message) and of 1M floats.  Gloo's all-reduce costs far more per call
-    than a send/recv round trip (~1 ms vs ~0.1 ms here), so tp/dp collectives use this."""
+def _segment(model: ModelConfig, seq_len: int) -> Callable[[], None]:
+    """A compute segment like the ones between tp collectives: the forward of the 1-layer
+    reference model on one sequence (~1-2 ms here).  Its working set (weights, activations,
+    logits) matters: after a collective the rank wakes on cold caches, which the in-situ
+    cost includes (a small matmul segment hides ~0.5 ms of it)."""
+    import torch
+
+    from colonnade.config.sections import Config
+    from colonnade.models.build import build_reference
+
+    net = build_reference(Config(model=dataclasses.replace(model, num_layers=1)), torch.float32)
+    tokens = torch.randint(0, model.vocab_size, (1, seq_len))  # [b, s]
+
+    def run() -> None:
+        with torch.no_grad():
+            net(tokens, tokens)
+    return run
+
+
+def _gloo_all_reduce(numel: int, model: ModelConfig, seq_len: int,
+                     iters: int = 20) -> dict[str, float]:
+    """Run on 2 ranks: collective costs as training sees them.
+
+    Bandwidth W: isolated all-reduces of ``numel`` floats (the tp message) and of 1M floats,
+    t = S / W + 2 alpha.  Latencies *in situ*: each collective of the tp message follows a
+    compute segment (:func:`_segment`, as tp collectives follow a layer's GEMMs); its cost is
+    the loop's time minus the segments' alone; that includes the ranks' arrival skew and
+    waking a sleeping peer, which back-to-back collectives hide (gloo here: ~1 ms in situ vs
+    ~0.3-0.8 ms back to back).  alpha = (cost - bandwidth term) / ring steps."""
     import torch
     import torch.distributed as dist
 
@@ -151,15 +200,26 @@ def _gloo_all_reduce(numel: int) -> dict[str, float]:
     for n in (numel, 1_000_000):
         buf = torch.zeros(n)
         times[n] = _median_time(lambda buf=buf: dist.all_reduce(buf), repeats=5, inner=5)
-    full, half = torch.zeros(2 * (numel // 2)), torch.zeros(numel // 2)
-    t_ag = _median_time(lambda: dist.all_gather_single(full, half), repeats=5, inner=5)
-    t_rs = _median_time(lambda: dist.reduce_scatter_single(half, full), repeats=5, inner=5)
     s1, s2 = 4.0 * numel, 4.0e6
-    bw = (s2 - s1) / max(times[1_000_000] - times[numel], 1e-9)  # bytes/s
-    alpha = max((times[numel] - s1 / bw) / 2, 1e-6)
-    return {"ar_latency_us": alpha * 1e6, "ar_gbps": bw / 1e9,
-            "ag_latency_us": max(t_ag - s1 / 2 / bw, 1e-6) * 1e6,
-            "rs_latency_us": max(t_rs - s1 / 2 / bw, 1e-6) * 1e6}
+    bw = max((s2 - s1) / max(times[1_000_000] - times[numel], 1e-9), s1 / times[numel])
+    buf, full, half = torch.zeros(numel), torch.zeros(2 * (numel // 2)), torch.zeros(numel // 2)
+    seg = _segment(model, seq_len)
+    ops = {"none": lambda: None, "ar": lambda: dist.all_reduce(buf),
+           "ag": lambda: dist.all_gather_single(full, half),
+           "rs": lambda: dist.reduce_scatter_single(half, full)}
+    loops: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(3):
+        for name, op in ops.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                seg()
+                op()
+            loops[name].append((time.perf_counter() - t0) / iters)
+    cost = {k: statistics.median(v) - statistics.median(loops["none"]) for k, v in loops.items()}
+    return {"ar_latency_us": max((cost["ar"] - s1 / bw) / 2, 1e-6) * 1e6, "ar_gbps": bw / 1e9,
+            "ag_latency_us": max(cost["ag"] - s1 / 2 / bw, 1e-6) * 1e6,
+            "rs_latency_us": max(cost["rs"] - s1 / 2 / bw, 1e-6) * 1e6}
 
 
 def _parallel_work(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
@@ -258,17 +318,19 @@ def measure_cores(pool: object, model: ModelConfig | None = None, micro_batch: i
     return max(1.0, min(float(os.cpu_count() or 1), 2.0 / slow))
 
 
-def measure_gloo(pool: object | None = None, numel: int = 32768) -> dict[str, float]:
+def measure_gloo(pool: object | None = None, numel: int = 32768,
+                 model: ModelConfig | None = None, seq_len: int = 128) -> dict[str, float]:
     """Gloo between 2 local processes: send/recv latency and bandwidth (pipeline p2p) and the
-    all-reduce fit of :func:`_gloo_all_reduce` (tp/dp collectives); ``pool``: a 2-rank
-    RankPool to use (else one is started)."""
+    collective costs of :func:`_gloo_all_reduce` (tp/dp collectives, in situ after a forward
+    of ``model``); ``pool``: a 2-rank RankPool to use (else one is started)."""
     from colonnade.testing import RankPool
 
     if pool is not None:
         run = pool.run  # type: ignore[attr-defined]
-        return {**run(_gloo_pingpong)[0], **run(_gloo_all_reduce, numel)[0]}
+        return {**run(_gloo_pingpong)[0],
+                **run(_gloo_all_reduce, numel, model or ModelConfig(), seq_len)[0]}
     with RankPool(2, timeout_s=120.0) as own:
-        return measure_gloo(own, numel)
+        return measure_gloo(own, numel, model, seq_len)
 
 
 def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
@@ -289,8 +351,11 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
         sync_skew_2=gloo.get("sync_skew_2", 0.0), sync_skew_4=gloo.get("sync_skew_4", 0.0))
     if "layer_s" not in local:
         return c
-    eff = fit_cpu_efficiency(c, w or tiny_workload(), micro_batch, local["layer_s"])
-    return dataclasses.replace(c, efficiency=eff)
+    w = w or tiny_workload()
+    eff = fit_cpu_efficiency(c, w, micro_batch, local["layer_s"])
+    head = (fit_cpu_head_efficiency(c, w, micro_batch, local["head_s"]) if "head_s" in local
+            else None)
+    return dataclasses.replace(c, efficiency=eff, head_efficiency=head)
 
 
 def tiny_workload(model: ModelConfig | None = None, seq_len: int = 128,
@@ -316,7 +381,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from colonnade.testing import RankPool
 
     with RankPool(2, timeout_s=120.0) as two, RankPool(4, timeout_s=120.0) as four:
-        gloo = measure_gloo(two, numel=w.seq_len * 4 * w.model.hidden_size)
+        gloo = measure_gloo(two, w.seq_len * 4 * w.model.hidden_size, w.model, w.seq_len)
         gloo |= measure_skew({2: two, 4: four}, w.model, 4, w.seq_len)
     print(f"sync skew: {gloo['sync_skew_2']:.1%} (2 ranks), {gloo['sync_skew_4']:.1%} (4 ranks)")
     print(f"gloo: send/recv latency {gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; "

@@ -67,6 +67,10 @@ class Cluster:
     """Per-step latency of a reduce-scatter when it differs; None: ``intra_latency_us``."""
     efficiency: float = 0.6
     """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
+    head_efficiency: float | None = None
+    """CPU only: the same fraction for the output layer and its cross entropy, measured by
+    calibration (one large GEMM and vocabulary-wide elementwise passes behave unlike a
+    decoder layer's small ones on a CPU); None: ``efficiency``."""
     reserved_gib: float = 2.0
     """Memory the runtime keeps per device (CUDA context, workspaces, fragmentation)."""
     compute_units: float | None = None
@@ -83,6 +87,12 @@ class Cluster:
     scheduling jitter, other processes); 0 on dedicated GPUs."""
     sync_skew_4: float = 0.0
     """The same for 4 ranks; :meth:`skew_fraction` interpolates in log2(ranks)."""
+
+    def head(self) -> Cluster:
+        """The cluster as the output layer and cross entropy see it (``head_efficiency``)."""
+        if self.head_efficiency is None:
+            return self
+        return dataclasses.replace(self, efficiency=self.head_efficiency)
 
     @property
     def memory_bytes(self) -> float:

@@ -12,18 +12,27 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
   tp comm  = per layer 2 all-reduces (or all-gather + reduce-scatter pairs with sp) of T h E
              bytes forward, 2 backward, +2 with full recompute: 8 T h E (t-1)/t bytes per
              device without recompute (the issue's term), exposed (not overlapped).
-Pipeline (p stages, v chunks, m micro-batches; t_f, t_b a stage's per-micro-batch times):
-  step = m * max_stage(t_f + t_b) + bubble, with bubble (p-1) mean(t_f + t_b) for 1F1B/GPipe,
-  (p-1)/v mean(t_f + t_b) interleaved and (p-1) mean(t_f + t_b - 2 t_w) for ZB-H1 (t_w the
-  weight-gradient GEMMs).  p2p sends T h E / t bytes (scatter/gather, Narayanan et al.) and an
+Pipeline (p stages, v chunks, m micro-batches; T_j = t_f + t_b of stage j per micro-batch,
+  k the slowest stage): step = m T_k + bubble, the bubble being the fill and drain through the
+  other stages: sum_{j != k} T_j for 1F1B/GPipe (the first micro-batch's forward reaches k
+  through the stages before it, the last backward leaves through them), / v interleaved, and
+  sum_{j != k} (T_j - 2 t_w,j) for ZB-H1 (t_w the weight-gradient GEMMs).  With equal stages
+  this is Narayanan's (p-1)/m (or (p-1)/(v m)) of the ideal time; with the head on the last
+  stage (the usual bottleneck) the fill/drain is the cheaper stages', not the mean stage's.
+  The stages are the first (embedding), p-2 middle ones (layers only) and the last (head).
+  p2p sends T h E / t bytes (scatter/gather, Narayanan et al.) and an
   intra-node all-gather when tp > 1 without sp; 2 (p-1) transfers are exposed when p2p is
   overlapped, 2 (m v + p - 1) when it is not.
 Data parallel: all-reduce of the gradient buffer (ZeRO-1: reduce-scatter of it + all-gather of
   the 16-bit weights).  With overlap, the reduction hides behind the last micro-batch's backward
   (the first micro-batch's forward for the weight all-gather), except the last bucket.
 Optimizer: Adam reads/writes ~30 bytes per owned parameter (mixed precision) from HBM.
-CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores,
-busy time counting communication (gloo polls while waiting); ``compute_units`` may be the
+CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores
+(each rank busy for its own stage's m T_j: a pipeline's cheaper stages leave cores to the
+others), plus the communication waits; with tp > 1 also at least the critical path (slowest
+stage + fill/drain) with its compute slowed by ranks / cores, since a tp group's members,
+synchronising every few hundred microseconds, only progress while co-scheduled;
+``compute_units`` may be the
 fractional number of cores free on a shared machine (calibrate.measure_cores).
 Per step, the small blocking collectives (grad-norm over tp, pp (and dp with ZeRO-1), the
 logged loss over the world, sp-partial and tied gradients) each pay their latency
@@ -51,6 +60,9 @@ OPS_PER_LAYER = 24
 """Tensor operations in one layer's forward (2 norms, 4 attention and 2-3 MLP matmuls,
 reshapes/transposes, RoPE, attention kernel, activation, dropouts, adds); the host pays
 ``op_overhead_us`` for each (backward counted as 2x)."""
+HEAD_OPS = 12
+"""Tensor operations of the final norm, output layer and cross entropy's forward (norm, GEMM,
+max, shift, gather, exp, sum, log, div, ...), backward counted as 2x."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,24 @@ def layer_forward_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, flo
     return roof, OPS_PER_LAYER * c.op_overhead_us * 1e-6
 
 
+def head_fwd_bwd_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float, float]:
+    """(roofline seconds, host seconds, of which forward) of the output layer and the
+    vocab-parallel cross entropy of one micro-batch, forward + backward, on one device.
+
+    GEMM 2 T h V / t FLOPs forward, 2x backward; fp32 elementwise bytes: the GEMM writes the
+    logits, then max (read), shift (read + write), exp_ and div_ in place (read + write
+    each), sum (read): (E + 32) V / t per token forward; backward softmax x grad (read +
+    write), read again by the head's GEMMs: (E + 8) V / t."""
+    m, t = w.shape, layout.tp
+    tokens = float(layout.micro_batch) * w.seq_len
+    lf = tokens * logits_forward_flops_per_token(m) / t
+    flops, bw = c.flops_per_s(w.precision), c.bytes_per_s()
+    fwd = lf / flops + tokens * m.vocab / t * (w.elem + 32) / bw
+    bwd = 2 * lf / flops + tokens * m.vocab / t * (w.elem + 8) / bw
+    host = HEAD_OPS * c.op_overhead_us * 1e-6
+    return fwd + bwd, 3 * host, fwd + host
+
+
 def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     m, t = w.shape, layout.tp
     tokens = float(layout.micro_batch) * w.seq_len
@@ -140,37 +170,39 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         fwd_s, comm = fwd_s + emb, comm + emb
     if stage in ("last", "only"):
         lf = tokens * logits_forward_flops_per_token(m) / t
-        lb = tokens * m.vocab / t * (w.elem + 8)  # logits, fp32 softmax, its gradient
+        roof, host, head_f = head_fwd_bwd_s(w, layout, c.head())
         head_comm = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
         # vocab-parallel cross entropy: all-reduce of the max [tokens] and of the packed
         # (sum exp, target logit) [2, tokens], fp32, in the forward
         ce = c.all_reduce_s(tokens * 4, t, per_node) + c.all_reduce_s(tokens * 8, t, per_node)
         fwd_s += ce
         comm += ce
-        fwd_s += lf / flops + lb / bw
-        bwd_s += 2 * lf / flops + lb / bw + head_comm
-        wgrad += lf / flops
+        fwd_s += head_f
+        bwd_s += roof + host - head_f + head_comm
+        wgrad += lf / c.head().flops_per_s(w.precision)
         comm += head_comm
     return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm)
 
 
+def _stage_names(pp: int) -> list[str]:
+    """Stage kinds of a pipeline, in order: 'only', or 'first', p-2 x 'middle', 'last'."""
+    return ["only"] if pp == 1 else ["first", *["middle"] * (pp - 2), "last"]
+
+
 def _pipeline(layout: Layout, m: int, stages: list[_Stage]) -> tuple[float, float, float]:
-    """(steady time, bubble time, of which tp comm in the steady part)."""
-    p, v = layout.pp, layout.vp
-    worst = max(stages, key=lambda st: st.fwd + st.bwd)
+    """(steady time, bubble time, of which tp comm in the steady part) of the slowest stage."""
+    v = layout.vp
+    k = max(range(len(stages)), key=lambda j: stages[j].fwd + stages[j].bwd)
+    worst = stages[k]
     steady = m * (worst.fwd + worst.bwd)
     steady_comm = m * worst.comm
-    if p == 1:
-        return steady, 0.0, steady_comm
-    first, last = stages
-    mean = ((first.fwd + first.bwd) + (last.fwd + last.bwd)) / 2
-    if layout.schedule == "interleaved_1f1b":
-        bubble = (p - 1) / v * mean
-    elif layout.schedule == "zb_h1":
-        mean_w = (first.wgrad + last.wgrad) / 2
-        bubble = (p - 1) * max(mean - 2 * mean_w, 0.0)
+    others = [st for j, st in enumerate(stages) if j != k]
+    if layout.schedule == "zb_h1":
+        bubble = sum(max(st.fwd + st.bwd - 2 * st.wgrad, 0.0) for st in others)
     else:
-        bubble = (p - 1) * mean
+        bubble = sum(st.fwd + st.bwd for st in others)
+        if layout.schedule == "interleaved_1f1b":
+            bubble /= v
     return steady, bubble, steady_comm
 
 
@@ -226,7 +258,7 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
 def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     """Predicted seconds per optimizer step of ``layout`` (see the module docstring)."""
     m = layout.microbatches(w.global_batch)
-    names = ["only"] if layout.pp == 1 else ["first", "last"]
+    names = _stage_names(layout.pp)
     stages = [_stage_costs(w, layout, c, n) for n in names]
     steady, bubble, tp_comm = _pipeline(layout, m, stages)
     p2p = p2p_full = 0.0
@@ -253,9 +285,19 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         # Compute (and the optimizer) time-shares the cores; the communication waits then
         # follow on top (a rank blocked in a collective gives its core to the others, but
         # its partner only answers once it has had its own share).
-        busy = (steady - tp_comm + opt) * layout.world / c.compute_units
+        own = sum(m * (st.fwd + st.bwd - st.comm)  # one rank per stage and tp x dp copies
+                  + _optimizer_s(w, layout, c, stage_params(w.shape, layout, n))
+                  for st, n in zip(stages, names, strict=True))
+        busy = own * layout.tp * layout.dp / c.compute_units
         waits = tp_comm + p2p_full + dp_full + extra
         total = max(total, busy * (1 + skew) + waits + c.step_overhead_s)
+        if layout.tp > 1:
+            # a tp group synchronises every ~ms: its members progress only while co-scheduled,
+            # so the critical path's compute (the slowest stage and the fill/drain) runs at
+            # cores / ranks speed, not just the step's summed work
+            share = layout.world / c.compute_units
+            crit = share * (1 + skew) * (steady - tp_comm + bubble + opt)
+            total = max(total, crit + tp_comm + p2p_full + dp + extra + c.step_overhead_s)
     return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
                   total=total)

@@ -6,11 +6,16 @@ import dataclasses
 
 import pytest
 
-from colonnade.planner.calibrate import fit_cpu_efficiency, tiny_workload
+from colonnade.planner.calibrate import fit_cpu_efficiency, fit_cpu_head_efficiency, tiny_workload
 from colonnade.planner.estimate import estimate
 from colonnade.planner.hardware import PRESETS
 from colonnade.planner.layout import Layout
-from colonnade.planner.timing import layer_forward_s, step_collectives_s, step_time
+from colonnade.planner.timing import (
+    head_fwd_bwd_s,
+    layer_forward_s,
+    step_collectives_s,
+    step_time,
+)
 
 CPU = dataclasses.replace(PRESETS["cpu-local"], efficiency=1.0, compute_units=2,
                           op_overhead_us=10.0)
@@ -81,3 +86,31 @@ def test_skew_scales_the_compute_of_synchronised_ranks() -> None:
     assert step_time(w, lay, skewed).total - base.total == pytest.approx(0.1 * base.compute)
     one = Layout(micro_batch=4)
     assert step_time(w, one, skewed) == step_time(w, one, many)
+
+
+def test_fit_cpu_head_efficiency_inverts_the_head_model() -> None:
+    w = tiny_workload()
+    roof, host, fwd = head_fwd_bwd_s(w, Layout(micro_batch=4), CPU)
+    assert host == pytest.approx(3 * 12 * 10e-6)
+    assert 0 < fwd < roof + host
+    assert fit_cpu_head_efficiency(CPU, w, 4, roof / 0.6 + host) == pytest.approx(0.6, rel=1e-9)
+    slow_head = dataclasses.replace(CPU, head_efficiency=0.5)
+    assert slow_head.head().efficiency == 0.5 and CPU.head() is CPU
+    lay = Layout(micro_batch=4)
+    extra = step_time(w, lay, slow_head).total - step_time(w, lay, CPU).total
+    assert extra == pytest.approx(4 * roof, rel=1e-9)  # 4 micro-batches, roofline at half speed
+
+
+def test_oversubscribed_tp_pipeline_follows_its_slowed_critical_path() -> None:
+    """tp2 x pp2 on 2 cores: the slowest stage's compute (and the fill/drain) at 2/4 speed
+    plus its tp waits bound the step from below, above the summed-work bound."""
+    w = tiny_workload()
+    lay = Layout(tp=2, pp=2, micro_batch=4)
+    two = step_time(w, lay, CPU)
+    many = step_time(w, lay, dataclasses.replace(CPU, compute_units=8))
+    crit = 2 * (many.compute + many.bubble + many.optimizer) + many.tp_comm
+    p2p_all = many.p2p * (2 * (4 * 1 + 2 - 1)) / 2  # overlap exposes 2 (p-1) of them
+    extra = step_collectives_s(w, lay, CPU) + CPU.step_overhead_s
+    assert two.total == pytest.approx(crit + p2p_all + extra, rel=1e-9)
+    no_tp = step_time(w, Layout(pp=2, dp=2, micro_batch=4), CPU)
+    assert no_tp.total < 0.8 * two.total  # dp x pp ranks sync rarely: the work bound holds

@@ -73,14 +73,25 @@ def test_bad_workloads_name_the_field() -> None:
 
 
 def test_bubble_fractions() -> None:
-    """1F1B (p-1)/m, interleaved (p-1)/(v m), ZB-H1 (p-1)(T_F + T_B - T_W) of 1F1B's."""
+    """Equal stages: 1F1B (p-1)/m, interleaved (p-1)/(v m), ZB-H1 (p-1)(T_F + T_B - T_W)."""
     st = _Stage(fwd=1.0, bwd=2.0, wgrad=1.0, comm=0.0)
-    steady, bubble, _ = _pipeline(Layout(pp=4), 16, [st, st])
+    steady, bubble, _ = _pipeline(Layout(pp=4), 16, [st] * 4)
     assert bubble / steady == pytest.approx(3 / 16)
-    steady, bubble, _ = _pipeline(Layout(pp=4, vp=3, schedule="interleaved_1f1b"), 16, [st, st])
+    steady, bubble, _ = _pipeline(Layout(pp=4, vp=3, schedule="interleaved_1f1b"), 16, [st] * 4)
     assert bubble / steady == pytest.approx(3 / (3 * 16))
-    _, zb, _ = _pipeline(Layout(pp=4, schedule="zb_h1"), 16, [st, st])
+    _, zb, _ = _pipeline(Layout(pp=4, schedule="zb_h1"), 16, [st] * 4)
     assert zb == pytest.approx(3 * (1.0 + 1.0 - 1.0))
+
+
+def test_bubble_of_unequal_stages_is_the_other_stages_fill_and_drain() -> None:
+    """The slowest stage (the head's) sets the steady state; the first micro-batch's forward
+    reaches it through the others and the last backward drains through them."""
+    cheap, slow = _Stage(1.0, 2.0, 1.0, 0.0), _Stage(2.0, 4.0, 2.0, 0.5)
+    steady, bubble, comm = _pipeline(Layout(pp=3), 8, [cheap, cheap, slow])
+    assert (steady, bubble, comm) == (8 * 6.0, 2 * 3.0, 8 * 0.5)
+    _, bubble, _ = _pipeline(Layout(pp=3, vp=2, schedule="interleaved_1f1b"), 8,
+                             [cheap, cheap, slow])
+    assert bubble == pytest.approx(2 * 3.0 / 2)
 
 
 def test_collective_formulas() -> None:
