@@ -1,6 +1,7 @@
 """Planner vs this machine: predicted and measured step time of tiny CPU layouts.
 
     .venv/bin/python benchmarks/planner_cpu.py [--rounds 6] [--steps 3] [--warmup 2] [--json PATH]
+        [--save-cluster configs/clusters/cpu-local.toml]
 
 1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.planner.
    calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op, one
@@ -48,15 +49,12 @@ from colonnade.config.sections import Config, OptimConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.planner.calibrate import (
     TINY_LAYOUTS,
+    calibrate_cpu,
     calibrated_cluster,
-    measure_cores,
-    measure_gloo,
-    measure_local,
-    measure_skew,
     tiny_workload,
 )
 from colonnade.planner.estimate import estimate
-from colonnade.planner.hardware import Cluster
+from colonnade.planner.hardware import Cluster, cluster_to_toml
 from colonnade.planner.layout import Layout, Workload
 from colonnade.testing import RankPool
 from colonnade.testing.batches import random_batches
@@ -148,21 +146,6 @@ def calibrated_cluster_from(cal: dict[str, float], w: Workload) -> tuple[Cluster
     return c, c.efficiency
 
 
-def calibrate(w: Workload, pools: dict[int, RankPool]) -> tuple[Cluster, dict[str, float]]:
-    """One calibration of the cpu-local cluster (see colonnade.planner.calibrate)."""
-    local = measure_local(w.model, w.seq_len * MICRO_BATCH, MICRO_BATCH, w.seq_len)
-    gloo = measure_gloo(pools[2], w.seq_len * MICRO_BATCH * w.model.hidden_size, w.model,
-                        w.seq_len)
-    cores = measure_cores(pools[2], w.model, MICRO_BATCH, w.seq_len)
-    gloo |= measure_skew({n: pools[n] for n in (2, 4) if n in pools}, w.model, MICRO_BATCH,
-                         w.seq_len)
-    cluster = calibrated_cluster(local, gloo, w, MICRO_BATCH, cores)
-    return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency,
-            "head_efficiency": cluster.head_efficiency or 0.0}
-
-
-
-
 def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool], rounds: int,
             warmup: int, steps: int) -> tuple[dict[int, list[float]], dict[int, list[float]],
                                               list[dict[str, float]]]:
@@ -175,7 +158,7 @@ def measure(layouts: tuple[Layout, ...], w: Workload, pools: dict[int, RankPool]
     preds: dict[int, list[float]] = {i: [] for i in range(len(layouts))}
     cals = []
     for r in range(rounds):
-        cluster, cal = calibrate(w, pools)
+        cluster, cal = calibrate_cpu(w, pools, MICRO_BATCH)
         cals.append(cal)
         for i, lay in enumerate(layouts):
             preds[i].append(estimate(w, lay, cluster).step_s)
@@ -200,6 +183,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=str(RESULTS))
+    p.add_argument("--save-cluster", help="write the median calibration as a cluster TOML "
+                   "(e.g. configs/clusters/cpu-local.toml, the cpu-local preset)")
     args = p.parse_args()
     w = tiny_workload(global_batch=16)
     load_before = os.getloadavg()
@@ -250,6 +235,12 @@ def main() -> None:
            "predicted_ranking": pred_rank, "adjacent_pairs": pairs}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.save_cluster:
+        Path(args.save_cluster).write_text(
+            f"# median of {args.rounds} calibrations by benchmarks/planner_cpu.py on this "
+            "machine\n# Re-measure with: colonnade plan --calibrate --save-cluster "
+            "configs/clusters/cpu-local.toml\n" + cluster_to_toml(cluster))
+        print(f"wrote {args.save_cluster}")
     print(f"wrote {args.json}")
 
 

@@ -33,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from colonnade.config.sections import ModelConfig
 from colonnade.planner.estimate import Estimate, estimate
@@ -371,28 +372,46 @@ def predict_tiny(cluster: Cluster, w: Workload, micro_batch: int = 4) -> list[Es
             for lay in TINY_LAYOUTS]
 
 
+def calibrate_cpu(w: Workload, pools: dict[int, Any],
+                  micro_batch: int = 4) -> tuple[Cluster, dict[str, float]]:
+    """One whole calibration of the ``cpu-local`` cluster for workload ``w``: every
+    measurement above, on ``pools`` (RankPools of 2 and, for the 4-rank skew, 4 ranks).
+
+    Returns the cluster and the flat record of what was measured (for JSON)."""
+    local = measure_local(w.model, w.seq_len * micro_batch, micro_batch, w.seq_len)
+    gloo = measure_gloo(pools[2], w.seq_len * micro_batch * w.model.hidden_size, w.model,
+                        w.seq_len)
+    cores = measure_cores(pools[2], w.model, micro_batch, w.seq_len)
+    gloo |= measure_skew({n: pools[n] for n in (2, 4) if n in pools}, w.model, micro_batch,
+                         w.seq_len)
+    cluster = calibrated_cluster(local, gloo, w, micro_batch, cores)
+    return cluster, {**local, **gloo, "cores": cores, "efficiency": cluster.efficiency,
+                     "head_efficiency": cluster.head_efficiency or 0.0}
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     """Measure, print the cluster, predict the tiny layouts; optionally save the cluster."""
-    w = tiny_workload()
-    local = measure_local(w.model, tokens=w.seq_len * 4, micro_batch=4, seq_len=w.seq_len)
-    print(f"matmul {local['matmul_gflops']:.1f} GFLOP/s (1 thread), memory "
-          f"{local['memory_gbps']:.1f} GB/s, {local['op_us']:.1f} us per op, one layer "
-          f"fwd+bwd {local['layer_s'] * 1e3:.2f} ms")
     from colonnade.testing import RankPool
 
+    w = tiny_workload()
     with RankPool(2, timeout_s=120.0) as two, RankPool(4, timeout_s=120.0) as four:
-        gloo = measure_gloo(two, w.seq_len * 4 * w.model.hidden_size, w.model, w.seq_len)
-        gloo |= measure_skew({2: two, 4: four}, w.model, 4, w.seq_len)
-    print(f"sync skew: {gloo['sync_skew_2']:.1%} (2 ranks), {gloo['sync_skew_4']:.1%} (4 ranks)")
-    print(f"gloo: send/recv latency {gloo['latency_us']:.0f} us, {gloo['gbps']:.2f} GB/s; "
-          f"all-reduce latency {gloo['ar_latency_us']:.0f} us, {gloo['ar_gbps']:.2f} GB/s")
-    cluster = calibrated_cluster(local, gloo, w)
-    print(f"fitted CPU efficiency {cluster.efficiency:.3f}")
+        cluster, cal = calibrate_cpu(w, {2: two, 4: four})
+    print(f"matmul {cal['matmul_gflops']:.1f} GFLOP/s (1 thread), memory "
+          f"{cal['memory_gbps']:.1f} GB/s, {cal['op_us']:.1f} us per op; fwd+bwd of one layer "
+          f"{cal['layer_s'] * 1e3:.2f} ms, of the output layer + loss {cal['head_s'] * 1e3:.2f} "
+          f"ms -> efficiency {cal['efficiency']:.3f} / {cal['head_efficiency']:.3f}")
+    print(f"cores free {cal['cores']:.2f}; sync skew {cal['sync_skew_2']:.1%} (2 ranks), "
+          f"{cal['sync_skew_4']:.1%} (4 ranks)")
+    print(f"gloo: send/recv latency {cal['latency_us']:.0f} us, {cal['gbps']:.2f} GB/s; "
+          f"in situ: all-reduce {cal['ar_latency_us']:.0f} us per step ({cal['ar_gbps']:.2f} "
+          f"GB/s), all-gather {cal['ag_latency_us']:.0f} us, reduce-scatter "
+          f"{cal['rs_latency_us']:.0f} us")
     print(cluster_to_toml(cluster))
     if getattr(args, "save_cluster", None):
         Path(args.save_cluster).write_text(
             "# measured by `colonnade plan --calibrate` on this machine\n"
-            + cluster_to_toml(cluster))
+            "# Re-measure with: colonnade plan --calibrate --save-cluster "
+            "configs/clusters/cpu-local.toml\n" + cluster_to_toml(cluster))
         print(f"wrote {args.save_cluster}")
     print("predicted step time of tiny CPU layouts (model defaults, seq 128, mb 4, batch 16):")
     for e in predict_tiny(cluster, w):

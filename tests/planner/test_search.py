@@ -10,7 +10,7 @@ import pytest
 from colonnade.config.load import load_config
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.config.validate import problems
-from colonnade.planner.hardware import PRESETS, get_cluster
+from colonnade.planner.hardware import PRESETS, cluster_from_toml, get_cluster
 from colonnade.planner.layout import Layout, Workload
 from colonnade.planner.search import Constraints, PlanError, layouts, plan
 from colonnade.planner.timing import _pipeline, _Stage, step_time
@@ -143,4 +143,6 @@ def test_cluster_files_override_a_preset(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown field"):
         get_cluster(str(path))
     assert get_cluster("dgx-a100") is PRESETS["a100-80gb"]
-    assert get_cluster("cpu-local").efficiency == 1.0
+    stored = cluster_from_toml(Path(__file__).parents[2] / "configs/clusters/cpu-local.toml")
+    assert get_cluster("cpu") == stored != PRESETS["cpu-local"]  # the measured file wins
+    assert stored.head_efficiency is not None and 0.05 <= stored.efficiency <= 1
