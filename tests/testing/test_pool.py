@@ -159,7 +159,7 @@ def test_hang_raises_rank_timeout_then_the_pool_recovers(
     with pytest.raises(RankTimeout) as info:
         small_pool.call(_sleep_on_rank, (0, 60.0, others_wait), timeout_s=timeout_s)
     elapsed = time.monotonic() - began
-    assert timeout_s <= elapsed < timeout_s + 3.0
+    assert timeout_s <= elapsed < timeout_s + 6.0  # killing and reaping ranks under load
     assert info.value.missing == missing
     assert f"rank(s) {', '.join(map(str, missing))} had not answered" in str(info.value)
     assert small_pool.run(_rank) == [0, 1]
