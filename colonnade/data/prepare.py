@@ -78,13 +78,15 @@ def prepare(
     """
     out_dir = Path(out_dir)
     key = _manifest_key(input, vocab_size, tokenizer_path, text_key, errors, max_bytes)
-    reused = _try_reuse(out_dir, key)
+    reused, damage = _try_reuse(out_dir, key)
     if reused is not None:
         log(
             f"prepare: reusing {out_dir} ({reused.num_docs} documents, {reused.num_tokens} tokens; "
             "inputs unchanged)"
         )
         return reused
+    if damage:
+        log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "prepare.json").unlink(missing_ok=True)
     tok_out = out_dir / "tokenizer.json"
@@ -213,28 +215,37 @@ def _manifest_key(
     }
 
 
-def _try_reuse(out_dir: Path, key: dict[str, Any]) -> PreparedData | None:
-    """The recorded result when the manifest matches `key` and the files are intact, else None."""
+def _try_reuse(out_dir: Path, key: dict[str, Any]) -> tuple[PreparedData | None, str]:
+    """(the recorded result, "") when the manifest matches `key` and the files are intact;
+    (None, "") when there is no manifest or it records other inputs; (None, what is damaged)
+    when it matches but a file is missing, corrupt or disagrees with it."""
     manifest = out_dir / "prepare.json"
     if not manifest.is_file():
-        return None
+        return None, ""
     try:
         recorded = json.loads(manifest.read_text())
-        if recorded.get("key") != key:
-            return None
+    except (ValueError, OSError) as err:
+        return None, f"its manifest {manifest} cannot be read ({err})"
+    if recorded.get("key") != key:
+        return None, ""
+    try:
         res = recorded["result"]
         ds = IndexedDataset(out_dir / "data")
         tok = load_tokenizer(out_dir / "tokenizer.json")
         eod = eod_id(tok)
-    except (DataError, ValueError, KeyError, OSError):
-        return None
+    except (DataError, ValueError, KeyError, OSError) as err:
+        return None, f"its files are damaged ({' '.join(str(err).split())})"
     if (len(ds), ds.num_tokens, tok.get_vocab_size()) != (
         res["num_docs"],
         res["num_tokens"],
         res["vocab_size"],
     ):
-        return None
-    return PreparedData(
+        return None, (
+            f"its files hold {len(ds)} documents, {ds.num_tokens} tokens, vocab "
+            f"{tok.get_vocab_size()} where the manifest records {res['num_docs']}, "
+            f"{res['num_tokens']}, {res['vocab_size']}"
+        )
+    data = PreparedData(
         out_dir=out_dir,
         tokenizer_path=out_dir / "tokenizer.json",
         prefix=out_dir / "data",
@@ -244,6 +255,7 @@ def _try_reuse(out_dir: Path, key: dict[str, Any]) -> PreparedData | None:
         num_tokens=ds.num_tokens,
         reused=True,
     )
+    return data, ""
 
 
 def _write_manifest(

@@ -44,6 +44,13 @@ def test_prepare_directory_then_reuse(tmp_path: Path, corpus_dir: Path) -> None:
     again = prepare(corpus_dir, out, 300, progress=False, log=logs.append)
     assert again.reused and again.num_tokens == res.num_tokens
     assert "reusing" in logs[-1]
+    data_bin = out / "data.bin"
+    data_bin.write_bytes(data_bin.read_bytes()[:-4])  # truncated behind the manifest's back
+    repaired = prepare(corpus_dir, out, 300, progress=False, log=logs.append)
+    assert not repaired.reused and repaired.num_tokens == res.num_tokens
+    said = next(line for line in logs if "tokenizing again" in line)
+    assert "was built from these inputs but its files are damaged" in said
+    assert "data.bin" in said, said
     changed = files[0].read_text() + "\nx = 1\n"
     files[0].write_text(changed)
     try:
