@@ -37,7 +37,7 @@ from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
 from colonnade.pipeline.p2p import Message, PipeComm, message_shape
 from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
 from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
-from colonnade.training.step import Batch, StepPlan, set_rng_context
+from colonnade.training.step import Batch, StepPlan, host_losses, set_rng_context
 
 Item = tuple[int, int]  # (microbatch, local chunk)
 
@@ -151,7 +151,7 @@ class StageExecutor:
         self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
         self.pending_w: dict[Item, PendingWeightGrad] = {}
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, torch.Tensor] = {}  # detached 0-d, copied to host at the end
         self.result = ExecResult([], 0.0, 0.0)
 
     def _virtual(self, chunk: int) -> int:
@@ -178,7 +178,7 @@ class StageExecutor:
         if self.stash or self.pending_w or self.outbox:
             raise RuntimeError(f"stage {self.stage}: schedule left work undone: stashes "
                                f"{sorted(self.stash)}, pending W {sorted(self.pending_w)}")
-        self.result.losses = [self.losses[k] for k in sorted(self.losses)]
+        self.result.losses = host_losses([self.losses[k] for k in sorted(self.losses)])
         return self.result
 
     def _sync(self) -> None:
@@ -243,7 +243,7 @@ class StageExecutor:
             inputs = x.requires_grad_() if self.train else x
         if chunk.last:
             loss = chunk(inputs, labels)
-            self.losses[k] = float(loss.detach())
+            self.losses[k] = loss.detach()
             y = loss * (self.plan.loss_scale / self.m) if self.train else loss
         else:
             y = chunk(inputs)

@@ -58,7 +58,7 @@ class Trainer:
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        return {"loss": mean_loss(losses, self.groups), **info}
+        return {"loss": mean_loss(losses, self.groups, self.rt.device), **info}
 
     def executor_options(self) -> dict[str, object]:
         """Pipeline executor switches taken from the config."""
@@ -90,7 +90,7 @@ class Trainer:
                         extra=self.executor_options())
         losses = forward_only(self.chunks, batches, plan)
         set_train_mode(self.chunks, True)
-        return mean_loss(losses, self.groups)
+        return mean_loss(losses, self.groups, self.rt.device)
 
 
 def _progress(total: int, enabled: bool) -> Any:

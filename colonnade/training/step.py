@@ -63,8 +63,14 @@ def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
             plan.grad_sync(k)
         loss = chunk(tokens, labels)
         (loss * (plan.loss_scale / m)).backward()
-        losses.append(float(loss.detach()))
-    return losses
+        losses.append(loss.detach())
+    return host_losses(losses)
+
+
+def host_losses(losses: list[torch.Tensor]) -> list[float]:
+    """Per-micro-batch 0-d loss tensors as floats with one device-to-host copy for the step
+    (a ``float(loss)`` per micro-batch would stall a GPU's queue m times)."""
+    return torch.stack(losses).tolist() if losses else []
 
 
 @torch.no_grad()
@@ -75,12 +81,13 @@ def forward_only(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan)
 
         return run_pipeline_forward(chunks, batches, plan)
     (chunk,) = chunks
-    return [float(chunk(tokens, labels)) for tokens, labels in batches]
+    return host_losses([chunk(tokens, labels) for tokens, labels in batches])
 
 
-def mean_loss(losses: list[float], groups: ProcessGroups) -> float:
-    """Mean loss of the step over dp, made known on every rank (last stage contributes)."""
-    t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64)
+def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device) -> float:
+    """Mean loss of the step over dp, made known on every rank (last stage contributes);
+    reduced on ``device`` (NCCL reduces only device tensors)."""
+    t = torch.tensor([sum(losses), float(len(losses))], dtype=torch.float64, device=device)
     groups.world.all_reduce(t, name="log_loss")
     return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 

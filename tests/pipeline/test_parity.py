@@ -92,7 +92,7 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
             trainer.ddp.finish_grad_sync()
             reduce_sp_and_tied(trainer.chunks, groups, cfg.model.tie_embeddings)
             trainer.optimizer.step()
-            losses.append(mean_loss(out, groups))
+            losses.append(mean_loss(out, groups, torch.device("cpu")))
         grads.append({p.sharding.key: gather_full(grad_of(p), p.sharding, groups.tp)
                       for p in unique_params(trainer.chunks)})
     trainer.ddp.finish_param_gather()
