@@ -89,6 +89,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.print_config:
         print(config_to_toml(resolved))
         return 0
+    from colonnade.checkpoint.training_state import preflight_resume
+
+    preflight_resume(resolved)
     if world == 1:
         from colonnade.training.loop import final_summary, train
 

@@ -3,13 +3,16 @@
 ``metadata.json`` of a checkpoint::
 
     format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
-    total_steps}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
-    sp, zero1, bucket_size, world_size}, model {...the [model] section...}
+    total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay}}, scaler {...} |
+    null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp, sp, zero1, bucket_size,
+    world_size}, model {...the [model] section...}
 
 Everything that decides the continuation is here or in the tensors: dropout masks are a pure
 function of (seed, site, step, micro-batch) and the data order of (seed, consumed samples), so
 resuming reproduces the uninterrupted run exactly, in the same or in another layout.
-The LR is a pure function of the optimizer's ``step_count`` (stored) and the schedule config.
+The LR is a pure function of the optimizer's ``step_count`` (stored) and the schedule, which
+is stored too: resuming under another schedule is refused unless ``checkpoint.lr_schedule``
+says which one to follow (:func:`schedule_change`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from colonnade.checkpoint.commit import (
@@ -29,10 +33,15 @@ from colonnade.checkpoint.commit import (
     step_dirname,
     wait_for_fragments,
 )
-from colonnade.checkpoint.format import FORMAT_VERSION, CheckpointReader, write_rank_shard
+from colonnade.checkpoint.format import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointReader,
+    write_rank_shard,
+)
 from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
 from colonnade.config.load import config_to_dict, config_to_toml
-from colonnade.optim.lr import lr_at
+from colonnade.optim.lr import SCHEDULE_FIELDS, lr_at, schedule_of, with_schedule
 
 
 @dataclass
@@ -78,8 +87,9 @@ def _metadata(trainer: Any) -> dict[str, Any]:
         "step": int(trainer.step),
         "consumed_samples": sampler["consumed_samples"] if sampler else None,
         "sampler": sampler,
-        "optimizer": {"step_count": step_count, "total_steps": cfg.training.steps,
-                      "lr": lr_at(max(0, step_count - 1), cfg.training.steps, cfg.optim)},
+        "optimizer": {"step_count": step_count, "total_steps": opt.total_steps,
+                      "schedule": schedule_of(opt.total_steps, opt.cfg),
+                      "lr": lr_at(max(0, step_count - 1), opt.total_steps, opt.cfg)},
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": trainer.chunks[0].ctx.rng.state_dict(),
         "layout": {"tp": groups.tp.size, "pp": groups.pp.size, "vp": par.vp,
@@ -161,6 +171,8 @@ def load_training(trainer: Any, path: str | Path, *, load_optimizer_state: bool 
     reader.close()
     if not load_optimizer_state:
         return meta
+    meta["schedule_note"] = schedule_change(meta, trainer.optimizer, ckpt,
+                                            trainer.config.checkpoint.lr_schedule)
     trainer.step = int(meta["step"])
     data = getattr(trainer, "data", None)
     if data is not None and meta.get("sampler") is not None:
@@ -185,4 +197,49 @@ def start_from(trainer: Any, path: str | Path) -> str:
         load_optimizer(None, trainer.optimizer, trainer.chunks, trainer.groups, 0)
         return f"loaded Hugging Face weights from {path}"
     meta = load_training(trainer, path)
-    return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}"
+    note = f"; {meta['schedule_note']}" if meta["schedule_note"] else ""
+    return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}{note}"
+
+
+def preflight_resume(config: Any) -> None:
+    """Before any rank starts: refuse, as the ranks would, a resume of ``checkpoint.load``
+    under another LR schedule (``checkpoint.lr_schedule='check'``); nothing else is read."""
+    if not config.checkpoint.load:
+        return
+    try:
+        ckpt = resolve_checkpoint(config.checkpoint.load)
+        meta = json.loads((ckpt / METADATA).read_text())
+    except (CheckpointError, OSError, ValueError):
+        return  # an HF directory or a broken path: the ranks' loader reports it in full
+    probe = SimpleNamespace(total_steps=config.training.steps, cfg=config.optim,
+                            step_count=meta["optimizer"]["step_count"])
+    schedule_change(meta, probe, ckpt, config.checkpoint.lr_schedule)
+
+
+def schedule_change(meta: dict[str, Any], optimizer: Any, ckpt: Path, mode: str) -> str:
+    """Reconcile the checkpoint's LR schedule with ``optimizer``'s (this run's config).
+
+    Equal: "". Different: ``mode`` 'check' raises :class:`CheckpointError` naming each changed
+    field and both fixes; 'checkpoint' puts the saved schedule into ``optimizer``; 'config'
+    keeps this run's.  Returns the line to log.  Checkpoints older than the stored schedule
+    record only its total steps, which is all that is compared then."""
+    saved = meta["optimizer"].get("schedule") or {"total_steps": meta["optimizer"]["total_steps"]}
+    now = schedule_of(optimizer.total_steps, optimizer.cfg)
+    changed = [k for k in saved if saved[k] != now[k]]
+    if not changed:
+        return ""
+    step = int(optimizer.step_count)
+    old_total, old_cfg = with_schedule(optimizer.cfg, saved)
+    old, new = (lr_at(step, old_total, old_cfg),
+                lr_at(step, optimizer.total_steps, optimizer.cfg))
+    diff = ", ".join(f"{SCHEDULE_FIELDS[k]} {saved[k]} -> {now[k]}" for k in changed)
+    if mode == "checkpoint":
+        optimizer.total_steps, optimizer.cfg = old_total, old_cfg
+        return f"kept the checkpoint's LR schedule (ignoring {diff})"
+    if mode == "config":
+        return f"switched to this run's LR schedule ({diff}): LR {old:.3g} -> {new:.3g}"
+    raise CheckpointError(
+        f"{ckpt} was trained under another LR schedule ({diff}); resuming would move the LR "
+        f"at step {step} from {old:.3g} to {new:.3g}. Set --checkpoint.lr_schedule=checkpoint "
+        "to keep the saved schedule (training.steps then only says when to stop) or "
+        "--checkpoint.lr_schedule=config to switch to this run's.")

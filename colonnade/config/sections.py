@@ -211,6 +211,12 @@ class CheckpointConfig:
     """Checkpoints kept; older ones are deleted after a successful save."""
     async_save: bool = False
     """Write in a background thread while training continues."""
+    lr_schedule: str = "check"
+    """On resume, when the LR schedule (training.steps, optim.lr, optim.min_lr,
+    optim.warmup_steps, optim.decay) differs from the checkpoint's: 'check' stops with the
+    differences named; 'checkpoint' keeps the saved schedule (training.steps then only says
+    when to stop: past the saved horizon the LR stays at its end value); 'config' switches to
+    this run's schedule at the resumed step (the LR jumps to the new curve, logged)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -86,6 +86,7 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("training.device", c.training.device, ("auto", "cpu", "cuda")),
         ("optim.decay", c.optim.decay, ("cosine", "linear", "constant")),
         ("parallel.backend", c.parallel.backend, ("auto", "gloo", "nccl")),
+        ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, ("check", "checkpoint", "config")),
     ]
     for name, value, allowed in checks:
         if value not in allowed:

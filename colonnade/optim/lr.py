@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 from colonnade.config.sections import OptimConfig
+
+SCHEDULE_FIELDS = {"total_steps": "training.steps", "lr": "optim.lr", "min_lr": "optim.min_lr",
+                   "warmup_steps": "optim.warmup_steps", "decay": "optim.decay"}
+"""What decides the LR of every step, with the config field each comes from."""
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -22,3 +28,15 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if cfg.decay == "linear":
         return cfg.lr - (cfg.lr - cfg.min_lr) * t
     return cfg.lr
+
+
+def schedule_of(total_steps: int, cfg: OptimConfig) -> dict[str, Any]:
+    """The schedule as plain values (what a checkpoint records), keys of SCHEDULE_FIELDS."""
+    return {"total_steps": total_steps, "lr": cfg.lr, "min_lr": cfg.min_lr,
+            "warmup_steps": cfg.warmup_steps, "decay": cfg.decay}
+
+
+def with_schedule(cfg: OptimConfig, schedule: dict[str, Any]) -> tuple[int, OptimConfig]:
+    """(total steps, ``cfg`` with the LR fields of ``schedule``); missing keys keep ``cfg``'s."""
+    fields = {k: schedule[k] for k in ("lr", "min_lr", "warmup_steps", "decay") if k in schedule}
+    return int(schedule["total_steps"]), dataclasses.replace(cfg, **fields)

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from colonnade.checkpoint.commit import committed_steps, read_latest, resolve_checkpoint
 from colonnade.checkpoint.format import CheckpointError
-from colonnade.checkpoint.training_state import load_training, save_training
-from tests.checkpoint.harness import Layout, make_trainer, run_load, run_save, train_steps
+from colonnade.checkpoint.training_state import (
+    load_training,
+    preflight_resume,
+    save_training,
+    start_from,
+)
+from colonnade.optim.lr import lr_at
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.training.setup import Runtime
+from tests.checkpoint.harness import (
+    Layout,
+    batches_for,
+    make_config,
+    make_trainer,
+    run_load,
+    run_save,
+    train_steps,
+)
 
 PHASES = ["shard_written", "index_written", "files_written", "renamed", "latest_tmp_written",
           "latest_written"]
@@ -138,3 +156,49 @@ def test_incompatible_model_shape_is_named(tmp_path: Path) -> None:
 def test_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="nothing to load"):
         resolve_checkpoint(tmp_path)
+
+
+def _trainer_under(steps: int, lr_schedule: str) -> Any:
+    """A single-process fp32 trainer like make_trainer's, with its own steps / lr_schedule."""
+    from colonnade.training.loop import Trainer
+
+    cfg = make_config(Layout(), precision="fp32")
+    cfg = dataclasses.replace(
+        cfg, training=dataclasses.replace(cfg.training, steps=steps),
+        checkpoint=dataclasses.replace(cfg.checkpoint, lr_schedule=lr_schedule))
+    return Trainer(Runtime(cfg, torch.device("cpu"), ProcessGroups.single()), None)
+
+
+def test_resume_under_another_lr_schedule_is_refused_or_reconciled(tmp_path: Path) -> None:
+    """training.steps 6 -> 10 on resume: 'check' refuses (CLI preflight and ranks alike) and
+    names both fixes; 'checkpoint' continues the saved run exactly; 'config' follows the new
+    curve from the resumed step."""
+    first = _trainer_under(6, "check")
+    train_steps(first, 2)
+    save_training(first, tmp_path)
+    rest = [first.train_step(batches_for(k, 0, 1)) for k in range(2, 6)]
+    strict = _trainer_under(10, "check")
+    with pytest.raises(CheckpointError, match=r"training\.steps 6 -> 10") as info:
+        load_training(strict, tmp_path)
+    assert "--checkpoint.lr_schedule=checkpoint" in str(info.value)
+    assert "--checkpoint.lr_schedule=config" in str(info.value)
+    def loading(cfg: Any) -> Any:
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                       load=str(tmp_path)))
+
+    with pytest.raises(CheckpointError, match=r"training\.steps 6 -> 10"):
+        preflight_resume(loading(strict.config))
+    preflight_resume(loading(first.config))  # the same schedule: nothing to say
+
+    kept = _trainer_under(10, "checkpoint")
+    assert "kept the checkpoint's LR schedule" in start_from(kept, tmp_path)
+    again = [kept.train_step(batches_for(k, 0, 1)) for k in range(2, 7)]
+    assert [r["loss"] for r in again[:4]] == [r["loss"] for r in rest]
+    assert [r["lr"] for r in again[:4]] == [r["lr"] for r in rest]
+    assert again[4]["lr"] == pytest.approx(kept.config.optim.min_lr)  # past the saved horizon
+
+    moved = _trainer_under(10, "config")
+    assert "switched to this run's LR schedule" in start_from(moved, tmp_path)
+    got = [moved.train_step(batches_for(k, 0, 1))["lr"] for k in (2, 3)]
+    assert got == pytest.approx([lr_at(k, 10, moved.config.optim) for k in (2, 3)])
+    assert got[1] > rest[1]["lr"]  # the longer cosine has decayed less by step 3
