@@ -112,7 +112,14 @@ def write_plot(p: Plan, top: int, path: str | Path) -> None:
                     c=col, alpha=0.5, label=f"recompute={rc}")
     for i, e in enumerate(p.ranked[:top]):
         ax1.annotate(str(i + 1), (e.memory.total / GIB, e.tokens_per_s), fontsize=8)
-    ax1.axvline(p.cluster.memory_bytes / GIB, color="red", ls="--", lw=1, label="usable memory")
+    usable = p.cluster.memory_bytes / GIB
+    most = max((e.memory.total / GIB for e in p.ranked), default=usable)
+    if most > 0.2 * usable:
+        ax1.axvline(usable, color="red", ls="--", lw=1, label="usable memory")
+    else:  # tiny models: drawing the capacity line would squash every point against 0
+        ax1.set_xlim(0, 1.15 * most)
+        ax1.text(0.98, 0.02, f"usable memory {usable:.1f} GiB (off scale)", ha="right",
+                 transform=ax1.transAxes, fontsize=8, color="red")
     ax1.set_xlabel("memory per device (GiB)")
     ax1.set_ylabel("predicted tokens/s")
     ax1.set_title(f"{len(p.ranked)} fitting layouts on {p.gpus} x {p.cluster.name}")
