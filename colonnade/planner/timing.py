@@ -20,9 +20,9 @@ Pipeline (p stages, v chunks, m micro-batches; T_j = t_f + t_b of stage j per mi
   this is Narayanan's (p-1)/m (or (p-1)/(v m)) of the ideal time; with the head on the last
   stage (the usual bottleneck) the fill/drain is the cheaper stages', not the mean stage's.
   The stages are the first (embedding), p-2 middle ones (layers only) and the last (head).
-  p2p sends T h E / t bytes (scatter/gather, Narayanan et al.) and an
-  intra-node all-gather when tp > 1 without sp; 2 (p-1) transfers are exposed when p2p is
-  overlapped, 2 (m v + p - 1) when it is not.
+  p2p sends T h E / t bytes (scatter/gather, Narayanan et al.) and an intra-node all-gather
+  when tp > 1 without sp; 2 (p-1) transfers are exposed when p2p is overlapped, 2 (m v + p - 1)
+  when it is not.
 Data parallel: all-reduce of the gradient buffer (ZeRO-1: reduce-scatter of it + all-gather of
   the 16-bit weights).  With overlap, the reduction hides behind the last micro-batch's backward
   (the first micro-batch's forward for the weight all-gather), except the last bucket.
@@ -32,8 +32,8 @@ CPU: with more ranks than cores, the step is at least the ranks' summed busy tim
 others), plus the communication waits; with tp > 1 also at least the critical path (slowest
 stage + fill/drain) with its compute slowed by ranks / cores, since a tp group's members,
 synchronising every few hundred microseconds, only progress while co-scheduled;
-``compute_units`` may be the
-fractional number of cores free on a shared machine (calibrate.measure_cores).
+``compute_units`` may be the fractional number of cores free on a shared machine
+(calibrate.measure_cores).
 Per step, the small blocking collectives (grad-norm over tp, pp (and dp with ZeRO-1), the
 logged loss over the world, sp-partial and tied gradients) each pay their latency
 (:func:`step_collectives_s`); per micro-batch, vocab-parallel cross entropy adds 2
