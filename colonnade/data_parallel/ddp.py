@@ -21,8 +21,9 @@ ZeRO-1 parameter gather: after the optimizer has written the updated shard of ev
 ``param_data``, :meth:`start_param_gather` all-gathers the buckets in forward order. With
 ``overlap_param_gather`` nothing waits there: a forward-pre-hook on each module that owns
 parameters waits for exactly the buckets holding them, so the gather of later layers overlaps
-the forward of earlier ones. :meth:`finish_param_gather` waits for all (before reading weights
-outside a forward: export, checkpoint).
+the forward of earlier ones (a module listing ``direct_children``, whose forward reads their
+weights without calling them, waits for theirs too). :meth:`finish_param_gather` waits for
+all (before reading weights outside a forward: export, checkpoint).
 """
 
 from __future__ import annotations
@@ -211,9 +212,16 @@ class DataParallel:
         return sum(h is not None for h in self._gather_handles)
 
     def _install_pre_forward_hooks(self, chunks: Sequence[nn.Module]) -> None:
+        """A hook on every module holding parameters, and on every module whose forward reads
+        its ``direct_children``'s weights without calling them (fused sibling linears)."""
         for chunk in chunks:
             for module in chunk.modules():
-                own = [p for p in module.parameters(recurse=False) if id(p) in self.buffers.slots]
+                params = list(module.parameters(recurse=False))
+                for name in getattr(module, "direct_children", ()):
+                    child = getattr(module, name, None)
+                    if child is not None:
+                        params += list(child.parameters())
+                own = [p for p in params if id(p) in self.buffers.slots]
                 if not own:
                     continue
                 needed = sorted({self.buffers.slot(p).bucket for p in own})

@@ -19,7 +19,7 @@ from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPContext,
-    enter_tp_region,
+    column_parallel,
 )
 from colonnade.tensor_parallel.sharding import Sharding, output_std
 
@@ -75,6 +75,9 @@ class KVCache:
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads, split across tp by heads."""
 
+    direct_children = ("q", "k", "v")
+    """Children whose weights ``column_parallel`` may read directly (see there)."""
+
     def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str, layer: int) -> None:
         super().__init__()
         self.cfg, self.ctx, self.site = cfg, ctx, key
@@ -92,13 +95,11 @@ class Attention(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         d = self.cfg.head_dim
-        x, entered = enter_tp_region(x, self.ctx)  # [s, b, h]: one f / all-gather for q, k, v
-        q = self.q(x, entered=entered)  # [s, b, a/tp * d]
+        q, k, v = column_parallel(x, [self.q, self.k, self.v])  # one tp entry for all three
         s, b = q.shape[0], q.shape[1]
         q = q.view(s, b, self.heads, d).permute(1, 2, 0, 3)  # [b, a/tp, s, d]
-        k = self.k(x, entered=entered).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
-        v = self.v(x, entered=entered).view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)
-        # k, v: [b, kv/tp, s, d]
+        k = k.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
         start = cache.length if cache is not None else 0
         if rope is not None:
             cos, sin = rope[0][start:start + s], rope[1][start:start + s]
@@ -144,6 +145,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU down(silu(gate x) * up x) for llama, proj(gelu(fc x)) for gpt2; column-then-row."""
 
+    direct_children = ("gate", "up")
+    """Children whose weights ``column_parallel`` may read directly (see there)."""
+
     def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str) -> None:
         super().__init__()
         h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
@@ -156,11 +160,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
-        x, entered = enter_tp_region(x, self.ctx)  # [s, b, h]: one f / all-gather for gate, up
         if self.gate is not None:
-            y = F.silu(self.gate(x, entered=entered)) * self.up(x, entered=entered)  # [s, b, f/tp]
+            gate, up = column_parallel(x, [self.gate, self.up])  # one tp entry for both
+            y = F.silu(gate) * up  # [s, b, f/tp]
         else:
-            y = F.gelu(self.up(x, entered=entered), approximate="tanh")  # [s, b, f/tp]
+            (up,) = column_parallel(x, [self.up])
+            y = F.gelu(up, approximate="tanh")  # [s, b, f/tp]
         return self.down(y)
 
 

@@ -63,22 +63,27 @@ class TPContext:
                           self.device)
 
 
-def enter_tp_region(x: torch.Tensor, ctx: TPContext) -> tuple[torch.Tensor, bool]:
-    """Enter a tp region once for every column-parallel layer that reads ``x``.
+def column_parallel(x: torch.Tensor, layers: list[ColumnParallelLinear]) -> list[torch.Tensor]:
+    """Apply column-parallel layers that read the same input ``x``, entering tp only once.
 
-    Attention's q, k, v (and SwiGLU's gate, up) read the same input: one f (tp) or one
-    sequence all-gather (sp) serves them all, so a layer costs 2 entries, not 5. Returns the
-    input for the layers ([s, b, h]) and whether it was entered; the layers are then called
-    with ``entered=...``. With ``comm_chunks > 1`` each layer pipelines its own chunked
-    all-gather with its matmul, so x is returned untouched ([s/tp, b, h]) and False.
+    Attention's q, k, v (and SwiGLU's gate, up) share one f (tp) or one sequence all-gather
+    (sp), so a transformer layer costs 2 entries, not 5.  With ``comm_chunks > 1`` under sp
+    they share one chunked all-gather pipelined with all their matmuls (and one reduce-scatter
+    of the summed input gradient backward); that path reads the layers' weights directly, not
+    through their forward, so the calling module must list them in ``direct_children`` (ZeRO-1
+    waits for their parameter all-gather before its forward instead).
+    x [s, b, h] (or [s/tp, b, h] under sp) -> one [s, b, o_k/tp] per layer.
     """
-    if ctx.tp == 1:
-        return x, True
-    if ctx.sp:
-        if ctx.comm_chunks > 1:
-            return x, False
-        return mp.gather_seq(x, ctx.group), True  # [s, b, h]
-    return mp.copy_to_tp(x, ctx.group), True  # [s, b, h]
+    ctx = layers[0].ctx
+    if ctx.tp > 1 and ctx.sp and ctx.comm_chunks > 1:
+        from colonnade.tensor_parallel.partition import gathered_linears
+
+        return list(gathered_linears(x, [layer.weight for layer in layers],
+                                     [layer.bias for layer in layers], ctx.group,
+                                     ctx.comm_chunks))
+    if ctx.tp > 1:
+        x = mp.gather_seq(x, ctx.group) if ctx.sp else mp.copy_to_tp(x, ctx.group)  # [s, b, h]
+    return [layer(x, entered=True) for layer in layers]  # each [s, b, o_k/tp]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -103,7 +108,8 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
-        """``entered``: x already went through :func:`enter_tp_region` (shared with siblings)."""
+        """``entered``: x already entered the tp region (:func:`column_parallel`, shared with
+        sibling layers)."""
         ctx = self.ctx
         if entered:
             y = F.linear(x, self.weight, self.bias)  # [s, b, o/tp]

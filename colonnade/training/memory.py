@@ -23,7 +23,7 @@ t tp, r = s/t with sp else s (rows of the residual stream a rank holds).  Per la
                    LayerNorm (F.layer_norm): input E r b h, mean and 1/std 2 E r b (the CPU
                    kernel keeps them in the input dtype; CUDA in fp32, +4 r b bytes at E = 2).
     column inputs  2 E s b h: attention's q/k/v and the MLP's gate/up (or fc) each read one
-                   [s, b, h] input (``enter_tp_region``): the replicated norm output, or under
+                   [s, b, h] input (``column_parallel``): the replicated norm output, or under
                    sp its all-gathered copy, which F.linear keeps in full (with
                    parallel.tp_comm_chunks = 1; the chunked path is not modelled here).
     attention, split over t (heads):

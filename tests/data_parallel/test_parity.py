@@ -26,6 +26,7 @@ from tests.data_parallel.common import (
     reference_run,
     rel_err,
     tiny_config,
+    with_parallel,
 )
 
 TOL = 1e-10
@@ -126,11 +127,15 @@ def test_dp4_parity(run_ranks: Callable[..., list[Any]], zero: bool) -> None:
     assert 1 < results[0]["buckets"] < 20
 
 
-def test_tp2_dp2_sp_tied_parity(run_ranks: Callable[..., list[Any]]) -> None:
-    """tp=2 x dp=2 with sequence parallelism and a tied gpt2 embedding, ZeRO-1 + overlap:
-    tp-replicated (sp-partial) gradients and the tied weight are counted once in the norm."""
-    config = tiny_config(arch="gpt2", dp=2, tp=2, sp=True, zero=True, bucket=2000,
-                         microbatches=2)
+@pytest.mark.parametrize(("arch", "chunks"), [("gpt2", 1), ("gpt2", 2), ("llama", 2)])
+def test_tp2_dp2_sp_tied_parity(run_ranks: Callable[..., list[Any]], arch: str,
+                                chunks: int) -> None:
+    """tp=2 x dp=2 with sequence parallelism and (gpt2) a tied embedding, ZeRO-1 + overlap:
+    tp-replicated (sp-partial) gradients and the tied weight are counted once in the norm.
+    With tp_comm_chunks=2 sibling linears share one chunked gather that reads their weights
+    directly: ZeRO-1's lazily waited parameter all-gather must still complete before it."""
+    config = with_parallel(tiny_config(arch=arch, dp=2, tp=2, sp=True, zero=True, bucket=2000,
+                                       microbatches=2), tp_comm_chunks=chunks)
     batches = make_batches(config)
     results = run_ranks(4, _train, config, batches)
     check_parity(config, results, reference_run(config, batches))
