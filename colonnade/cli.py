@@ -1,4 +1,4 @@
-"""Command line: ``colonnade prepare | train | generate | plan | convert``.
+"""Command line: ``colonnade prepare | train | generate | plan | bench | convert``.
 
 Config fields are set with ``--section.field=value`` after an optional ``--config FILE.toml``;
 ``colonnade train --help-config`` lists every field with its documentation.
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     way.add_argument("--from-hf", metavar="DIR", help="HF model directory to import")
     way.add_argument("--to-hf", metavar="DIR", help="Colonnade checkpoint to export")
     c.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    b = sub.add_parser("bench", help="list or run the side-by-side benchmark scripts",
+                       description="Without NAME, list benchmarks/*.py; with it, run that "
+                       "script with the remaining options (NAME --help lists them).")
+    b.add_argument("name", nargs="?", help="benchmark to run, e.g. planner_cpu")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the script")
     try:
         from colonnade.planner.cli import add_plan_parser
 
@@ -173,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "bench":
+            from colonnade.bench import run_bench
+
+            return run_bench(args.name, args.args + rest)
         if args.command == "plan":
             from colonnade.planner.cli import run_plan
 

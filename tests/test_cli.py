@@ -131,3 +131,19 @@ def test_generate_on_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["generate", str(tmp_path)]) == 2  # one clear line, no traceback
     err = capsys.readouterr().err
     assert "config.toml missing" in err and "--checkpoint.save" in err
+
+
+def test_bench_lists_runs_and_rejects(capsys: pytest.CaptureFixture[str]) -> None:
+    """`colonnade bench` lists benchmarks/*.py by docstring, runs one with its own options
+    (passed through untouched), and an unknown name exits 2 naming the choices."""
+    assert main(["bench"]) == 0
+    listing = capsys.readouterr().out
+    scripts = sorted(p.stem for p in (Path(__file__).parents[1] / "benchmarks").glob("*.py"))
+    assert len(scripts) >= 8
+    for stem in scripts:
+        assert any(line.startswith(stem + " ") for line in listing.splitlines()), stem
+    assert "Narayanan et al. 2021 Table 1" in listing
+    assert main(["bench", "planner", "--help"]) == 0  # the script's own --help, in a child
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'nope'" in err and "planner_cpu" in err
