@@ -67,23 +67,23 @@ def column_parallel(x: torch.Tensor, layers: list[ColumnParallelLinear]) -> list
     """Apply column-parallel layers that read the same input ``x``, entering tp only once.
 
     Attention's q, k, v (and SwiGLU's gate, up) share one f (tp) or one sequence all-gather
-    (sp), so a transformer layer costs 2 entries, not 5.  With ``comm_chunks > 1`` under sp
-    they share one chunked all-gather pipelined with all their matmuls (and one reduce-scatter
-    of the summed input gradient backward); that path reads the layers' weights directly, not
-    through their forward, so the calling module must list them in ``direct_children`` (ZeRO-1
-    waits for their parameter all-gather before its forward instead).
+    (sp), so a transformer layer costs 2 entries, not 5; with ``comm_chunks > 1`` under sp they
+    share one chunked all-gather pipelined with all their matmuls (and one reduce-scatter of
+    the summed input gradient backward).  The layers' weights are read directly, not through
+    their forward: a module calling this for its children lists them in ``direct_children``
+    (ZeRO-1 then waits for their parameter all-gather before that module's forward).
     x [s, b, h] (or [s/tp, b, h] under sp) -> one [s, b, o_k/tp] per layer.
     """
     ctx = layers[0].ctx
+    weights = [layer.weight for layer in layers]
+    biases = [layer.bias for layer in layers]
     if ctx.tp > 1 and ctx.sp and ctx.comm_chunks > 1:
         from colonnade.tensor_parallel.partition import gathered_linears
 
-        return list(gathered_linears(x, [layer.weight for layer in layers],
-                                     [layer.bias for layer in layers], ctx.group,
-                                     ctx.comm_chunks))
+        return list(gathered_linears(x, weights, biases, ctx.group, ctx.comm_chunks))
     if ctx.tp > 1:
         x = mp.gather_seq(x, ctx.group) if ctx.sp else mp.copy_to_tp(x, ctx.group)  # [s, b, h]
-    return [layer(x, entered=True) for layer in layers]  # each [s, b, o_k/tp]
+    return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # [s, b, o_k/tp]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -107,23 +107,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), dim=0), 0.0, "zeros")
                      if bias else None)
 
-    def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
-        """``entered``: x already entered the tp region (:func:`column_parallel`, shared with
-        sibling layers)."""
-        ctx = self.ctx
-        if entered:
-            y = F.linear(x, self.weight, self.bias)  # [s, b, o/tp]
-        elif ctx.sp:
-            if ctx.comm_chunks > 1:
-                from colonnade.tensor_parallel.partition import gathered_linear
-
-                y = gathered_linear(x, self.weight, self.bias, ctx.group, ctx.comm_chunks)
-            else:
-                y = F.linear(mp.gather_seq(x, ctx.group), self.weight, self.bias)  # [s, b, o/tp]
-        else:
-            y = F.linear(mp.copy_to_tp(x, ctx.group), self.weight, self.bias)  # [s, b, o/tp]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, in] (or [s/tp, b, in] under sp) -> [s, b, out/tp] (or gathered)."""
+        (y,) = column_parallel(x, [self])  # [s, b, o/tp]
         if self.gather_output:
-            y = mp.gather_last(y, ctx.group)  # [s, b, o]
+            y = mp.gather_last(y, self.ctx.group)  # [s, b, o]
         return y
 
 
