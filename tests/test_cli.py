@@ -147,3 +147,16 @@ def test_bench_lists_runs_and_rejects(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
     assert "unknown benchmark 'nope'" in err and "planner_cpu" in err
+
+
+def test_prepared_device_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/planner_device.py (the GPU check a session with a device runs) stays
+    runnable: its CPU smoke mode trains, predicts the same layout and writes its JSON."""
+    out = tmp_path / "device.json"
+    assert main(["bench", "planner_device", "--quick", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["measurement"]["device"] == "cpu" and got["steps"] == 3
+    measured, planned = got["rows"]["measured"], got["rows"]["planner"]
+    assert measured["tokens_per_s"] == pytest.approx(4 * 2 * 128 / measured["step_s"])
+    assert 0.2 < got["predicted_over_measured"] < 5.0  # same order: a sanity bound, not a target
+    assert planned["step_s"] == pytest.approx(got["planner_breakdown_s"]["total"])
