@@ -1,7 +1,7 @@
 """Planner vs this machine: predicted and measured step time of tiny CPU layouts.
 
     .venv/bin/python benchmarks/planner_cpu.py [--rounds 6] [--steps 3] [--warmup 2] [--json PATH]
-        [--save-cluster configs/clusters/cpu-local.toml]
+        [--save-cluster configs/clusters/cpu-local.toml] [--extended]
 
 1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.planner.
    calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op, one
@@ -11,7 +11,8 @@
    segment, the cores free for our ranks and the barrier skew on 2 and 4 ranks; that round's
    predictions use that ``cpu-local`` cluster (no layout's step time is ever used to fit
    anything).
-2. Measure: every layout of ``calibrate.TINY_LAYOUTS`` (tiny workload: default ModelConfig,
+2. Measure: every layout of ``calibrate.TINY_LAYOUTS`` (with ``--extended`` also
+   ``calibrate.MORE_TINY_LAYOUTS``, each at its own micro-batch; tiny workload: default ModelConfig,
    llama h=64, 4 layers, vocab 2048, seq 128, global batch 16, micro-batch 4, fp32) trains on
    gloo CPU ranks (one thread each; persistent pools of 1, 2 and 4 ranks) with the real
    ``Trainer.train_step``.  Each run builds a fresh model, runs ``warmup`` steps (excluded),
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from colonnade.config.sections import Config, OptimConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.planner.calibrate import (
+    MORE_TINY_LAYOUTS,
     TINY_LAYOUTS,
     calibrate_cpu,
     calibrated_cluster,
@@ -60,6 +62,7 @@ from colonnade.testing import RankPool
 from colonnade.testing.batches import random_batches
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_cpu.json"
+EXTENDED = RESULTS.with_name("planner_cpu_extended.json")
 MICRO_BATCH = 4
 
 
@@ -182,14 +185,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", default=str(RESULTS))
+    p.add_argument("--json", default=None, help=f"default {RESULTS.name} (with --extended "
+                   f"{EXTENDED.name}) in {RESULTS.parent}")
+    p.add_argument("--extended", action="store_true",
+                   help="also measure calibrate.MORE_TINY_LAYOUTS (recompute, interleaved, "
+                   "ZB-H1, other micro-batches, ZeRO-1 alone): 16 layouts, ~2x the time")
     p.add_argument("--save-cluster", help="write the median calibration as a cluster TOML "
                    "(e.g. configs/clusters/cpu-local.toml, the cpu-local preset)")
     args = p.parse_args()
+    args.json = args.json or str(EXTENDED if args.extended else RESULTS)
     w = tiny_workload(global_batch=16)
     load_before = os.getloadavg()
-    pools = {n: RankPool(n, timeout_s=600.0) for n in sorted({lay.world for lay in TINY_LAYOUTS})}
     layouts = tuple(dataclasses.replace(lay, micro_batch=MICRO_BATCH) for lay in TINY_LAYOUTS)
+    if args.extended:
+        layouts += MORE_TINY_LAYOUTS
+    pools = {n: RankPool(n, timeout_s=600.0) for n in sorted({lay.world for lay in layouts})}
     try:
         times, preds, cals = measure(layouts, w, pools, args.rounds, args.warmup, args.steps)
     finally:

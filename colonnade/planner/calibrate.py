@@ -51,6 +51,21 @@ TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(pp=2, dp=2),
     Layout(tp=2, dp=2, sp=True, zero1=True),
 )
+"""The tp / pp / dp mixes (micro-batch set by the caller) that ``--calibrate`` predicts and
+``benchmarks/planner_cpu.py`` measures."""
+
+MORE_TINY_LAYOUTS: tuple[Layout, ...] = (
+    Layout(micro_batch=2),
+    Layout(micro_batch=4, recompute="full"),
+    Layout(micro_batch=4, recompute="selective"),
+    Layout(pp=2, vp=2, schedule="interleaved_1f1b", micro_batch=4),
+    Layout(pp=2, schedule="zb_h1", micro_batch=4),
+    Layout(pp=2, micro_batch=2),
+    Layout(tp=2, micro_batch=8),
+    Layout(dp=2, zero1=True, micro_batch=4),
+)
+"""``planner_cpu.py --extended`` also measures these: recompute, the other schedules, other
+micro-batches, ZeRO-1 alone (each with its own micro-batch)."""
 
 
 def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> float:
