@@ -5,9 +5,10 @@ Measured (each the median of several repeats, one thread per rank as training ru
            (efficiency is then 1: the measurement already is the achieved rate);
   memory   bandwidth of an elementwise add on 4M floats (3 x 4 bytes per element) -> hbm_gbps;
   dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (1 vs 3 layer
-           models, difference / 2) / (3 * OPS_PER_LAYER) -> op_overhead_us;
+           models, difference / 2) / ((1 + backward_ratio) * OPS_PER_LAYER) -> op_overhead_us;
   layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the fitted
-           constant (see :func:`fit_cpu_efficiency`): no layout's step time is used;
+           constant (see :func:`fit_cpu_efficiency`): no layout's step time is used; its
+           forward alone too -> ``backward_ratio`` (~1.1 here, not the FLOP count's 2);
   head     the 1-layer model's time minus that layer (embedding, output layer, cross entropy)
            -> ``head_efficiency`` by the same inversion: its one large GEMM and vocabulary-wide
            fp32 passes reach another fraction of the peaks than a layer's small ops do;
@@ -80,27 +81,30 @@ def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> 
 
 
 def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
-                     seq_len: int) -> tuple[float, float]:
-    """Seconds of one decoder layer's forward + backward, and of the rest (embedding, final
-    norm, output layer, cross entropy), single process, fp32, one thread.
+                     seq_len: int) -> tuple[float, float, float]:
+    """Seconds of one decoder layer's forward + backward, of the rest (embedding, final norm,
+    output layer, cross entropy) forward + backward, and of the layer's forward alone (with
+    autograd recording, as in training); single process, fp32, one thread.
 
     The reference model is built with 1 and with 3 layers: half the difference of their
-    fwd+bwd times is one layer (embedding, head and loss cancel); the 1-layer time minus
-    that is the rest."""
+    times is one layer (embedding, head and loss cancel); the 1-layer time minus that is the
+    rest."""
     import torch
 
     from colonnade.config.sections import Config
     from colonnade.models.build import build_reference
 
-    times = []
+    times, fwd = [], []
     for layers in (1, 3):
         net = build_reference(Config(model=dataclasses.replace(model, num_layers=layers)),
                               torch.float32)
         tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
         times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
                                   repeats=7, inner=3))
+        fwd.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens),
+                                repeats=7, inner=3))
     layer = (times[1] - times[0]) / 2
-    return layer, times[0] - layer
+    return layer, times[0] - layer, (fwd[1] - fwd[0]) / 2
 
 
 def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
@@ -121,13 +125,19 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
         x, y = torch.randn(4_000_000), torch.randn(4_000_000)
         out = torch.empty_like(x)
         add = _median_time(lambda: torch.add(x, y, out=out))
-        op = _layer_fwd_bwd_s(model, 1, 4)[0] / (3 * OPS_PER_LAYER)
-        layer, head = _layer_fwd_bwd_s(model, micro_batch, seq_len)
+        layer, head, layer_fwd = _layer_fwd_bwd_s(model, micro_batch, seq_len)
+        ratio = backward_ratio(layer, layer_fwd)
+        op = _layer_fwd_bwd_s(model, 1, 4)[0] / ((1 + ratio) * OPS_PER_LAYER)
     finally:
         torch.set_num_threads(threads)
     return {"matmul_gflops": 2.0 * tokens * h * 4 * h / mm / 1e9,
             "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6, "layer_s": layer,
-            "head_s": head}
+            "head_s": head, "layer_fwd_s": layer_fwd}
+
+
+def backward_ratio(layer_s: float, layer_fwd_s: float) -> float:
+    """A layer's backward / forward time from its measured fwd+bwd and fwd, in [0.5, 3]."""
+    return min(3.0, max(0.5, layer_s / layer_fwd_s - 1)) if layer_fwd_s > 0 else 2.0
 
 
 def _achieved(roof: float, host: float, measured: float) -> float:
@@ -141,12 +151,14 @@ def fit_cpu_efficiency(cluster: Cluster, w: Workload, micro_batch: int,
     """The fitted CPU constant: achieved fraction of the measured matmul/memory peaks.
 
     Chosen so the model's time of one layer's fwd+bwd (tp = 1) equals the measured
-    ``layer_s``: 3 roofline / eff + 3 host = layer_s (clamped to [0.05, 1]).  The micro-
-    benchmark peaks are reached by one big GEMM; real layers (small GEMMs, attention,
-    norms, autograd bookkeeping) reach a fraction of them."""
+    ``layer_s``: (1 + r) (roofline / eff + host) = layer_s, r the cluster's
+    ``backward_ratio`` (clamped to [0.05, 1]).  The micro-benchmark peaks are reached by one
+    big GEMM; real layers (small GEMMs, attention, norms, autograd bookkeeping) reach a
+    fraction of them."""
     base = dataclasses.replace(cluster, efficiency=1.0)
     roof, host = layer_forward_s(w, Layout(micro_batch=micro_batch), base)
-    return _achieved(3 * roof, 3 * host, layer_s)
+    both = 1 + cluster.backward_ratio
+    return _achieved(both * roof, both * host, layer_s)
 
 
 def fit_cpu_head_efficiency(cluster: Cluster, w: Workload, micro_batch: int,
@@ -364,6 +376,8 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
         all_gather_latency_us=gloo.get("ag_latency_us"),
         reduce_scatter_latency_us=gloo.get("rs_latency_us"),
         efficiency=1.0, compute_units=cores or os.cpu_count() or 1,
+        backward_ratio=(backward_ratio(local["layer_s"], local["layer_fwd_s"])
+                        if "layer_fwd_s" in local else PRESETS["cpu-local"].backward_ratio),
         sync_skew_2=gloo.get("sync_skew_2", 0.0), sync_skew_4=gloo.get("sync_skew_4", 0.0))
     if "layer_s" not in local:
         return c

@@ -67,6 +67,10 @@ class Cluster:
     """Per-step latency of a reduce-scatter when it differs; None: ``intra_latency_us``."""
     efficiency: float = 0.6
     """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
+    backward_ratio: float = 2.0
+    """Backward / forward time of a decoder layer: 2 by FLOPs (each GEMM has two backward
+    GEMMs); on a CPU small layers' forward is elementwise- and host-heavy, and calibration
+    measures ~1.1 (full recomputation then costs relatively more)."""
     head_efficiency: float | None = None
     """CPU only: the same fraction for the output layer and its cross entropy, measured by
     calibration (one large GEMM and vocabulary-wide elementwise passes behave unlike a

@@ -2,7 +2,8 @@
 
 Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp degree t):
   compute  = FLOPs / (eff * peak) + elementwise bytes / (eff * HBM bandwidth)
-             forward FLOPs T (2 * matrix params + 4 s h) / t (Narayanan et al.), backward 2x,
+             forward FLOPs T (2 * matrix params + 4 s h) / t (Narayanan et al.), backward
+             ``backward_ratio`` x (2 by FLOPs; measured on CPUs),
              full recompute +1 forward, selective +the core attention (4 s h T / t).
              Elementwise bytes per token (norms 4E h, residual add (+dropout) 2 (3E + 1) h,
              GeLU 2E f or SwiGLU 3E f, RoPE 2E (h + h_kv), eager softmax 2E a s (+ dropout
@@ -113,7 +114,8 @@ def layer_forward_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, flo
     """(roofline seconds, host seconds) of one layer's forward of one micro-batch on a device.
 
     Roofline = FLOPs / (eff * peak) + elementwise bytes / (eff * bandwidth); host =
-    ``OPS_PER_LAYER * op_overhead_us``.  Backward without recompute costs 2x both.
+    ``OPS_PER_LAYER * op_overhead_us``.  Backward without recompute costs ``backward_ratio``
+    (2 by FLOPs) x both.
     """
     m, t = w.shape, layout.tp
     tokens = float(layout.micro_batch) * w.seq_len
@@ -150,7 +152,7 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     f_w = tokens * 2 * layer_matrix_params(m) / t
     b_fwd, b_core = (tokens * x for x in _elementwise_bytes_per_token(m, w, layout))
     fwd = f_fwd / flops + b_fwd / bw + OPS_PER_LAYER * c.op_overhead_us * 1e-6
-    bwd = 2 * fwd
+    bwd = c.backward_ratio * fwd
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective":

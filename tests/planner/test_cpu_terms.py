@@ -114,3 +114,22 @@ def test_oversubscribed_tp_pipeline_follows_its_slowed_critical_path() -> None:
     assert two.total == pytest.approx(crit + p2p_all + extra, rel=1e-9)
     no_tp = step_time(w, Layout(pp=2, dp=2, micro_batch=4), CPU)
     assert no_tp.total < 0.8 * two.total  # dp x pp ranks sync rarely: the work bound holds
+
+
+def test_backward_ratio_sets_the_backward_and_the_price_of_recompute() -> None:
+    """A layer's backward = backward_ratio x its forward; full recompute adds one forward, so
+    with a cheap backward (CPU: ~1.1) recompute costs a larger share of the step."""
+    w = tiny_workload()
+    lay = Layout(micro_batch=4)
+    full = dataclasses.replace(lay, recompute="full")
+    roof, host = layer_forward_s(w, lay, CPU)
+    layers = 4 * w.model.num_layers  # micro-batches x layers of the step
+    for ratio in (2.0, 1.0):
+        c = dataclasses.replace(CPU, backward_ratio=ratio)
+        extra = step_time(w, full, c).compute - step_time(w, lay, c).compute
+        assert extra == pytest.approx(layers * (roof + host), rel=1e-9)
+    slow, fast = (dataclasses.replace(CPU, backward_ratio=r) for r in (2.0, 1.0))
+    assert (step_time(w, lay, slow).compute - step_time(w, lay, fast).compute
+            == pytest.approx(layers * (roof + host), rel=1e-9))
+    # the efficiency fit inverts (1 + r) (roof / eff + host)
+    assert fit_cpu_efficiency(fast, w, 4, 2 * (roof / 0.4 + host)) == pytest.approx(0.4)
