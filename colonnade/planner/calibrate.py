@@ -4,11 +4,11 @@ Measured (each the median of several repeats, one thread per rank as training ru
   matmul   fp32 GFLOP/s of [s b, h] x [h, 4h] at the tiny model's shapes -> peak_tflops_fp32
            (efficiency is then 1: the measurement already is the achieved rate);
   memory   bandwidth of an elementwise add on 4M floats (3 x 4 bytes per element) -> hbm_gbps;
-  dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (1 vs 3 layer
-           models, difference / 2) / ((1 + backward_ratio) * OPS_PER_LAYER) -> op_overhead_us;
+  dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (a 3-layer
+           middle chunk / 3) / ((1 + backward_ratio) * OPS_PER_LAYER) -> op_overhead_us;
   layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the fitted
            constant (see :func:`fit_cpu_efficiency`): no layout's step time is used; its
-           forward alone too -> ``backward_ratio`` (~1.1 here, not the FLOP count's 2);
+           forward alone too -> ``backward_ratio`` (~1.8 here; 2 by FLOPs);
   head     the 1-layer model's time minus that layer (embedding, output layer, cross entropy)
            -> ``head_efficiency`` by the same inversion: its one large GEMM and vocabulary-wide
            fp32 passes reach another fraction of the peaks than a layer's small ops do;
@@ -86,25 +86,26 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
     output layer, cross entropy) forward + backward, and of the layer's forward alone (with
     autograd recording, as in training); single process, fp32, one thread.
 
-    The reference model is built with 1 and with 3 layers: half the difference of their
-    times is one layer (embedding, head and loss cancel); the 1-layer time minus that is the
-    rest."""
+    The layers are timed as a middle pipeline chunk of 3 layers (hidden states in, hidden
+    states out; per layer = / 3), the rest as the 1-layer reference model minus one layer."""
     import torch
 
     from colonnade.config.sections import Config
-    from colonnade.models.build import build_reference
+    from colonnade.models.build import build_reference, make_context
+    from colonnade.models.gpt import ModelChunk
+    from colonnade.parallel.groups import ProcessGroups
 
-    times, fwd = [], []
-    for layers in (1, 3):
-        net = build_reference(Config(model=dataclasses.replace(model, num_layers=layers)),
-                              torch.float32)
-        tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
-        times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
-                                  repeats=7, inner=3))
-        fwd.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens),
-                                repeats=7, inner=3))
-    layer = (times[1] - times[0]) / 2
-    return layer, times[0] - layer, (fwd[1] - fwd[0]) / 2
+    cfg = Config(model=dataclasses.replace(model, num_layers=3))
+    body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
+                      [0, 1, 2], first=False, last=False)
+    x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
+    dy = torch.randn_like(x)  # [s, b, h]
+    layer = _median_time(lambda: body(x).backward(dy), repeats=7, inner=3) / 3
+    forward = _median_time(lambda: body(x), repeats=7, inner=3) / 3
+    net = build_reference(Config(model=dataclasses.replace(model, num_layers=1)), torch.float32)
+    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+    one = _median_time(lambda: net(tokens, tokens).backward(), repeats=7, inner=3)
+    return layer, one - layer, forward
 
 
 def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,

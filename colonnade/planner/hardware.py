@@ -69,8 +69,8 @@ class Cluster:
     """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
     backward_ratio: float = 2.0
     """Backward / forward time of a decoder layer: 2 by FLOPs (each GEMM has two backward
-    GEMMs); on a CPU small layers' forward is elementwise- and host-heavy, and calibration
-    measures ~1.1 (full recomputation then costs relatively more)."""
+    GEMMs); elementwise ops, attention kernels and host time move it (CPU calibration
+    measures it: ~1.8 on this machine); it sets what full recomputation's extra forward costs."""
     head_efficiency: float | None = None
     """CPU only: the same fraction for the output layer and its cross entropy, measured by
     calibration (one large GEMM and vocabulary-wide elementwise passes behave unlike a
