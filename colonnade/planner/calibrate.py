@@ -4,11 +4,11 @@ Measured (each the median of several repeats, one thread per rank as training ru
   matmul   fp32 GFLOP/s of [s b, h] x [h, 4h] at the tiny model's shapes -> peak_tflops_fp32
            (efficiency is then 1: the measurement already is the achieved rate);
   memory   bandwidth of an elementwise add on 4M floats (3 x 4 bytes per element) -> hbm_gbps;
-  dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (a 3-layer
-           middle chunk / 3) / ((1 + backward_ratio) * OPS_PER_LAYER) -> op_overhead_us;
+  dispatch host time per tensor op: one decoder layer's fwd+bwd at 4 tokens (1 vs 3 layer
+           models, difference / 2) / ((1 + backward_ratio) * OPS_PER_LAYER) -> op_overhead_us;
   layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the fitted
-           constant (see :func:`fit_cpu_efficiency`): no layout's step time is used; its
-           forward alone too -> ``backward_ratio`` (~1.8 here; 2 by FLOPs);
+           constant (see :func:`fit_cpu_efficiency`): no layout's step time is used; a 3-layer
+           middle chunk forward vs forward + backward -> ``backward_ratio`` (~1.8 here);
   head     the 1-layer model's time minus that layer (embedding, output layer, cross entropy)
            -> ``head_efficiency`` by the same inversion: its one large GEMM and vocabulary-wide
            fp32 passes reach another fraction of the peaks than a layer's small ops do;
@@ -82,12 +82,15 @@ def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> 
 
 def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
                      seq_len: int) -> tuple[float, float, float]:
-    """Seconds of one decoder layer's forward + backward, of the rest (embedding, final norm,
-    output layer, cross entropy) forward + backward, and of the layer's forward alone (with
-    autograd recording, as in training); single process, fp32, one thread.
+    """(one decoder layer's forward + backward seconds, the rest's (embedding, final norm,
+    output layer, cross entropy) forward + backward seconds, the layer's backward / forward
+    time ratio); single process, fp32, one thread.
 
-    The layers are timed as a middle pipeline chunk of 3 layers (hidden states in, hidden
-    states out; per layer = / 3), the rest as the 1-layer reference model minus one layer."""
+    The reference model is built with 1 and with 3 layers: half the difference of their
+    fwd+bwd times is one layer as it runs inside the model (embedding, head and loss cancel);
+    the 1-layer time minus that is the rest.  The ratio comes from a 3-layer middle chunk
+    (hidden states in and out) timed forward (autograd recording, as in training) and forward
+    + backward: a difference of whole-model forwards is too noisy for it."""
     import torch
 
     from colonnade.config.sections import Config
@@ -95,17 +98,22 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
     from colonnade.models.gpt import ModelChunk
     from colonnade.parallel.groups import ProcessGroups
 
+    times = []
+    for layers in (1, 3):
+        net = build_reference(Config(model=dataclasses.replace(model, num_layers=layers)),
+                              torch.float32)
+        tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+        times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
+                                  repeats=7, inner=3))
+    layer = (times[1] - times[0]) / 2
     cfg = Config(model=dataclasses.replace(model, num_layers=3))
     body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
                       [0, 1, 2], first=False, last=False)
     x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
     dy = torch.randn_like(x)  # [s, b, h]
-    layer = _median_time(lambda: body(x).backward(dy), repeats=7, inner=3) / 3
-    forward = _median_time(lambda: body(x), repeats=7, inner=3) / 3
-    net = build_reference(Config(model=dataclasses.replace(model, num_layers=1)), torch.float32)
-    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
-    one = _median_time(lambda: net(tokens, tokens).backward(), repeats=7, inner=3)
-    return layer, one - layer, forward
+    both = _median_time(lambda: body(x).backward(dy), repeats=7, inner=3)
+    forward = _median_time(lambda: body(x), repeats=7, inner=3)
+    return layer, times[0] - layer, both / forward - 1
 
 
 def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
@@ -113,7 +121,8 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
     """This process (one thread): matmul GFLOP/s, memory GB/s, host us per op, layer seconds.
 
     ``op_us``: one layer's fwd+bwd at 4 tokens (compute negligible) / (3 * OPS_PER_LAYER);
-    ``layer_s`` / ``head_s``: one layer's, and the output layer + loss's, fwd+bwd at
+    ``layer_s`` / ``head_s`` / ``backward_ratio``: one layer's, and the output layer + loss's,
+    fwd+bwd, and the layer's backward / forward ratio, at
     ``micro_batch`` x ``seq_len`` tokens (for :func:`fit_cpu_efficiency`)."""
     import torch
 
@@ -126,19 +135,14 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
         x, y = torch.randn(4_000_000), torch.randn(4_000_000)
         out = torch.empty_like(x)
         add = _median_time(lambda: torch.add(x, y, out=out))
-        layer, head, layer_fwd = _layer_fwd_bwd_s(model, micro_batch, seq_len)
-        ratio = backward_ratio(layer, layer_fwd)
+        layer, head, ratio = _layer_fwd_bwd_s(model, micro_batch, seq_len)
+        ratio = min(3.0, max(0.5, ratio))
         op = _layer_fwd_bwd_s(model, 1, 4)[0] / ((1 + ratio) * OPS_PER_LAYER)
     finally:
         torch.set_num_threads(threads)
     return {"matmul_gflops": 2.0 * tokens * h * 4 * h / mm / 1e9,
             "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6, "layer_s": layer,
-            "head_s": head, "layer_fwd_s": layer_fwd}
-
-
-def backward_ratio(layer_s: float, layer_fwd_s: float) -> float:
-    """A layer's backward / forward time from its measured fwd+bwd and fwd, in [0.5, 3]."""
-    return min(3.0, max(0.5, layer_s / layer_fwd_s - 1)) if layer_fwd_s > 0 else 2.0
+            "head_s": head, "backward_ratio": ratio}
 
 
 def _achieved(roof: float, host: float, measured: float) -> float:
@@ -377,8 +381,7 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
         all_gather_latency_us=gloo.get("ag_latency_us"),
         reduce_scatter_latency_us=gloo.get("rs_latency_us"),
         efficiency=1.0, compute_units=cores or os.cpu_count() or 1,
-        backward_ratio=(backward_ratio(local["layer_s"], local["layer_fwd_s"])
-                        if "layer_fwd_s" in local else PRESETS["cpu-local"].backward_ratio),
+        backward_ratio=local.get("backward_ratio", PRESETS["cpu-local"].backward_ratio),
         sync_skew_2=gloo.get("sync_skew_2", 0.0), sync_skew_4=gloo.get("sync_skew_4", 0.0))
     if "layer_s" not in local:
         return c
