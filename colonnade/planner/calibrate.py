@@ -9,6 +9,8 @@ Measured (each the median of several repeats, one thread per rank as training ru
   layer    the same at the workload's micro-batch x seq tokens -> ``efficiency``, the fitted
            constant (see :func:`fit_cpu_efficiency`): no layout's step time is used; a 3-layer
            middle chunk forward vs forward + backward -> ``backward_ratio`` (~1.8 here);
+  zb split a 2-layer middle chunk's backward split into B and W vs the plain one, per layer
+           -> ``split_backward_us`` (~1 ms here);
   head     the 1-layer model's time minus that layer (embedding, output layer, cross entropy)
            -> ``head_efficiency`` by the same inversion: its one large GEMM and vocabulary-wide
            fp32 passes reach another fraction of the peaks than a layer's small ops do;
@@ -116,6 +118,33 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
     return layer, times[0] - layer, both / forward - 1
 
 
+def _split_backward_s(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
+    """Seconds ZB-H1's B / W split adds to one layer's backward: a 2-layer middle chunk's
+    forward + split backward (``backward_input`` then ``backward_weight``) minus forward +
+    plain backward, / 2."""
+    import torch
+
+    from colonnade.config.sections import Config
+    from colonnade.models.build import make_context
+    from colonnade.models.gpt import ModelChunk
+    from colonnade.parallel.groups import ProcessGroups
+    from colonnade.pipeline.split_backward import backward_input, backward_weight
+
+    cfg = Config(model=dataclasses.replace(model, num_layers=2))
+    body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
+                      [0, 1], first=False, last=False)
+    params = list(body.parameters())
+    x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
+    dy = torch.randn_like(x)  # [s, b, h]
+
+    def split() -> None:
+        y = body(x)  # [s, b, h]
+        backward_weight(backward_input(y, dy, x, params)[1])
+
+    plain = _median_time(lambda: body(x).backward(dy), repeats=7, inner=3)
+    return max(_median_time(split, repeats=7, inner=3) - plain, 0.0) / 2
+
+
 def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
                   seq_len: int = 128) -> dict[str, float]:
     """This process (one thread): matmul GFLOP/s, memory GB/s, host us per op, layer seconds.
@@ -142,7 +171,8 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
         torch.set_num_threads(threads)
     return {"matmul_gflops": 2.0 * tokens * h * 4 * h / mm / 1e9,
             "memory_gbps": 12.0 * 4_000_000 / add / 1e9, "op_us": op * 1e6, "layer_s": layer,
-            "head_s": head, "backward_ratio": ratio}
+            "head_s": head, "backward_ratio": ratio,
+            "split_backward_us": _split_backward_s(model, micro_batch, seq_len) * 1e6}
 
 
 def _achieved(roof: float, host: float, measured: float) -> float:
@@ -382,6 +412,7 @@ def calibrated_cluster(local: dict[str, float], gloo: dict[str, float],
         reduce_scatter_latency_us=gloo.get("rs_latency_us"),
         efficiency=1.0, compute_units=cores or os.cpu_count() or 1,
         backward_ratio=local.get("backward_ratio", PRESETS["cpu-local"].backward_ratio),
+        split_backward_us=local.get("split_backward_us", 0.0),
         sync_skew_2=gloo.get("sync_skew_2", 0.0), sync_skew_4=gloo.get("sync_skew_4", 0.0))
     if "layer_s" not in local:
         return c

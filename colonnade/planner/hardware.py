@@ -71,6 +71,10 @@ class Cluster:
     """Backward / forward time of a decoder layer: 2 by FLOPs (each GEMM has two backward
     GEMMs); elementwise ops, attention kernels and host time move it (CPU calibration
     measures it: ~1.8 on this machine); it sets what full recomputation's extra forward costs."""
+    split_backward_us: float = 0.0
+    """Host time ZB-H1's split of a layer's backward into input (B) and weight (W) gradients
+    adds per micro-batch (finding the graph's boundaries, one engine call each); hidden behind
+    kernels on GPUs (0), ~1 ms on this CPU (calibration measures it)."""
     head_efficiency: float | None = None
     """CPU only: the same fraction for the output layer and its cross entropy, measured by
     calibration (one large GEMM and vocabulary-wide elementwise passes behave unlike a

@@ -17,7 +17,8 @@ Pipeline (p stages, v chunks, m micro-batches; T_j = t_f + t_b of stage j per mi
   k the slowest stage): step = m T_k + bubble, the bubble being the fill and drain through the
   other stages: sum_{j != k} T_j for 1F1B/GPipe (the first micro-batch's forward reaches k
   through the stages before it, the last backward leaves through them), / v interleaved, and
-  sum_{j != k} (T_j - 2 t_w,j) for ZB-H1 (t_w the weight-gradient GEMMs).  With equal stages
+  sum_{j != k} (T_j - 2 t_w,j) for ZB-H1 (t_w the weight-gradient GEMMs; its backward also
+  pays ``split_backward_us`` per layer for the B / W split).  With equal stages
   this is Narayanan's (p-1)/m (or (p-1)/(v m)) of the ideal time; with the head on the last
   stage (the usual bottleneck) the fill/drain is the cheaper stages', not the mean stage's.
   The stages are the first (embedding), p-2 middle ones (layers only) and the last (head).
@@ -153,6 +154,8 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     b_fwd, b_core = (tokens * x for x in _elementwise_bytes_per_token(m, w, layout))
     fwd = f_fwd / flops + b_fwd / bw + OPS_PER_LAYER * c.op_overhead_us * 1e-6
     bwd = c.backward_ratio * fwd
+    if layout.schedule == "zb_h1" and layout.pp > 1:
+        bwd += c.split_backward_us * 1e-6  # the B / W split's host work
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective":

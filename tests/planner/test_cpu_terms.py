@@ -133,3 +133,17 @@ def test_backward_ratio_sets_the_backward_and_the_price_of_recompute() -> None:
             == pytest.approx(layers * (roof + host), rel=1e-9))
     # the efficiency fit inverts (1 + r) (roof / eff + host)
     assert fit_cpu_efficiency(fast, w, 4, 2 * (roof / 0.4 + host)) == pytest.approx(0.4)
+
+
+def test_zb_h1_pays_the_split_backward_per_layer_and_micro_batch() -> None:
+    """ZB-H1's B / W split costs split_backward_us per layer and micro-batch on every stage:
+    pp2, 4 micro-batches, 2 layers a stage -> the slowest stage's 4 x 2 and the other's
+    fill/drain 2; other schedules do not pay it."""
+    w = tiny_workload()
+    many = dataclasses.replace(CPU, compute_units=8)
+    split = dataclasses.replace(many, split_backward_us=1000.0)
+    zb = Layout(pp=2, micro_batch=4, schedule="zb_h1")
+    extra = step_time(w, zb, split).total - step_time(w, zb, many).total
+    assert extra == pytest.approx((4 * 2 + 2) * 1e-3, rel=1e-9)
+    plain = dataclasses.replace(zb, schedule="1f1b")
+    assert step_time(w, plain, split) == step_time(w, plain, many)
