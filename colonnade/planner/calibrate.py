@@ -463,7 +463,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"matmul {cal['matmul_gflops']:.1f} GFLOP/s (1 thread), memory "
           f"{cal['memory_gbps']:.1f} GB/s, {cal['op_us']:.1f} us per op; fwd+bwd of one layer "
           f"{cal['layer_s'] * 1e3:.2f} ms, of the output layer + loss {cal['head_s'] * 1e3:.2f} "
-          f"ms -> efficiency {cal['efficiency']:.3f} / {cal['head_efficiency']:.3f}")
+          f"ms -> efficiency {cal['efficiency']:.3f} / {cal['head_efficiency']:.3f}; backward "
+          f"/ forward {cal['backward_ratio']:.2f}; ZB-H1 split {cal['split_backward_us']:.0f} us "
+          "per layer")
     print(f"cores free {cal['cores']:.2f}; sync skew {cal['sync_skew_2']:.1%} (2 ranks), "
           f"{cal['sync_skew_4']:.1%} (4 ranks)")
     print(f"gloo: send/recv latency {cal['latency_us']:.0f} us, {cal['gbps']:.2f} GB/s; "
