@@ -83,22 +83,18 @@ def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> 
 
 
 def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
-                     seq_len: int) -> tuple[float, float, float]:
+                     seq_len: int) -> tuple[float, float]:
     """(one decoder layer's forward + backward seconds, the rest's (embedding, final norm,
-    output layer, cross entropy) forward + backward seconds, the layer's backward / forward
-    time ratio); single process, fp32, one thread.
+    output layer, cross entropy) forward + backward seconds); single process, fp32, one
+    thread.
 
     The reference model is built with 1 and with 3 layers: half the difference of their
     fwd+bwd times is one layer as it runs inside the model (embedding, head and loss cancel);
-    the 1-layer time minus that is the rest.  The ratio comes from a 3-layer middle chunk
-    (hidden states in and out) timed forward (autograd recording, as in training) and forward
-    + backward: a difference of whole-model forwards is too noisy for it."""
+    the 1-layer time minus that is the rest."""
     import torch
 
     from colonnade.config.sections import Config
-    from colonnade.models.build import build_reference, make_context
-    from colonnade.models.gpt import ModelChunk
-    from colonnade.parallel.groups import ProcessGroups
+    from colonnade.models.build import build_reference
 
     times = []
     for layers in (1, 3):
@@ -108,34 +104,45 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
         times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
                                   repeats=7, inner=3))
     layer = (times[1] - times[0]) / 2
-    cfg = Config(model=dataclasses.replace(model, num_layers=3))
-    body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
-                      [0, 1, 2], first=False, last=False)
-    x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
-    dy = torch.randn_like(x)  # [s, b, h]
-    both = _median_time(lambda: body(x).backward(dy), repeats=7, inner=3)
-    forward = _median_time(lambda: body(x), repeats=7, inner=3)
-    return layer, times[0] - layer, both / forward - 1
+    return layer, times[0] - layer
 
 
-def _split_backward_s(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
-    """Seconds ZB-H1's B / W split adds to one layer's backward: a 2-layer middle chunk's
-    forward + split backward (``backward_input`` then ``backward_weight``) minus forward +
-    plain backward, / 2."""
+def _middle_chunk(model: ModelConfig, layers: int, micro_batch: int,
+                  seq_len: int) -> tuple[Any, Any, Any]:
+    """(a pipeline chunk of ``layers`` decoder layers without embedding or head, an input
+    x [s, b, h] that needs a gradient, an output gradient dy [s, b, h])."""
     import torch
 
     from colonnade.config.sections import Config
     from colonnade.models.build import make_context
     from colonnade.models.gpt import ModelChunk
     from colonnade.parallel.groups import ProcessGroups
+
+    cfg = Config(model=dataclasses.replace(model, num_layers=layers))
+    body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
+                      list(range(layers)), first=False, last=False)
+    x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
+    return body, x, torch.randn_like(x)
+
+
+def _backward_ratio(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
+    """A layer's backward / forward time, from a 3-layer middle chunk timed forward (autograd
+    recording, as in training) and forward + backward (a difference of whole-model forwards
+    is too noisy for it); clamped to [0.5, 3]."""
+    body, x, dy = _middle_chunk(model, 3, micro_batch, seq_len)
+    both = _median_time(lambda: body(x).backward(dy), repeats=7, inner=3)
+    forward = _median_time(lambda: body(x), repeats=7, inner=3)
+    return min(3.0, max(0.5, both / forward - 1))
+
+
+def _split_backward_s(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
+    """Seconds ZB-H1's B / W split adds to one layer's backward: a 2-layer middle chunk's
+    forward + split backward (``backward_input`` then ``backward_weight``) minus forward +
+    plain backward, / 2."""
     from colonnade.pipeline.split_backward import backward_input, backward_weight
 
-    cfg = Config(model=dataclasses.replace(model, num_layers=2))
-    body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
-                      [0, 1], first=False, last=False)
+    body, x, dy = _middle_chunk(model, 2, micro_batch, seq_len)
     params = list(body.parameters())
-    x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
-    dy = torch.randn_like(x)  # [s, b, h]
 
     def split() -> None:
         y = body(x)  # [s, b, h]
@@ -164,8 +171,8 @@ def measure_local(model: ModelConfig, tokens: int, micro_batch: int = 4,
         x, y = torch.randn(4_000_000), torch.randn(4_000_000)
         out = torch.empty_like(x)
         add = _median_time(lambda: torch.add(x, y, out=out))
-        layer, head, ratio = _layer_fwd_bwd_s(model, micro_batch, seq_len)
-        ratio = min(3.0, max(0.5, ratio))
+        layer, head = _layer_fwd_bwd_s(model, micro_batch, seq_len)
+        ratio = _backward_ratio(model, micro_batch, seq_len)
         op = _layer_fwd_bwd_s(model, 1, 4)[0] / ((1 + ratio) * OPS_PER_LAYER)
     finally:
         torch.set_num_threads(threads)
