@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     way.add_argument("--from-hf", metavar="DIR", help="HF model directory to import")
     way.add_argument("--to-hf", metavar="DIR", help="Colonnade checkpoint to export")
     c.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="with --to-hf: tensor dtype of model.safetensors and config.json's "
+                   "torch_dtype (default: as stored in the checkpoint)")
     b = sub.add_parser("bench", help="list or run the side-by-side benchmark scripts",
                        description="Without NAME, list benchmarks/*.py; with it, run that "
                        "script with the remaining options (NAME --help lists them).")
@@ -134,10 +137,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from colonnade.checkpoint import convert
 
+    if args.from_hf and args.dtype:
+        print("colonnade: --dtype applies to --to-hf only; --from-hf keeps the HF tensors' "
+              "dtype", file=sys.stderr)
+        return 2
     if args.from_hf:
         print(convert.describe(convert.from_hf(args.from_hf, args.out)))
     else:
-        print(f"wrote {convert.to_hf(args.to_hf, args.out)}")
+        print(f"wrote {convert.to_hf(args.to_hf, args.out, args.dtype)}")
     return 0
 
 

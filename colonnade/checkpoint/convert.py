@@ -2,7 +2,8 @@
 
 ``--from-hf HF --out DIR`` writes a committed Colonnade checkpoint (model only, step 0) that
 ``colonnade train --checkpoint.load=DIR`` loads into any layout and ``colonnade generate DIR``
-samples from; ``--to-hf CKPT --out DIR`` writes config.json + model.safetensors + tokenizer.
+samples from; ``--to-hf CKPT --out DIR [--dtype bf16]`` writes config.json, generation_config.json,
+model.safetensors and the tokenizer with its special tokens (:mod:`.hf_export`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from pathlib import Path
 import torch
 
 from colonnade.checkpoint.commit import METADATA, commit, prepare_tmp, resolve_checkpoint
-from colonnade.checkpoint.format import FORMAT_VERSION, CheckpointReader, Entry, write_rank_shard
-from colonnade.checkpoint.hf import TOKENIZER_FILES, read_hf, write_hf
+from colonnade.checkpoint.format import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointReader,
+    Entry,
+    write_rank_shard,
+)
+from colonnade.checkpoint.hf import TOKENIZER_FILES, read_hf
+from colonnade.checkpoint.hf_export import write_hf
 from colonnade.checkpoint.pieces import Piece
 from colonnade.config.load import config_to_dict, config_to_toml, load_config
 from colonnade.config.sections import Config, ModelConfig
@@ -59,14 +67,21 @@ def read_full_model(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
     return config, full
 
 
-def to_hf(path: str | Path, out: str | Path) -> Path:
-    """Colonnade checkpoint -> HF directory."""
+def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Colonnade checkpoint -> HF directory (see :mod:`colonnade.checkpoint.hf_export`), its
+    tensors cast to ``dtype`` ('fp32', 'bf16', 'fp16'; None keeps the stored dtype). A ``out``
+    that already holds a model is refused before anything is read or written."""
+    taken = [p.name for p in Path(out).glob("*") if p.name in ("config.json", "model.safetensors")
+             or p.name.startswith("model-")] if Path(out).is_dir() else []
+    if taken:
+        raise CheckpointError(f"{out} already holds an exported model ({', '.join(taken)}); "
+                              "pass a new --out directory or delete the old export first")
     ckpt = resolve_checkpoint(path)
     config, full = read_full_model(ckpt)
     model: ModelConfig = config.model
     if model.tie_embeddings:
         full.pop("head.weight", None)
-    return write_hf(out, model, full, ckpt)
+    return write_hf(out, model, full, ckpt, dtype)
 
 
 def describe(path: Path) -> str:

@@ -20,13 +20,11 @@ tensor through the parameter's own :class:`~colonnade.tensor_parallel.sharding.S
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from colonnade.checkpoint.format import CheckpointError
@@ -209,24 +207,6 @@ def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
         except Exception as err:
             raise CheckpointError(f"{f}: cannot read ({err}); truncated or corrupted") from err
     return cfg, from_hf_state(cfg, hf)
-
-
-def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tensor],
-             tokenizer_dir: str | Path | None = None) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer files found in ``tokenizer_dir``)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = to_hf_state(cfg, full)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    (directory / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype),
-                                                      indent=2))
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.exists():
-                shutil.copy(src, directory / name)
-    return directory
 
 
 def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,

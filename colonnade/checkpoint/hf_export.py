@@ -1,0 +1,115 @@
+"""Writing a Hugging Face model directory that ``transformers`` loads without a warning.
+
+``colonnade convert --to-hf CKPT --out DIR [--dtype bf16|fp16|fp32]`` writes
+
+* ``config.json``: the architecture (:func:`~colonnade.checkpoint.hf.hf_config_from_model`),
+  ``dtype`` / ``torch_dtype``, and ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``;
+* ``generation_config.json``: the same three ids, so ``generate`` stops at the end of a
+  document and pads with a real token;
+* ``model.safetensors`` in the chosen dtype;
+* the tokenizer: ``tokenizer.json`` as trained or imported, plus ``tokenizer_config.json``
+  (``tokenizer_class`` ``PreTrainedTokenizerFast``, which reads ``tokenizer.json`` as it is) and
+  ``special_tokens_map.json``.
+
+Special tokens: Colonnade separates documents with one end-of-document token
+(:func:`colonnade.data.tokenizer.eod_id`), so eos, bos and pad are all that token, as for GPT-2.
+A checkpoint imported from HF keeps its own ``tokenizer_config.json`` (chat template, bos token
+...); keys it lacks are filled in, and the ids in ``config.json`` follow its tokens. Without
+these ids transformers falls back to GPT-2's 50256 and warns that it is out of vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from colonnade.checkpoint.format import CheckpointError
+from colonnade.checkpoint.hf import TOKENIZER_FILES, hf_config_from_model, to_hf_state
+from colonnade.config.sections import ModelConfig
+from colonnade.models.build import DTYPES
+
+EXPORT_DTYPES: dict[str, torch.dtype] = {k: DTYPES[k] for k in ("fp32", "bf16", "fp16")}
+"""``--dtype`` values of ``colonnade convert --to-hf`` and the tensor dtype each writes."""
+
+SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token")
+"""Special-token roles written to tokenizer_config.json and special_tokens_map.json."""
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens(tokenizer_dir: Path, vocab_size: int) -> tuple[dict[str, Any], dict[str, int]]:
+    """(tokenizer_config.json contents, {bos/eos/pad_token_id}) of the tokenizer in
+    ``tokenizer_dir``: an existing tokenizer_config.json completed, else one naming the EOD token
+    for every role. Every id must lie inside the model's ``vocab_size``."""
+    from colonnade.data.tokenizer import eod_id, load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
+    eod = tok.id_to_token(eod_id(tok))
+    src = tokenizer_dir / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(src.read_text()) if src.exists() else {}
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    config.setdefault("eos_token", eod)
+    config.setdefault("bos_token", _token_text(config["eos_token"]))
+    config.setdefault("pad_token", _token_text(config["eos_token"]))
+    config.setdefault("clean_up_tokenization_spaces", False)
+    ids: dict[str, int] = {}
+    for role in SPECIAL_ROLES:
+        text = _token_text(config[role])
+        tid = tok.token_to_id(text) if text is not None else None
+        if tid is None:
+            raise CheckpointError(f"{src}: {role} {text!r} is not in tokenizer.json; fix or "
+                                  "delete tokenizer_config.json")
+        if tid >= vocab_size:
+            raise CheckpointError(f"{tokenizer_dir}/tokenizer.json: {role} {text!r} has id "
+                                  f"{tid}, outside model.vocab_size={vocab_size}; the tokenizer "
+                                  "does not belong to this model")
+        ids[f"{role}_id"] = tid
+    return config, ids
+
+
+def write_tokenizer(directory: Path, tokenizer_dir: Path, vocab_size: int) -> dict[str, int]:
+    """Copy the tokenizer files of ``tokenizer_dir`` and write tokenizer_config.json and
+    special_tokens_map.json; returns the special ids (none without a tokenizer.json)."""
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        return {}
+    config, ids = special_tokens(tokenizer_dir, vocab_size)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.exists() and name not in ("tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(src, directory / name)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    special = {role: config[role] for role in SPECIAL_ROLES}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    return ids
+
+
+def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tensor],
+             tokenizer_dir: str | Path | None = None, dtype: str | None = None) -> Path:
+    """Write config.json, generation_config.json, model.safetensors (cast to ``dtype``, a key
+    of EXPORT_DTYPES; None keeps the stored dtype) and the tokenizer of ``tokenizer_dir``."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(EXPORT_DTYPES)}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = to_hf_state(cfg, full)
+    if dtype is not None:
+        state = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
+    ids: dict[str, int | None] = dict.fromkeys(f"{r}_id" for r in SPECIAL_ROLES)
+    if tokenizer_dir is not None:
+        ids.update(write_tokenizer(directory, Path(tokenizer_dir), cfg.vocab_size))
+    torch_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    hf_config = {**hf_config_from_model(cfg, torch_dtype), "torch_dtype": torch_dtype, **ids}
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(ids, indent=2))
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
