@@ -1,0 +1,230 @@
+"""Fine-tuning: start a new run from the weights of another run or of a Hugging Face model.
+
+``checkpoint.init_from`` (``colonnade train --init-from=PATH``) names a Colonnade checkpoint
+(a save directory with ``latest``, or one ``step_N`` directory; ``colonnade convert --from-hf``
+output too) or a Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` directory. The run takes
+
+* the model shape: every ``[model]`` field from the checkpoint's ``metadata.json`` (or mapped
+  from ``config.json``), resolved by :func:`with_init_from` in the CLI before launch and again
+  inside every rank (torchrun path), so validation sees the real shape. Only the run-time
+  fields :data:`RUN_FIELDS` (dropout, init std) stay the run's own; a shape field set
+  explicitly (``--config`` or ``--model.*``) to another value is refused, naming it;
+* the tokenizer: the checkpoint's ``tokenizer.json`` must be the data's (same content), or the
+  run is refused with the fix (prepare the data with ``--data.tokenizer`` = that file);
+* the weights, sharded into this run's layout (any tp / pp / dp, ZeRO-1);
+
+and starts everything else fresh: step 0, new AdamW moments and step count (the LR schedule
+from its warmup), the sampler at the first sample of the new data, RNG from training.seed.
+
+``checkpoint.load`` keeps meaning exact resume (weights, optimizer, data position, LR). It
+refuses an HF directory and a weights-only checkpoint, pointing at ``--init-from``. When both
+are set (a restart of a fine-tuning run resumes from its own checkpoints), ``load`` wins and
+``init_from`` only supplies the model shape. The same tokenizer check guards a resume and the
+datasets of ``data.blend`` (whose tokenizer.json lies beside each prefix, as ``colonnade
+prepare`` writes it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import tomllib
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from colonnade.checkpoint.commit import METADATA, resolve_checkpoint
+from colonnade.checkpoint.format import CheckpointError, CheckpointReader
+from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, model_config_from_hf, read_hf
+from colonnade.checkpoint.sharded import load_model, load_optimizer
+from colonnade.config.load import ConfigError, config_from_dict, parse_overrides
+from colonnade.config.sections import Config, ModelConfig
+
+RUN_FIELDS = ("hidden_dropout", "attention_dropout", "init_std")
+"""[model] fields that belong to the run, not to the weights: never taken from a checkpoint."""
+
+
+def is_weights_only(meta: dict[str, Any]) -> bool:
+    """A checkpoint without optimizer, LR or data state (``colonnade convert --from-hf``)."""
+    return bool(meta.get("weights_only")) or "total_steps" not in (meta.get("optimizer") or {})
+
+
+def weights_only_error(path: str | Path) -> CheckpointError:
+    """The refusal of ``checkpoint.load`` on a checkpoint that holds weights only."""
+    return CheckpointError(
+        f"checkpoint.load={path} holds weights only (no optimizer, LR schedule or data "
+        "position, e.g. written by `colonnade convert --from-hf`), so there is no run to "
+        f"resume: start a new run from its weights with --init-from={path} "
+        "(checkpoint.init_from) instead of checkpoint.load.")
+
+
+def hf_load_error(path: str | Path) -> CheckpointError:
+    """The refusal of ``checkpoint.load`` on a Hugging Face model directory."""
+    return CheckpointError(
+        f"checkpoint.load={path} is a Hugging Face model directory; checkpoint.load resumes a "
+        "Colonnade run exactly (optimizer, data position, LR). To fine-tune from its weights, "
+        f"with the model shape from its config.json, use --init-from={path} "
+        "(checkpoint.init_from) instead.")
+
+
+def _colonnade_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    ckpt = resolve_checkpoint(path)
+    return ckpt, json.loads((ckpt / METADATA).read_text())
+
+
+def source_model(path: str | Path) -> ModelConfig:
+    """The [model] section of a Colonnade checkpoint or an HF directory's config.json."""
+    if is_hf_dir(path) and not (Path(path) / "latest").exists():
+        try:
+            return model_config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
+    try:
+        _ckpt, meta = _colonnade_meta(path)
+    except (CheckpointError, OSError, ValueError) as err:
+        raise ConfigError(
+            f"checkpoint.init_from={path} is neither a Colonnade checkpoint (a save directory "
+            "with 'latest' or a step_N directory) nor a Hugging Face model directory "
+            f"(config.json naming LlamaForCausalLM or GPT2LMHeadModel): {err}") from err
+    return config_from_dict({"model": meta["model"]}).model
+
+
+def source_tokenizer(path: str | Path) -> Path | None:
+    """The tokenizer.json stored with a checkpoint or an HF directory, if any."""
+    if is_hf_dir(path) and not (Path(path) / "latest").exists():
+        found = Path(path) / "tokenizer.json"
+    else:
+        found = resolve_checkpoint(path) / "tokenizer.json"
+    return found if found.is_file() else None
+
+
+def explicit_model_fields(config_file: str | Path | None, overrides: list[str]) -> set[str]:
+    """[model] fields the user set: in the TOML file or as ``--model.field=value``."""
+    fields = set(parse_overrides(overrides).get("model", {}))
+    if config_file is not None and Path(config_file).is_file():
+        with Path(config_file).open("rb") as fh:
+            fields |= set(tomllib.load(fh).get("model", {}))
+    return fields
+
+
+def _comparable(model: ModelConfig, name: str) -> Any:
+    """A field's value with its None default resolved (kv heads, ffn width)."""
+    if name == "num_kv_heads":
+        return model.kv_heads
+    if name == "ffn_hidden_size":
+        return model.ffn_size
+    return getattr(model, name)
+
+
+def with_init_from(config: Config, explicit: Collection[str] | None = None) -> Config:
+    """``config`` with the [model] shape of ``checkpoint.init_from`` (unchanged when unset).
+
+    ``explicit``: the model fields the user set (None: those differing from the defaults).
+    A shape field set to another value than the checkpoint's raises :class:`ConfigError`.
+    """
+    path = config.checkpoint.init_from
+    if not path:
+        return config
+    if not Path(path).exists():
+        raise ConfigError(f"checkpoint.init_from='{path}' does not exist; give a Colonnade "
+                          "checkpoint (save directory or step_N directory) or a Hugging Face "
+                          "model directory.")
+    saved, mine, default = source_model(path), config.model, ModelConfig()
+    conflicts, taken = [], {}
+    for f in dataclasses.fields(ModelConfig):
+        name = f.name
+        if name in RUN_FIELDS:
+            continue
+        taken[name] = getattr(saved, name)
+        chosen = (name in explicit) if explicit is not None else (
+            getattr(mine, name) != getattr(default, name))
+        if chosen and _comparable(mine, name) != _comparable(saved, name):
+            conflicts.append(f"model.{name}={_comparable(mine, name)} is set but "
+                             f"checkpoint.init_from={path} has {_comparable(saved, name)}")
+    if conflicts:
+        raise ConfigError(
+            "invalid configuration:\n" + "\n".join(f"  - {c}" for c in conflicts)
+            + "\n  A fine-tuned model keeps its checkpoint's shape: drop these model settings "
+            "(they are taken from the checkpoint).")
+    return dataclasses.replace(config, model=dataclasses.replace(mine, **taken))
+
+
+TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                 "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias")
+"""[model] fields that decide which tensors a model has and their shapes (and max_seq_len for
+gpt2's position table): a checkpoint loads only into a model equal in all of them."""
+
+
+def model_mismatch(saved: dict[str, Any], model: ModelConfig) -> list[str]:
+    """Every tensor-deciding field whose value in a checkpoint's metadata ``model`` differs from
+    ``model``'s, as 'model.field=ours (checkpoint: theirs)'."""
+    theirs = config_from_dict({"model": saved}).model
+    names = TENSOR_FIELDS + (("max_seq_len",) if "gpt2" in (model.arch, theirs.arch) else ())
+    return [f"model.{n}={_comparable(model, n)} (checkpoint: {_comparable(theirs, n)})"
+            for n in names if _comparable(model, n) != _comparable(theirs, n)]
+
+
+def tokenizer_digest(path: Path) -> str:
+    """Content hash of a tokenizer.json (canonical JSON, so formatting does not count)."""
+    raw = path.read_bytes()
+    with contextlib.suppress(ValueError):
+        raw = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def check_tokenizers(config: Config, data_tokenizer: Path | None = None) -> None:
+    """Refuse a run whose tokenizers disagree: each data.blend dataset's, and the tokenizer of
+    ``checkpoint.load`` / ``checkpoint.init_from``, against the data's (``data_tokenizer``,
+    default prepared_dir/tokenizer.json). Files that do not exist yet are not compared."""
+    data = data_tokenizer or Path(config.data.prepared_dir) / "tokenizer.json"
+    if not data.is_file():
+        return
+    want = tokenizer_digest(data)
+    for entry in config.data.blend:
+        beside = Path(entry.partition(":")[2]).parent / "tokenizer.json"
+        if beside.is_file() and tokenizer_digest(beside) != want:
+            raise ConfigError(
+                f"data.blend entry '{entry}' was tokenized with {beside}, another tokenizer "
+                f"than the data's {data} (validation and the saved tokenizer come from "
+                "data.prepared_dir); every blended dataset needs the same one: re-prepare it "
+                f"with `colonnade prepare --data.tokenizer={data} --data.input=... "
+                "--data.prepared_dir=...`.")
+    for name in ("load", "init_from"):
+        source = getattr(config.checkpoint, name)
+        if not source or not Path(source).exists():
+            continue
+        theirs = source_tokenizer(source)
+        if theirs is not None and tokenizer_digest(theirs) != want:
+            raise CheckpointError(
+                f"checkpoint.{name}={source} was trained with another tokenizer ({theirs}) "
+                f"than the data's ({data}), so token ids would mean other text: prepare the "
+                f"data with that tokenizer (`colonnade prepare --data.tokenizer={theirs} "
+                "--data.input=... --data.prepared_dir=<new dir>`) and train on that dir.")
+
+
+def init_weights(trainer: Any, path: str | Path) -> str:
+    """Load only the weights of ``path`` into ``trainer`` (any layout): step 0, a fresh
+    optimizer, the sampler and RNG untouched. Returns a line for the log."""
+    ddp = getattr(trainer, "ddp", None)
+    if ddp is not None and hasattr(ddp, "finish_param_gather"):
+        ddp.finish_param_gather()
+    if is_hf_dir(path) and not (Path(path) / "latest").exists():
+        _model_cfg, full = read_hf(path)
+        load_hf_into_chunks(trainer.chunks, trainer.groups, full, source=str(path))
+        what = "Hugging Face model"
+    else:
+        ckpt, meta = _colonnade_meta(path)
+        bad = model_mismatch(meta["model"], trainer.config.model)
+        if bad:
+            raise CheckpointError(f"{ckpt}: the model differs from the checkpoint's: "
+                                  f"{', '.join(bad)}")
+        reader = CheckpointReader(ckpt)
+        load_model(reader, trainer.chunks, trainer.groups)
+        reader.close()
+        what = f"checkpoint (its step {meta['step']})"
+    load_optimizer(None, trainer.optimizer, trainer.chunks, trainer.groups, 0)
+    trainer.step = 0
+    return (f"initialised the weights from {what} {path}; step 0, fresh optimizer and LR "
+            "schedule, data from its first sample")
