@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="TOML config file (see configs/)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     t.add_argument("--help-config", action="store_true", help="list every config field")
+    t.add_argument("--init-from", metavar="PATH",
+                   help="fine-tune: start from the weights of a Colonnade checkpoint or a "
+                   "Hugging Face Llama/GPT-2 directory, with its model shape (no --model.* "
+                   "needed) and tokenizer (must be the data's); step, optimizer and data "
+                   "start fresh (= --checkpoint.init_from=PATH; --checkpoint.load resumes)")
     _add_launch_args(t)
     pr = sub.add_parser("prepare", help="tokenize text into an indexed dataset")
     pr.add_argument("--config", help="TOML config file")
@@ -91,7 +96,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.help_config:
         print(_config_help())
         return 0
-    config = _load(args, overrides)
+    from colonnade.checkpoint.finetune import explicit_model_fields, with_init_from
+
+    if args.init_from:
+        overrides = [*overrides, f"--checkpoint.init_from={args.init_from}"]
+    config = with_init_from(_load(args, overrides), explicit_model_fields(args.config, overrides))
     world = args.nproc * args.nnodes
     resolved = validate(resolve(config, world), world)
     if args.print_config:

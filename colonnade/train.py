@@ -15,6 +15,7 @@ from colonnade.config.load import ConfigError, load_config
 
 def main(argv: list[str] | None = None) -> None:
     """Parse --config and overrides, then run this rank."""
+    from colonnade.checkpoint.finetune import explicit_model_fields, with_init_from
     from colonnade.config.validate import resolve, validate
     from colonnade.launch import run_rank
 
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         del argv[i:i + 2]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config = validate(resolve(load_config(path, argv), world), world)
+        config = with_init_from(load_config(path, argv), explicit_model_fields(path, argv))
+        config = validate(resolve(config, world), world)
     except ConfigError as err:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"colonnade: {err}", file=sys.stderr, flush=True)

@@ -1,9 +1,11 @@
 """``colonnade convert``: HF directory <-> Colonnade checkpoint (single process, full tensors).
 
-``--from-hf HF --out DIR`` writes a committed Colonnade checkpoint (model only, step 0) that
-``colonnade train --checkpoint.load=DIR`` loads into any layout and ``colonnade generate DIR``
-samples from; ``--to-hf CKPT --out DIR [--dtype bf16]`` writes config.json, generation_config.json,
-model.safetensors and the tokenizer with its special tokens (:mod:`.hf_export`).
+``--from-hf HF --out DIR`` writes a committed Colonnade checkpoint (weights only, step 0,
+``"weights_only": true`` in its metadata) that ``colonnade train --init-from=DIR`` fine-tunes in
+any layout (``checkpoint.load``, exact resume, refuses it: there is no run to resume) and
+``colonnade generate DIR`` samples from; ``--to-hf CKPT --out DIR [--dtype bf16]`` writes
+config.json, generation_config.json, model.safetensors and the tokenizer with its special
+tokens (:mod:`.hf_export`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, tor
     write_rank_shard(tmp, 0, entries)
     meta = {"format_version": FORMAT_VERSION, "step": 0, "consumed_samples": None,
             "sampler": None, "optimizer": {"step_count": 0}, "scaler": None, "rng": None,
+            "weights_only": True,
             "layout": {"tp": 1, "pp": 1, "vp": 1, "dp": 1, "world_size": 1},
             "model": config_to_dict(config)["model"]}
     files = {"config.toml": config_to_toml(config).encode()}

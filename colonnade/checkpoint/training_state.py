@@ -160,8 +160,16 @@ def load_training(trainer: Any, path: str | Path, *, load_optimizer_state: bool 
     Restores parameters, optimizer state (masters, moments, step count hence the LR), the
     step, the sampler position, the RNG tracker and the loss scaler.
     """
+    from colonnade.checkpoint.finetune import is_weights_only, model_mismatch, weights_only_error
+
     ckpt = resolve_checkpoint(path)
     meta = json.loads((ckpt / METADATA).read_text())
+    if load_optimizer_state and is_weights_only(meta):
+        raise weights_only_error(path)
+    bad = model_mismatch(meta["model"], trainer.config.model) if "model" in meta else []
+    if bad:
+        raise CheckpointError(f"{ckpt} holds another model than this run's: {', '.join(bad)}; "
+                              "set those model fields to the checkpoint's values")
     reader = CheckpointReader(ckpt, verify=verify)
     _finish_gathers(trainer)
     load_model(reader, trainer.chunks, trainer.groups)
@@ -186,31 +194,49 @@ def load_training(trainer: Any, path: str | Path, *, load_optimizer_state: bool 
 
 
 def start_from(trainer: Any, path: str | Path) -> str:
-    """``checkpoint.load``: resume a Colonnade checkpoint, or start from an HF model directory
-    (weights only: step 0, fresh optimizer). Returns a line for the log."""
-    from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, read_hf
+    """``checkpoint.load``: resume a Colonnade checkpoint exactly (an HF directory or a
+    weights-only checkpoint is refused, pointing at ``--init-from``). Returns a log line."""
+    from colonnade.checkpoint.finetune import hf_load_error
+    from colonnade.checkpoint.hf import is_hf_dir
 
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
-        _model_cfg, full = read_hf(path)
-        _finish_gathers(trainer)
-        load_hf_into_chunks(trainer.chunks, trainer.groups, full, source=str(path))
-        load_optimizer(None, trainer.optimizer, trainer.chunks, trainer.groups, 0)
-        return f"loaded Hugging Face weights from {path}"
+        raise hf_load_error(path)
     meta = load_training(trainer, path)
     note = f"; {meta['schedule_note']}" if meta["schedule_note"] else ""
     return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}{note}"
 
 
 def preflight_resume(config: Any) -> None:
-    """Before any rank starts: refuse, as the ranks would, a resume of ``checkpoint.load``
-    under another LR schedule (``checkpoint.lr_schedule='check'``); nothing else is read."""
-    if not config.checkpoint.load:
+    """Before any rank starts: refuse, as the ranks would, a ``checkpoint.load`` that is an HF
+    directory, holds weights only, another model shape, or is resumed under another LR schedule
+    (``checkpoint.lr_schedule='check'``), and tokenizers that disagree with the data's (the
+    checkpoint's, data.blend's; :func:`~colonnade.checkpoint.finetune.check_tokenizers`)."""
+    from colonnade.checkpoint.finetune import (
+        check_tokenizers,
+        hf_load_error,
+        is_weights_only,
+        model_mismatch,
+        weights_only_error,
+    )
+    from colonnade.checkpoint.hf import is_hf_dir
+
+    check_tokenizers(config)
+    load = config.checkpoint.load
+    if not load:
         return
+    if is_hf_dir(load) and not (Path(load) / "latest").exists():
+        raise hf_load_error(load)
     try:
-        ckpt = resolve_checkpoint(config.checkpoint.load)
+        ckpt = resolve_checkpoint(load)
         meta = json.loads((ckpt / METADATA).read_text())
     except (CheckpointError, OSError, ValueError):
-        return  # an HF directory or a broken path: the ranks' loader reports it in full
+        return  # a broken path: the ranks' loader reports it in full
+    if is_weights_only(meta):
+        raise weights_only_error(load)
+    bad = model_mismatch(meta["model"], config.model) if "model" in meta else []
+    if bad:
+        raise CheckpointError(f"{ckpt} holds another model than this run's: {', '.join(bad)}; "
+                              "set those model fields to the checkpoint's values")
     probe = SimpleNamespace(total_steps=config.training.steps, cfg=config.optim,
                             step_count=meta["optimizer"]["step_count"])
     schedule_change(meta, probe, ckpt, config.checkpoint.lr_schedule)

@@ -131,6 +131,10 @@ class DataConfig:
     """Fraction of samples held out for validation."""
     max_corpus_bytes: int = 8_000_000
     """Cap on the built-in corpus size in bytes."""
+    overwrite: bool = False
+    """Let `prepare` / `train` replace a prepared_dir that holds a dataset built from other
+    inputs (its prepare.json names them). False refuses, naming both inputs: pick a new
+    prepared_dir or set true to rebuild it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +148,16 @@ class OptimConfig:
     warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
     decay: str = "cosine"
-    """Decay after warmup: 'cosine', 'linear' or 'constant'."""
+    """Schedule after warmup: 'cosine' or 'linear' to min_lr at training.steps, 'constant',
+    'wsd' (warmup-stable-decay: lr until the last decay_fraction of training.steps, then to
+    min_lr along decay_shape; MiniCPM / DeepSeek) or 'inverse_sqrt' (lr * sqrt(warmup_steps /
+    step), step counted from 1, never below min_lr; Megatron's inverse-square-root)."""
+    decay_fraction: float = 0.2
+    """decay='wsd' only: fraction of training.steps, at the end, spent decaying from lr to min_lr
+    (rounded to whole steps, at least 1); the last step runs at min_lr."""
+    decay_shape: str = "linear"
+    """decay='wsd' only: shape of the final decay in its progress t in (0, 1]: 'linear'
+    (lr - (lr - min_lr) t) or '1-sqrt' (min_lr + (lr - min_lr)(1 - sqrt(t)), Hagele et al.)."""
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
@@ -161,6 +174,10 @@ class OptimConfig:
     """fp16 only: clean steps before the scale doubles."""
     min_loss_scale: float = 1.0
     """fp16 only: the scale never drops below this."""
+
+    def wsd_decay_steps(self, total_steps: int) -> int:
+        """decay='wsd': steps of the final decay, decay_fraction of ``total_steps`` (>= 1)."""
+        return max(1, int(self.decay_fraction * total_steps + 0.5))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,13 +221,27 @@ class CheckpointConfig:
     save: str | None = None
     """Directory to save checkpoints into (None disables saving)."""
     load: str | None = None
-    """Checkpoint directory (or an HF model directory) to start from."""
+    """Colonnade checkpoint (save directory or step_N directory) to resume exactly: weights,
+    optimizer, step, data position, LR. A Hugging Face directory or a weights-only checkpoint
+    (`colonnade convert --from-hf`) is refused: use init_from for those."""
+    init_from: str | None = None
+    """Fine-tune (`colonnade train --init-from=PATH`): start a new run from the weights of a
+    Colonnade checkpoint (save or step_N directory) or a Hugging Face Llama/GPT-2 directory,
+    taking its [model] shape (metadata / config.json; a conflicting model.* setting is refused)
+    and requiring its tokenizer.json to be the data's; step, optimizer, LR schedule and data
+    order start fresh. When load is also set (a restart), load resumes and this only gives
+    the model shape."""
     interval: int = 0
     """Steps between saves (0 saves only at the end when save is set)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a successful save."""
     async_save: bool = False
     """Write in a background thread while training continues."""
+    on_existing: str = "auto"
+    """When save already holds checkpoints at start: 'auto' resumes from its latest when they
+    are this run's (same [model] and data) and refuses another run's; 'resume' resumes from the
+    latest whatever data it saw; 'overwrite' deletes them and starts fresh; 'refuse' stops.
+    A run whose latest checkpoint already reached training.steps exits 0 without training."""
     lr_schedule: str = "check"
     """On resume, when the LR schedule (training.steps, optim.lr, optim.min_lr,
     optim.warmup_steps, optim.decay) differs from the checkpoint's: 'check' stops with the

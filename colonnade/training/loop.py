@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from colonnade.checkpoint.finetune import check_tokenizers, init_weights
 from colonnade.checkpoint.training_state import PendingSave, save_training, start_from
 from colonnade.config.load import config_to_toml
 from colonnade.config.sections import Config
@@ -112,8 +113,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     data = build_data(cfg, rt.groups)
     trainer = Trainer(rt, data)
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
-    if ck.load:
-        note = start_from(trainer, ck.load)
+    check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
+    if ck.load or ck.init_from:
+        note = start_from(trainer, ck.load) if ck.load else init_weights(trainer, ck.init_from)
         if rt.is_logger:
             print(f"colonnade: {note}")
     pending: PendingSave | None = None

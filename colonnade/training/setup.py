@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from colonnade.checkpoint.finetune import with_init_from
 from colonnade.config.sections import Config
 from colonnade.config.validate import resolve, validate
 from colonnade.data import BatchSampler, BlendedDataset, IndexedDataset, WindowDataset, prepare
@@ -41,7 +42,7 @@ def init_runtime(config: Config) -> Runtime:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    config = validate(resolve(config, world), world)
+    config = validate(resolve(with_init_from(config), world), world)
     device = pick_device(config.training.device, local_rank)
     if world > 1 and not dist.is_initialized():
         backend = backend_for(device, config.parallel.backend)
