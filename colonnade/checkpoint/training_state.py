@@ -3,9 +3,9 @@
 ``metadata.json`` of a checkpoint::
 
     format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
-    total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay}}, scaler {...} |
-    null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp, sp, zero1, bucket_size,
-    world_size}, model {...the [model] section...}
+    total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
+    decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
+    sp, zero1, bucket_size, world_size}, model {...the [model] section...}
 
 Everything that decides the continuation is here or in the tensors: dropout masks are a pure
 function of (seed, site, step, micro-batch) and the data order of (seed, consumed samples), so

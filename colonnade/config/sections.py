@@ -244,10 +244,11 @@ class CheckpointConfig:
     A run whose latest checkpoint already reached training.steps exits 0 without training."""
     lr_schedule: str = "check"
     """On resume, when the LR schedule (training.steps, optim.lr, optim.min_lr,
-    optim.warmup_steps, optim.decay) differs from the checkpoint's: 'check' stops with the
-    differences named; 'checkpoint' keeps the saved schedule (training.steps then only says
-    when to stop: past the saved horizon the LR stays at its end value); 'config' switches to
-    this run's schedule at the resumed step (the LR jumps to the new curve, logged)."""
+    optim.warmup_steps, optim.decay and, for wsd, optim.decay_fraction / decay_shape) differs
+    from the checkpoint's: 'check' stops with the differences named; 'checkpoint' keeps the
+    saved schedule (training.steps then only says when to stop: past the saved horizon the LR
+    stays at its end value); 'config' switches to this run's schedule at the resumed step (the
+    LR jumps to the new curve, logged)."""
 
 
 @dataclass(frozen=True, kw_only=True)

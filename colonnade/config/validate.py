@@ -18,6 +18,11 @@ ARCHS = ("llama", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 AXES = ("tp", "cp", "ep", "dp", "pp")
+ON_EXISTING = ("auto", "resume", "overwrite", "refuse")
+LR_DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
+"""optim.decay values; colonnade.optim.lr implements each."""
+WSD_SHAPES = ("linear", "1-sqrt")
+"""optim.decay_shape values (the final decay of decay='wsd')."""
 
 
 def resolve(config: Config, world_size: int) -> Config:
@@ -84,9 +89,11 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("training.recompute_method", c.training.recompute_method, ("uniform", "block")),
         ("training.on_nan", c.training.on_nan, ("stop", "skip")),
         ("training.device", c.training.device, ("auto", "cpu", "cuda")),
-        ("optim.decay", c.optim.decay, ("cosine", "linear", "constant")),
+        ("optim.decay", c.optim.decay, LR_DECAYS),
+        ("optim.decay_shape", c.optim.decay_shape, WSD_SHAPES),
         ("parallel.backend", c.parallel.backend, ("auto", "gloo", "nccl")),
         ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, ("check", "checkpoint", "config")),
+        ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
     ]
     for name, value, allowed in checks:
         if value not in allowed:
@@ -114,6 +121,9 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
     if tp >= 1 and m.kv_heads % tp:
         out.append(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tp={tp}; use "
                    "tp <= kv heads that divides them, or more kv heads.")
+    if tp > m.vocab_size >= 1:
+        out.append(f"parallel.tp={tp} exceeds model.vocab_size={m.vocab_size}: every tp rank "
+                   "needs at least one vocabulary row; use tp <= vocab_size.")
     if tp >= 1 and m.ffn_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}; "
                    "set ffn_hidden_size to a multiple of tp.")
@@ -218,6 +228,15 @@ def _optim(c: Config, _: int | None) -> list[str]:
         out.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     if o.eps <= 0:
         out.append(f"optim.eps={o.eps} must be > 0.")
+    if not 0 < o.decay_fraction <= 1:
+        out.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (the share of "
+                   "training.steps spent in the final decay of decay='wsd'), e.g. 0.2.")
+    elif (o.decay == "wsd"
+          and o.warmup_steps + o.wsd_decay_steps(c.training.steps) > c.training.steps):
+        out.append(f"optim.decay='wsd': optim.warmup_steps={o.warmup_steps} + decay steps "
+                   f"{o.wsd_decay_steps(c.training.steps)} (optim.decay_fraction="
+                   f"{o.decay_fraction} x training.steps={c.training.steps}) exceed "
+                   "training.steps; shorten the warmup or lower decay_fraction.")
     return out
 
 
