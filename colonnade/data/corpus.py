@@ -5,19 +5,17 @@ Two sources are supported:
 * the built-in default corpus: the running Python's standard-library source (`*.py` files under
   `sysconfig.get_paths()["stdlib"]`, test directories and site-packages excluded), sorted by
   relative path and capped at `max_bytes`, so every machine with the same Python gets the same data;
-* a user path: a directory of text files (one document per file, sorted by relative path), a single
-  text file (one document), or a `.jsonl` file (one document per line, under a configurable key).
+* a user input: files, directories, globs or comma lists of text, jsonl, json, csv, parquet, arrow
+  and Hugging Face datasets directories (see `readers` for the formats).
 
-Text must be UTF-8. A file that is not is an error naming the file and the byte offset of the first
-bad byte, unless the caller passes `errors="skip"`, in which case the document is skipped, logged
-and counted in a `DocumentStats`.
+Text must be UTF-8. Unreadable documents (bad bytes, invalid JSON, a missing key or column) are
+collected in a `DocumentStats`: under errors="strict" one error lists them all at the end of the
+stream, under errors="skip" they are left out and counted.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import os
 import sysconfig
 import zlib
@@ -27,14 +25,10 @@ from pathlib import Path
 from typing import Literal
 
 from colonnade.data.errors import CorpusError
-
-log = logging.getLogger(__name__)
+from colonnade.data.readers import Source, read_source, resolve_input
 
 DEFAULT_MAX_BYTES = 8_000_000
 """Default cap on the built-in stdlib corpus, in bytes of source text (about 2M BPE tokens)."""
-
-TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".py", ".md", ".rst", ".text", ".c", ".h", ".json")
-"""File suffixes read as documents when the input is a directory."""
 
 SKIPPED_DIRS: frozenset[str] = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings",
@@ -47,20 +41,40 @@ MAX_FILE_BYTES = 300_000
 """Larger stdlib files (generated tables) are left out of the built-in corpus."""
 
 ErrorPolicy = Literal["strict", "skip"]
+ERROR_POLICIES: tuple[str, ...] = ("strict", "skip")
+"""Values of `data.errors`: fail listing every unreadable document, or leave them out."""
+
+MAX_RECORDED = 10_000
+"""Unreadable documents recorded by name in `DocumentStats.skipped` (all are counted)."""
 
 
 @dataclass
 class DocumentStats:
     """Counters filled while documents are read (pass one to `iter_documents` to observe them).
 
-    `skipped` lists `"<file>: <reason>"` for every document dropped under `errors="skip"`;
-    `empty` counts documents with no text, which are never yielded.
+    `skipped` lists `"<where>: <reason>"` for each unreadable document or file (the first
+    `MAX_RECORDED`; `problems` counts them all, `bad_files` per file); `empty` counts documents
+    with no text, which are never yielded; `ignored` lists files a directory input holds in an
+    unsupported format.
     """
 
     documents: int = 0
     bytes: int = 0
     empty: int = 0
+    problems: int = 0
     skipped: list[str] = field(default_factory=list)
+    bad_files: dict[str, int] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+    def report(self, where: str, reason: str) -> None:
+        """Record one unreadable document (`where` is "<file>", "<file>:<line>" or
+        "<file>[<row>]")."""
+        self.problems += 1
+        if len(self.skipped) < MAX_RECORDED:
+            self.skipped.append(f"{where}: {reason}")
+        name = where.split("[")[0]
+        name = name.rsplit(":", 1)[0] if name.rsplit(":", 1)[-1].isdigit() else name
+        self.bad_files[name] = self.bad_files.get(name, 0) + 1
 
 
 def stdlib_root() -> Path:
@@ -114,148 +128,76 @@ def iter_stdlib_documents(
 def iter_file_documents(
     files: Sequence[Path], *, errors: ErrorPolicy = "strict", stats: DocumentStats | None = None
 ) -> Iterator[str]:
-    """One document per file of `files`, in the given order (strict UTF-8 unless errors='skip')."""
-    for path in files:
-        yield from _file_document(Path(path), errors, stats)
-
-
-def list_text_files(directory: Path, suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[Path]:
-    """Files below `directory` whose suffix is in `suffixes`, sorted by relative path."""
-    files = [p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in suffixes]
-    files.sort(key=lambda p: p.relative_to(directory).as_posix())
-    if not files:
-        raise CorpusError(
-            f"{directory}: no files with suffixes {', '.join(suffixes)}; "
-            "point the input at a directory of text files or a .jsonl file"
-        )
-    return files
+    """One document per text file of `files`, in the given order (UTF-8; see `iter_documents`
+    for `errors`)."""
+    sources = [Source(Path(f), "text") for f in files]
+    yield from _read_all(sources, "text", errors, stats)
 
 
 def iter_documents(
-    path: Path,
+    input: str | Path,
     *,
     text_key: str = "text",
     errors: ErrorPolicy = "strict",
     stats: DocumentStats | None = None,
 ) -> Iterator[str]:
-    """Yield the documents of `path` in a deterministic order.
+    """Yield the documents of `input` (any spec `readers.resolve_input` accepts) in order.
 
-    `path` may be a directory (every text file below it is one document), a `.jsonl` file (the
-    string under `text_key` on each non-blank line is one document) or any other file (one
-    document). Empty documents are counted in `stats.empty` and not yielded.
+    Empty documents are counted in `stats.empty` and not yielded. A bad file or record never
+    stops the reading: under errors='skip' it is left out and recorded in `stats.skipped`; under
+    'strict' every problem is collected and one `CorpusError` listing them all is raised once
+    the input is exhausted. The input is resolved first, so a missing path or an unsupported
+    format fails before the first document.
     """
-    path = Path(path)
-    if errors not in ("strict", "skip"):
-        raise CorpusError(f"errors={errors!r} must be 'strict' or 'skip'")
-    if not path.exists():
-        raise CorpusError(f"{path}: no such file or directory; check the input path")
-    if path.is_dir():
-        yield from iter_file_documents(list_text_files(path), errors=errors, stats=stats)
-    elif path.suffix.lower() == ".jsonl":
-        yield from _jsonl_documents(path, text_key, errors, stats)
-    else:
-        yield from _file_document(path, errors, stats)
+    if errors not in ERROR_POLICIES:
+        raise CorpusError(f"data.errors={errors!r} must be one of {', '.join(ERROR_POLICIES)}")
+    stats = DocumentStats() if stats is None else stats
+    sources = resolve_input(input, stats.ignored)
+    yield from _read_all(sources, text_key, errors, stats)
 
 
-def _count(stats: DocumentStats | None, text: str, nbytes: int) -> bool:
-    """Record one document; return False (and count it) when it is empty."""
-    if stats is None:
-        return bool(text)
-    if not text:
-        stats.empty += 1
-        return False
-    stats.documents += 1
-    stats.bytes += nbytes
-    return True
-
-
-def _skip_or_raise(
-    errors: ErrorPolicy, stats: DocumentStats | None, where: str, reason: str, fix: str
-) -> None:
-    """Raise a `CorpusError` under errors='strict'; otherwise log and count the skipped document."""
-    if errors == "strict":
-        raise CorpusError(f"{where}: {reason}; {fix}")
-    log.warning("skipping document %s: %s", where, reason)
-    if stats is not None:
-        stats.skipped.append(f"{where}: {reason}")
-
-
-_UTF8_FIX = "convert the file to UTF-8 or pass errors='skip' to skip such documents"
-
-
-def _file_document(path: Path, errors: ErrorPolicy, stats: DocumentStats | None) -> Iterator[str]:
-    """The whole file as one document (strict UTF-8)."""
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        _skip_or_raise(
-            errors, stats, str(path), f"not valid UTF-8 at byte offset {exc.start}", _UTF8_FIX
-        )
-        return
-    if _count(stats, text, len(raw)):
-        yield text
-
-
-def _jsonl_documents(
-    path: Path, text_key: str, errors: ErrorPolicy, stats: DocumentStats | None
+def _read_all(
+    sources: Sequence[Source], text_key: str, errors: ErrorPolicy, stats: DocumentStats | None
 ) -> Iterator[str]:
-    """One document per JSON line; byte offsets in errors count from the start of the file."""
-    offset = 0
-    with path.open("rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            start, offset = offset, offset + len(raw)
-            if not raw.strip():
+    stats = DocumentStats() if stats is None else stats
+    for source in sources:
+        for text in read_source(source, text_key, stats.report):
+            if not text:
+                stats.empty += 1
                 continue
-            where = f"{path}:{line_no}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                reason = f"not valid UTF-8 at byte offset {start + exc.start}"
-                _skip_or_raise(errors, stats, where, reason, _UTF8_FIX)
-                continue
-            text = _jsonl_text(line, text_key, where, errors, stats)
-            if text is not None and _count(stats, text, len(raw)):
-                yield text
+            stats.documents += 1
+            stats.bytes += len(text.encode("utf-8"))
+            yield text
+    if errors == "strict" and stats.problems:
+        raise CorpusError(problems_message(stats))
 
 
-def _jsonl_text(
-    line: str, text_key: str, where: str, errors: ErrorPolicy, stats: DocumentStats | None
-) -> str | None:
-    """The `text_key` string of one JSON line, or None when skipped."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        _skip_or_raise(errors, stats, where, f"invalid JSON ({exc.msg})", "fix the line")
-        return None
-    value = record.get(text_key) if isinstance(record, dict) else None
-    if not isinstance(value, str):
-        reason = f"no string under key {text_key!r}"
-        _skip_or_raise(errors, stats, where, reason, "pass the right text_key or fix the line")
-        return None
-    return value
+def problems_message(stats: DocumentStats, shown: int = 20) -> str:
+    """One message listing the unreadable documents (the first `shown`, then counts per file)."""
+    listed = "\n".join(f"  - {line}" for line in stats.skipped[:shown])
+    more = ""
+    if stats.problems > shown:
+        per_file = ", ".join(f"{name} ({n})" for name, n in stats.bad_files.items())
+        more = f"\n  ... and {stats.problems - shown} more; per file: {per_file}"
+    return (f"{stats.problems} document(s) in {len(stats.bad_files)} file(s) cannot be read:\n"
+            f"{listed}{more}\nfix them (e.g. convert to UTF-8, set data.text_key), or leave them "
+            "out with data.errors='skip' (--data.errors=skip)")
 
 
-def corpus_fingerprint(path: Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """A cheap identity of the input (relative paths, sizes, mtimes), used to reuse prepared data.
-
-    `None` fingerprints the built-in stdlib corpus at `max_bytes`.
-    """
-    if path is None:
+def corpus_fingerprint(input: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """A cheap identity of the input (paths, sizes, mtimes of every file read), used to reuse
+    prepared data. `None` fingerprints the built-in stdlib corpus at `max_bytes`."""
+    if input is None:
         return fingerprint_files(stdlib_root(), stdlib_files(max_bytes))
-    path = Path(path)
-    if not path.exists():
-        raise CorpusError(f"{path}: no such file or directory; check the input path")
-    if path.is_dir():
-        return fingerprint_files(path, list_text_files(path))
-    return fingerprint_files(path.parent, [path])
+    return fingerprint_files(None, [s.path for s in resolve_input(input)])
 
 
-def fingerprint_files(root: Path, files: Sequence[Path]) -> str:
-    """sha256 over `root` and each file's relative path, size and mtime (no content is read)."""
-    digest = hashlib.sha256(str(root.resolve()).encode())
+def fingerprint_files(root: Path | None, files: Sequence[Path]) -> str:
+    """sha256 over `root` and each file's path (relative to `root`, else absolute), size and
+    mtime (no content is read)."""
+    digest = hashlib.sha256(str(root.resolve() if root else "").encode())
     for file in files:
         st = file.stat()
-        rel = file.relative_to(root).as_posix()
+        rel = file.relative_to(root).as_posix() if root else str(file.resolve())
         digest.update(f"{rel}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()

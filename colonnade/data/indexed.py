@@ -93,6 +93,23 @@ class IndexedDatasetWriter:
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._offsets.append(self._offsets[-1] + int(arr.size))
 
+    def add_documents(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Append several documents at once: `ids` concatenated, `lengths` tokens per document."""
+        if self._bin is None:
+            raise IndexedDatasetError(f"{self.prefix}: writer already finalized; make a new one")
+        ids, lengths = np.asarray(ids), np.asarray(lengths, dtype=np.int64)
+        if ids.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != ids.size:
+            raise IndexedDatasetError(f"add_documents got {ids.size} ids but lengths summing "
+                                      f"to {int(lengths.sum())}; pass 1-D arrays that agree")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise IndexedDatasetError(
+                f"documents {self.num_docs}.. have token ids in [{ids.min()}, {ids.max()}] "
+                f"outside [0, {self.vocab_size}); pass the tokenizer's vocab_size to the writer"
+            )
+        self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
+        ends = self._offsets[-1] + np.cumsum(lengths)
+        self._offsets.extend(ends.tolist())
+
     def finalize(self) -> None:
         """Flush `.bin`, write `.idx`, then rename both temp files to their final names."""
         if self._bin is None:

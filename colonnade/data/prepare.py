@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +22,23 @@ from tqdm import tqdm
 
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
+    ERROR_POLICIES,
     DocumentStats,
     ErrorPolicy,
     corpus_fingerprint,
     iter_documents,
     iter_stdlib_documents,
-    list_text_files,
     stdlib_files,
 )
+from colonnade.data.encode import encode_stream
 from colonnade.data.errors import DataError
 from colonnade.data.indexed import IndexedDataset, IndexedDatasetWriter
+from colonnade.data.readers import resolve_input
 from colonnade.data.tokenizer import eod_id, load_tokenizer, save_tokenizer, train_bpe_from_texts
 
-MANIFEST_VERSION = 1
-ENCODE_BATCH = 256  # documents per `encode_batch` call
+MANIFEST_VERSION = 2  # 2: .json read as records, inputs may be globs and comma lists
+MAX_MANIFEST_SKIPPED = 1000
+"""Unreadable documents listed by name in prepare.json (all are counted)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class PreparedData:
 
 
 def prepare(
-    input: Path | None,
+    input: str | Path | None,
     out_dir: Path,
     vocab_size: int | None,
     tokenizer_path: Path | None = None,
@@ -68,15 +72,28 @@ def prepare(
     text_key: str = "text",
     errors: ErrorPolicy = "strict",
     max_bytes: int = DEFAULT_MAX_BYTES,
+    num_workers: int = 1,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> PreparedData:
     """Tokenize `input` (None = the built-in stdlib corpus capped at `max_bytes`) into `out_dir`.
 
+    `input` is anything `readers.resolve_input` accepts (files, directories, globs, comma lists
+    of text, jsonl(.gz/.zst), json, csv, parquet, arrow, Hugging Face datasets directories).
     Without `tokenizer_path`, a byte-level BPE tokenizer of `vocab_size` is trained on the same
-    input. With one, `vocab_size` may be None, or must equal the tokenizer's size.
+    input. With one (a tokenizer.json or a directory holding one), `vocab_size` may be None, or
+    must equal the tokenizer's size. `num_workers` > 1 encodes in that many processes (the
+    output is identical, so it is not part of the manifest). Every check on the arguments runs
+    before any file is touched, and a failure (including unreadable documents under
+    errors='strict', all listed in one error) leaves `out_dir` as it was.
     """
     out_dir = Path(out_dir)
+    if num_workers < 1:
+        raise DataError(f"data.num_workers={num_workers} must be >= 1 (1 encodes in this "
+                        "process; more uses that many worker processes)")
+    if errors not in ERROR_POLICIES:
+        raise DataError(f"data.errors={errors!r} must be one of {', '.join(ERROR_POLICIES)}")
+    given = _given_tokenizer(tokenizer_path, vocab_size)
     key = _manifest_key(input, vocab_size, tokenizer_path, text_key, errors, max_bytes)
     reused, damage = _try_reuse(out_dir, key)
     if reused is not None:
@@ -87,110 +104,117 @@ def prepare(
         return reused
     if damage:
         log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "prepare.json").unlink(missing_ok=True)
-    tok_out = out_dir / "tokenizer.json"
 
-    def documents(stats: DocumentStats | None = None) -> Iterator[str]:
+    def documents(stats: DocumentStats) -> Iterator[str]:
         if input is None:
             return iter_stdlib_documents(max_bytes, stats=stats)
-        return iter_documents(Path(input), text_key=text_key, errors=errors, stats=stats)
+        return iter_documents(input, text_key=text_key, errors=errors, stats=stats)
 
-    tok = _obtain_tokenizer(tokenizer_path, vocab_size, tok_out, documents, log)
+    if given is None:
+        log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
+        given = train_bpe_from_texts(documents(DocumentStats()), int(vocab_size or 0), None)
+    created = not out_dir.exists()
+    try:
+        result, stats = _tokenize(given, documents, out_dir, num_workers, progress,
+                                  _total_docs(input, max_bytes), log)
+    except BaseException:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    _write_manifest(out_dir, key, result, stats)
+    _log_summary(result, stats, log)
+    return result
+
+
+def _given_tokenizer(tokenizer_path: Path | None, vocab_size: int | None) -> Tokenizer | None:
+    """The tokenizer to use, loaded and checked (EOD token, vocab size); None means train one."""
+    if tokenizer_path is None:
+        if vocab_size is None:
+            raise DataError(
+                "a vocab size is needed to train a tokenizer; set model.vocab_size "
+                "(--model.vocab_size=8192) or give one with data.tokenizer"
+            )
+        return None
+    tok = load_tokenizer(tokenizer_path)
+    eod_id(tok)  # fail now, before tokenizing, when the tokenizer has no EOD token
+    if vocab_size is not None and vocab_size != tok.get_vocab_size():
+        n = tok.get_vocab_size()
+        raise DataError(
+            f"vocab_size={vocab_size} disagrees with tokenizer {tokenizer_path} ({n} tokens); "
+            f"set model.vocab_size to {n} (--model.vocab_size={n}) or leave data.tokenizer unset "
+            "to train one"
+        )
+    return tok
+
+
+def _tokenize(
+    tok: Tokenizer,
+    documents: Callable[[DocumentStats], Iterator[str]],
+    out_dir: Path,
+    num_workers: int,
+    progress: bool,
+    total: int | None,
+    log: Callable[[str], None],
+) -> tuple[PreparedData, DocumentStats]:
+    """Encode every document into `out_dir`/data.{bin,idx} and save the tokenizer there.
+
+    The dataset is written under temporary names; only when the whole input was read without
+    error are the manifest removed, the tokenizer saved and the files renamed into place.
+    """
     stats = DocumentStats()
-    total_docs = _count_files(input, max_bytes)
+    eod = eod_id(tok)
     writer = IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size())
-    with writer:
-        _encode_into(tok, documents(stats), writer, stats, total_docs, progress)
+    bar = tqdm(total=total, desc="tokenize", unit="doc", disable=not progress)
+    start = time.perf_counter()
+    with writer, bar:
+        for ids, lengths in encode_stream(tok, eod, documents(stats), num_workers):
+            writer.add_documents(ids, lengths)
+            bar.update(stats.documents + stats.empty + stats.problems - bar.n)
+            bar.set_postfix(tokens=writer.num_tokens, refresh=False)
+        (out_dir / "prepare.json").unlink(missing_ok=True)  # files change from here on
+        save_tokenizer(tok, out_dir / "tokenizer.json")
+    seconds = time.perf_counter() - start
+    log(f"prepare: tokenized {writer.num_docs} documents in {seconds:.1f}s "
+        f"({writer.num_docs / max(seconds, 1e-9):,.0f} docs/s, "
+        f"{writer.num_tokens / max(seconds, 1e-9):,.0f} tokens/s, workers={num_workers})")
     result = PreparedData(
         out_dir=out_dir,
-        tokenizer_path=tok_out,
+        tokenizer_path=out_dir / "tokenizer.json",
         prefix=out_dir / "data",
         vocab_size=tok.get_vocab_size(),
-        eod_id=eod_id(tok),
+        eod_id=eod,
         num_docs=writer.num_docs,
         num_tokens=writer.num_tokens,
         reused=False,
     )
-    _write_manifest(out_dir, key, result, stats)
+    return result, stats
+
+
+def _log_summary(result: PreparedData, stats: DocumentStats, log: Callable[[str], None]) -> None:
     log(
-        f"prepare: wrote {out_dir}: {result.num_docs} documents, {result.num_tokens} tokens, "
-        f"vocab {result.vocab_size} ({stats.bytes / max(result.num_tokens, 1):.2f} bytes/token)"
+        f"prepare: wrote {result.out_dir}: {result.num_docs} documents, {result.num_tokens} "
+        f"tokens, vocab {result.vocab_size} "
+        f"({stats.bytes / max(result.num_tokens, 1):.2f} bytes/token)"
     )
-    if stats.skipped or stats.empty:
-        log(f"prepare: skipped {len(stats.skipped)} undecodable and {stats.empty} empty documents")
-    return result
+    if stats.problems or stats.empty:
+        first = "; ".join(stats.skipped[:3])
+        log(f"prepare: left out {stats.problems} unreadable documents (data.errors='skip') and "
+            f"{stats.empty} empty ones" + (f"; first: {first}" if first else ""))
+    if stats.ignored:
+        log(f"prepare: ignored {len(stats.ignored)} files in unsupported formats: "
+            f"{', '.join(stats.ignored[:5])}{' ...' if len(stats.ignored) > 5 else ''}")
 
 
-def _obtain_tokenizer(
-    tokenizer_path: Path | None,
-    vocab_size: int | None,
-    tok_out: Path,
-    documents: Callable[[], Iterator[str]],
-    log: Callable[[str], None],
-) -> Tokenizer:
-    """Copy the given tokenizer to `tok_out`, or train one of `vocab_size` on the documents."""
-    if tokenizer_path is None:
-        if vocab_size is None:
-            raise DataError(
-                "vocab_size is required to train a tokenizer; pass e.g. vocab_size=8192"
-            )
-        log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
-        return train_bpe_from_texts(documents(), vocab_size, tok_out)
-    tok = load_tokenizer(tokenizer_path)
-    eod_id(tok)  # fail now, before tokenizing, when the tokenizer has no EOD token
-    if vocab_size is not None and vocab_size != tok.get_vocab_size():
-        raise DataError(
-            f"vocab_size={vocab_size} disagrees with tokenizer {tokenizer_path} "
-            f"({tok.get_vocab_size()} tokens); pass vocab_size=None or {tok.get_vocab_size()}"
-        )
-    save_tokenizer(tok, tok_out)
-    return tok
-
-
-def _encode_into(
-    tok: Tokenizer,
-    docs: Iterator[str],
-    writer: IndexedDatasetWriter,
-    stats: DocumentStats,
-    total: int | None,
-    progress: bool,
-) -> None:
-    """Encode documents in batches and append each (ids + [EOD]) to `writer`.
-
-    The progress bar counts documents read, including empty and skipped ones (read from `stats`),
-    so it reaches `total` (the number of input files) at the end.
-    """
-    eod = eod_id(tok)
-    bar = tqdm(total=total, desc="tokenize", unit="doc", disable=not progress)
-    batch: list[str] = []
-
-    def flush() -> None:
-        for enc in tok.encode_batch(batch, add_special_tokens=False):
-            writer.add_document([*enc.ids, eod])
-        batch.clear()
-        bar.update(stats.documents + stats.empty + len(stats.skipped) - bar.n)
-
-    with bar:
-        for text in docs:
-            batch.append(text)
-            if len(batch) == ENCODE_BATCH:
-                flush()
-        flush()
-
-
-def _count_files(input: Path | None, max_bytes: int) -> int | None:
-    """Number of documents when known up front (one per file), else None (jsonl)."""
+def _total_docs(input: str | Path | None, max_bytes: int) -> int | None:
+    """Number of documents when known up front (text files only: one per file), else None."""
     if input is None:
         return len(stdlib_files(max_bytes))
-    input = Path(input)
-    if input.is_dir():
-        return len(list_text_files(input))
-    return None if input.suffix.lower() == ".jsonl" else 1
+    sources = resolve_input(input)
+    return len(sources) if all(s.fmt == "text" for s in sources) else None
 
 
 def _manifest_key(
-    input: Path | None,
+    input: str | Path | None,
     vocab_size: int | None,
     tokenizer_path: Path | None,
     text_key: str,
@@ -205,7 +229,7 @@ def _manifest_key(
         tok_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
     return {
         "manifest_version": MANIFEST_VERSION,
-        "input": None if input is None else str(Path(input).resolve()),
+        "input": None if input is None else _absolute_spec(input),
         "fingerprint": corpus_fingerprint(input, max_bytes),
         "max_bytes": max_bytes if input is None else None,
         "vocab_size": vocab_size,
@@ -213,6 +237,13 @@ def _manifest_key(
         "text_key": text_key,
         "errors": errors,
     }
+
+
+def _absolute_spec(input: str | Path) -> str:
+    """The input spec with each comma-separated part made absolute (globs included)."""
+    text = str(input)
+    parts = [text] if Path(text).exists() else [p.strip() for p in text.split(",") if p.strip()]
+    return ",".join(os.path.abspath(part) for part in parts)
 
 
 def _try_reuse(out_dir: Path, key: dict[str, Any]) -> tuple[PreparedData | None, str]:
@@ -271,7 +302,9 @@ def _write_manifest(
             "eod_id": result.eod_id,
             "input_bytes": stats.bytes,
             "empty_documents": stats.empty,
-            "skipped_documents": stats.skipped,
+            "skipped_documents": stats.skipped[:MAX_MANIFEST_SKIPPED],
+            "skipped_total": stats.problems,
+            "ignored_files": stats.ignored[:MAX_MANIFEST_SKIPPED],
         },
     }
     tmp = out_dir / "prepare.json.tmp"

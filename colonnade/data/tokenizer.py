@@ -43,8 +43,11 @@ def train_bpe_tokenizer(files: Sequence[Path], vocab_size: int, out_path: Path) 
     return train_bpe_from_texts(texts(), vocab_size, out_path)
 
 
-def train_bpe_from_texts(texts: Iterable[str], vocab_size: int, out_path: Path) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on an iterable of documents and save it to `out_path`."""
+def train_bpe_from_texts(
+    texts: Iterable[str], vocab_size: int, out_path: Path | None
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on an iterable of documents; save it to `out_path`
+    unless that is None. An exception raised by `texts` propagates once training stops."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(
             f"vocab_size={vocab_size} is too small for byte-level BPE; "
@@ -61,7 +64,8 @@ def train_bpe_from_texts(texts: Iterable[str], vocab_size: int, out_path: Path) 
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    save_tokenizer(tok, out_path)
+    if out_path is not None:
+        save_tokenizer(tok, out_path)
     return tok
 
 

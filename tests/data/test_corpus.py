@@ -58,7 +58,7 @@ def test_non_utf8_jsonl_offset_counts_from_file_start(tmp_path: Path) -> None:
 def test_missing_input_and_empty_directory(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match="no such file or directory"):
         list(iter_documents(tmp_path / "absent"))
-    with pytest.raises(CorpusError, match="no files with suffixes"):
+    with pytest.raises(CorpusError, match="no files of a supported format"):
         list(iter_documents(tmp_path))
 
 

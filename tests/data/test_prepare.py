@@ -90,7 +90,7 @@ def test_prepare_non_utf8_strict_and_skip(tmp_path: Path, corpus_dir: Path) -> N
     logs: list[str] = []
     res = prepare(bad_dir, tmp_path / "o2", 300, errors="skip", progress=False, log=logs.append)
     assert res.num_docs == 5
-    assert any("skipped 1 undecodable" in line for line in logs)
+    assert any("left out 1 unreadable documents" in line for line in logs)
     manifest = json.loads((tmp_path / "o2" / "prepare.json").read_text())
     assert len(manifest["result"]["skipped_documents"]) == 1
     assert not os.path.exists(tmp_path / "o1" / "prepare.json")

@@ -1,0 +1,348 @@
+"""Input formats: what a user points `data.input` at, turned into a stream of documents.
+
+An input spec is resolved (`resolve_input`) into a sorted, deterministic list of `Source`s before
+anything is read, so an unsupported format or a missing path fails before any work:
+
+* a file, by suffix (a trailing `.gz` or `.zst` is decompressed first, except for parquet/arrow):
+  text (`.txt`, `.md`, `.py`, ...: the whole file is one document), `.jsonl`/`.ndjson` (one JSON
+  object per line, the string under `text_key`), `.json` (an array of such records, or of
+  strings), `.csv`/`.tsv` (a header row, the `text_key` column), `.parquet` (the `text_key`
+  column, via pyarrow) and `.arrow` (Arrow IPC stream or file, e.g. Hugging Face shards);
+* a directory written by Hugging Face `datasets`' `save_to_disk` (`state.json` +
+  `dataset_info.json` + `data-*.arrow`): its arrow shards in `state.json`'s order, read with
+  pyarrow (the `datasets` package is not needed);
+* any other directory: every file below it with a supported suffix, sorted by relative path
+  (hidden entries are not entered; other files are listed in `ignored`, never read silently);
+* a glob (`*`, `?`, `[`): its matches, sorted; a comma-separated list: each part, in order.
+
+Reading never stops at a bad file or record: each problem (undecodable bytes, invalid JSON, a
+missing column or key, a corrupt archive) is handed to a `Report` callback with where and why,
+and the caller decides whether to skip it or to fail with all of them (see `corpus`).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import gzip
+import io
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from colonnade.data.errors import CorpusError
+
+Report = Callable[[str, str], None]
+"""Called as `report(where, reason)` for each document or file that cannot be read."""
+
+TEXT_SUFFIXES: tuple[str, ...] = (
+    ".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".py", ".c", ".h", ".cc",
+    ".cpp", ".hpp", ".java", ".js", ".ts", ".go", ".rs", ".sh",
+)
+"""Suffixes read as plain text, one document per file."""
+
+RECORD_FORMATS: dict[str, str] = {
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
+    ".parquet": "parquet", ".arrow": "arrow",
+}
+"""Suffixes of record formats (one document per record) and their reader names."""
+
+COMPRESSIONS: tuple[str, ...] = (".gz", ".zst")
+"""Compression suffixes decompressed on the fly (not for the columnar parquet/arrow)."""
+
+HF_DATASET_MARKERS: tuple[str, ...] = ("state.json", "dataset_info.json")
+"""Files that mark a directory written by Hugging Face `datasets`' `save_to_disk`."""
+
+ROWS_PER_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file to read: its path, reader name and compression suffix ('' for none)."""
+
+    path: Path
+    fmt: str
+    compression: str = ""
+
+
+def supported_formats() -> str:
+    """Human-readable list of what `data.input` accepts (for error messages and help)."""
+    records = ", ".join(RECORD_FORMATS)
+    return (f"text files ({', '.join(TEXT_SUFFIXES[:5])}, ...), {records}; "
+            f"{' or '.join(COMPRESSIONS)} of text/jsonl/json/csv; a directory or glob of these; "
+            "a Hugging Face datasets directory (save_to_disk)")
+
+
+def classify(path: Path) -> Source | None:
+    """The `Source` for a file by its suffixes, or None when the format is not supported."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = suffixes.pop() if suffixes and suffixes[-1] in COMPRESSIONS else ""
+    suffix = suffixes[-1] if suffixes else ""
+    fmt = RECORD_FORMATS.get(suffix) or ("text" if suffix in TEXT_SUFFIXES else None)
+    if fmt is None or (compression and fmt in ("parquet", "arrow")):
+        return None
+    return Source(path, fmt, compression)
+
+
+def resolve_input(spec: str | Path, ignored: list[str] | None = None) -> list[Source]:
+    """Every file `spec` names, in reading order (see the module docstring); raises CorpusError
+    for a missing path, an empty match or an unsupported format. Files a directory holds in
+    other formats are appended to `ignored` (when given) as relative paths."""
+    text = str(spec)
+    parts = [text] if Path(text).exists() else [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise CorpusError("data.input is empty; give a file, directory, glob or comma list")
+    sources: list[Source] = []
+    for part in parts:
+        sources.extend(_resolve_part(part, ignored))
+    return sources
+
+
+def _resolve_part(part: str, ignored: list[str] | None) -> list[Source]:
+    if any(ch in part for ch in "*?[") and not Path(part).exists():
+        matches = sorted(glob.glob(part, recursive=True))
+        if not matches:
+            raise CorpusError(f"data.input glob '{part}' matches no file; check the pattern")
+        out: list[Source] = []
+        for match in matches:
+            out.extend(_resolve_path(Path(match), ignored, explicit=False))
+        if not out:
+            raise CorpusError(f"data.input glob '{part}' matches no file of a supported format "
+                              f"({supported_formats()})")
+        return out
+    return _resolve_path(Path(part), ignored, explicit=True)
+
+
+def _resolve_path(path: Path, ignored: list[str] | None, *, explicit: bool) -> list[Source]:
+    if not path.exists():
+        raise CorpusError(f"{path}: no such file or directory; check the input path")
+    if path.is_dir():
+        found = _directory_sources(path, ignored)
+        if not found:
+            raise CorpusError(f"{path}: no files of a supported format ({supported_formats()})")
+        return found
+    source = classify(path)
+    if source is not None:
+        return [source]
+    if explicit:
+        suffix = "".join(path.suffixes) or "(no suffix)"
+        raise CorpusError(f"{path}: unsupported input format '{suffix}'; supported: "
+                          f"{supported_formats()}")
+    if ignored is not None:
+        ignored.append(str(path))
+    return []
+
+
+def _directory_sources(root: Path, ignored: list[str] | None) -> list[Source]:
+    """Sources below `root`, sorted by relative path; HF datasets directories read as shards."""
+    if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        first = root / (splits or ["train"])[0]
+        raise CorpusError(f"{root} is a Hugging Face DatasetDict with splits {splits}; point "
+                          f"data.input at one split's directory, e.g. {first}")
+    if all((root / name).is_file() for name in HF_DATASET_MARKERS):
+        return _hf_dataset_sources(root)
+    out: list[Source] = []
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            out.extend(_directory_sources(entry, ignored))
+            continue
+        source = classify(entry)
+        if source is not None:
+            out.append(source)
+        elif ignored is not None:
+            ignored.append(str(entry))
+    return out
+
+
+def _hf_dataset_sources(root: Path) -> list[Source]:
+    """The arrow shards of a `save_to_disk` directory, in the order `state.json` lists them."""
+    try:
+        state = json.loads((root / "state.json").read_text())
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorpusError(f"{root / 'state.json'}: not a Hugging Face datasets state file "
+                          f"({exc}); re-save the dataset with save_to_disk") from exc
+    missing = [name for name in names if not (root / name).is_file()]
+    if missing or not names:
+        raise CorpusError(f"{root}: Hugging Face dataset shards missing: {missing or 'none listed'}"
+                          "; re-save the dataset with save_to_disk")
+    return [Source(root / name, "arrow") for name in names]
+
+
+def read_source(source: Source, text_key: str, report: Report) -> Iterator[str]:
+    """The documents of one source; problems go to `report`, reading goes on where it can."""
+    reader = _READERS[source.fmt]
+    try:
+        yield from reader(source, text_key, report)
+    except (OSError, EOFError, ValueError, CorpusError) as exc:
+        report(str(source.path), f"cannot be read ({' '.join(str(exc).split())})")
+    except Exception as exc:
+        if type(exc).__name__ != "ZstdError":
+            raise
+        report(str(source.path), f"cannot be decompressed ({exc})")
+
+
+def _open(source: Source) -> IO[bytes]:
+    """The file's bytes, decompressed according to its compression suffix."""
+    if source.compression == ".gz":
+        return gzip.open(source.path, "rb")
+    if source.compression == ".zst":
+        import zstandard
+
+        raw = source.path.open("rb")
+        return io.BufferedReader(  # type: ignore[arg-type]
+            zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
+                                                       closefd=True))
+    return source.path.open("rb")
+
+
+def _decode(raw: bytes, where: str, report: Report, start: int = 0) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        report(where, f"not valid UTF-8 at byte offset {start + exc.start}")
+        return None
+
+
+def _read_text(source: Source, _key: str, report: Report) -> Iterator[str]:
+    with _open(source) as fh:
+        text = _decode(fh.read(), str(source.path), report)
+    if text is not None:
+        yield text
+
+
+def _record_text(record: Any, text_key: str, where: str, report: Report) -> str | None:
+    """The document of one record: the string under `text_key` (or the record, if a string)."""
+    if isinstance(record, str):
+        return record
+    value = record.get(text_key) if isinstance(record, dict) else None
+    if isinstance(value, str):
+        return value
+    keys = f" (keys: {', '.join(map(str, record))[:120]})" if isinstance(record, dict) else ""
+    report(where, f"no string under key {text_key!r}{keys}; set data.text_key or fix the record")
+    return None
+
+
+def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
+    """One document per non-blank line; byte offsets count from the start of the file."""
+    offset = 0
+    with _open(source) as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            where = f"{source.path}:{line_no}"
+            line = _decode(raw, where, report, start)
+            if line is None:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                report(where, f"invalid JSON ({exc.msg})")
+                continue
+            text = _record_text(record, text_key, where, report)
+            if text is not None:
+                yield text
+
+
+def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
+    """A JSON array of records or strings (a single record is one document)."""
+    with _open(source) as fh:
+        text = _decode(fh.read(), str(source.path), report)
+    if text is None:
+        return
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        report(str(source.path), f"invalid JSON ({exc.msg} at line {exc.lineno})")
+        return
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        report(str(source.path), "expected a JSON array of records; use .jsonl for one per line")
+        return
+    for i, record in enumerate(data):
+        doc = _record_text(record, text_key, f"{source.path}[{i}]", report)
+        if doc is not None:
+            yield doc
+
+
+def _read_csv(source: Source, text_key: str, report: Report) -> Iterator[str]:
+    """A header row, then one document per row from column `text_key` (tab-separated for tsv)."""
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))  # documents can be long
+    delimiter = "\t" if source.fmt == "tsv" else ","
+    with _open(source) as fh, io.TextIOWrapper(fh, encoding="utf-8", newline="") as text:
+        rows = csv.reader(text, delimiter=delimiter)
+        row_no = 1
+        try:
+            header = next(rows, None)
+            if header is None or text_key not in header:
+                report(str(source.path), f"no column {text_key!r} in the header "
+                       f"({', '.join(header or [])[:200]}); set data.text_key")
+                return
+            col = header.index(text_key)
+            for row_no, row in enumerate(rows, start=2):
+                if col < len(row):
+                    yield row[col]
+                else:
+                    report(f"{source.path}:{row_no}", f"row has no {text_key!r} column")
+        except UnicodeDecodeError as exc:
+            report(str(source.path), f"not valid UTF-8 after row {row_no} ({exc.reason}); "
+                   "the rows after it were not read")
+
+
+def _read_columnar(source: Source, text_key: str, report: Report) -> Iterator[str]:
+    """The `text_key` column of a parquet or arrow file, one document per row."""
+    import pyarrow as pa
+
+    batches, schema = _record_batches(source, text_key)
+    if text_key not in schema.names:
+        report(str(source.path), f"no column {text_key!r} (columns: "
+               f"{', '.join(schema.names)[:200]}); set data.text_key")
+        return
+    kind = schema.field(text_key).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind)):
+        report(str(source.path), f"column {text_key!r} has type {kind}, not string")
+        return
+    row = 0
+    for batch in batches:
+        for value in batch.column(text_key).to_pylist():
+            if value is None:
+                report(f"{source.path}[row {row}]", f"null under {text_key!r}")
+            else:
+                yield value
+            row += 1
+
+
+def _record_batches(source: Source, text_key: str) -> tuple[Iterator[Any], Any]:
+    """(record batches holding `text_key`, schema) of a parquet or Arrow IPC file."""
+    import pyarrow as pa
+
+    if source.fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pfile = pq.ParquetFile(source.path)
+        schema = pfile.schema_arrow
+        cols = [text_key] if text_key in schema.names else []
+        return pfile.iter_batches(batch_size=ROWS_PER_BATCH, columns=cols), schema
+    mapped = pa.memory_map(str(source.path))
+    try:
+        stream = pa.ipc.open_stream(mapped)
+        return iter(stream), stream.schema
+    except pa.ArrowInvalid:
+        mapped.seek(0)
+        ipc_file = pa.ipc.open_file(mapped)
+        return (ipc_file.get_batch(i) for i in range(ipc_file.num_record_batches)), \
+            ipc_file.schema
+
+
+_READERS: dict[str, Callable[[Source, str, Report], Iterator[str]]] = {
+    "text": _read_text, "jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv,
+    "tsv": _read_csv, "parquet": _read_columnar, "arrow": _read_columnar,
+}
