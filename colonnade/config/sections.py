@@ -120,11 +120,25 @@ class DataConfig:
     """Where the tokens come from."""
 
     input: str | None = None
-    """Text directory or .jsonl file to prepare; None means the built-in corpus (Python stdlib)."""
+    """What to prepare; None means the built-in corpus (Python stdlib). A file (.txt/.md/.py...
+    one document each; .jsonl/.ndjson, also .gz/.zst; .json array of records; .csv/.tsv with a
+    header; .parquet; .arrow), a directory of such files (sorted), a Hugging Face datasets
+    directory (save_to_disk), a glob ('shards/*.jsonl.zst'), or a comma-separated list."""
     prepared_dir: str = "data/stdlib"
     """Directory holding tokenizer.json and data.bin/.idx made by `colonnade prepare`."""
     tokenizer: str | None = None
-    """An existing tokenizer.json to use instead of training a BPE."""
+    """An existing Hugging Face tokenizer.json, or a model directory holding one, to use
+    instead of training a BPE; `prepare` then takes the vocab size from it (model.vocab_size
+    need not be restated). Its EOD token: <|endoftext|>, <|end_of_text|>, </s>, <eos>."""
+    text_key: str = "text"
+    """Field (jsonl/json records) or column (csv, parquet, arrow, HF datasets) holding the
+    text of each document."""
+    errors: str = "strict"
+    """Unreadable documents (not UTF-8, invalid JSON, no text_key): 'strict' reads the whole
+    input, then fails listing them all; 'skip' leaves them out and counts them in prepare.json."""
+    num_workers: int = 1
+    """Processes that tokenize during prepare (1: this process, already multi-threaded); the
+    output is identical for any value."""
     blend: tuple[str, ...] = ()
     """Blend of prepared datasets as 'weight:prefix' strings; empty means prepared_dir/data."""
     valid_fraction: float = 0.02

@@ -18,6 +18,8 @@ ARCHS = ("llama", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 AXES = ("tp", "cp", "ep", "dp", "pp")
+ERROR_POLICIES = ("strict", "skip")
+"""data.errors: fail listing every unreadable document, or leave them out (data/corpus.py)."""
 ON_EXISTING = ("auto", "resume", "overwrite", "refuse")
 LR_DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 """optim.decay values; colonnade.optim.lr implements each."""
@@ -68,6 +70,7 @@ def _positive(c: Config, _: int | None) -> list[str]:
         "parallel.tp_comm_chunks": c.parallel.tp_comm_chunks,
         "training.recompute_num_layers": c.training.recompute_num_layers,
         "training.steps": c.training.steps, "checkpoint.keep_last": c.checkpoint.keep_last,
+        "data.num_workers": c.data.num_workers,
     }
     if c.model.num_kv_heads is not None:
         names["model.num_kv_heads"] = c.model.num_kv_heads
@@ -94,6 +97,7 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("parallel.backend", c.parallel.backend, ("auto", "gloo", "nccl")),
         ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, ("check", "checkpoint", "config")),
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
+        ("data.errors", c.data.errors, ERROR_POLICIES),
     ]
     for name, value, allowed in checks:
         if value not in allowed:
@@ -254,6 +258,9 @@ def _io(c: Config, _: int | None) -> list[str]:
         if not ok:
             out.append(f"data.blend entry '{entry}' must look like 'weight:path/prefix' with "
                        "weight > 0.")
+    if not c.data.text_key:
+        out.append("data.text_key is empty; name the field or column holding the text, "
+                   "e.g. --data.text_key=text.")
     if not 0 <= c.data.valid_fraction < 1:
         out.append(f"data.valid_fraction={c.data.valid_fraction} must be in [0, 1).")
     if c.checkpoint.interval < 0:

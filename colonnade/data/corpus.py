@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from colonnade.config.validate import ERROR_POLICIES
 from colonnade.data.errors import CorpusError
 from colonnade.data.readers import Source, read_source, resolve_input
 
@@ -41,8 +42,6 @@ MAX_FILE_BYTES = 300_000
 """Larger stdlib files (generated tables) are left out of the built-in corpus."""
 
 ErrorPolicy = Literal["strict", "skip"]
-ERROR_POLICIES: tuple[str, ...] = ("strict", "skip")
-"""Values of `data.errors`: fail listing every unreadable document, or leave them out."""
 
 MAX_RECORDED = 10_000
 """Unreadable documents recorded by name in `DocumentStats.skipped` (all are counted)."""

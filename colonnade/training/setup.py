@@ -71,8 +71,11 @@ def prepare_data(config: Config, log: bool = True) -> Path:
     """Tokenize the input (or the built-in corpus) once; returns the prepared directory."""
     cfg = config.data
     out = Path(cfg.prepared_dir)
-    prepare(Path(cfg.input) if cfg.input else None, out, config.model.vocab_size,
-            Path(cfg.tokenizer) if cfg.tokenizer else None, max_bytes=cfg.max_corpus_bytes,
+    # a given tokenizer defines the vocabulary (train checks it fits model.vocab_size)
+    vocab = None if cfg.tokenizer else config.model.vocab_size
+    prepare(cfg.input or None, out, vocab, Path(cfg.tokenizer) if cfg.tokenizer else None,
+            text_key=cfg.text_key, errors=cfg.errors,  # type: ignore[arg-type]
+            max_bytes=cfg.max_corpus_bytes, num_workers=cfg.num_workers,
             progress=log, log=print if log else (lambda _m: None))
     return out
 
