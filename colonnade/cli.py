@@ -153,7 +153,9 @@ def _convert(args: argparse.Namespace) -> int:
     if args.from_hf:
         print(convert.describe(convert.from_hf(args.from_hf, args.out)))
     else:
-        print(f"wrote {convert.to_hf(args.to_hf, args.out, args.dtype)}")
+        from colonnade.hf_export import to_hf
+
+        print(f"wrote {to_hf(args.to_hf, args.out, args.dtype)}")
     return 0
 
 

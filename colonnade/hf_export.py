@@ -1,6 +1,9 @@
-"""Writing a Hugging Face model directory that ``transformers`` loads without a warning.
+"""``colonnade convert --to-hf``: a Colonnade checkpoint as a Hugging Face model directory that
+``transformers`` loads, tokenizes and generates from without a warning.
 
-``colonnade convert --to-hf CKPT --out DIR [--dtype bf16|fp16|fp32]`` writes
+It sits on top (beside ``cli.py``), as it reads a checkpoint (:mod:`colonnade.checkpoint`) and
+its tokenizer (:mod:`colonnade.data.tokenizer`). ``--to-hf CKPT --out DIR [--dtype
+bf16|fp16|fp32]`` writes
 
 * ``config.json``: the architecture (:func:`~colonnade.checkpoint.hf.hf_config_from_model`),
   ``dtype`` / ``torch_dtype``, and ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``;
@@ -28,9 +31,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from colonnade.checkpoint.commit import resolve_checkpoint
+from colonnade.checkpoint.convert import read_full_model
 from colonnade.checkpoint.format import CheckpointError
 from colonnade.checkpoint.hf import TOKENIZER_FILES, hf_config_from_model, to_hf_state
 from colonnade.config.sections import ModelConfig
+from colonnade.data.tokenizer import eod_id, load_tokenizer
 from colonnade.models.build import DTYPES
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {k: DTYPES[k] for k in ("fp32", "bf16", "fp16")}
@@ -51,8 +57,6 @@ def special_tokens(tokenizer_dir: Path, vocab_size: int) -> tuple[dict[str, Any]
     """(tokenizer_config.json contents, {bos/eos/pad_token_id}) of the tokenizer in
     ``tokenizer_dir``: an existing tokenizer_config.json completed, else one naming the EOD token
     for every role. Every id must lie inside the model's ``vocab_size``."""
-    from colonnade.data.tokenizer import eod_id, load_tokenizer
-
     tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
     eod = tok.id_to_token(eod_id(tok))
     src = tokenizer_dir / "tokenizer_config.json"
@@ -97,8 +101,7 @@ def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tens
              tokenizer_dir: str | Path | None = None, dtype: str | None = None) -> Path:
     """Write config.json, generation_config.json, model.safetensors (cast to ``dtype``, a key
     of EXPORT_DTYPES; None keeps the stored dtype) and the tokenizer of ``tokenizer_dir``."""
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(EXPORT_DTYPES)}")
+    _check_dtype(dtype)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = to_hf_state(cfg, full)
@@ -113,3 +116,26 @@ def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tens
     (directory / "generation_config.json").write_text(json.dumps(ids, indent=2))
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def _check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(EXPORT_DTYPES)}")
+
+
+def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Colonnade checkpoint (root or step directory) -> HF directory ``out``, tensors cast to
+    ``dtype`` (a key of EXPORT_DTYPES; None keeps the stored dtype). An ``out`` that already
+    holds a model is refused before anything is read or written."""
+    _check_dtype(dtype)
+    taken = sorted(p.name for p in Path(out).glob("*") if p.name == "config.json"
+                   or p.name.startswith("model")) if Path(out).is_dir() else []
+    if taken:
+        raise CheckpointError(f"{out} already holds an exported model ({', '.join(taken)}); "
+                              "pass a new --out directory or delete the old export first")
+    ckpt = resolve_checkpoint(path)
+    config, full = read_full_model(ckpt)
+    model: ModelConfig = config.model
+    if model.tie_embeddings:
+        full.pop("head.weight", None)
+    return write_hf(out, model, full, ckpt, dtype)

@@ -3,9 +3,9 @@
 ``--from-hf HF --out DIR`` writes a committed Colonnade checkpoint (weights only, step 0,
 ``"weights_only": true`` in its metadata) that ``colonnade train --init-from=DIR`` fine-tunes in
 any layout (``checkpoint.load``, exact resume, refuses it: there is no run to resume) and
-``colonnade generate DIR`` samples from; ``--to-hf CKPT --out DIR [--dtype bf16]`` writes
-config.json, generation_config.json, model.safetensors and the tokenizer with its special
-tokens (:mod:`.hf_export`).
+``colonnade generate DIR`` samples from. ``--to-hf CKPT --out DIR [--dtype bf16]`` is
+:func:`colonnade.hf_export.to_hf` (above the data package, whose tokenizer it reads), which
+reads the checkpoint with :func:`read_full_model`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ import torch
 from colonnade.checkpoint.commit import METADATA, commit, prepare_tmp, resolve_checkpoint
 from colonnade.checkpoint.format import (
     FORMAT_VERSION,
-    CheckpointError,
     CheckpointReader,
     Entry,
     write_rank_shard,
 )
 from colonnade.checkpoint.hf import TOKENIZER_FILES, read_hf
-from colonnade.checkpoint.hf_export import write_hf
 from colonnade.checkpoint.pieces import Piece
 from colonnade.config.load import config_to_dict, config_to_toml, load_config
-from colonnade.config.sections import Config, ModelConfig
+from colonnade.config.sections import Config
 
 
 def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, torch.Tensor],
@@ -68,23 +66,6 @@ def read_full_model(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:
             shape = reader.full_shape(name)
             full[name.removeprefix("model/")] = reader.read_box(name, ((0,) * len(shape), shape))
     return config, full
-
-
-def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
-    """Colonnade checkpoint -> HF directory (see :mod:`colonnade.checkpoint.hf_export`), its
-    tensors cast to ``dtype`` ('fp32', 'bf16', 'fp16'; None keeps the stored dtype). A ``out``
-    that already holds a model is refused before anything is read or written."""
-    taken = [p.name for p in Path(out).glob("*") if p.name in ("config.json", "model.safetensors")
-             or p.name.startswith("model-")] if Path(out).is_dir() else []
-    if taken:
-        raise CheckpointError(f"{out} already holds an exported model ({', '.join(taken)}); "
-                              "pass a new --out directory or delete the old export first")
-    ckpt = resolve_checkpoint(path)
-    config, full = read_full_model(ckpt)
-    model: ModelConfig = config.model
-    if model.tie_embeddings:
-        full.pop("head.weight", None)
-    return write_hf(out, model, full, ckpt, dtype)
 
 
 def describe(path: Path) -> str:

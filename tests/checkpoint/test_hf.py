@@ -97,8 +97,9 @@ def test_round_trip_is_lossless(tmp_path: Path, arch: str) -> None:
     """HF -> Colonnade -> HF gives identical tensors, a config transformers loads, same logits."""
     from safetensors.torch import load_file
 
-    from colonnade.checkpoint.convert import from_hf, read_full_model, to_hf
+    from colonnade.checkpoint.convert import from_hf, read_full_model
     from colonnade.checkpoint.export import load_exported
+    from colonnade.hf_export import to_hf
 
     model = _hf_model(arch, tie=arch == "gpt2")
     hf_dir = _save(model, tmp_path / "hf")

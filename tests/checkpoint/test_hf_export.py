@@ -18,12 +18,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from colonnade.checkpoint.convert import read_full_model, to_hf, write_model_checkpoint
+from colonnade.checkpoint.convert import read_full_model, write_model_checkpoint
 from colonnade.checkpoint.export import full_state, load_exported
-from colonnade.checkpoint.hf_export import EXPORT_DTYPES
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.data.tokenizer import EOD_TOKEN, eod_id, load_tokenizer, train_bpe_from_texts
 from colonnade.generate import generate
+from colonnade.hf_export import EXPORT_DTYPES, to_hf
 from colonnade.models.build import build_reference
 from colonnade.parallel.groups import ProcessGroups
 
