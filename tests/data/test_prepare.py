@@ -94,3 +94,65 @@ def test_prepare_non_utf8_strict_and_skip(tmp_path: Path, corpus_dir: Path) -> N
     manifest = json.loads((tmp_path / "o2" / "prepare.json").read_text())
     assert len(manifest["result"]["skipped_documents"]) == 1
     assert not os.path.exists(tmp_path / "o1" / "prepare.json")
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def test_workers_give_identical_output(tmp_path: Path, corpus_dir: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from colonnade.data import encode
+
+    monkeypatch.setattr(encode, "ENCODE_BATCH", 2)  # 5 documents -> 3 batches
+    tok = prepare(corpus_dir, tmp_path / "tok", 300, progress=False, log=lambda _: None)
+    outs = {}
+    for workers in (1, 2):
+        logs: list[str] = []
+        res = prepare(corpus_dir, tmp_path / f"w{workers}", None, tok.tokenizer_path,
+                      num_workers=workers, progress=False, log=logs.append)
+        assert res.num_docs == 5 and f"workers={workers}" in logs[0] and "tokens/s" in logs[0]
+        outs[workers] = _files(tmp_path / f"w{workers}")
+    assert outs[1] == outs[2]
+    assert outs[1]["data.bin"] == (tmp_path / "tok" / "data.bin").read_bytes()
+    with pytest.raises(DataError, match="num_workers=0 must be >= 1"):
+        prepare(corpus_dir, tmp_path / "w0", 300, num_workers=0)
+
+
+def test_strict_failure_changes_no_file(tmp_path: Path, corpus_dir: Path) -> None:
+    out = tmp_path / "out"
+    prepare(corpus_dir, out, 300, progress=False, log=lambda _: None)
+    before = _files(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n{"nope": 1}\n')
+    tok = out / "tokenizer.json"
+    with pytest.raises(CorpusError, match=r"2 document\(s\) in 1 file\(s\)"):
+        prepare(bad, out, None, tok, progress=False, log=lambda _: None)
+    with pytest.raises(CorpusError, match=r"bad\.jsonl:2: not valid UTF-8"):
+        prepare(bad, out, 300, progress=False, log=lambda _: None)  # fails in the BPE pass
+    with pytest.raises(DataError, match=r"--model\.vocab_size=\d+"):
+        prepare(bad, out, 123, tok)
+    assert _files(out) == before
+    with pytest.raises(CorpusError):
+        prepare(bad, tmp_path / "new", None, tok, progress=False, log=lambda _: None)
+    assert not (tmp_path / "new").exists()
+
+
+def test_reuse_and_refresh_for_columnar_inputs(tmp_path: Path, corpus_dir: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [p.read_text() for p in sorted(corpus_dir.iterdir())]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": texts}), path)
+    ref = prepare(corpus_dir, tmp_path / "ref", 300, progress=False, log=lambda _: None)
+    kw = {"progress": False, "log": lambda _: None, "text_key": "body"}
+    first = prepare(path, tmp_path / "o", None, ref.tokenizer_path, **kw)
+    assert first.dataset().tokens.tolist() == ref.dataset().tokens.tolist()
+    assert prepare(path, tmp_path / "o", None, ref.tokenizer_path, **kw).reused
+    pq.write_table(pa.table({"body": texts[:3], "text": ["x", "y", "z"]}), path)
+    again = prepare(path, tmp_path / "o", None, ref.tokenizer_path, **kw)
+    assert not again.reused and again.num_docs == 3
+    kw["text_key"] = "text"
+    other_key = prepare(path, tmp_path / "o", None, ref.tokenizer_path, **kw)
+    assert not other_key.reused and other_key.num_tokens < again.num_tokens
