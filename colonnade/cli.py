@@ -102,19 +102,30 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"--checkpoint.init_from={args.init_from}"]
     config = with_init_from(_load(args, overrides), explicit_model_fields(args.config, overrides))
     world = args.nproc * args.nnodes
+    from colonnade.launch import check_launch_args, launch
+
+    bad = check_launch_args(args)  # before the config: --nproc 0 is not a parallel.dp problem
+    if bad:
+        raise ConfigError("invalid launch arguments:\n" + "\n".join(f"  - {p}" for p in bad))
     resolved = validate(resolve(config, world), world)
     if args.print_config:
         print(config_to_toml(resolved))
         return 0
-    from colonnade.checkpoint.training_state import preflight_resume
+    from colonnade.training.preflight import preflight
 
-    preflight_resume(resolved)
+    resolved, notes = preflight(config, world)  # data, checkpoints, resume: before any rank
+    for note in notes:
+        print(f"colonnade: {note}", flush=True)
     if world == 1:
+        from colonnade.reliability.interrupt import exit_status
         from colonnade.training.loop import final_summary, train
 
-        print(final_summary(train(resolved)))
+        result = train(resolved)
+        if result.get("interrupted"):
+            return exit_status(result["interrupted"])
+        if not result.get("finished"):
+            print(final_summary(result))
         return 0
-    from colonnade.launch import launch
 
     return launch(resolved, args, overrides)
 
@@ -162,16 +173,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _failure_status(err: BaseException) -> int | None:
     """Exit status of an expected failure printed as one line (bad input 2, NaN/Inf 1), or None
     for anything else (a bug: let its traceback show)."""
-    from colonnade.data.errors import DataError
+    from colonnade.launch import expected_failure
 
-    fmt = sys.modules.get("colonnade.checkpoint.format")
-    if isinstance(err, (DataError, FileNotFoundError)) or (
-            fmt is not None and isinstance(err, fmt.CheckpointError)):
-        return 2
-    nan = sys.modules.get("colonnade.reliability.nan")
-    if nan is not None and isinstance(err, nan.NonFiniteError):
-        return 1
-    return None
+    return expected_failure(err)
 
 
 def main(argv: list[str] | None = None) -> int:

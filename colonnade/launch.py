@@ -8,6 +8,9 @@ processes with the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR environmen
 * One node: a private c10d rendezvous on a free local port (torchrun's ``--standalone``).
 * Several nodes: a static rendezvous at ``--rdzv-endpoint`` (node 0's address); each node runs
   one launcher with its ``--node-rank``; global rank = node_rank * nproc + local rank.
+* Ctrl-C / SIGTERM: the agent forwards the signal; the ranks finish the step, save and return
+  (:mod:`colonnade.reliability.interrupt`); the launcher prints one line and exits 130 / 143.
+* Bad input found inside the ranks (data, checkpoint): one line, exit status 2.
 * Failure: when a rank dies or raises, the agent stops the others (SIGTERM, then SIGKILL after
   30 s); each rank records what it was doing (:mod:`colonnade.reliability`), and the launcher
   prints a report naming the rank that failed first, how, and in which collective, and exits 1.
@@ -33,8 +36,11 @@ def watchdog_seconds(par: ParallelConfig) -> float:
     return 2.0 * par.timeout_s if par.watchdog_s is None else par.watchdog_s
 
 
-def run_rank(config: Config) -> dict[str, Any]:
-    """The body of every rank: validate, monitor, join the job, resume on restart, train."""
+def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
+    """The body of every rank: validate, monitor, join the job, resume on restart, train.
+
+    Bad input (:data:`EXPECTED`) ends the rank with status 2 and no traceback; rank 0 prints
+    it unless ``launched`` (then :func:`launch` prints it once)."""
     import os
 
     from colonnade.config.validate import resolve, validate
@@ -54,19 +60,84 @@ def run_rank(config: Config) -> dict[str, Any]:
             print(failure_report(config.logging.dir, attempt=info.attempt - 1,
                                  run_id=info.run_id), flush=True)
         config, note = resume_config(config, info.attempt)
-        if note and info.rank == 0:
+        if note and info.rank == 0 and info.attempt > 0:  # the first note: the CLI's preflight
             print(f"colonnade: {note}", flush=True)
         init_distributed(config)
         result = train(config, monitor=monitor)
         ok = True
     except BaseException as exc:
         monitor.record_failure(exc)
-        raise
+        status = expected_failure(exc)
+        if status is None:
+            raise
+        if info.rank == 0 and not launched:  # bad input, not a bug: one line, no traceback
+            print(f"colonnade: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(status) from None
     finally:
         monitor.stop(ok)
-    if result["rank"] == 0:
+    if result["rank"] == 0 and not (result.get("interrupted") or result.get("finished")):
         print(final_summary(result), flush=True)
-    return {"valid": result["valid"]}
+    if result.get("interrupted") and launched:
+        _exit_soon(128 + int(result["interrupted"]))
+    return {"valid": result["valid"], "interrupted": result.get("interrupted", 0)}
+
+
+EXIT_AFTER_STOP_S = 5.0
+"""A stopped rank exits this long after returning unless the agent collected its result."""
+
+
+def _exit_soon(status: int, delay: float = EXIT_AFTER_STOP_S) -> None:
+    """After a stop the agent that got the signal too no longer collects results (its workers
+    would wait for it until it kills them 30 s later): exit with ``status`` after ``delay``
+    unless the agent (signal to the ranks only) collects the result first and ends us."""
+    import os
+    import threading
+
+    def bye() -> None:
+        time.sleep(delay)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    threading.Thread(target=bye, name="colonnade-exit", daemon=True).start()
+
+
+EXPECTED = ("ConfigError", "DataError", "CorpusError", "TokenizerError", "IndexedDatasetError",
+            "CheckpointError", "FileNotFoundError")
+"""Errors of bad input (data, checkpoints, config): reported in one line, exit status 2."""
+
+
+def expected_failure(err: BaseException) -> int | None:
+    """Exit status of an expected failure printed as one line (bad input 2, NaN/Inf 1), or None
+    for anything else (a bug: its traceback shows)."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    if names & set(EXPECTED):
+        return 2
+    return 1 if "NonFiniteError" in names else None
+
+
+def _one_line_failure(run_dir: str, run_id: str, since: float) -> str | None:
+    """The message when every failed rank raised an expected error (the same bad input)."""
+    from colonnade.reliability.report import read_records
+
+    records = read_records(run_dir, run_id, since).values()
+    summaries = [str(r.get("summary", "")) for r in records if r.get("kind") == "exception"]
+    if not summaries or any(s.split(":", 1)[0] not in EXPECTED for s in summaries):
+        return None
+    return f"colonnade: {summaries[0]}"
+
+
+def _stopped_line(config: Config, signum: int) -> str:
+    """The launcher's line after Ctrl-C / SIGTERM reached it (it forwards it to the ranks,
+    which finish their step and save)."""
+    from colonnade.reliability.interrupt import signal_name
+    from colonnade.reliability.startup import latest_checkpoint
+
+    latest = latest_checkpoint(config.checkpoint.save)
+    where = (f"latest checkpoint {latest}; re-run the same command to resume"
+             if latest is not None else "no checkpoint was saved (set --checkpoint.save=DIR "
+             "to save on Ctrl-C / SIGTERM)")
+    return f"colonnade: the job was stopped by {signal_name(signum)}; {where}"
 
 
 def launch_config(args: argparse.Namespace) -> Any:
@@ -105,11 +176,13 @@ def check_launch_args(args: argparse.Namespace) -> list[str]:
 def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None = None,
            entrypoint: Callable[..., Any] = run_rank, entry_args: tuple[Any, ...] | None = None
            ) -> int:
-    """Start ``args.nproc`` ranks on this node; returns the job's exit status (0 or 1).
+    """Start ``args.nproc`` ranks on this node; returns the job's exit status: 0, 1 (a failure,
+    reported per rank), 2 (bad input, one line) or 128 + signal (Ctrl-C 130, SIGTERM 143).
 
-    ``entrypoint(*entry_args)`` (default ``run_rank(config)``) runs in every rank; it must be a
-    module-level function (ranks are spawned).
+    ``entrypoint(*entry_args)`` (default ``run_rank(config, True)``) runs in every rank; it must
+    be a module-level function (ranks are spawned).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -123,8 +196,16 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
     lc = launch_config(args)
     since = time.time()
     try:
-        elastic_launch(lc, entrypoint)(*(entry_args if entry_args is not None else (config,)))
+        results = elastic_launch(lc, entrypoint)(*(entry_args if entry_args is not None
+                                                   else (config, True)))
+    except SignalException as err:  # Ctrl-C / SIGTERM to the launcher, forwarded to the ranks
+        print(_stopped_line(config, int(err.sigval)), file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
+        line = _one_line_failure(config.logging.dir, lc.run_id, since)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+            return 2
         report = failure_report(config.logging.dir, run_id=lc.run_id, since=since,
                                 agent_failures=err.failures)
         print(report, file=sys.stderr, flush=True)
@@ -135,4 +216,6 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
               f"--rdzv-endpoint={args.rdzv_endpoint}, distinct --node-rank values, and that node "
               "0 is reachable.", file=sys.stderr, flush=True)
         return 1
-    return 0
+    stopped = max((int((r or {}).get("interrupted", 0)) if isinstance(r, dict) else 0
+                   for r in (results or {}).values()), default=0)
+    return 128 + stopped if stopped else 0

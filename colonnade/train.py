@@ -16,8 +16,8 @@ from colonnade.config.load import ConfigError, load_config
 def main(argv: list[str] | None = None) -> None:
     """Parse --config and overrides, then run this rank."""
     from colonnade.checkpoint.finetune import explicit_model_fields, with_init_from
-    from colonnade.config.validate import resolve, validate
-    from colonnade.launch import run_rank
+    from colonnade.launch import expected_failure, run_rank
+    from colonnade.training.preflight import preflight
 
     argv = list(sys.argv[1:] if argv is None else argv)
     path = None
@@ -30,11 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = with_init_from(load_config(path, argv), explicit_model_fields(path, argv))
-        config = validate(resolve(config, world), world)
-    except ConfigError as err:
+        config, notes = preflight(config, world)  # validates; data, checkpoints, resume
+    except Exception as err:
+        status = 2 if isinstance(err, ConfigError) else expected_failure(err)
+        if status is None:
+            raise
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"colonnade: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(status) from None
+    if notes and os.environ.get("RANK", "0") == "0":
+        print(f"colonnade: {'; '.join(notes)}", flush=True)
     run_rank(config)
 
 

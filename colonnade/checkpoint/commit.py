@@ -10,8 +10,9 @@ Protocol (the root holds ``step_XXXXXXXX/`` directories and a ``latest`` text fi
 4. rank 0 writes ``latest.tmp`` (fsync) and renames it onto ``latest`` (fsync root);
 5. checkpoints beyond the last K are deleted (never the one ``latest`` names).
 
-A step directory is never overwritten: saving a step that is already committed keeps the old
-one (deleting it first would leave ``latest`` naming nothing for a moment).
+The directory ``latest`` names is never overwritten. Another step directory of the same name
+(left by an earlier attempt that a resumed run re-does) is moved aside first, so what the log
+says was saved is what is on disk.
 
 A crash before 3's rename leaves only a ``.tmp`` directory (ignored, removed next time); a crash
 between 3 and 4 leaves a complete directory that ``latest`` does not name yet; ``latest`` is
@@ -89,9 +90,8 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, metadata: dict[str
     fsync_path(tmp)
     hook("files_written")
     final = root / step_dirname(step)
-    if final.exists():  # same step committed before (e.g. resumed at the end): keep it
-        shutil.rmtree(tmp, ignore_errors=True)
-        return final
+    if final.exists():
+        _set_aside(root, final)
     os.replace(tmp, final)
     fsync_path(root)
     hook("renamed")
@@ -106,6 +106,30 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, metadata: dict[str
     hook("latest_written")
     prune(root, keep_last)
     return final
+
+
+def _set_aside(root: Path, final: Path) -> None:
+    """A step directory left by an earlier attempt that ``latest`` does not name (a crash between
+    rename and marker, or a run re-done after resuming from an earlier step) is replaced: moved
+    to a ``.tmp`` name (removed by the next save) so the new one can take its place. The one
+    ``latest`` names is never replaced (it would name nothing for a moment)."""
+    latest = read_latest(root)
+    if latest is not None and latest.name == final.name:
+        raise CheckpointError(f"{final} is the checkpoint {root / LATEST} names; a run never "
+                              "saves the step it resumed from again")
+    os.replace(final, root / (final.name + ".old.tmp"))
+    fsync_path(root)
+
+
+def clear_checkpoints(root: Path) -> list[str]:
+    """(rank 0, ``checkpoint.on_existing='overwrite'``) Delete every checkpoint and the
+    ``latest`` marker under ``root``; returns the deleted directory names."""
+    (root / LATEST).unlink(missing_ok=True)
+    names = [step_dirname(s) for s in committed_steps(root)]
+    for name in names:
+        shutil.rmtree(root / name)
+    fsync_path(root)
+    return names
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -43,6 +43,8 @@ HANG_EXIT_CODE = 124
 """Exit status of a rank stopped by its own hang detector (like coreutils' timeout)."""
 TERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status of a rank stopped by SIGTERM after recording its state."""
+TERM_GRACE_S = 5.0
+"""With graceful stop on, a SIGTERM'd rank idle this long (no step, no collective) is stuck."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,11 @@ class RankMonitor:
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None
         self._previous: dict[str, Any] = {}
+        self.graceful_stop = False
+        """Set by the training loop while it can stop at a step boundary and save
+        (:mod:`colonnade.reliability.interrupt`): SIGTERM then ends the rank only when it makes
+        no progress for TERM_GRACE_S (stuck, or its peers are gone), never while saving."""
+        self._term_since: float | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -222,10 +229,16 @@ class RankMonitor:
             if self._wake is not None:
                 ready, _, _ = select.select([self._wake[0]], [], [], poll)
                 if ready and self._got_sigterm():
-                    self._on_terminate()
-                    return
+                    if not self.graceful_stop:
+                        self._on_terminate()
+                        return
+                    self._term_since = time.monotonic()
             else:
                 self._stop.wait(poll)
+            if (self._term_since is not None and self.phase != "save"
+                    and self.idle_s() > TERM_GRACE_S):
+                self._on_terminate()
+                return
             if self.armed and self.watchdog_s > 0 and self.idle_s() > self.watchdog_s:
                 self._on_hang()
                 return

@@ -16,6 +16,7 @@ checkpoint, so the job continues from there instead of from scratch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -63,20 +64,103 @@ def latest_checkpoint(root: str | Path | None) -> Path | None:
     return read_latest(Path(root))
 
 
-def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
-    """On a restart, load from ``checkpoint.save``'s latest checkpoint; returns (config, note).
+def _run_differences(config: Config, ckpt: Path) -> list[str]:
+    """How the run that wrote ``ckpt`` differs from ``config``: the tensor-deciding [model]
+    fields and the data (input, prepared_dir, blend, tokenizer, seed)."""
+    from colonnade.checkpoint.finetune import model_mismatch
+    from colonnade.config.load import ConfigError, load_config
 
-    The first attempt runs the config as given. A restart without any committed checkpoint
-    starts again from ``checkpoint.load`` (or from scratch) and says so.
-    """
-    if attempt == 0:
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    out = model_mismatch(meta.get("model", {}), config.model)
+    try:
+        saved = load_config(ckpt / "config.toml")
+    except (ConfigError, OSError):
+        return out  # an older checkpoint: the model is all that can be compared
+    pairs = [(f"data.{n}", getattr(saved.data, n), getattr(config.data, n))
+             for n in ("input", "prepared_dir", "blend", "tokenizer")]
+    pairs.append(("training.seed", saved.training.seed, config.training.seed))
+    for name, theirs, ours in pairs:
+        same = theirs == ours
+        if isinstance(theirs, str) and isinstance(ours, str):
+            same = Path(theirs).resolve() == Path(ours).resolve()
+        if not same:
+            out.append(f"{name}={ours!r} (checkpoint: {theirs!r})")
+    return out
+
+
+def _keep_global_batch(config: Config, ckpt: Path) -> tuple[Config, str]:
+    """Resuming: keep the checkpoint's global batch when the run does not set one (a new layout
+    re-derives the micro-batches from it; the sampler's data order depends only on it)."""
+    from colonnade.config.load import ConfigError, load_config
+
+    tr = config.training
+    try:
+        saved = load_config(ckpt / "config.toml").training.global_batch_size
+    except (ConfigError, OSError):
         return config, ""
-    save = config.checkpoint.save
+    if saved is None or tr.global_batch_size is not None:
+        note = "" if saved in (None, tr.global_batch_size) else (
+            f"; training.global_batch_size {saved} -> {tr.global_batch_size} as set")
+        return config, note
+    if tr.microbatches is not None:
+        return config, ""  # explicit micro-batches: validation reports a conflict by name
+    training = dataclasses.replace(tr, global_batch_size=saved)
+    return dataclasses.replace(config, training=training), f"; global batch {saved} kept"
+
+
+def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
+    """Where the run starts; returns (config, note). One path for the first start, a re-run of
+    the same command and a restart (``--max-restarts``, ``attempt`` > 0).
+
+    When ``checkpoint.save`` holds committed checkpoints, ``checkpoint.on_existing`` decides:
+    'auto' resumes from the latest when it is this run's (same model and data) and refuses
+    another run's; 'resume' resumes from it (same model needed); 'overwrite' starts fresh (the
+    loop deletes them first); 'refuse' stops. A restart always resumes from the latest. Raises
+    :class:`CheckpointError` naming the fix; reads files, writes none.
+    """
+    from colonnade.checkpoint.format import CheckpointError
+
+    ck = config.checkpoint
+    save = ck.save
     latest = latest_checkpoint(save)
     if latest is None:
-        start = config.checkpoint.load or "scratch"
-        return config, (f"restart {attempt}: no committed checkpoint under checkpoint.save="
-                        f"{save}; starting again from {start}")
-    ckpt = dataclasses.replace(config.checkpoint, load=save)
-    return (dataclasses.replace(config, checkpoint=ckpt),
-            f"restart {attempt}: resuming from {latest}")
+        if attempt > 0:
+            start = ck.load or ck.init_from or "scratch"
+            return config, (f"restart {attempt}: no committed checkpoint under checkpoint.save="
+                            f"{save}; starting again from {start}")
+        return _with_load(config, ck.load, "") if ck.load else (config, "")
+    if attempt == 0 and ck.on_existing == "overwrite":
+        return _with_load(config, ck.load, "") if ck.load else (config, "")
+    if attempt == 0 and ck.on_existing == "refuse":
+        raise CheckpointError(
+            f"checkpoint.save={save} already holds checkpoints (latest {latest.name}) and "
+            "checkpoint.on_existing='refuse'. Pick a new --checkpoint.save, or set "
+            "--checkpoint.on_existing=resume to continue from it or =overwrite to replace it.")
+    diff = _run_differences(config, latest)
+    if attempt == 0 and diff and (ck.on_existing == "auto" or any(
+            d.startswith("model.") for d in diff)):
+        raise CheckpointError(
+            f"checkpoint.save={save} holds another run's checkpoints (latest {latest.name}): "
+            f"{'; '.join(diff)}. Pick a new --checkpoint.save for this run, or set "
+            "--checkpoint.on_existing=overwrite to delete them and start fresh"
+            + ("" if any(d.startswith("model.") for d in diff) else
+               " or =resume to continue from them on this data") + ".")
+    prefix = f"restart {attempt}: resuming" if attempt > 0 else "resuming"
+    return _with_load(config, save, f"{prefix} from {latest}")
+
+
+def _with_load(config: Config, load: str | None, note: str) -> tuple[Config, str]:
+    """``config`` resuming from ``load`` with the checkpoint's global batch kept."""
+    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.format import CheckpointError
+
+    ckpt = dataclasses.replace(config.checkpoint, load=load)
+    config = dataclasses.replace(config, checkpoint=ckpt)
+    try:
+        path = resolve_checkpoint(load) if load else None
+    except CheckpointError:
+        return config, note  # not a Colonnade checkpoint: the loader reports it in full
+    if path is None or not (path / "config.toml").is_file():
+        return config, note
+    config, batch = _keep_global_batch(config, path)
+    return config, (note + batch if note else batch.lstrip("; "))

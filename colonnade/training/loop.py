@@ -16,9 +16,11 @@ from colonnade.device import memory_stats, peak_tflops, synchronize
 from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
 from colonnade.reliability.nan import check_step
 from colonnade.training.grads import reduce_sp_and_tied
+from colonnade.training.lifecycle import clear_for_overwrite, finished_note, interrupted_line
 from colonnade.training.metrics import MetricsWriter, flops_per_token, format_line
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
@@ -59,7 +61,7 @@ class Trainer:
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        return {"loss": mean_loss(losses, self.groups, self.rt.device), **info}
+        return {"loss": mean_loss(losses, self.groups, self.rt.device, batches), **info}
 
     def executor_options(self) -> dict[str, object]:
         """Pipeline executor switches taken from the config."""
@@ -76,7 +78,8 @@ class Trainer:
         return out
 
     def evaluate(self) -> float:
-        """Mean loss over ``eval_batches`` micro-batches of the valid split (same on all ranks)."""
+        """Mean loss over the valid tokens of ``eval_batches`` micro-batches of the valid split
+        (same on all ranks)."""
         assert self.data is not None
         set_train_mode(self.chunks, False)
         tr, valid = self.config.training, self.data.valid
@@ -91,7 +94,7 @@ class Trainer:
                         extra=self.executor_options())
         losses = forward_only(self.chunks, batches, plan)
         set_train_mode(self.chunks, True)
-        return mean_loss(losses, self.groups, self.rt.device)
+        return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -118,8 +121,16 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         note = start_from(trainer, ck.load) if ck.load else init_weights(trainer, ck.init_from)
         if rt.is_logger:
             print(f"colonnade: {note}")
+        if ck.load and trainer.step >= tr.steps:  # a re-run of a finished run
+            if rt.is_logger:
+                print(finished_note(cfg, trainer.step))
+            return {"history": [], "valid": [], "rank": rt.groups.rank, "finished": True}
+    cleared = clear_for_overwrite(cfg, rt.groups)
+    if cleared and rt.is_logger:
+        print(f"colonnade: {cleared}")
     pending: PendingSave | None = None
-    writer = MetricsWriter(log_cfg.dir, log_cfg.tensorboard) if rt.is_logger else None
+    writer = (MetricsWriter(log_cfg.dir, log_cfg.tensorboard, start_step=trainer.step)
+              if rt.is_logger else None)
     if rt.is_logger:
         (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
         print(f"colonnade: {rt.groups.dims.describe()} on {rt.device}, "
@@ -132,6 +143,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     valid_losses: list[tuple[int, float]] = []
     window_start, window_steps = time.perf_counter(), 0
+    stopper, stop = StopRequest().install(), 0  # Ctrl-C / SIGTERM: finish the step, save
+    if monitor is not None:
+        monitor.graceful_stop = True
     if tr.eval_interval:
         valid_losses.append((trainer.step, trainer.evaluate()))
         if rt.is_logger:
@@ -146,15 +160,17 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         step = trainer.step
-        if ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps:
+        stop = stopper.agreed(rt.groups.world, rt.device)  # every rank stops after this step
+        if ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps and not stop:
             if pending is not None:
                 pending.wait()
             pending = save_training(trainer, ck.save, keep_last=ck.keep_last,
                                     async_save=ck.async_save, tokenizer=data.tokenizer)
-        evaluate = tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps)
+        evaluate = not stop and tr.eval_interval and (step % tr.eval_interval == 0
+                                                      or step == tr.steps)
         if evaluate:
             valid_losses.append((step, trainer.evaluate()))
-        if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate:
+        if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop:
             synchronize(rt.device)
             dt = (time.perf_counter() - window_start) / max(1, window_steps)
             tps = tokens_per_step / dt
@@ -170,17 +186,26 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                 line = format_line(rec)
                 (bar.write if bar is not None else print)(line)
             window_start, window_steps = time.perf_counter(), 0
+        if stop:
+            break
+    stopper.restore()
     if bar is not None:
         bar.close()
     if pending is not None:
         pending.wait()
+    final = None
     if ck.save:
+        if monitor is not None:
+            monitor.beat(trainer.step, rt.groups.stats, phase="save")
         final = save_training(trainer, ck.save, keep_last=ck.keep_last, tokenizer=data.tokenizer)
-        if rt.is_logger:
+        if rt.is_logger and not stop:
             print(f"saved checkpoint {final.path}")
     if writer is not None:
         writer.close()
-    return {"history": history, "valid": valid_losses, "rank": rt.groups.rank}
+    if stop and rt.is_logger:
+        print(interrupted_line(stop, trainer.step, final.path if final else None), flush=True)
+    return {"history": history, "valid": valid_losses, "rank": rt.groups.rank,
+            "interrupted": stop}
 
 
 def final_summary(result: dict[str, Any]) -> str:

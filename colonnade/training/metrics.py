@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per log step to metrics.jsonl; TensorBoard too when available."""
+    """Appends one JSON object per log step to metrics.jsonl; TensorBoard too when available.
 
-    def __init__(self, directory: str | Path, tensorboard: bool) -> None:
+    A run that starts at ``start_step`` (a resume; 0 for a fresh start) continues the file
+    without duplicates: records of later steps, left by the run it resumes (or by an earlier run
+    in the same directory), are moved to metrics.dropped.jsonl (:attr:`dropped` counts them).
+    """
+
+    def __init__(self, directory: str | Path, tensorboard: bool, start_step: int = 0) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        self.dropped = self._truncate_after(start_step)
         self.fh = self.path.open("a")
         self.tb: Any = None
         if tensorboard:
@@ -57,6 +64,25 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(self.dir))
             except Exception:  # tensorboard not installed: JSONL only
                 self.tb = None
+
+    def _truncate_after(self, start_step: int) -> int:
+        """Keep the records of steps <= ``start_step``; move the rest aside; return how many."""
+        if not self.path.exists():
+            return 0
+        keep, drop = [], []
+        for line in self.path.read_text().splitlines():
+            try:
+                step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError, TypeError):
+                step = start_step + 1  # unreadable: not part of this run's history
+            (keep if step <= start_step else drop).append(line)
+        if drop:
+            with (self.dir / "metrics.dropped.jsonl").open("a") as fh:
+                fh.write("".join(f"{line}\n" for line in drop))
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(f"{line}\n" for line in keep))
+            os.replace(tmp, self.path)
+        return len(drop)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append a record (and scalars to TensorBoard)."""

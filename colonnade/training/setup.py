@@ -13,10 +13,18 @@ import torch.distributed as dist
 from colonnade.checkpoint.finetune import with_init_from
 from colonnade.config.sections import Config
 from colonnade.config.validate import resolve, validate
-from colonnade.data import BatchSampler, BlendedDataset, IndexedDataset, WindowDataset, prepare
+from colonnade.data import (
+    BatchSampler,
+    BlendedDataset,
+    DataError,
+    IndexedDataset,
+    WindowDataset,
+    prepare,
+)
 from colonnade.device import backend_for, pick_device
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.training.preflight import check_prepare_target, data_plan
 
 
 @dataclass
@@ -71,6 +79,7 @@ def prepare_data(config: Config, log: bool = True) -> Path:
     """Tokenize the input (or the built-in corpus) once; returns the prepared directory."""
     cfg = config.data
     out = Path(cfg.prepared_dir)
+    check_prepare_target(cfg)  # never over another dataset unless data.overwrite
     # a given tokenizer defines the vocabulary (train checks it fits model.vocab_size)
     vocab = None if cfg.tokenizer else config.model.vocab_size
     prepare(cfg.input or None, out, vocab, Path(cfg.tokenizer) if cfg.tokenizer else None,
@@ -81,11 +90,15 @@ def prepare_data(config: Config, log: bool = True) -> Path:
 
 
 def build_data(config: Config, groups: ProcessGroups) -> Data:
-    """Datasets and sampler; rank 0 prepares the data first, the others then reuse it."""
-    if groups.rank == 0:
+    """Datasets and sampler. Data is prepared only when :func:`data_plan` says so (rank 0 first,
+    the others then reuse it); otherwise the prepared dir is used as it is."""
+    plan = data_plan(config)
+    if plan.action == "prepare" and groups.rank == 0:
         prepare_data(config)
     groups.world.barrier()
-    out = prepare_data(config, log=False) if groups.rank != 0 else Path(config.data.prepared_dir)
+    if plan.action == "prepare" and groups.rank != 0:
+        prepare_data(config, log=False)
+    out = plan.prepared_dir
     seq, frac = config.training.seq_len, config.data.valid_fraction
     indexed = IndexedDataset(out / "data")
     valid = WindowDataset(indexed, seq, "valid", frac)
@@ -103,8 +116,8 @@ def build_data(config: Config, groups: ProcessGroups) -> Data:
                            groups.dp.rank, groups.dp.size, tr.seed)
     vocab = _tokenizer_vocab(out / "tokenizer.json")
     if vocab > config.model.vocab_size:
-        raise ValueError(f"tokenizer has {vocab} tokens but model.vocab_size="
-                         f"{config.model.vocab_size}; raise model.vocab_size")
+        raise DataError(f"tokenizer has {vocab} tokens but model.vocab_size="
+                        f"{config.model.vocab_size}; set --model.vocab_size={vocab}")
     return Data(train, valid, sampler, out / "tokenizer.json", vocab)
 
 

@@ -1,0 +1,43 @@
+"""The run's life cycle around the loop: a save directory to overwrite, a run already finished,
+and the line printed when Ctrl-C / SIGTERM stopped it (:mod:`colonnade.reliability.interrupt`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from colonnade.checkpoint.commit import clear_checkpoints
+from colonnade.config.sections import Config
+from colonnade.reliability.interrupt import signal_name
+
+
+def clear_for_overwrite(config: Config, groups: Any) -> str:
+    """``checkpoint.on_existing='overwrite'`` on a fresh start: rank 0 deletes the checkpoints
+    under ``checkpoint.save`` before the first save (collective); returns a line for the log."""
+    ck = config.checkpoint
+    if not ck.save or ck.on_existing != "overwrite" or ck.load == ck.save:
+        return ""
+    names = clear_checkpoints(Path(ck.save)) if groups.rank == 0 else []
+    groups.world.barrier()
+    if not names:
+        return ""
+    return (f"checkpoint.on_existing=overwrite: deleted {len(names)} earlier checkpoint(s) under "
+            f"{ck.save} ({names[0]} .. {names[-1]})")
+
+
+def finished_note(config: Config, step: int) -> str:
+    """The line of a re-run whose resumed checkpoint already reached training.steps."""
+    return (f"colonnade: {config.checkpoint.load} already holds step {step} >= training.steps="
+            f"{config.training.steps}; nothing to train (raise --training.steps to continue, "
+            "or pick a new --checkpoint.save to start over)")
+
+
+def interrupted_line(signum: int, step: int, saved: Path | None) -> str:
+    """What a stopped run tells the user: where it stopped, what is on disk, how to go on."""
+    if saved is not None:
+        what = f"saved checkpoint {saved}; re-run the same command to resume"
+    else:
+        what = ("nothing was saved: checkpoint.save is unset (add --checkpoint.save=DIR to save "
+                "on Ctrl-C / SIGTERM and resume by re-running)")
+    return f"colonnade: interrupted by {signal_name(signum)} at step {step}; {what}"

@@ -1,0 +1,145 @@
+"""Checks and decisions made before any rank starts, reading files and writing none.
+
+``colonnade train`` (and every rank again, under torchrun) runs :func:`preflight` after the
+config is validated, so a run that would be refused changes no file and starts no process:
+
+* data (:func:`data_plan`): ``train`` prepares only what it is told to. With ``data.input`` it
+  prepares (or reuses) that input in ``data.prepared_dir``; without it, an existing prepared
+  dir is used as it is, whatever it was built from, and only the default location
+  (``data/stdlib``) is built from the built-in corpus. A missing prepared dir, or one built from
+  other inputs than ``data.input``, is an error naming the fix (``data.overwrite`` rebuilds).
+* vocabulary: the tokenizer the run will use must fit ``model.vocab_size``.
+* checkpoints: auto-resume from ``checkpoint.save`` or refuse another run's checkpoints
+  (:func:`colonnade.reliability.startup.resume_config`), and an LR schedule change on resume
+  (:func:`colonnade.checkpoint.training_state.preflight_resume`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from colonnade.config.sections import Config, DataConfig
+from colonnade.data.errors import DataError
+
+DEFAULT_PREPARED_DIR = DataConfig().prepared_dir
+"""The built-in corpus's prepared dir (`make demo`): the only one `train` builds unasked."""
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What ``train`` does with ``data.prepared_dir``: 'prepare' it (or reuse a matching
+    build) or 'use' it as it is."""
+
+    action: str
+    prepared_dir: Path
+    tokenizer: Path | None
+    """The tokenizer.json the run will train with (None: a BPE trained by prepare)."""
+
+
+def read_manifest(prepared_dir: Path) -> dict[str, Any] | None:
+    """prepare.json of a prepared dir, or None when absent or unreadable."""
+    try:
+        data = json.loads((Path(prepared_dir) / "prepare.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _recorded_input(manifest: dict[str, Any]) -> str | None:
+    value = manifest.get("key", {}).get("input")
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return None if value is None else str(value)
+
+
+def _same_input(recorded: str | None, given: str | None) -> bool:
+    if recorded is None or given is None:
+        return recorded is given
+    return Path(recorded).resolve() == Path(given).resolve()
+
+
+def _describe(input_: str | None) -> str:
+    return "the built-in corpus (no data.input)" if input_ is None else f"'{input_}'"
+
+
+def _is_default(path: Path) -> bool:
+    return path.resolve() == Path(DEFAULT_PREPARED_DIR).resolve()
+
+
+def check_prepare_target(data: DataConfig) -> None:
+    """Refuse to prepare ``data.input`` into a prepared dir that holds another dataset (its
+    manifest names other inputs, or it holds files but no manifest) unless data.overwrite."""
+    out = Path(data.prepared_dir)
+    if data.overwrite or not out.exists():
+        return
+    manifest = read_manifest(out)
+    if manifest is None:
+        if out.is_dir() and any(out.iterdir()) and not _is_default(out):
+            raise DataError(
+                f"data.prepared_dir='{out}' holds files but no prepare.json, so it is not a "
+                "dataset Colonnade built; refusing to write into it. Pick a new (empty) "
+                "--data.prepared_dir, or set --data.overwrite=true to use it anyway.")
+        return
+    recorded = _recorded_input(manifest)
+    if not _same_input(recorded, data.input):
+        raise DataError(
+            f"data.prepared_dir='{out}' holds a dataset prepared from {_describe(recorded)}, "
+            f"not from {_describe(data.input)}; refusing to overwrite it. Pick another "
+            f"--data.prepared_dir for this input, train on it as it is by leaving data.input "
+            f"unset, or set --data.overwrite=true to rebuild it.")
+
+
+def data_plan(config: Config) -> DataPlan:
+    """Decide what ``train`` does with the data (reads files, writes none); raises
+    :class:`DataError` with the fix when the prepared dir is missing or is another dataset."""
+    data = config.data
+    out = Path(data.prepared_dir)
+    manifest = read_manifest(out)
+    given_tok = Path(data.tokenizer) if data.tokenizer else None
+    if given_tok is not None and given_tok.is_dir():
+        given_tok = given_tok / "tokenizer.json"
+    if data.input is not None:
+        check_prepare_target(data)
+        return DataPlan("prepare", out, given_tok)
+    built = (out / "tokenizer.json").is_file() and (out / "data.idx").is_file()
+    if _is_default(out) and (manifest is None or _recorded_input(manifest) is None):
+        return DataPlan("prepare", out, given_tok)  # the built-in corpus (make demo)
+    if manifest is not None or built:
+        return DataPlan("use", out, out / "tokenizer.json")
+    raise DataError(
+        f"data.prepared_dir='{out}' holds no prepared dataset (no prepare.json); nothing to "
+        f"train on. Prepare it first (`colonnade prepare --data.input=YOUR_TEXT "
+        f"--data.prepared_dir={out}`), or pass --data.input=YOUR_TEXT to prepare it now, or "
+        f"fix the path (the built-in corpus is the default {DEFAULT_PREPARED_DIR}).")
+
+
+def check_vocab(config: Config, plan: DataPlan) -> None:
+    """The tokenizer the run will use must fit model.vocab_size (before anything is written)."""
+    if plan.tokenizer is None or not plan.tokenizer.is_file():
+        return
+    from colonnade.data import load_tokenizer
+
+    vocab = load_tokenizer(plan.tokenizer).get_vocab_size()
+    if vocab > config.model.vocab_size:
+        raise DataError(
+            f"the tokenizer {plan.tokenizer} has {vocab} tokens but model.vocab_size="
+            f"{config.model.vocab_size}; set --model.vocab_size={vocab} (or larger).")
+
+
+def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
+    """Every check and decision before launch; returns (the config to run, notes to log).
+
+    Raises ConfigError / DataError / CheckpointError naming the fix; writes no file."""
+    from colonnade.checkpoint.training_state import preflight_resume
+    from colonnade.config.validate import resolve, validate
+    from colonnade.reliability.startup import resume_config
+
+    config, note = resume_config(config, 0)
+    config = validate(resolve(config, world), world)
+    plan = data_plan(config)
+    check_vocab(config, plan)
+    preflight_resume(config)
+    return config, [note] if note else []
