@@ -53,10 +53,12 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def special_tokens(tokenizer_dir: Path, vocab_size: int) -> tuple[dict[str, Any], dict[str, int]]:
+def special_tokens(tokenizer_dir: Path, model: ModelConfig) -> tuple[dict[str, Any],
+                                                                      dict[str, int]]:
     """(tokenizer_config.json contents, {bos/eos/pad_token_id}) of the tokenizer in
     ``tokenizer_dir``: an existing tokenizer_config.json completed, else one naming the EOD token
-    for every role. Every id must lie inside the model's ``vocab_size``."""
+    for every role, with ``model_max_length`` = model.max_seq_len. Every id must lie inside the
+    model's vocabulary."""
     tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
     eod = tok.id_to_token(eod_id(tok))
     src = tokenizer_dir / "tokenizer_config.json"
@@ -66,6 +68,7 @@ def special_tokens(tokenizer_dir: Path, vocab_size: int) -> tuple[dict[str, Any]
     config.setdefault("bos_token", _token_text(config["eos_token"]))
     config.setdefault("pad_token", _token_text(config["eos_token"]))
     config.setdefault("clean_up_tokenization_spaces", False)
+    config.setdefault("model_max_length", model.max_seq_len)
     ids: dict[str, int] = {}
     for role in SPECIAL_ROLES:
         text = _token_text(config[role])
@@ -73,20 +76,17 @@ def special_tokens(tokenizer_dir: Path, vocab_size: int) -> tuple[dict[str, Any]
         if tid is None:
             raise CheckpointError(f"{src}: {role} {text!r} is not in tokenizer.json; fix or "
                                   "delete tokenizer_config.json")
-        if tid >= vocab_size:
+        if tid >= model.vocab_size:
             raise CheckpointError(f"{tokenizer_dir}/tokenizer.json: {role} {text!r} has id "
-                                  f"{tid}, outside model.vocab_size={vocab_size}; the tokenizer "
-                                  "does not belong to this model")
+                                  f"{tid}, outside model.vocab_size={model.vocab_size}; the "
+                                  "tokenizer does not belong to this model")
         ids[f"{role}_id"] = tid
     return config, ids
 
 
-def write_tokenizer(directory: Path, tokenizer_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Copy the tokenizer files of ``tokenizer_dir`` and write tokenizer_config.json and
-    special_tokens_map.json; returns the special ids (none without a tokenizer.json)."""
-    if not (tokenizer_dir / "tokenizer.json").exists():
-        return {}
-    config, ids = special_tokens(tokenizer_dir, vocab_size)
+def write_tokenizer(directory: Path, tokenizer_dir: Path, config: dict[str, Any]) -> None:
+    """Copy the tokenizer files of ``tokenizer_dir``; write tokenizer_config.json (``config``,
+    from :func:`special_tokens`) and special_tokens_map.json."""
     for name in TOKENIZER_FILES:
         src = tokenizer_dir / name
         if src.exists() and name not in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -94,27 +94,33 @@ def write_tokenizer(directory: Path, tokenizer_dir: Path, vocab_size: int) -> di
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     special = {role: config[role] for role in SPECIAL_ROLES}
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-    return ids
 
 
 def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tensor],
              tokenizer_dir: str | Path | None = None, dtype: str | None = None) -> Path:
     """Write config.json, generation_config.json, model.safetensors (cast to ``dtype``, a key
-    of EXPORT_DTYPES; None keeps the stored dtype) and the tokenizer of ``tokenizer_dir``."""
+    of EXPORT_DTYPES; None keeps the stored dtype) and the tokenizer of ``tokenizer_dir`` (none
+    when it holds no tokenizer.json: the special ids are then null). Everything is checked
+    before the first file is written."""
     _check_dtype(dtype)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    tok_config: dict[str, Any] | None = None
+    ids: dict[str, int | None] = dict.fromkeys(f"{r}_id" for r in SPECIAL_ROLES)
+    if tok_dir is not None and (tok_dir / "tokenizer.json").exists():
+        tok_config, found = special_tokens(tok_dir, cfg)
+        ids.update(found)
     state = to_hf_state(cfg, full)
     if dtype is not None:
         state = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
-    ids: dict[str, int | None] = dict.fromkeys(f"{r}_id" for r in SPECIAL_ROLES)
-    if tokenizer_dir is not None:
-        ids.update(write_tokenizer(directory, Path(tokenizer_dir), cfg.vocab_size))
     torch_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = {**hf_config_from_model(cfg, torch_dtype), "torch_dtype": torch_dtype, **ids}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(ids, indent=2))
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if tok_dir is not None and tok_config is not None:
+        write_tokenizer(directory, tok_dir, tok_config)
     return directory
 
 

@@ -32,13 +32,15 @@ TEXTS = ["def foo(x):\n    return x + 1\n" * 3, "class Bar:\n    pass\n" * 4,
 PROMPT = "def foo"
 
 
-def _checkpoint(root: Path, arch: str) -> Path:
-    """A committed Colonnade checkpoint of a tiny random model with its BPE tokenizer.json."""
+def _checkpoint(root: Path, arch: str, extra_vocab: int = 3) -> Path:
+    """A committed Colonnade checkpoint of a tiny random model with its BPE tokenizer.json
+    (model vocabulary = the tokenizer's + ``extra_vocab``)."""
     tok = train_bpe_from_texts(TEXTS, 300, root / "tok" / "tokenizer.json")
     gpt2 = arch == "gpt2"
     model_cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_heads=4,
-                            num_kv_heads=None if gpt2 else 2, vocab_size=tok.get_vocab_size() + 3,
-                            max_seq_len=32, tie_embeddings=gpt2, bias=gpt2, init_std=0.3)
+                            num_kv_heads=None if gpt2 else 2, max_seq_len=32,
+                            vocab_size=tok.get_vocab_size() + extra_vocab,
+                            tie_embeddings=gpt2, bias=gpt2, init_std=0.3)
     config = Config(model=model_cfg)
     model = build_reference(config)
     write_model_checkpoint(root / "ck", config, full_state([model], ProcessGroups.single()),
@@ -82,6 +84,7 @@ def test_export_loads_without_warnings_and_generates_like_colonnade(tmp_path: Pa
     assert cfg["torch_dtype"] == cfg["dtype"] == "float32"
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tok_cfg["model_max_length"] == 32
     assert json.loads((out / "special_tokens_map.json").read_text()) == dict.fromkeys(
         ("bos_token", "eos_token", "pad_token"), EOD_TOKEN)
 
@@ -154,3 +157,19 @@ def test_export_keeps_an_imported_tokenizer_config(tmp_path: Path) -> None:
     cfg = json.loads((out / "config.json").read_text())
     eod = eod_id(tok)
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (5, eod, eod)
+
+
+def test_a_tokenizer_outside_the_vocabulary_is_refused_before_writing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from colonnade.cli import main
+
+    ckpt = _checkpoint(tmp_path, "llama", extra_vocab=-10)  # model vocab 10 below the tokenizer's
+    step = ckpt / (ckpt / "latest").read_text().strip()
+    tok = load_tokenizer(tmp_path / "tok")
+    high = tok.get_vocab_size() - 2
+    (step / "tokenizer_config.json").write_text(json.dumps({"bos_token": tok.id_to_token(high)}))
+    assert main(["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"bos_token {tok.id_to_token(high)!r} has id {high}, outside model.vocab_size=" \
+        f"{tok.get_vocab_size() - 10}" in err
+    assert not (tmp_path / "hf").exists()
