@@ -195,7 +195,10 @@ def check_tokenizers(config: Config, data_tokenizer: Path | None = None) -> None
         source = getattr(config.checkpoint, name)
         if not source or not Path(source).exists():
             continue
-        theirs = source_tokenizer(source)
+        try:
+            theirs = source_tokenizer(source)
+        except CheckpointError:
+            continue  # not a checkpoint: its loader names the problem
         if theirs is not None and tokenizer_digest(theirs) != want:
             raise CheckpointError(
                 f"checkpoint.{name}={source} was trained with another tokenizer ({theirs}) "
@@ -226,5 +229,8 @@ def init_weights(trainer: Any, path: str | Path) -> str:
         what = f"checkpoint (its step {meta['step']})"
     load_optimizer(None, trainer.optimizer, trainer.chunks, trainer.groups, 0)
     trainer.step = 0
+    unchecked = ("" if source_tokenizer(path) is not None else
+                 " (it has no tokenizer.json, so the data's tokenizer could not be checked "
+                 "against it)")
     return (f"initialised the weights from {what} {path}; step 0, fresh optimizer and LR "
-            "schedule, data from its first sample")
+            f"schedule, data from its first sample{unchecked}")

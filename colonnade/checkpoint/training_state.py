@@ -220,12 +220,12 @@ def preflight_resume(config: Any) -> None:
     )
     from colonnade.checkpoint.hf import is_hf_dir
 
-    check_tokenizers(config)
     load = config.checkpoint.load
+    if load and is_hf_dir(load) and not (Path(load) / "latest").exists():
+        raise hf_load_error(load)
+    check_tokenizers(config)
     if not load:
         return
-    if is_hf_dir(load) and not (Path(load) / "latest").exists():
-        raise hf_load_error(load)
     try:
         ckpt = resolve_checkpoint(load)
         meta = json.loads((ckpt / METADATA).read_text())
