@@ -24,8 +24,9 @@ from tokenizers import Tokenizer
 ENCODE_BATCH = 256
 """Documents per batch (one `encode_batch` call, one task of the pool)."""
 
-BATCH_CHARS = 4_000_000
-"""A batch is cut early once it holds this many characters."""
+BATCH_CHARS = 500_000
+"""A batch is cut early once it holds this many characters (about 0.1-0.2 s of encoding), so
+a pool has several tasks even when documents are long."""
 
 Encoded = tuple[np.ndarray, np.ndarray]
 """A batch's token ids, concatenated (int64), and each document's length (EOD included)."""
