@@ -3,13 +3,14 @@
     .venv/bin/python benchmarks/prepare.py [--rounds 3] [--mb 1] [--workers 1,2] [--quick]
 
 The input is the built-in stdlib corpus (`--mb` megabytes of Python source, cut into ~2 KB
-documents), written once as a `.jsonl` file and as a `.parquet` file; a byte-level BPE tokenizer
-(vocab 2048) is trained once on it. Each round then runs `prepare()` with that tokenizer for every (format, workers) pair, in
-an order rotated every round, into a fresh directory, and times the whole call (reading,
-parsing, encoding, writing). A `read only` row times `iter_documents` over the same input, the
-part that stays in the main process. Reported: medians over rounds, docs/s, tokens/s and the
-speed-up against workers=1 of the same format; every run's data.bin must be byte-identical to
-the workers=1 run (the benchmark fails otherwise). Writes benchmarks/results/prepare.json.
+documents), written once as a `.jsonl` file and as a `.parquet` file; a byte-level BPE
+tokenizer (vocab 2048) is trained once on it. Each round then runs `prepare()` with that
+tokenizer for every (format, workers) pair, in an order rotated every round, into a fresh
+directory, and times the whole call (reading, parsing, encoding, writing). A `read only` row
+times `iter_documents` over the same input, the part that stays in the main process.
+Reported: medians over rounds, docs/s, tokens/s and the speed-up against workers=1 of the
+same format; every run's data.bin must be byte-identical to the workers=1 run (the benchmark
+fails otherwise). Writes benchmarks/results/prepare.json.
 
 workers=1 already encodes on every core (the tokenizers library spreads one `encode_batch`
 over its threads); workers=N moves encoding to N single-threaded processes while the main
