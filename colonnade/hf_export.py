@@ -113,7 +113,7 @@ def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tens
     if dtype is not None:
         state = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
     torch_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    hf_config = {**hf_config_from_model(cfg, torch_dtype), "torch_dtype": torch_dtype, **ids}
+    hf_config = {**hf_config_from_model(cfg, torch_dtype), **ids}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))

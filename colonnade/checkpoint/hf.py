@@ -86,9 +86,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """config.json contents for a ModelConfig."""
+    """config.json contents for a ModelConfig; ``dtype`` (e.g. 'bfloat16') is written as
+    ``dtype`` and as ``torch_dtype``, the key older transformers releases read."""
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
-              "initializer_range": cfg.init_std, "dtype": dtype}
+              "initializer_range": cfg.init_std, "dtype": dtype, "torch_dtype": dtype}
     if cfg.arch == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
