@@ -8,6 +8,7 @@ with the fields it names and a fix. Both run before any process group is created
 from __future__ import annotations
 
 import dataclasses
+import glob
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,20 @@ def resolve(config: Config, world_size: int) -> Config:
         parallel=dataclasses.replace(par, dp=dp),
         training=dataclasses.replace(tr, microbatches=micro, global_batch_size=glob),
     )
+
+
+def input_parts(spec: str) -> list[str]:
+    """The parts of a data.input spec: the spec itself when it names an existing path, else its
+    comma-separated parts, each a path or a glob (see colonnade.data.readers)."""
+    text = str(spec)
+    if Path(text).exists():
+        return [text]
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def is_glob(part: str) -> bool:
+    """Whether one input part is a glob pattern (and not an existing path with such a name)."""
+    return any(ch in part for ch in "*?[") and not Path(part).exists()
 
 
 Rule = Callable[[Config, int | None], list[str]]
@@ -246,9 +261,16 @@ def _optim(c: Config, _: int | None) -> list[str]:
 
 def _io(c: Config, _: int | None) -> list[str]:
     out = []
-    if c.data.input is not None and not Path(c.data.input).exists():
-        out.append(f"data.input='{c.data.input}' does not exist; give a text directory or a "
-                   ".jsonl file, or leave it unset for the built-in corpus.")
+    if c.data.input is not None:
+        parts = input_parts(c.data.input)
+        missing = [p for p in parts
+                   if not (glob.glob(p, recursive=True) if is_glob(p) else Path(p).exists())]
+        if missing or not parts:
+            detail = f" ({', '.join(missing)} not found)" if len(parts) > 1 else ""
+            out.append(f"data.input='{c.data.input}' does not exist{detail}; give a file, "
+                       "directory, glob or comma-separated list of them (text, jsonl, json, csv, "
+                       "parquet, arrow, a HF datasets dir), or leave it unset for the built-in "
+                       "corpus.")
     for entry in c.data.blend:
         weight, _sep, prefix = entry.partition(":")
         try:

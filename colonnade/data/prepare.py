@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from colonnade.config.validate import input_parts
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
     ERROR_POLICIES,
@@ -241,9 +242,7 @@ def _manifest_key(
 
 def _absolute_spec(input: str | Path) -> str:
     """The input spec with each comma-separated part made absolute (globs included)."""
-    text = str(input)
-    parts = [text] if Path(text).exists() else [p.strip() for p in text.split(",") if p.strip()]
-    return ",".join(os.path.abspath(part) for part in parts)
+    return ",".join(str(Path(part).resolve()) for part in input_parts(str(input)))
 
 
 def _try_reuse(out_dir: Path, key: dict[str, Any]) -> tuple[PreparedData | None, str]:

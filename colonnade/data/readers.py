@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from colonnade.config.validate import input_parts, is_glob
 from colonnade.data.errors import CorpusError
 
 Report = Callable[[str, str], None]
@@ -90,8 +91,7 @@ def resolve_input(spec: str | Path, ignored: list[str] | None = None) -> list[So
     """Every file `spec` names, in reading order (see the module docstring); raises CorpusError
     for a missing path, an empty match or an unsupported format. Files a directory holds in
     other formats are appended to `ignored` (when given) as relative paths."""
-    text = str(spec)
-    parts = [text] if Path(text).exists() else [p.strip() for p in text.split(",") if p.strip()]
+    parts = input_parts(str(spec))
     if not parts:
         raise CorpusError("data.input is empty; give a file, directory, glob or comma list")
     sources: list[Source] = []
@@ -101,7 +101,7 @@ def resolve_input(spec: str | Path, ignored: list[str] | None = None) -> list[So
 
 
 def _resolve_part(part: str, ignored: list[str] | None) -> list[Source]:
-    if any(ch in part for ch in "*?[") and not Path(part).exists():
+    if is_glob(part):
         matches = sorted(glob.glob(part, recursive=True))
         if not matches:
             raise CorpusError(f"data.input glob '{part}' matches no file; check the pattern")

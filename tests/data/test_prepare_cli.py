@@ -84,3 +84,26 @@ def test_llama_eod_tokens_are_recognised(tmp_path: Path, eod: str) -> None:
     assert main(["prepare", f"--data.input={tmp_path / 'd.txt'}", f"--data.prepared_dir={out}",
                  f"--data.tokenizer={model / 'tokenizer.json'}"]) == 0
     assert np.asarray(IndexedDataset(out / "data").tokens).tolist() == [3, 5, 2]
+
+
+def test_validator_accepts_globs_and_comma_lists(tmp_path: Path) -> None:
+    from colonnade.config.load import load_config
+    from colonnade.config.validate import problems
+
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "b.parquet").write_bytes(b"")
+
+    def found(spec: str) -> list[str]:
+        return [p for p in problems(load_config(None, [f"--data.input={spec}"]))
+                if "data." in p]
+
+    assert found(f"{tmp_path}/*.jsonl") == []
+    assert found(f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.parquet'}") == []
+    missing = found(f"{tmp_path / 'a.jsonl'},{tmp_path / 'nope.csv'}")
+    assert len(missing) == 1 and f"({tmp_path / 'nope.csv'} not found)" in missing[0]
+    assert "glob or comma-separated list" in found(f"{tmp_path}/*.csv")[0]
+    bad = problems(load_config(None, ["--data.errors=maybe", "--data.num_workers=0",
+                                      "--data.text_key="]))
+    assert "data.errors='maybe' is unknown; use one of strict, skip." in bad
+    assert "data.num_workers=0 must be >= 1." in bad
+    assert any(p.startswith("data.text_key is empty") for p in bad)
