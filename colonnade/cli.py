@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
     c = sub.add_parser("convert", help="Hugging Face <-> Colonnade checkpoint conversion",
-                       description="Convert LlamaForCausalLM / GPT2LMHeadModel directories.")
+                       description="Convert LlamaForCausalLM / GPT2LMHeadModel directories. "
+                       "--to-hf writes config.json, generation_config.json, model.safetensors "
+                       "and the tokenizer (tokenizer.json, tokenizer_config.json, "
+                       "special_tokens_map.json; bos/eos/pad = its end-of-document token) "
+                       "that transformers' AutoModelForCausalLM / AutoTokenizer load.")
     way = c.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", metavar="DIR", help="HF model directory to import")
     way.add_argument("--to-hf", metavar="DIR", help="Colonnade checkpoint to export")
