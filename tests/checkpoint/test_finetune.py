@@ -245,3 +245,22 @@ def test_tokenizer_mismatches_are_refused(data: dict[str, Any], tmp_path: Path,
     # the same blend with one tokenizer trains
     blend = f"--data.blend=0.5:{data['a'] / 'data'},0.5:{data['b_same'] / 'data'}"
     assert _run(data, "a", tmp_path / "ok", *TINY, blend) == 0
+
+
+def test_rerun_of_an_init_from_run_resumes_its_own_checkpoints(
+        data: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Re-running a fine-tuning command whose checkpoint.save holds its checkpoints resumes
+    them (auto-resume), instead of starting again from the init weights."""
+    from colonnade.checkpoint.training_state import read_metadata
+
+    hf = _hf_dir(tmp_path / "hf", data["a"] / "tokenizer.json")
+    save, run = tmp_path / "ft", tmp_path / "run"
+    args = (f"--init-from={hf}", f"--checkpoint.save={save}", "--checkpoint.lr_schedule=config")
+    assert _run(data, "a", run, *args) == 0
+    assert read_metadata(save)["step"] == 2
+    capsys.readouterr()
+    assert _run(data, "a", run, *args, "--training.steps=4") == 0
+    out = capsys.readouterr().out
+    assert f"resuming from {save}" in out and "initialised the weights" not in out, out
+    assert _steps(run) == [1, 2, 3, 4]  # continued, no duplicates
+    assert read_metadata(save)["step"] == 4
