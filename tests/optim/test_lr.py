@@ -7,6 +7,7 @@ import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -123,3 +124,41 @@ def test_resume_under_a_changed_wsd_schedule_is_detected(tmp_path: Path) -> None
     to_wsd = SimpleNamespace(total_steps=100, step_count=70, cfg=WSD)
     with pytest.raises(CheckpointError, match=r"optim\.decay cosine -> wsd"):
         schedule_change(old, to_wsd, tmp_path, "check")
+
+
+def _wsd_trainer(decay_fraction: float, lr_schedule: str) -> Any:
+    """A single-process fp32 trainer of the checkpoint tests' tiny model under wsd, 6 steps."""
+    import torch
+
+    from colonnade.parallel.groups import ProcessGroups
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+    from tests.checkpoint.harness import Layout, make_config
+
+    cfg = make_config(Layout(), precision="fp32")
+    cfg = dataclasses.replace(
+        cfg, optim=dataclasses.replace(cfg.optim, lr=1e-3, min_lr=1e-4, warmup_steps=1,
+                                       decay="wsd", decay_fraction=decay_fraction),
+        checkpoint=dataclasses.replace(cfg.checkpoint, lr_schedule=lr_schedule))
+    return Trainer(Runtime(cfg, torch.device("cpu"), ProcessGroups.single()), None)
+
+
+def test_trainer_runs_wsd_and_resume_keeps_or_refuses_it(tmp_path: Path) -> None:
+    """The optimizer steps at the wsd LRs (3 decay steps of 6); after a save at step 3, a
+    changed decay_fraction is refused, and 'checkpoint' continues the run exactly."""
+    from colonnade.checkpoint.training_state import load_training, save_training, start_from
+    from tests.checkpoint.harness import batches_for
+
+    first = _wsd_trainer(0.5, "check")
+    head = [first.train_step(batches_for(k, 0, 1)) for k in range(3)]
+    save_training(first, tmp_path)
+    rest = [first.train_step(batches_for(k, 0, 1)) for k in range(3, 6)]
+    assert [r["lr"] for r in head + rest] == pytest.approx(
+        [1e-3, 1e-3, 1e-3, 7e-4, 4e-4, 1e-4], rel=1e-12)
+    with pytest.raises(CheckpointError, match=r"optim\.decay_fraction 0\.5 -> 0\.34"):
+        load_training(_wsd_trainer(0.34, "check"), tmp_path)
+    kept = _wsd_trainer(0.34, "checkpoint")
+    assert "kept the checkpoint's LR schedule" in start_from(kept, tmp_path)
+    again = [kept.train_step(batches_for(k, 0, 1)) for k in range(3, 6)]
+    assert [r["lr"] for r in again] == [r["lr"] for r in rest]
+    assert [r["loss"] for r in again] == [r["loss"] for r in rest]
