@@ -114,7 +114,8 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
 
     When ``checkpoint.save`` holds committed checkpoints, ``checkpoint.on_existing`` decides:
     'auto' resumes from the latest when it is this run's (same model and data) and refuses
-    another run's; 'resume' resumes from it (same model needed); 'overwrite' starts fresh (the
+    another run's; 'resume' resumes from it (same model and seed needed, other data paths
+    allowed); 'overwrite' starts fresh (the
     loop deletes them first); 'refuse' stops. A restart always resumes from the latest. Raises
     :class:`CheckpointError` naming the fix; reads files, writes none.
     """
@@ -137,14 +138,13 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
             "checkpoint.on_existing='refuse'. Pick a new --checkpoint.save, or set "
             "--checkpoint.on_existing=resume to continue from it or =overwrite to replace it.")
     diff = _run_differences(config, latest)
-    if attempt == 0 and diff and (ck.on_existing == "auto" or any(
-            d.startswith("model.") for d in diff)):
+    resumable = not any(d.startswith(("model.", "training.seed")) for d in diff)
+    if attempt == 0 and diff and (ck.on_existing == "auto" or not resumable):
         raise CheckpointError(
             f"checkpoint.save={save} holds another run's checkpoints (latest {latest.name}): "
             f"{'; '.join(diff)}. Pick a new --checkpoint.save for this run, or set "
             "--checkpoint.on_existing=overwrite to delete them and start fresh"
-            + ("" if any(d.startswith("model.") for d in diff) else
-               " or =resume to continue from them on this data") + ".")
+            + (" or =resume to continue from them on this data" if resumable else "") + ".")
     prefix = f"restart {attempt}: resuming" if attempt > 0 else "resuming"
     return _with_load(config, save, f"{prefix} from {latest}")
 

@@ -91,7 +91,7 @@ def test_non_utf8_input_fails_prepare_and_train_without_touching_data(
     keep = {k: v for k, v in _hashes(prepared).items() if k != "prepare.json"}
     for command in ("prepare", "train"):
         status = main([command, *tiny_args(text, prepared, tmp_path / "run",
-                                           training__steps=2)])
+                                           training__steps=2, data__overwrite="true")])
         err = capsys.readouterr().err
         assert status == 2, (command, err)
         assert err.startswith("colonnade: CorpusError: "), err

@@ -1,0 +1,35 @@
+"""Helpers of the workflow tests: run ``colonnade`` as a user would and read what it left."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.reliability.jobs import REPO
+
+JOB_TIMEOUT_S = 240
+
+
+def run_cli(argv: list[str], timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
+    """``python -m colonnade.cli argv`` in its own process; (exit status, stdout + stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "colonnade.cli", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every file under ``directory`` by relative path."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    """The step of every record of metrics.jsonl, in file order (duplicates kept)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [int(json.loads(line)["step"]) for line in lines]
