@@ -15,6 +15,8 @@ tokenizer files. The mapping to Colonnade's global names is pure renaming, excep
 
 Loading an HF directory into any parallel layout: :func:`load_hf_into_chunks` shards each full
 tensor through the parameter's own :class:`~colonnade.tensor_parallel.sharding.Sharding`.
+Writing one (config.json, generation config, tokenizer with special tokens, dtype) is
+:mod:`colonnade.hf_export`, which uses :func:`hf_config_from_model` and :func:`to_hf_state`.
 """
 
 from __future__ import annotations
