@@ -24,6 +24,7 @@ these ids transformers falls back to GPT-2's 50256 and warns that it is out of v
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -144,4 +145,11 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     model: ModelConfig = config.model
     if model.tie_embeddings:
         full.pop("head.weight", None)
-    return write_hf(out, model, full, ckpt, dtype)
+    out = Path(out)
+    if out.exists():  # an empty or unrelated directory: the files go in beside what is there
+        return write_hf(out, model, full, ckpt, dtype)
+    tmp = out.with_name(f".{out.name}.tmp")  # a new directory appears whole or not at all
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_hf(tmp, model, full, ckpt, dtype)
+    os.replace(tmp, out)
+    return out
