@@ -65,6 +65,12 @@ def input_parts(spec: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def normalize_input(spec: str) -> str:
+    """A data.input spec with each part resolved to an absolute path (globs kept as patterns),
+    comma-joined: two specs naming the same inputs from different directories compare equal."""
+    return ",".join(str(Path(part).resolve()) for part in input_parts(spec))
+
+
 def is_glob(part: str) -> bool:
     """Whether one input part is a glob pattern (and not an existing path with such a name)."""
     return any(ch in part for ch in "*?[") and not Path(part).exists()

@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from colonnade.config.validate import input_parts
+from colonnade.config.validate import normalize_input
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
     ERROR_POLICIES,
@@ -230,7 +230,7 @@ def _manifest_key(
         tok_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
     return {
         "manifest_version": MANIFEST_VERSION,
-        "input": None if input is None else _absolute_spec(input),
+        "input": None if input is None else normalize_input(str(input)),
         "fingerprint": corpus_fingerprint(input, max_bytes),
         "max_bytes": max_bytes if input is None else None,
         "vocab_size": vocab_size,
@@ -238,11 +238,6 @@ def _manifest_key(
         "text_key": text_key,
         "errors": errors,
     }
-
-
-def _absolute_spec(input: str | Path) -> str:
-    """The input spec with each comma-separated part made absolute (globs included)."""
-    return ",".join(str(Path(part).resolve()) for part in input_parts(str(input)))
 
 
 def _try_reuse(out_dir: Path, key: dict[str, Any]) -> tuple[PreparedData | None, str]:

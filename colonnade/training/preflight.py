@@ -58,7 +58,9 @@ def _recorded_input(manifest: dict[str, Any]) -> str | None:
 def _same_input(recorded: str | None, given: str | None) -> bool:
     if recorded is None or given is None:
         return recorded is given
-    return Path(recorded).resolve() == Path(given).resolve()
+    from colonnade.config.validate import normalize_input  # globs and comma lists too
+
+    return normalize_input(recorded) == normalize_input(given)
 
 
 def _describe(input_: str | None) -> str:

@@ -107,3 +107,19 @@ def test_validator_accepts_globs_and_comma_lists(tmp_path: Path) -> None:
     assert "data.errors='maybe' is unknown; use one of strict, skip." in bad
     assert "data.num_workers=0 must be >= 1." in bad
     assert any(p.startswith("data.text_key is empty") for p in bad)
+
+
+def test_relative_comma_list_is_reused_on_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    pq.write_table(pa.table({"text": ["one doc", "two doc"]}), tmp_path / "a.parquet")
+    (tmp_path / "sh").mkdir()
+    (tmp_path / "sh" / "0.jsonl").write_text('{"text": "three"}\n')
+    argv = ["prepare", "--data.input=a.parquet,sh", "--data.prepared_dir=p",
+            "--model.vocab_size=300"]
+    assert main(argv) == 0
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "prepare: reusing p (3 documents" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "p" / "prepare.json").read_text())
+    root = tmp_path.resolve()
+    assert manifest["key"]["input"] == f"{root / 'a.parquet'},{root / 'sh'}"
