@@ -7,7 +7,8 @@ code. Layer modules are keyed by their *global* index, so parameter names
 (``layers.5.attn.q.weight``) are identical in every layout.
 
 Shapes: tokens [b, s] -> hidden [s, b, h] ([s/tp, b, h] under sp) -> logits [s, b, V'/tp]
--> per-token loss [s, b] -> mean loss (scalar).
+-> per-token loss [s, b] -> summed or mean loss over the valid tokens (scalar; labels equal to
+``IGNORE_INDEX`` are masked out).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 from colonnade.config.sections import ModelConfig
 from colonnade.models.blocks import KVCache, Norm, TransformerLayer, hidden_dropout, rope_tables
 from colonnade.tensor_parallel import mappings as mp
-from colonnade.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     TPContext,
@@ -32,6 +33,11 @@ from colonnade.tensor_parallel.sharding import Sharding
 # What a recompute plan puts in place of the plain layer loop: (per-layer fns, hidden) -> hidden.
 LayerFn = Callable[[torch.Tensor], torch.Tensor]
 LayerRunner = Callable[[list[LayerFn], torch.Tensor], torch.Tensor]
+
+
+def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Number of labels that count in the loss (not ``IGNORE_INDEX``), a 0-d int64 tensor."""
+    return (labels != IGNORE_INDEX).sum()
 
 
 class Embedding(nn.Module):
@@ -117,11 +123,14 @@ class ModelChunk(nn.Module):
         """Final norm and head: x [s(/tp), b, h] -> vocab-split logits [s, b, V'/tp]."""
         return self.head(self.final_norm(x))
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
+                reduction: str = "mean") -> torch.Tensor:
         """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h].
 
-        Returns hidden [s(/tp), b, h] unless this is the last chunk: then the mean loss over
-        the micro-batch's tokens when ``labels`` [b, s] are given, else the logits [s, b, V'/tp].
+        Returns hidden [s(/tp), b, h] unless this is the last chunk: then, when ``labels``
+        [b, s] are given, the loss over the micro-batch's valid tokens (labels not
+        ``IGNORE_INDEX``): their sum (``reduction='sum'``, what the training step uses) or
+        their mean ('mean'; 0 when none is valid); else the logits [s, b, V'/tp].
         """
         x = self.embedding(inputs) if self.embedding is not None else inputs
         x = self.run_layers(x)
@@ -132,7 +141,11 @@ class ModelChunk(nn.Module):
             return logits
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group,
                                             self.cfg.vocab_size, self.label_smoothing)  # [s, b]
-        return loss.mean()
+        if reduction == "sum":
+            return loss.sum()
+        if reduction != "mean":
+            raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
+        return loss.sum() / valid_tokens(labels).clamp(min=1)
 
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor, caches: list[KVCache] | None = None

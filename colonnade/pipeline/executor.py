@@ -8,8 +8,10 @@ only for the message it consumes. Compute actions on micro-batch k of local chun
 
 * F: point dropout at micro-batch k (``set_rng_context``), then y = chunk(x). The first virtual
   stage takes the tokens [b, s]; the others the received activation x [s(/tp), b, h] (a leaf
-  that requires grad). The last virtual stage returns the micro-batch's mean loss L_k; the
-  step's loss is (1/m) sum_k L_k, so backward starts from y = L_k * loss_scale / m.
+  that requires grad). The last virtual stage returns the micro-batch's loss summed over its
+  valid tokens S_k; the step's loss is sum over the global batch / N (``StepPlan.tokens``), so
+  backward starts from y = S_k * plan.loss_multiplier() (= S_k * loss_scale * dp / N), exactly
+  as the pp = 1 loop in :mod:`colonnade.training.step` does.
   (x, y) are stashed until B.
 * B: backward of the stashed y with the received gradient dy (none on the last virtual stage),
   giving dx (sent back unless this is the first virtual stage). Schedules with W actions (ZB-H1)
@@ -37,7 +39,14 @@ from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
 from colonnade.pipeline.p2p import Message, PipeComm, message_shape
 from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
 from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
-from colonnade.training.step import Batch, StepPlan, host_losses, set_rng_context
+from colonnade.training.step import (
+    Batch,
+    StepPlan,
+    host_losses,
+    micro_batch_mean,
+    set_rng_context,
+    with_tokens,
+)
 
 Item = tuple[int, int]  # (microbatch, local chunk)
 
@@ -242,9 +251,9 @@ class StageExecutor:
             assert x is not None
             inputs = x.requires_grad_() if self.train else x
         if chunk.last:
-            loss = chunk(inputs, labels)
-            self.losses[k] = loss.detach()
-            y = loss * (self.plan.loss_scale / self.m) if self.train else loss
+            loss = chunk(inputs, labels, reduction="sum")
+            self.losses[k] = micro_batch_mean(loss.detach(), labels)
+            y = loss * self.plan.loss_multiplier() if self.train else loss
         else:
             y = chunk(inputs)
             self.outbox[(Kind.F, (k, c))] = y
@@ -296,6 +305,8 @@ def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
     if len(lists) != pp:
         raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
     opts = options or _options(plan)
+    if train:
+        plan = with_tokens(plan, batches)  # the loss divisor N, counted over dp when unset
     return StageExecutor(chunks, batches, plan, lists, train=train, options=opts).run()
 
 

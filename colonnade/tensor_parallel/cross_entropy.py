@@ -8,6 +8,10 @@ needs three all-reduces of [s, b] tensors (max, the target logit, the exp-sum), 
 [s, b, V] logits. Padded vocabulary columns (index >= V) are masked to -inf: they get zero
 probability and zero gradient. With label smoothing eps the target distribution is
 (1 - eps) one_hot(y) + eps / V over the real vocabulary. Gradient: softmax - target.
+
+Loss mask: a target equal to ``IGNORE_INDEX`` (-100, PyTorch's and Hugging Face's convention;
+padding and SFT prompt tokens) gets loss 0 and gradient 0, label smoothing included. The caller
+divides the sum by the number of valid targets (see :mod:`colonnade.training.step`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 from colonnade.parallel.comm import CommGroup
+
+IGNORE_INDEX = -100
+"""A label with this value is masked out of the loss (no loss, no gradient)."""
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -60,16 +67,19 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if smoothing > 0:
             smooth = log_z - packed[2] / vocab
             loss = (1 - smoothing) * loss + smoothing * smooth
+        valid = targets != IGNORE_INDEX  # [s, b]
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
         softmax = exp.div_(packed[1].unsqueeze(-1))  # [s, b, V'/tp], in place
-        ctx.save_for_backward(softmax, index, inside)
+        ctx.save_for_backward(softmax, index, inside, valid)
         ctx.smoothing, ctx.vocab, ctx.real = smoothing, vocab, real
         return loss.to(logits.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """d loss / d z = g * (softmax - (1 - eps) one_hot(y) - eps / V on real columns)."""
-        softmax, index, inside = ctx.saved_tensors
-        g = grad_loss.to(softmax.dtype)  # [s, b]
+        """d loss / d z = g * (softmax - (1 - eps) one_hot(y) - eps / V on real columns);
+        zero where the target is IGNORE_INDEX."""
+        softmax, index, inside, valid = ctx.saved_tensors
+        g = grad_loss.to(softmax.dtype) * valid.to(softmax.dtype)  # [s, b]
         grad = softmax * g.unsqueeze(-1)  # [s, b, V'/tp]
         hit = -(1 - ctx.smoothing) * g * inside.to(g.dtype)  # [s, b]
         grad.scatter_add_(-1, index.unsqueeze(-1), hit.unsqueeze(-1))
@@ -80,5 +90,6 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: CommGroup,
                                  vocab: int, smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token loss [s, b] of vocab-split logits [s, b, V'/tp] against targets [s, b]."""
+    """Per-token loss [s, b] of vocab-split logits [s, b, V'/tp] against targets [s, b]
+    (0 where the target is IGNORE_INDEX)."""
     return VocabParallelCrossEntropy.apply(logits, targets, group, vocab, smoothing)

@@ -40,6 +40,8 @@ def test_dp_bytes_match_theory(run_ranks: Callable[..., list[Any]], dp: int, zer
     n = dp
     for res in results:
         stats = {k: v for k, v in res["stats"].items() if k.startswith("dp_cp/")}
+        tokens = stats.pop("dp_cp/all_reduce/loss_tokens")  # the step's loss divisor N
+        assert tokens["calls"] == 1 and tokens["payload_bytes"] == 8  # one int64
         numel, buckets = res["numel"], res["buckets"]
         grad_bytes = numel * res["grad_bytes"]
         param_bytes = numel * res["param_bytes"]

@@ -27,6 +27,7 @@ from colonnade.config.sections import (
 from colonnade.config.validate import resolve, validate
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
 from colonnade.training.grads import grad_of, reduce_sp_and_tied, unique_params
 from colonnade.training.step import StepPlan, forward_backward, mean_loss
 
@@ -36,7 +37,7 @@ TOL = 1e-10
 
 def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int = 1,
                 dp: int = 1, sp: bool = False, arch: str = "llama",
-                layout: tuple[int, ...] | None = None) -> Config:
+                layout: tuple[int, ...] | None = None, zero: bool = False) -> Config:
     """A tiny float64 model with one layer per virtual stage (embedding and head on top)."""
     gpt2 = arch == "gpt2"
     layers = sum(layout) if layout is not None else pp * vp
@@ -45,7 +46,7 @@ def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int
                         bias=gpt2, tie_embeddings=gpt2, hidden_dropout=0.1,
                         attention_dropout=0.1 if gpt2 else 0.0)
     par = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule,
-                         pipeline_layout=layout)
+                         pipeline_layout=layout, use_distributed_optimizer=zero)
     tr = TrainingConfig(steps=STEPS, seq_len=SEQ, micro_batch_size=MICRO, microbatches=m,
                         precision="fp64", seed=7, eval_interval=0)
     opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0, clip_grad=0.05, weight_decay=0.1)
@@ -54,21 +55,32 @@ def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int
     return validate(resolve(cfg, world), world)
 
 
-def step_batches(cfg: Config, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batch of ``step``: dp x m micro-batches (dp rank d takes [d m, (d + 1) m))."""
+def step_batches(cfg: Config, step: int, masked: bool = False
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of ``step``: dp x m micro-batches (dp rank d takes [d m, (d + 1) m)).
+
+    ``masked``: micro-batch j keeps each label with probability j / count (the others are
+    IGNORE_INDEX), so micro-batches and dp ranks hold different numbers of valid tokens and the
+    first holds none.
+    """
     tr = cfg.training
     gen = torch.Generator().manual_seed(1000 + step)
     count = int(tr.microbatches or 1) * int(cfg.parallel.dp or 1)
     data = torch.randint(0, VOCAB, (count, MICRO, SEQ + 1), generator=gen)
-    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    out = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    if masked:
+        keep = [torch.rand(MICRO, SEQ, generator=gen) < j / count for j in range(count)]
+        out = [(t, lab.masked_fill(~k, IGNORE_INDEX)) for (t, lab), k in zip(out, keep,
+                                                                          strict=True)]
+    return out
 
 
 def _ref_key(key: str, ref: dict[str, torch.Tensor]) -> str:
     return key if key in ref or key != "head.weight" else "embedding.word.weight"
 
 
-def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
+def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None = None,
+                masked: bool = False) -> dict[str, Any]:
     """3 Trainer steps on this rank's micro-batches: losses, full grads per step, full params.
 
     With ``extra`` the Trainer's step is assembled by hand so that ``extra`` (executor options)
@@ -81,7 +93,7 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
     m, d = int(cfg.training.microbatches or 1), groups.dp_rank
     losses, grads = [], []
     for step in range(STEPS):
-        batches = step_batches(cfg, step)[d * m:(d + 1) * m]
+        batches = step_batches(cfg, step, masked)[d * m:(d + 1) * m]
         if extra is None:
             losses.append(trainer.train_step(batches)["loss"])
         else:
@@ -92,7 +104,7 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
             trainer.ddp.finish_grad_sync()
             reduce_sp_and_tied(trainer.chunks, groups, cfg.model.tie_embeddings)
             trainer.optimizer.step()
-            losses.append(mean_loss(out, groups, torch.device("cpu")))
+            losses.append(mean_loss(out, groups, torch.device("cpu"), batches))
         grads.append({p.sharding.key: gather_full(grad_of(p), p.sharding, groups.tp)
                       for p in unique_params(trainer.chunks)})
     trainer.ddp.finish_param_gather()
@@ -101,31 +113,33 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
     return {"loss": losses, "grads": grads, "params": params, "stage": groups.pp_rank}
 
 
-def reference_run(cfg: Config) -> dict[str, Any]:
+def reference_run(cfg: Config, masked: bool = False) -> dict[str, Any]:
     """The same 3 steps on the single-process model fed all dp x m micro-batches."""
     par, tr = cfg.parallel, cfg.training
     single = dataclasses.replace(
         cfg, parallel=dataclasses.replace(par, tp=1, pp=1, vp=1, dp=1, sp=False,
-                                          schedule="1f1b", pipeline_layout=None),
+                                          schedule="1f1b", pipeline_layout=None,
+                                          use_distributed_optimizer=False),
         training=dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * int(par.dp or 1),
                                      global_batch_size=None))
-    return _reference(validate(resolve(single, 1), 1))
+    return _reference(validate(resolve(single, 1), 1), masked)
 
 
 @functools.lru_cache(maxsize=16)
-def _reference(single: Config) -> dict[str, Any]:
+def _reference(single: Config, masked: bool = False) -> dict[str, Any]:
     """Cached per single-process config: schedules of the same model and batch share it."""
     torch.set_num_threads(1)
-    return train_steps(single, ProcessGroups.single())
+    return train_steps(single, ProcessGroups.single(), masked=masked)
 
 
-def rank_train(cfg: Config, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def rank_train(cfg: Config, extra: dict[str, Any] | None = None,
+               masked: bool = False) -> dict[str, Any] | None:
     """On each rank: the 3 steps; tp rank 0 returns its results."""
     torch.set_num_threads(1)
     par = cfg.parallel
     groups = ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=int(par.dp or 1),
                                               vp=par.vp))
-    out = train_steps(cfg, groups, extra)
+    out = train_steps(cfg, groups, extra, masked)
     return out if groups.tp_rank == 0 else None
 
 
@@ -137,8 +151,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a - b).norm() / b.norm().clamp_min(floor))
 
 
-def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any]) -> None:
-    """Every returned rank matches the reference; every reference parameter is covered."""
+def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any],
+                  grads: bool = True) -> None:
+    """Every returned rank matches the reference; every reference parameter is covered.
+    ``grads=False`` (ZeRO-1: a rank's reduced gradient is only its own shard) compares losses
+    and parameters only."""
     seen: set[str] = set()
     for r in results:
         if r is None:
@@ -146,7 +163,7 @@ def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any]) -> 
         for step in range(STEPS):
             assert abs(r["loss"][step] - ref["loss"][step]) <= TOL * abs(ref["loss"][step]), (
                 f"step {step} loss {r['loss'][step]} != reference {ref['loss'][step]}")
-            for key, g in r["grads"][step].items():
+            for key, g in (r["grads"][step] if grads else {}).items():
                 err = _rel(g, ref["grads"][step][_ref_key(key, ref["params"])], 1e-6)
                 assert err <= TOL, f"stage {r['stage']} step {step} grad {key}: rel err {err:.2e}"
         for key, p in r["params"].items():
@@ -157,10 +174,10 @@ def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any]) -> 
 
 
 def check(run_ranks: Callable[..., list[Any]], cfg: Config,
-          extra: dict[str, Any] | None = None) -> None:
+          extra: dict[str, Any] | None = None, masked: bool = False) -> None:
     par = cfg.parallel
-    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, extra)
-    assert_parity(results, reference_run(cfg))
+    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, extra, masked)
+    assert_parity(results, reference_run(cfg, masked), grads=not par.use_distributed_optimizer)
 
 
 CASES = [  # (pp, vp, schedule, m): m = pp, a multiple of pp, not a multiple
@@ -220,3 +237,27 @@ def test_zero_bubble_with_recompute_parity(run_ranks: Callable[..., list[Any]],
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                 recompute=recompute))
     check(run_ranks, cfg)
+
+
+MASKED = [  # (pp, vp, schedule, tp, dp, sp, zero, arch): loss-masked labels, uneven counts
+    (1, 1, "1f1b", 1, 2, False, False, "llama"),  # dp
+    (1, 1, "1f1b", 1, 4, False, True, "gpt2"),  # dp + ZeRO-1
+    (1, 1, "1f1b", 2, 2, True, False, "gpt2"),  # tp + sp + dp
+    (2, 1, "1f1b", 1, 2, False, True, "llama"),  # pp 1F1B + dp + ZeRO-1
+    (2, 2, "interleaved_1f1b", 2, 1, True, False, "gpt2"),  # interleaved + tp + sp
+    (2, 1, "zb_h1", 1, 2, False, False, "gpt2"),  # ZB-H1 + dp
+    (2, 1, "gpipe", 1, 1, False, False, "llama"),
+]
+
+
+@pytest.mark.parametrize(("pp", "vp", "schedule", "tp", "dp", "sp", "zero", "arch"), MASKED,
+                         ids=[f"pp{c[0]}-vp{c[1]}-{c[2]}-tp{c[3]}-dp{c[4]}-sp{int(c[5])}-"
+                              f"zero{int(c[6])}-{c[7]}" for c in MASKED])
+def test_masked_loss_parity(run_ranks: Callable[..., list[Any]], pp: int, vp: int,
+                            schedule: str, tp: int, dp: int, sp: bool, zero: bool,
+                            arch: str) -> None:
+    """Micro-batches with different numbers of valid tokens (one with none): every layout's
+    loss, gradients and parameters equal the single-process token-weighted step's."""
+    cfg = make_config(pp=pp, vp=vp, schedule=schedule, m=3, tp=tp, dp=dp, sp=sp, zero=zero,
+                      arch=arch)
+    check(run_ranks, cfg, masked=True)
