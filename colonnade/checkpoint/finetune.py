@@ -39,7 +39,7 @@ from colonnade.checkpoint.commit import METADATA, resolve_checkpoint
 from colonnade.checkpoint.format import CheckpointError, CheckpointReader
 from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, model_config_from_hf, read_hf
 from colonnade.checkpoint.sharded import load_model, load_optimizer
-from colonnade.config.load import ConfigError, config_from_dict, parse_overrides
+from colonnade.config.load import ConfigError, config_from_dict, load_config, parse_overrides
 from colonnade.config.sections import Config, ModelConfig
 
 RUN_FIELDS = ("hidden_dropout", "attention_dropout", "init_std")
@@ -77,12 +77,18 @@ def _colonnade_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
 def source_model(path: str | Path) -> ModelConfig:
     """The [model] section of a Colonnade checkpoint or an HF directory's config.json."""
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
+        if not list(Path(path).glob("model*.safetensors")):
+            raise ConfigError(f"checkpoint.init_from={path} has no model*.safetensors (pickled "
+                              ".bin weights are not loaded): re-save it with "
+                              "save_pretrained(..., safe_serialization=True).")
         try:
             return model_config_from_hf(json.loads((Path(path) / "config.json").read_text()))
         except (ValueError, KeyError) as err:
             raise ConfigError(f"checkpoint.init_from={path}: {err}") from err
     try:
-        _ckpt, meta = _colonnade_meta(path)
+        ckpt, meta = _colonnade_meta(path)
+        if "model" not in meta:  # older checkpoints: the [model] section of config.toml
+            return load_config(ckpt / "config.toml").model
     except (CheckpointError, OSError, ValueError) as err:
         raise ConfigError(
             f"checkpoint.init_from={path} is neither a Colonnade checkpoint (a save directory "
@@ -219,7 +225,7 @@ def init_weights(trainer: Any, path: str | Path) -> str:
         what = "Hugging Face model"
     else:
         ckpt, meta = _colonnade_meta(path)
-        bad = model_mismatch(meta["model"], trainer.config.model)
+        bad = model_mismatch(meta["model"], trainer.config.model) if "model" in meta else []
         if bad:
             raise CheckpointError(f"{ckpt}: the model differs from the checkpoint's: "
                                   f"{', '.join(bad)}")

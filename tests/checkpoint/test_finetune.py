@@ -53,7 +53,8 @@ def _run_init(layout: H.Layout, src: str, hf: bool) -> dict[str, Any]:
     note = init_weights(trainer, src)
     params = {k: v.clone() for k, v in H.gathered(trainer).items()}  # before the step below
     out = {"params": params, "step": trainer.step, "note": note,
-           "step_count": trainer.optimizer.step_count, "hidden": cfg.model.hidden_size}
+           "step_count": trainer.optimizer.step_count, "hidden": cfg.model.hidden_size,
+           "arch": cfg.model.arch}
     info = trainer.train_step(H.batches_for(0, groups.dp.rank, groups.dp.size))
     out.update(lr=info["lr"], loss=info["loss"], fresh_loss=fresh_loss[0])
     return out
@@ -81,13 +82,18 @@ def test_init_from_colonnade_checkpoint_in_another_layout(
     assert results[0]["loss"] < results[0]["fresh_loss"] - 0.05
 
 
-def _hf_dir(where: Path, tokenizer: Path | None, vocab: int = 300, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
+def _hf_dir(where: Path, tokenizer: Path | None, vocab: int = 300, arch: str = "llama") -> Path:
+    """A tiny random transformers model saved with save_pretrained (+ a tokenizer.json)."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+            attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.save_pretrained(where)
@@ -96,14 +102,17 @@ def _hf_dir(where: Path, tokenizer: Path | None, vocab: int = 300, seed: int = 0
     return where
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_init_from_hf_dir_takes_its_config_in_tp2(run_ranks: Callable[..., list[Any]],
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, arch: str) -> None:
     from colonnade.checkpoint.hf import read_hf
 
-    hf = _hf_dir(tmp_path / "hf", None, vocab=101)
+    hf = _hf_dir(tmp_path / "hf", None, vocab=101, arch=arch)
     _model, source = read_hf(hf)
     results = run_ranks(2, _run_init, H.Layout(tp=2), str(hf), True)
     assert results[0]["hidden"] == 32  # from config.json, not the 64 the config said
+    assert results[0]["arch"] == arch
+    assert "no tokenizer.json" in results[0]["note"]  # said, not silently skipped
     params = H.merge(results)
     assert params.keys() == source.keys()
     for k in source:
@@ -195,6 +204,13 @@ def test_load_of_hf_dir_points_at_init_from_which_takes_config_json(
     assert "model.num_layers=3" in err and "hidden_dropout" not in err, err
     assert _run(data, "a", tmp_path / "r3", f"--init-from={hf}",
                 "--model.hidden_dropout=0.1") == 0  # a run-time field stays the run's own
+    pickled = tmp_path / "pickled"
+    shutil.copytree(hf, pickled)
+    (pickled / "model.safetensors").unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    assert _run(data, "a", tmp_path / "r4", f"--init-from={pickled}") == 2
+    assert "no model*.safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "r4").exists()
     assert "initialised the weights from Hugging Face model" in capsys.readouterr().out
 
 
