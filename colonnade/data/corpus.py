@@ -65,15 +65,12 @@ class DocumentStats:
     bad_files: dict[str, int] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
 
-    def report(self, where: str, reason: str) -> None:
-        """Record one unreadable document (`where` is "<file>", "<file>:<line>" or
-        "<file>[<row>]")."""
+    def report(self, path: Path, at: str, reason: str) -> None:
+        """Record one unreadable document or file (`at` locates the record, see readers)."""
         self.problems += 1
         if len(self.skipped) < MAX_RECORDED:
-            self.skipped.append(f"{where}: {reason}")
-        name = where.split("[")[0]
-        name = name.rsplit(":", 1)[0] if name.rsplit(":", 1)[-1].isdigit() else name
-        self.bad_files[name] = self.bad_files.get(name, 0) + 1
+            self.skipped.append(f"{path}{at}: {reason}")
+        self.bad_files[str(path)] = self.bad_files.get(str(path), 0) + 1
 
 
 def stdlib_root() -> Path:

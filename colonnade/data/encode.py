@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
-from multiprocessing.pool import AsyncResult
+from multiprocessing.pool import AsyncResult, Pool
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -88,7 +88,7 @@ def encode_stream(
         pool.join()
 
 
-def _start_pool(ctx: mp.context.BaseContext, workers: int, tok_json: str, eod: int) -> mp.Pool:
+def _start_pool(ctx: mp.context.BaseContext, workers: int, tok_json: str, eod: int) -> Pool:
     """Start the pool; the workers inherit TOKENIZERS_PARALLELISM=false (one thread each, and
     no fork warning from tokenizers); this process's own setting is restored at once."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")

@@ -32,11 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import zstandard
+
 from colonnade.config.validate import input_parts, is_glob
 from colonnade.data.errors import CorpusError
 
-Report = Callable[[str, str], None]
-"""Called as `report(where, reason)` for each document or file that cannot be read."""
+Report = Callable[[Path, str, str], None]
+"""Called as `report(path, at, reason)` for each document or file that cannot be read; `at`
+locates a record in the file (":<line>", "[<index>]", "[row <n>]") or is "" for the file."""
 
 TEXT_SUFFIXES: tuple[str, ...] = (
     ".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".py", ".c", ".h", ".cc",
@@ -57,6 +60,12 @@ HF_DATASET_MARKERS: tuple[str, ...] = ("state.json", "dataset_info.json")
 """Files that mark a directory written by Hugging Face `datasets`' `save_to_disk`."""
 
 ROWS_PER_BATCH = 1024
+"""Rows per record batch read from a parquet file."""
+
+READ_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, EOFError, ValueError, NotImplementedError, zstandard.ZstdError)
+"""What a corrupt, truncated or unsupported file raises while read (gzip, zstd, pyarrow's
+ArrowInvalid/ArrowIOError/ArrowNotImplementedError): reported as that file's problem."""
 
 
 @dataclass(frozen=True)
@@ -179,12 +188,8 @@ def read_source(source: Source, text_key: str, report: Report) -> Iterator[str]:
     reader = _READERS[source.fmt]
     try:
         yield from reader(source, text_key, report)
-    except (OSError, EOFError, ValueError, CorpusError) as exc:
-        report(str(source.path), f"cannot be read ({' '.join(str(exc).split())})")
-    except Exception as exc:
-        if type(exc).__name__ != "ZstdError":
-            raise
-        report(str(source.path), f"cannot be decompressed ({exc})")
+    except READ_ERRORS as exc:  # a corrupt or truncated file: say so, go on with the next
+        report(source.path, "", f"cannot be read ({' '.join(str(exc).split())})")
 
 
 def _open(source: Source) -> IO[bytes]:
@@ -192,8 +197,6 @@ def _open(source: Source) -> IO[bytes]:
     if source.compression == ".gz":
         return gzip.open(source.path, "rb")
     if source.compression == ".zst":
-        import zstandard
-
         raw = source.path.open("rb")
         return io.BufferedReader(  # type: ignore[arg-type]
             zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
@@ -201,22 +204,22 @@ def _open(source: Source) -> IO[bytes]:
     return source.path.open("rb")
 
 
-def _decode(raw: bytes, where: str, report: Report, start: int = 0) -> str | None:
+def _decode(raw: bytes, path: Path, at: str, report: Report, start: int = 0) -> str | None:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        report(where, f"not valid UTF-8 at byte offset {start + exc.start}")
+        report(path, at, f"not valid UTF-8 at byte offset {start + exc.start}")
         return None
 
 
 def _read_text(source: Source, _key: str, report: Report) -> Iterator[str]:
     with _open(source) as fh:
-        text = _decode(fh.read(), str(source.path), report)
+        text = _decode(fh.read(), source.path, "", report)
     if text is not None:
         yield text
 
 
-def _record_text(record: Any, text_key: str, where: str, report: Report) -> str | None:
+def _record_text(record: Any, text_key: str, path: Path, at: str, report: Report) -> str | None:
     """The document of one record: the string under `text_key` (or the record, if a string)."""
     if isinstance(record, str):
         return record
@@ -224,7 +227,7 @@ def _record_text(record: Any, text_key: str, where: str, report: Report) -> str 
     if isinstance(value, str):
         return value
     keys = f" (keys: {', '.join(map(str, record))[:120]})" if isinstance(record, dict) else ""
-    report(where, f"no string under key {text_key!r}{keys}; set data.text_key or fix the record")
+    report(path, at, f"no string under key {text_key!r}{keys}; set data.text_key or fix the record")
     return None
 
 
@@ -236,16 +239,16 @@ def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
             start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
-            where = f"{source.path}:{line_no}"
-            line = _decode(raw, where, report, start)
+            at = f":{line_no}"
+            line = _decode(raw, source.path, at, report, start)
             if line is None:
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                report(where, f"invalid JSON ({exc.msg})")
+                report(source.path, at, f"invalid JSON ({exc.msg})")
                 continue
-            text = _record_text(record, text_key, where, report)
+            text = _record_text(record, text_key, source.path, at, report)
             if text is not None:
                 yield text
 
@@ -253,21 +256,21 @@ def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
 def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
     """A JSON array of records or strings (a single record is one document)."""
     with _open(source) as fh:
-        text = _decode(fh.read(), str(source.path), report)
+        text = _decode(fh.read(), source.path, "", report)
     if text is None:
         return
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        report(str(source.path), f"invalid JSON ({exc.msg} at line {exc.lineno})")
+        report(source.path, "", f"invalid JSON ({exc.msg} at line {exc.lineno})")
         return
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
-        report(str(source.path), "expected a JSON array of records; use .jsonl for one per line")
+        report(source.path, "", "expected a JSON array of records; use .jsonl for one per line")
         return
     for i, record in enumerate(data):
-        doc = _record_text(record, text_key, f"{source.path}[{i}]", report)
+        doc = _record_text(record, text_key, source.path, f"[{i}]", report)
         if doc is not None:
             yield doc
 
@@ -282,7 +285,7 @@ def _read_csv(source: Source, text_key: str, report: Report) -> Iterator[str]:
         try:
             header = next(rows, None)
             if header is None or text_key not in header:
-                report(str(source.path), f"no column {text_key!r} in the header "
+                report(source.path, "", f"no column {text_key!r} in the header "
                        f"({', '.join(header or [])[:200]}); set data.text_key")
                 return
             col = header.index(text_key)
@@ -290,9 +293,9 @@ def _read_csv(source: Source, text_key: str, report: Report) -> Iterator[str]:
                 if col < len(row):
                     yield row[col]
                 else:
-                    report(f"{source.path}:{row_no}", f"row has no {text_key!r} column")
+                    report(source.path, f":{row_no}", f"row has no {text_key!r} column")
         except UnicodeDecodeError as exc:
-            report(str(source.path), f"not valid UTF-8 after row {row_no} ({exc.reason}); "
+            report(source.path, "", f"not valid UTF-8 after row {row_no} ({exc.reason}); "
                    "the rows after it were not read")
 
 
@@ -302,19 +305,19 @@ def _read_columnar(source: Source, text_key: str, report: Report) -> Iterator[st
 
     batches, schema = _record_batches(source, text_key)
     if text_key not in schema.names:
-        report(str(source.path), f"no column {text_key!r} (columns: "
+        report(source.path, "", f"no column {text_key!r} (columns: "
                f"{', '.join(schema.names)[:200]}); set data.text_key")
         return
     kind = schema.field(text_key).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or pa.types.is_string_view(kind)):
-        report(str(source.path), f"column {text_key!r} has type {kind}, not string")
+        report(source.path, "", f"column {text_key!r} has type {kind}, not string")
         return
     row = 0
     for batch in batches:
         for value in batch.column(text_key).to_pylist():
             if value is None:
-                report(f"{source.path}[row {row}]", f"null under {text_key!r}")
+                report(source.path, f"[row {row}]", f"null under {text_key!r}")
             else:
                 yield value
             row += 1

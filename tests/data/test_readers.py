@@ -67,9 +67,11 @@ def test_jsonl_gz_and_zst(tmp_path: Path) -> None:
     assert list(iter_documents(tmp_path / "b.jsonl.zst")) == DOCS
     (tmp_path / "c.txt.gz").write_bytes(gzip.compress(DOCS[1].encode()))
     assert list(iter_documents(tmp_path / "c.txt.gz")) == [DOCS[1]]
-    (tmp_path / "broken.jsonl.gz").write_bytes(b"not gzip at all")
-    with pytest.raises(CorpusError, match=r"broken\.jsonl\.gz: cannot be read"):
-        list(iter_documents(tmp_path / "broken.jsonl.gz"))
+    for name in ("broken.jsonl.gz", "broken.jsonl.zst", "broken.parquet"):
+        (tmp_path / name).write_bytes(b"not compressed at all")
+        stats = DocumentStats()
+        assert list(iter_documents(tmp_path / name, errors="skip", stats=stats)) == []
+        assert stats.skipped[0].startswith(f"{tmp_path / name}: cannot be read ("), stats.skipped
 
 
 def test_hf_datasets_save_to_disk_directory(tmp_path: Path) -> None:
