@@ -23,6 +23,10 @@ EOD_TOKEN = "<|endoftext|>"
 EOD_CANDIDATES: tuple[str, ...] = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 """End-of-document tokens recognised in tokenizers not trained here, in order of preference."""
 
+LEGACY_TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.model", "vocab.json", "merges.txt")
+"""Slow-tokenizer files (SentencePiece, GPT-2 vocab/merges) a model directory may hold instead
+of tokenizer.json; named in the error, with the one-line conversion."""
+
 MIN_VOCAB_SIZE = 257
 """256 byte symbols plus the EOD special token."""
 
@@ -82,11 +86,18 @@ def load_tokenizer(path: Path) -> Tokenizer:
     """Load any Hugging Face `tokenizer.json` (a directory holding one is accepted too)."""
     path = Path(path)
     if path.is_dir():
+        legacy = [n for n in LEGACY_TOKENIZER_FILES if (path / n).is_file()]
         path = path / "tokenizer.json"
+        if legacy and not path.is_file():
+            raise TokenizerError(
+                f"{path.parent} holds {', '.join(legacy)} but no tokenizer.json (the fast "
+                "tokenizer format read here); write one with transformers: "
+                f"AutoTokenizer.from_pretrained('{path.parent}').save_pretrained('{path.parent}')"
+            )
     if not path.is_file():
         raise TokenizerError(
-            f"{path}: tokenizer file not found; pass the path of a tokenizer.json "
-            "or run `colonnade prepare` to train one"
+            f"{path}: tokenizer file not found; pass the path of a tokenizer.json (or a model "
+            "directory holding one) or run `colonnade prepare` to train one"
         )
     try:
         return Tokenizer.from_file(str(path))

@@ -84,3 +84,10 @@ def test_eod_missing_and_vocab_too_small(tmp_path: Path, corpus_files: list[Path
         eod_id(Tokenizer(models.BPE()))
     with pytest.raises(TokenizerError, match=r"vocab_size=100 is too small.*at least 257"):
         train_bpe_tokenizer(corpus_files, 100, tmp_path / "t.json")
+
+
+def test_model_dir_without_tokenizer_json_names_the_conversion(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.model").write_bytes(b"sp")
+    with pytest.raises(TokenizerError, match=r"holds tokenizer\.model but no tokenizer\.json.*"
+                       r"save_pretrained"):
+        load_tokenizer(tmp_path)
