@@ -21,6 +21,8 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 AXES = ("tp", "cp", "ep", "dp", "pp")
 ERROR_POLICIES = ("strict", "skip")
 """data.errors: fail listing every unreadable document, or leave them out (data/corpus.py)."""
+DATA_FORMATS = ("text", "sft")
+"""data.format: pretraining text, or prompt/response records with a loss mask (data/sft.py)."""
 ON_EXISTING = ("auto", "resume", "overwrite", "refuse")
 LR_DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 """optim.decay values; colonnade.optim.lr implements each."""
@@ -119,6 +121,7 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, ("check", "checkpoint", "config")),
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
         ("data.errors", c.data.errors, ERROR_POLICIES),
+        ("data.format", c.data.format, DATA_FORMATS),
     ]
     for name, value, allowed in checks:
         if value not in allowed:
@@ -316,7 +319,7 @@ def _files_and_loop(c: Config, _: int | None) -> list[str]:
                    "directory (or a Hugging Face model directory), or unset it to start fresh.")
     if c.data.tokenizer is not None and not Path(c.data.tokenizer).exists():
         out.append(f"data.tokenizer='{c.data.tokenizer}' does not exist; give a tokenizer.json "
-                   "or unset it to train one.")
+                   "(or a Hugging Face model directory holding one) or unset it to train one.")
     for entry in c.data.blend:
         prefix = Path(entry.partition(":")[2])
         missing = [str(prefix.with_suffix(s)) for s in (".bin", ".idx")
