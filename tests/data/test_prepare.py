@@ -156,3 +156,42 @@ def test_reuse_and_refresh_for_columnar_inputs(tmp_path: Path, corpus_dir: Path)
     kw["text_key"] = "text"
     other_key = prepare(path, tmp_path / "o", None, ref.tokenizer_path, **kw)
     assert not other_key.reused and other_key.num_tokens < again.num_tokens
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.gz", "csv", "hf_dataset", "glob"])
+def test_every_input_type_is_fingerprinted(tmp_path: Path, fmt: str) -> None:
+    import csv
+    import gzip
+
+    def write(texts: list[str]) -> Path:
+        if fmt == "jsonl.gz":
+            path = tmp_path / "d.jsonl.gz"
+            path.write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n"
+                                                   for t in texts).encode()))
+        elif fmt == "csv":
+            path = tmp_path / "d.csv"
+            with path.open("w", newline="") as fh:
+                csv.writer(fh).writerows([["text"], *[[t] for t in texts]])
+        elif fmt == "hf_dataset":
+            import datasets
+
+            path = tmp_path / "ds"
+            shutil.rmtree(path, ignore_errors=True)
+            datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+        else:
+            (tmp_path / "g").mkdir(exist_ok=True)
+            for i, t in enumerate(texts):
+                (tmp_path / "g" / f"{i}.txt").write_text(t)
+            return tmp_path / "g" / "*.txt"
+        return path
+
+    texts = ["def f(x):\n    return x\n", "class A:\n    pass\n", "import os\n"]
+    kw = {"progress": False, "log": lambda _: None}
+    path = write(texts)
+    first = prepare(path, tmp_path / "o", 300, **kw)
+    assert first.num_docs == 3 and not first.reused
+    assert prepare(path, tmp_path / "o", 300, **kw).reused
+    assert write([*texts, "x = 1\n"]) == path
+    changed = prepare(path, tmp_path / "o", 300, **kw)
+    assert not changed.reused and changed.num_docs == 4
+    assert prepare(path, tmp_path / "o", 300, **kw).reused
