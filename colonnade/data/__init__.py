@@ -1,6 +1,8 @@
 """Colonnade's data pipeline: corpus reading, BPE tokenizer, indexed datasets, samplers.
 
-Flow: `corpus` yields documents -> `tokenizer` maps them to ids -> `prepare` writes an indexed
+Flow: `readers` resolve the input (text, jsonl(.gz/.zst), json, csv, parquet, arrow, HF datasets
+dirs, globs, lists) -> `corpus` yields documents and collects unreadable ones -> `tokenizer` and
+`encode` map them to ids (optionally in worker processes) -> `prepare` writes an indexed
 dataset (`data.bin` + `data.idx`) -> `WindowDataset` cuts fixed-length samples from the flat token
 stream -> `BatchSampler` deals global batches to data-parallel ranks as micro-batches.
 """
