@@ -204,6 +204,7 @@ def test_load_of_hf_dir_points_at_init_from_which_takes_config_json(
     assert "model.num_layers=3" in err and "hidden_dropout" not in err, err
     assert _run(data, "a", tmp_path / "r3", f"--init-from={hf}",
                 "--model.hidden_dropout=0.1") == 0  # a run-time field stays the run's own
+    assert "initialised the weights from Hugging Face model" in capsys.readouterr().out
     pickled = tmp_path / "pickled"
     shutil.copytree(hf, pickled)
     (pickled / "model.safetensors").unlink()
@@ -211,7 +212,6 @@ def test_load_of_hf_dir_points_at_init_from_which_takes_config_json(
     assert _run(data, "a", tmp_path / "r4", f"--init-from={pickled}") == 2
     assert "no model*.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "r4").exists()
-    assert "initialised the weights from Hugging Face model" in capsys.readouterr().out
 
 
 def test_colonnade_run_fine_tuned_on_new_data(data: dict[str, Any], tmp_path: Path,
