@@ -133,6 +133,18 @@ class DataConfig:
     text_key: str = "text"
     """Field (jsonl/json records) or column (csv, parquet, arrow, HF datasets) holding the
     text of each document."""
+    format: str = "text"
+    """What `prepare` makes of the input: 'text' (pretraining: documents under text_key, every
+    token in the loss) or 'sft' (supervised fine-tuning: .jsonl/.json records of prompt_key +
+    response_key, or chat records under "messages" [{"role", "content"}]; writes a loss mask,
+    mask.bin/.idx, beside data.bin/.idx so training masks the prompt and the non-assistant
+    turns out of the loss (labels -100); samples are packed windows as in pretraining). `train`
+    picks the mask up from the prepared dir by itself."""
+    prompt_key: str = "prompt"
+    """data.format='sft': field of a record holding the prompt (no loss on its tokens)."""
+    response_key: str = "response"
+    """data.format='sft': field of a record holding the response (its tokens and the EOD after
+    it are trained on)."""
     errors: str = "strict"
     """Unreadable documents (not UTF-8, invalid JSON, no text_key): 'strict' reads the whole
     input, then fails listing them all; 'skip' leaves them out and counts them in prepare.json."""
@@ -243,8 +255,9 @@ class CheckpointConfig:
     Colonnade checkpoint (save or step_N directory) or a Hugging Face Llama/GPT-2 directory,
     taking its [model] shape (metadata / config.json; a conflicting model.* setting is refused)
     and requiring its tokenizer.json to be the data's; step, optimizer, LR schedule and data
-    order start fresh. When load is also set (a restart), load resumes and this only gives
-    the model shape."""
+    order start fresh. When there is a run to resume (load set, or checkpoint.save holding
+    this run's checkpoints: a re-run or a restart), it resumes and this only gives the model
+    shape."""
     interval: int = 0
     """Steps between saves (0 saves only at the end when save is set)."""
     keep_last: int = 3
@@ -273,12 +286,19 @@ class LoggingConfig:
     """Steps between log lines."""
     dir: str = "runs/latest"
     """Directory for metrics.jsonl, config.toml and TensorBoard events."""
-    tensorboard: bool = True
-    """Write TensorBoard events when the package is installed."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to logging.dir (install the extra: pip install -e '.[tb]';
+    asked for but not installed, rank 0 warns and writes metrics.jsonl only)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     peak_tflops: float | None = None
-    """Peak TFLOP/s of one device for MFU; None uses the device table or a measured matmul."""
+    """Peak TFLOP/s of one device for MFU; None uses the GPU table, and where the peak is
+    unknown (a CPU, an unlisted GPU) MFU is reported as n/a rather than guessed."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log every record to (rank 0; needs `pip install wandb` and
+    `wandb login`; refused before launch when not installed); None: no W&B."""
+    wandb_run_name: str | None = None
+    """Name of the W&B run (None: W&B picks one); used only with logging.wandb_project."""
 
 
 @dataclass(frozen=True, kw_only=True)
