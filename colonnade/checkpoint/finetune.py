@@ -18,7 +18,8 @@ from its warmup), the sampler at the first sample of the new data, RNG from trai
 
 ``checkpoint.load`` keeps meaning exact resume (weights, optimizer, data position, LR). It
 refuses an HF directory and a weights-only checkpoint, pointing at ``--init-from``. When both
-are set (a restart of a fine-tuning run resumes from its own checkpoints), ``load`` wins and
+are set (a re-run or restart of a fine-tuning run resumes its own checkpoints from
+``checkpoint.save``: :func:`colonnade.reliability.startup.resume_config`), ``load`` wins and
 ``init_from`` only supplies the model shape. The same tokenizer check guards a resume and the
 datasets of ``data.blend`` (whose tokenizer.json lies beside each prefix, as ``colonnade
 prepare`` writes it).
