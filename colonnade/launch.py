@@ -82,7 +82,7 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
     return {"valid": result["valid"], "interrupted": result.get("interrupted", 0)}
 
 
-EXIT_AFTER_STOP_S = 5.0
+EXIT_AFTER_STOP_S = 2.0
 """A stopped rank exits this long after returning unless the agent collected its result."""
 
 
@@ -140,6 +140,18 @@ def _stopped_line(config: Config, signum: int) -> str:
     return f"colonnade: the job was stopped by {signal_name(signum)}; {where}"
 
 
+def quiet_agent_warnings() -> None:
+    """Silence what the launcher's own report says better: the agent's warnings ("Received 15
+    death signal", "Closing process ... via signal") and its traceback of a worker's exit
+    ("ProcessExitedException: process 1 terminated with exit code 2", the agent's own stack,
+    not the rank's: the rank's error is in the report and its dump)."""
+    import logging
+
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+
+
 def launch_config(args: argparse.Namespace) -> Any:
     """The elastic agent's :class:`LaunchConfig` for the launcher arguments."""
     from torch.distributed.launcher.api import LaunchConfig
@@ -195,6 +207,7 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
         return 2
     lc = launch_config(args)
     since = time.time()
+    quiet_agent_warnings()
     try:
         results = elastic_launch(lc, entrypoint)(*(entry_args if entry_args is not None
                                                    else (config, True)))

@@ -8,7 +8,8 @@ config is validated, so a run that would be refused changes no file and starts n
   dir is used as it is, whatever it was built from, and only the default location
   (``data/stdlib``) is built from the built-in corpus. A missing prepared dir, or one built from
   other inputs than ``data.input``, is an error naming the fix (``data.overwrite`` rebuilds).
-* vocabulary: the tokenizer the run will use must fit ``model.vocab_size``.
+* datasets used as they are open cleanly, and the tokenizer the run will use fits
+  ``model.vocab_size``.
 * checkpoints: auto-resume from ``checkpoint.save`` or refuse another run's checkpoints
   (:func:`colonnade.reliability.startup.resume_config`), and an LR schedule change on resume
   (:func:`colonnade.checkpoint.training_state.preflight_resume`).
@@ -131,17 +132,40 @@ def check_vocab(config: Config, plan: DataPlan) -> None:
             f"{config.model.vocab_size}; set --model.vocab_size={vocab} (or larger).")
 
 
+def check_datasets(config: Config, plan: DataPlan) -> None:
+    """Open the indexed datasets the run will read as they are (the prepared dir when used as
+    is, every data.blend prefix): a damaged one fails here, in one line, not in every rank."""
+    from colonnade.data import IndexedDataset
+
+    prefixes = [Path(e.partition(":")[2]) for e in config.data.blend]
+    if plan.action == "use":
+        prefixes.append(plan.prepared_dir / "data")
+    for prefix in prefixes:
+        IndexedDataset(prefix)
+
+
 def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
     """Every check and decision before launch; returns (the config to run, notes to log).
 
     Raises ConfigError / DataError / CheckpointError naming the fix; writes no file."""
     from colonnade.checkpoint.training_state import preflight_resume
+    from colonnade.config.load import ConfigError
     from colonnade.config.validate import resolve, validate
     from colonnade.reliability.startup import resume_config
 
     config, note = resume_config(config, 0)
-    config = validate(resolve(config, world), world)
+    try:
+        config = validate(resolve(config, world), world)
+    except ConfigError as err:
+        if "global batch" not in note or config.training.global_batch_size is None:
+            raise
+        raise ConfigError(
+            f"{err}\n  (training.global_batch_size={config.training.global_batch_size} is the "
+            "resumed checkpoint's: a resume keeps it so the data order stays exact. Pick a "
+            "layout whose micro_batch_size x dp divides it, or set "
+            "--training.global_batch_size to change it.)") from None
     plan = data_plan(config)
+    check_datasets(config, plan)
     check_vocab(config, plan)
     preflight_resume(config)
     return config, [note] if note else []
