@@ -50,16 +50,16 @@ def batches(docs: Iterable[str]) -> Iterator[list[str]]:
 
 def encode_batch(tok: Tokenizer, eod: int, batch: list[str]) -> Encoded:
     """`ids + [eod]` of each document of `batch`, flattened, and the per-document lengths."""
-    encodings = tok.encode_batch(batch, add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64,
-                          count=len(encodings))
-    ids = np.empty(int(lengths.sum()), dtype=np.int64)
+    id_lists = [enc.ids for enc in tok.encode_batch(batch, add_special_tokens=False)]
+    lengths = np.fromiter((len(ids) + 1 for ids in id_lists), dtype=np.int64,
+                          count=len(id_lists))
+    flat = np.empty(int(lengths.sum()), dtype=np.int64)
     pos = 0
-    for enc, n in zip(encodings, lengths, strict=True):
-        ids[pos:pos + n - 1] = enc.ids
-        ids[pos + n - 1] = eod
-        pos += int(n)
-    return ids, lengths
+    for ids, n in zip(id_lists, lengths.tolist(), strict=True):
+        flat[pos:pos + n - 1] = ids
+        flat[pos + n - 1] = eod
+        pos += n
+    return flat, lengths
 
 
 def encode_stream(
