@@ -125,7 +125,9 @@ class DataConfig:
     header; .parquet; .arrow), a directory of such files (sorted), a Hugging Face datasets
     directory (save_to_disk), a glob ('shards/*.jsonl.zst'), or a comma-separated list."""
     prepared_dir: str = "data/stdlib"
-    """Directory holding tokenizer.json and data.bin/.idx made by `colonnade prepare`."""
+    """Directory holding tokenizer.json and data.bin/.idx made by `colonnade prepare`. Without
+    data.input, train uses it as it is (an error when it holds no dataset); only data/stdlib
+    and data/stdlib-2k are built from the built-in corpus when missing."""
     tokenizer: str | None = None
     """An existing Hugging Face tokenizer.json, or a model directory holding one, to use
     instead of training a BPE; `prepare` then takes the vocab size from it (model.vocab_size

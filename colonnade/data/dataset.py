@@ -10,11 +10,17 @@ Split (deterministic, no shuffling): with K = (N - 1) // seq_len windows in the 
 `n_valid = ceil(K * valid_fraction)` windows go to validation and are cut from the END of the
 stream, from its last `n_valid * seq_len + 1` tokens; training takes as many whole windows as fit
 in the tokens before that. The two splits share no token.
+
+Loss mask (SFT data, :mod:`colonnade.data.sft`): when the indexed dataset's directory also holds
+`mask.bin/.idx` (one 0/1 per token, same documents), a sample is int64 [2, seq_len + 1]: row 0
+the tokens, row 1 the mask of the same positions (1: the token is trained on as a label), and
+:func:`colonnade.data.sampler.collate` turns labels whose mask is 0 into IGNORE_INDEX.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
@@ -25,8 +31,29 @@ from colonnade.data.indexed import IndexedDataset
 Split = Literal["train", "valid"]
 
 
+MASK_NAME = "mask"
+"""Prefix, in a prepared dir, of the loss-mask dataset written beside `data` (SFT)."""
+
+
+def load_loss_mask(indexed: IndexedDataset) -> IndexedDataset | None:
+    """The loss mask beside ``indexed`` (`mask.*` in its directory), checked against it
+    document for document; None when there is none (every token is trained on)."""
+    prefix = Path(indexed.prefix).parent / MASK_NAME
+    if not prefix.with_suffix(".idx").exists():
+        return None
+    mask = IndexedDataset(prefix)
+    if mask.num_tokens != indexed.num_tokens or not np.array_equal(mask.doc_lengths,
+                                                                   indexed.doc_lengths):
+        raise DataError(f"{prefix}.idx ({mask.num_tokens} tokens, {len(mask)} documents) does "
+                        f"not match {indexed.prefix}.idx ({indexed.num_tokens} tokens, "
+                        f"{len(indexed)} documents); re-run `colonnade prepare "
+                        "--data.format=sft` into this directory, or delete the stale mask.*")
+    return mask
+
+
 class SampleDataset(Protocol):
-    """Anything that yields int64 samples of seq_len + 1 tokens by index."""
+    """Anything that yields int64 samples of seq_len + 1 tokens by index ([s + 1], or
+    [2, s + 1] with a loss-mask row)."""
 
     def __len__(self) -> int: ...
 
@@ -77,6 +104,8 @@ class WindowDataset:
             raise DataError(f"valid_fraction={valid_fraction} must be in [0, 1)")
         self.indexed, self.seq_len, self.split = indexed, seq_len, split
         self.tokens = indexed.tokens  # [N] flat memmap
+        mask = load_loss_mask(indexed)
+        self.loss_mask = None if mask is None else mask.tokens  # [N] 0/1 memmap, or None
         n_tokens = indexed.num_tokens
         total = max((n_tokens - 1) // seq_len, 0)
         self.windows = _split_windows(total, valid_fraction, split)  # window ids, ascending
@@ -100,9 +129,13 @@ class WindowDataset:
         return start, start + self.seq_len + 1
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """Sample `i`: int64 [seq_len + 1]; input = [:-1], label = [1:]."""
+        """Sample `i`: int64 [seq_len + 1]; input = [:-1], label = [1:]. With a loss mask,
+        [2, seq_len + 1]: the tokens and their 0/1 mask."""
         start, end = self.token_range(int(i))
-        return np.asarray(self.tokens[start:end], dtype=np.int64)  # [s + 1]
+        tokens = np.asarray(self.tokens[start:end], dtype=np.int64)  # [s + 1]
+        if self.loss_mask is None:
+            return tokens
+        return np.stack([tokens, np.asarray(self.loss_mask[start:end], dtype=np.int64)])
 
 
 class BlendedDataset:

@@ -173,6 +173,8 @@ def _tokenize(
             bar.update(stats.documents + stats.empty + stats.problems - bar.n)
             bar.set_postfix(tokens=writer.num_tokens, refresh=False)
         (out_dir / "prepare.json").unlink(missing_ok=True)  # files change from here on
+        for stale in ("mask.bin", "mask.idx"):  # an SFT loss mask (data/sft.py) of old data
+            (out_dir / stale).unlink(missing_ok=True)
         save_tokenizer(tok, out_dir / "tokenizer.json")
     seconds = time.perf_counter() - start
     log(f"prepare: tokenized {writer.num_docs} documents in {seconds:.1f}s "

@@ -25,6 +25,7 @@ import torch
 
 from colonnade.data.dataset import SampleDataset
 from colonnade.data.errors import DataError
+from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
 
 
 class BatchSampler:
@@ -144,11 +145,20 @@ def _check_layout(
 
 
 def collate(dataset: SampleDataset, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack samples x into (tokens, labels), int64 [b, s]: x[:, :-1] and x[:, 1:]."""
+    """Stack samples x into (tokens, labels), int64 [b, s]: x[:, :-1] and x[:, 1:].
+
+    Samples with a loss-mask row ([2, s + 1], SFT data) set the label of every position whose
+    target token has mask 0 to IGNORE_INDEX (-100); plain samples (and plain samples blended
+    with masked ones) keep every label.
+    """
     if not indices:
         raise DataError("collate got no indices; a micro-batch needs at least one sample")
-    rows = np.stack([dataset[int(i)] for i in indices]).astype(np.int64, copy=False)
+    samples = [np.asarray(dataset[int(i)], dtype=np.int64) for i in indices]
+    rows = np.stack([x[0] if x.ndim == 2 else x for x in samples])  # [b, s + 1]
     batch = torch.from_numpy(rows)  # [b, s + 1]
     tokens = batch[:, :-1].contiguous()  # [b, s]
     labels = batch[:, 1:].contiguous()  # [b, s]
+    if any(x.ndim == 2 for x in samples):
+        keep = np.stack([x[1] if x.ndim == 2 else np.ones_like(x) for x in samples])
+        labels[torch.from_numpy(keep[:, 1:] == 0)] = IGNORE_INDEX
     return tokens, labels

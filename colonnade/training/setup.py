@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from colonnade.checkpoint.finetune import with_init_from
 from colonnade.config.sections import Config
-from colonnade.config.validate import resolve, validate
+from colonnade.config.validate import DATA_FORMATS, resolve, validate
 from colonnade.data import (
     BatchSampler,
     BlendedDataset,
@@ -82,6 +82,17 @@ def prepare_data(config: Config, log: bool = True) -> Path:
     check_prepare_target(cfg)  # never over another dataset unless data.overwrite
     # a given tokenizer defines the vocabulary (train checks it fits model.vocab_size)
     vocab = None if cfg.tokenizer else config.model.vocab_size
+    if cfg.format == "sft":  # prompt/response records + a loss mask (data/sft.py)
+        from colonnade.data.sft import prepare_sft
+
+        prepare_sft(cfg.input or "", out, vocab, Path(cfg.tokenizer) if cfg.tokenizer else None,
+                    prompt_key=cfg.prompt_key, response_key=cfg.response_key,
+                    errors=cfg.errors,  # type: ignore[arg-type]
+                    progress=log, log=print if log else (lambda _m: None))
+        return out
+    if cfg.format != "text":
+        raise DataError(f"data.format='{cfg.format}' is unknown; use one of "
+                        f"{', '.join(DATA_FORMATS)}")
     prepare(cfg.input or None, out, vocab, Path(cfg.tokenizer) if cfg.tokenizer else None,
             text_key=cfg.text_key, errors=cfg.errors,  # type: ignore[arg-type]
             max_bytes=cfg.max_corpus_bytes, num_workers=cfg.num_workers,

@@ -1,0 +1,215 @@
+"""Supervised fine-tuning data: prompt/response records -> tokens plus a loss mask.
+
+`colonnade prepare --data.format=sft` reads `.jsonl` / `.json` records (also `.gz` / `.zst`;
+files, directories, globs and comma lists as `readers.resolve_input` takes them). A record is
+either
+
+* ``{prompt_key: str, response_key: str}`` (default keys "prompt" and "response"): the prompt
+  text, then the response text, tokenized separately and joined (put any separator such as
+  "\\n" or "Answer:" in the texts themselves); or
+* chat-style ``{"messages": [{"role": str, "content": str}, ...]}``: each message is rendered
+  as ``"<role>: <content>\\n"``; only the content of "assistant" messages is trained on.
+
+Each example becomes one document of the indexed dataset, its tokens then EOD, exactly like a
+pretraining document, and a second indexed dataset `mask.bin/.idx` with the same document
+lengths holds one 0/1 per token: 1 for response (assistant) tokens and the closing EOD, 0 for
+prompt, role headers and other turns. Training samples are packed windows over the token
+stream, as in pretraining (:class:`colonnade.data.dataset.WindowDataset`; a window may end one
+example and start the next): `WindowDataset` finds `mask.*` beside `data.*` and `collate` sets
+the label of every position whose target token has mask 0 to IGNORE_INDEX (-100), so the loss
+(:mod:`colonnade.training.step`) counts only response tokens.
+
+The tokenizer, the manifest (`prepare.json`, reuse of unchanged inputs), the strict/skip policy
+for bad records and the atomic write are the ones of :mod:`colonnade.data.prepare`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from colonnade.data.corpus import ERROR_POLICIES, DocumentStats, ErrorPolicy, problems_message
+from colonnade.data.dataset import MASK_NAME, load_loss_mask
+from colonnade.data.errors import CorpusError, DataError
+from colonnade.data.indexed import IndexedDataset, IndexedDatasetWriter
+from colonnade.data.prepare import (
+    PreparedData,
+    _given_tokenizer,
+    _log_summary,
+    _manifest_key,
+    _try_reuse,
+    _write_manifest,
+)
+from colonnade.data.readers import Source, _open, resolve_input
+from colonnade.data.tokenizer import eod_id, save_tokenizer, train_bpe_from_texts
+
+SFT_FORMATS = ("jsonl", "json")
+"""Reader formats that hold SFT records."""
+
+Segment = tuple[str, bool]
+"""A piece of an example's text and whether its tokens are trained on."""
+
+
+def example_segments(record: Any, prompt_key: str, response_key: str) -> list[Segment] | str:
+    """The segments of one record (see the module docstring), or why it cannot be used."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if isinstance(record.get("messages"), list):
+        out: list[Segment] = []
+        for i, msg in enumerate(record["messages"]):
+            role = msg.get("role") if isinstance(msg, dict) else None
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if not isinstance(role, str) or not isinstance(content, str):
+                return f"messages[{i}] needs string 'role' and 'content'"
+            out += [(f"{role}: ", False), (content + "\n", role == "assistant")]
+        if not any(trained for _, trained in out):
+            return "no assistant message to train on"
+        return out
+    prompt, response = record.get(prompt_key), record.get(response_key)
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        keys = ", ".join(map(str, record))[:120]
+        return (f"needs strings under {prompt_key!r} and {response_key!r} or a 'messages' list "
+                f"(keys: {keys}); set data.prompt_key / data.response_key")
+    return [(prompt, False), (response, True)]
+
+
+def _records(source: Source, report: Callable[[Path, str, str], None]) -> Iterator[tuple[Any,
+                                                                                          str]]:
+    """(record, where) of one .jsonl or .json source; unreadable lines go to ``report``."""
+    with _open(source) as fh:
+        if source.fmt == "json":
+            try:
+                data = json.loads(fh.read().decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                report(source.path, "", f"invalid JSON ({exc})")
+                return
+            for i, record in enumerate(data if isinstance(data, list) else [data]):
+                yield record, f"[{i}]"
+            return
+        for line_no, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield json.loads(raw.decode("utf-8")), f":{line_no}"
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                report(source.path, f":{line_no}", f"invalid JSON or not UTF-8 ({exc})")
+
+
+def iter_examples(input: str | Path, prompt_key: str, response_key: str,
+                  errors: ErrorPolicy, stats: DocumentStats) -> Iterator[list[Segment]]:
+    """Every usable example of ``input``, in order. Bad records are counted in ``stats``;
+    under errors='strict' one error listing them all is raised once the input is read."""
+    sources = resolve_input(input, stats.ignored)
+    wrong = [f"{s.path} ({s.fmt})" for s in sources if s.fmt not in SFT_FORMATS]
+    if wrong:
+        raise DataError(f"data.format='sft' reads .jsonl/.json records of prompt/response or "
+                        f"messages; these inputs are not: {', '.join(wrong[:5])}; convert them "
+                        "or use data.format='text'")
+    for source in sources:
+        for record, at in _records(source, stats.report):
+            segments = example_segments(record, prompt_key, response_key)
+            if isinstance(segments, str):
+                stats.report(source.path, at, segments)
+                continue
+            stats.documents += 1
+            stats.bytes += sum(len(text.encode("utf-8")) for text, _ in segments)
+            yield segments
+    if errors == "strict" and stats.problems:
+        raise CorpusError(problems_message(stats))
+
+
+def encode_example(tok: Tokenizer, eod: int, segments: list[Segment]) -> tuple[np.ndarray,
+                                                                               np.ndarray]:
+    """Token ids of an example (its segments tokenized one by one, then EOD) and its mask:
+    1 on tokens of trained segments and on the EOD, 0 elsewhere; both int64 [n]."""
+    encodings = tok.encode_batch([text for text, _ in segments], add_special_tokens=False)
+    ids = [i for enc in encodings for i in enc.ids] + [eod]
+    mask = [int(trained) for enc, (_, trained) in zip(encodings, segments, strict=True)
+            for _ in enc.ids] + [1]
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int64)
+
+
+def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
+                tokenizer_path: Path | None = None, *, prompt_key: str = "prompt",
+                response_key: str = "response", errors: ErrorPolicy = "strict",
+                progress: bool = True, log: Callable[[str], None] = print) -> PreparedData:
+    """Tokenize SFT records into ``out_dir``: tokenizer.json, data.* and mask.* (see the module
+    docstring). Arguments as :func:`colonnade.data.prepare.prepare`; checks run before any file
+    is touched and a failure leaves ``out_dir`` as it was."""
+    out_dir = Path(out_dir)
+    if errors not in ERROR_POLICIES:
+        raise DataError(f"data.errors={errors!r} must be one of {', '.join(ERROR_POLICIES)}")
+    if not input:
+        raise DataError("data.format='sft' needs data.input: a .jsonl/.json file (or folder) "
+                        "of prompt/response or messages records")
+    given = _given_tokenizer(tokenizer_path, vocab_size)
+    key = _manifest_key(input, vocab_size, tokenizer_path, "", errors, 0)
+    key["sft"] = {"prompt_key": prompt_key, "response_key": response_key}
+    reused, damage = _try_reuse(out_dir, key)
+    if reused is not None and not (damage := _mask_damage(reused)):
+        log(f"prepare: reusing {out_dir} ({reused.num_docs} SFT examples, {reused.num_tokens} "
+            "tokens; inputs unchanged)")
+        return reused
+    if damage:
+        log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")
+
+    def examples(stats: DocumentStats) -> Iterator[list[Segment]]:
+        return iter_examples(input, prompt_key, response_key, errors, stats)
+
+    if given is None:
+        log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
+        texts = ("".join(t for t, _ in ex) for ex in examples(DocumentStats()))
+        given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
+    created = not out_dir.exists()
+    try:
+        result, stats = _write(given, examples, out_dir, progress, log)
+    except BaseException:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    _write_manifest(out_dir, key, result, stats)
+    _log_summary(result, stats, log)
+    return result
+
+
+def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Segment]]],
+           out_dir: Path, progress: bool, log: Callable[[str], None]
+           ) -> tuple[PreparedData, DocumentStats]:
+    """data.* and mask.* under temporary names, renamed into place only when all is read."""
+    stats, eod = DocumentStats(), eod_id(tok)
+    data = IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size())
+    mask = IndexedDatasetWriter(out_dir / MASK_NAME, 2)
+    trained = 0
+    start = time.perf_counter()
+    with data, mask, tqdm(desc="tokenize sft", unit="example", disable=not progress) as bar:
+        for segments in examples(stats):
+            ids, keep = encode_example(tok, eod, segments)
+            data.add_document(ids)
+            mask.add_document(keep)
+            trained += int(keep.sum())
+            bar.update(1)
+        (out_dir / "prepare.json").unlink(missing_ok=True)  # files change from here on
+        save_tokenizer(tok, out_dir / "tokenizer.json")
+    seconds = time.perf_counter() - start
+    log(f"prepare: tokenized {data.num_docs} SFT examples in {seconds:.1f}s: {data.num_tokens} "
+        f"tokens, {trained} of them trained on (responses + EOD), the rest masked")
+    result = PreparedData(out_dir=out_dir, tokenizer_path=out_dir / "tokenizer.json",
+                          prefix=out_dir / "data", vocab_size=tok.get_vocab_size(), eod_id=eod,
+                          num_docs=data.num_docs, num_tokens=data.num_tokens, reused=False)
+    return result, stats
+
+
+def _mask_damage(prepared: PreparedData) -> str:
+    """'' when the loss mask matches the data document for document, else what is wrong."""
+    try:
+        load_loss_mask(IndexedDataset(prepared.prefix))
+    except DataError as err:
+        return f"its loss mask is damaged ({err})"
+    return ""
