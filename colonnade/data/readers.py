@@ -254,7 +254,8 @@ def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
 
 
 def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
-    """A JSON array of records or strings (a single record is one document)."""
+    """A JSON array of records or strings (a single record is one document); a `.json` file
+    holding one record per line (as Hugging Face's json loader accepts) is read as JSON lines."""
     with _open(source) as fh:
         text = _decode(fh.read(), source.path, "", report)
     if text is None:
@@ -262,7 +263,10 @@ def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        report(source.path, "", f"invalid JSON ({exc.msg} at line {exc.lineno})")
+        if exc.msg == "Extra data" and text.lstrip().startswith("{"):
+            yield from _read_jsonl(source, text_key, report)
+        else:
+            report(source.path, "", f"invalid JSON ({exc.msg} at line {exc.lineno})")
         return
     if isinstance(data, dict):
         data = [data]

@@ -30,6 +30,12 @@ def test_json_array_of_records_is_one_document_per_record(tmp_path: Path) -> Non
     strings = tmp_path / "strings.json"
     strings.write_text(json.dumps(DOCS[:2]))
     assert list(iter_documents(strings)) == DOCS[:2]
+    lines = tmp_path / "lines.json"  # JSON lines under a .json name
+    lines.write_bytes(_jsonl(DOCS))
+    assert list(iter_documents(lines)) == DOCS
+    (tmp_path / "broken.json").write_text('[{"text": "a"},')
+    with pytest.raises(CorpusError, match=r"broken\.json: invalid JSON \(Expecting value"):
+        list(iter_documents(tmp_path / "broken.json"))
 
 
 def test_csv_and_tsv_text_column(tmp_path: Path) -> None:
