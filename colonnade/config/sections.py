@@ -238,6 +238,9 @@ class TrainingConfig:
     """Layers per checkpointed block (uniform) or checkpointed layers per chunk (block)."""
     on_nan: str = "stop"
     """On a NaN/Inf loss or gradient: 'stop' with an error or 'skip' the step."""
+    label_smoothing: float = 0.0
+    """Label smoothing eps in [0, 1): the target is (1 - eps) one-hot + eps / vocab_size
+    (PyTorch's cross_entropy label_smoothing); masked labels (-100) stay out of the loss."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
 

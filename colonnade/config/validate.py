@@ -162,7 +162,8 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
         out.append(f"training.seq_len={c.training.seq_len} exceeds model.max_seq_len="
                    f"{m.max_seq_len}; raise max_seq_len or shorten the sequence.")
     for name, p in (("model.hidden_dropout", m.hidden_dropout),
-                    ("model.attention_dropout", m.attention_dropout)):
+                    ("model.attention_dropout", m.attention_dropout),
+                    ("training.label_smoothing", c.training.label_smoothing)):
         if not 0.0 <= p < 1.0:
             out.append(f"{name}={p} must be in [0, 1).")
     return out

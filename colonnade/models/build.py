@@ -47,7 +47,8 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
                          par.pipeline_layout)
     chunks: list[ModelChunk] = []
     for layers, first, last in specs:
-        chunk = ModelChunk(config.model, ctx, layers, first=first, last=last)
+        chunk = ModelChunk(config.model, ctx, layers, first=first, last=last,
+                           label_smoothing=config.training.label_smoothing)
         chunks.append(chunk.to(device) if device is not None else chunk)
     install_recompute(chunks, RecomputePlan.from_config(config.training))
     return chunks

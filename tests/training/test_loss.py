@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config, ModelConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.models.build import build_reference
@@ -25,11 +26,11 @@ from colonnade.training.step import StepPlan, forward_backward, forward_only, me
 VOCAB, SEQ, MICRO = 64, 16, 2
 
 
-def _config(arch: str) -> Config:
+def _config(arch: str, smoothing: float = 0.0) -> Config:
     model = ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_heads=4, vocab_size=VOCAB,
                         max_seq_len=SEQ, tie_embeddings=arch == "gpt2", bias=arch == "gpt2")
     tr = TrainingConfig(steps=1, seq_len=SEQ, micro_batch_size=MICRO, microbatches=4,
-                        precision="fp64", eval_interval=0)
+                        precision="fp64", eval_interval=0, label_smoothing=smoothing)
     return validate(resolve(Config(model=model, training=tr), 1), 1)
 
 
@@ -79,10 +80,9 @@ def test_cross_entropy_mask_matches_hand_computation() -> None:
 def test_step_loss_equals_torch_token_mean(arch: str, smoothing: float) -> None:
     """The step's loss and gradients equal plain torch's sum-over-valid / count over the
     global batch, not the mean of the 4 micro-batch means."""
-    cfg = _config(arch)
+    cfg = _config(arch, smoothing)  # training.label_smoothing reaches the model's loss
     batches = _masked_batches()
     model = build_reference(cfg, torch.float64)
-    model.label_smoothing = smoothing
     groups = ProcessGroups.single()
     losses = forward_backward([model], batches, StepPlan(groups, 0))
     got_loss = mean_loss(losses, groups, torch.device("cpu"), batches)
@@ -106,3 +106,8 @@ def test_step_loss_equals_torch_token_mean(arch: str, smoothing: float) -> None:
     ev = forward_only([model], batches, StepPlan(groups, 0))
     assert mean_loss(ev, groups, torch.device("cpu"), batches) == pytest.approx(
         want_loss.item(), rel=1e-12)  # evaluation: the same token-weighted mean
+
+
+def test_label_smoothing_out_of_range_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"training.label_smoothing=1.5 must be in \[0, 1\)"):
+        _config("llama", 1.5)
