@@ -5,9 +5,10 @@ config is validated, so a run that would be refused changes no file and starts n
 
 * data (:func:`data_plan`): ``train`` prepares only what it is told to. With ``data.input`` it
   prepares (or reuses) that input in ``data.prepared_dir``; without it, an existing prepared
-  dir is used as it is, whatever it was built from, and only the default location
-  (``data/stdlib``) is built from the built-in corpus. A missing prepared dir, or one built from
-  other inputs than ``data.input``, is an error naming the fix (``data.overwrite`` rebuilds).
+  dir is used as it is, whatever it was built from, and only the built-in locations
+  (:data:`BUILTIN_PREPARED_DIRS`) are built from the built-in corpus. A missing prepared dir,
+  or one built from other inputs than ``data.input``, is an error naming the fix
+  (``data.overwrite`` rebuilds).
 * datasets used as they are open cleanly, and the tokenizer the run will use fits
   ``model.vocab_size``.
 * checkpoints: auto-resume from ``checkpoint.save`` or refuse another run's checkpoints
@@ -26,7 +27,10 @@ from colonnade.config.sections import Config, DataConfig
 from colonnade.data.errors import DataError
 
 DEFAULT_PREPARED_DIR = DataConfig().prepared_dir
-"""The built-in corpus's prepared dir (`make demo`): the only one `train` builds unasked."""
+"""The default prepared dir, where the built-in corpus goes."""
+BUILTIN_PREPARED_DIRS = (DEFAULT_PREPARED_DIR, "data/stdlib-2k")
+"""Where the built-in corpus is prepared (the default, and configs/demo.toml / tiny-*.toml): the
+only prepared dirs `train` builds without data.input (relative to the working directory)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ def _describe(input_: str | None) -> str:
 
 
 def _is_default(path: Path) -> bool:
-    return path.resolve() == Path(DEFAULT_PREPARED_DIR).resolve()
+    return any(path.resolve() == Path(p).resolve() for p in BUILTIN_PREPARED_DIRS)
 
 
 def check_prepare_target(data: DataConfig) -> None:
@@ -116,7 +120,7 @@ def data_plan(config: Config) -> DataPlan:
         f"data.prepared_dir='{out}' holds no prepared dataset (no prepare.json); nothing to "
         f"train on. Prepare it first (`colonnade prepare --data.input=YOUR_TEXT "
         f"--data.prepared_dir={out}`), or pass --data.input=YOUR_TEXT to prepare it now, or "
-        f"fix the path (the built-in corpus is the default {DEFAULT_PREPARED_DIR}).")
+        f"fix the path (the built-in corpus goes to {' or '.join(BUILTIN_PREPARED_DIRS)}).")
 
 
 def check_vocab(config: Config, plan: DataPlan) -> None:
