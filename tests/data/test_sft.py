@@ -183,3 +183,29 @@ def test_sft_fine_tuning_lowers_response_loss_only(tmp_path: Path) -> None:
         (control / name).write_bytes((prepared / name).read_bytes())
     _, (_, prompt_control) = _fine_tune(control, 25, prepared)
     assert prompt_control < prompt0 * 0.75, (prompt0, prompt_control)  # measured 3.36
+
+
+def test_sft_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`colonnade prepare --data.format=sft` then `colonnade train` on the prepared dir: the
+    mask is picked up (the logged loss is the response-only loss, far below the all-token
+    loss of the same model) without any training flag."""
+    from colonnade.cli import main
+
+    src = _write(tmp_path / "sft.jsonl", _records(200))
+    prep, run = tmp_path / "prep", tmp_path / "run"
+    assert main(["prepare", "--data.format=sft", f"--data.input={src}",
+                 f"--data.prepared_dir={prep}", "--model.vocab_size=300"]) == 0
+    assert "trained on (responses + EOD)" in capsys.readouterr().out
+    assert (prep / "mask.idx").is_file()
+    torch.manual_seed(0)
+    assert main(["train", f"--data.prepared_dir={prep}", "--model.vocab_size=300",
+                 "--model.hidden_size=48", "--model.num_layers=2", "--model.num_heads=4",
+                 "--model.max_seq_len=32", "--training.seq_len=32",
+                 "--training.micro_batch_size=4", "--training.microbatches=2",
+                 "--training.steps=20", "--training.eval_interval=20", "--optim.lr=1e-2",
+                 "--optim.warmup_steps=2", "--training.device=cpu", "--data.valid_fraction=0.1",
+                 f"--logging.dir={run}", "--logging.progress=false", "--logging.log_interval=10"]
+                ) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [r["valid_loss"] for r in records if "valid_loss" in r][-1]
+    assert final < 1.0, final  # response tokens only; prompts stay near log(300) = 5.7
