@@ -147,6 +147,13 @@ class DataConfig:
     response_key: str = "response"
     """data.format='sft': field of a record holding the response (its tokens and the EOD after
     it are trained on)."""
+    reset_position_ids: bool = False
+    """Restart position ids at 0 after every EOD inside a packed sample, so each document is
+    seen from position 0 (Megatron's --reset-position-ids; RoPE and learned positions)."""
+    reset_attention_mask: bool = False
+    """Keep attention inside each document of a packed sample: a token does not attend across
+    an EOD (Megatron's --reset-attention-mask; a [b, 1, s, s] mask instead of the causal
+    kernel, so attention costs more memory)."""
     errors: str = "strict"
     """Unreadable documents (not UTF-8, invalid JSON, no text_key): 'strict' reads the whole
     input, then fails listing them all; 'skip' leaves them out and counts them in prepare.json."""

@@ -2,6 +2,13 @@
 
 Activations are [s, b, h] (sequence first), [s/tp, b, h] between tp regions under sp.
 Heads are split across tp: a rank holds a/tp query heads and kv/tp key/value heads.
+
+Document boundaries (Megatron's reset_position_ids / reset_attention_mask, :class:`DocReset`):
+a packed sample holds several documents, each ending with EOD. With ``positions`` the position
+ids restart at 0 after every EOD (RoPE angles and learned positions then see each document from
+0); with ``attention`` a token attends only to earlier tokens of its own document (the EOD
+belongs to the document it ends). :func:`doc_context` derives both from the tokens [b, s];
+every layer of every chunk receives the same :class:`DocContext`.
 """
 
 from __future__ import annotations
@@ -63,6 +70,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+@dataclass(frozen=True)
+class DocReset:
+    """Reset at document boundaries: the EOD token id and which resets are on."""
+
+    eod_id: int
+    positions: bool = True
+    """Position ids restart at 0 after each EOD (reset_position_ids)."""
+    attention: bool = True
+    """Attention does not cross an EOD (reset_attention_mask)."""
+
+
+@dataclass(frozen=True)
+class DocContext:
+    """Per micro-batch: position ids [b, s] and the attention mask [b, 1, s, s] (True: may
+    attend), each None when that reset is off."""
+
+    positions: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+def doc_context(tokens: torch.Tensor, reset: DocReset) -> DocContext:
+    """Position ids and attention mask of tokens [b, s] under ``reset`` (see the module
+    docstring). Document d of a row starts at 0 or just after its d-th EOD."""
+    b, s = tokens.shape
+    eod = (tokens == reset.eod_id).long()  # [b, s]
+    doc = eod.cumsum(dim=1) - eod  # [b, s]: EODs strictly before each position
+    positions = mask = None
+    if reset.positions:
+        idx = torch.arange(s, device=tokens.device).expand(b, s)  # [b, s]
+        begins = torch.ones_like(eod, dtype=torch.bool)
+        begins[:, 1:] = eod[:, :-1].bool()  # a document begins at 0 and after each EOD
+        positions = idx - torch.where(begins, idx, 0).cummax(dim=1).values  # [b, s]
+    if reset.attention:
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()  # [s, s]
+        mask = ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)  # [b, 1, s, s]
+    return DocContext(positions, mask)
+
+
 @dataclass
 class KVCache:
     """Keys and values of past positions for generation: [b, kv_local, S_max, d] each."""
@@ -92,8 +137,8 @@ class Attention(nn.Module):
         self.recompute_core = False
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+                cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]; ``doc``: document-boundary resets."""
         d = self.cfg.head_dim
         q, k, v = column_parallel(x, [self.q, self.k, self.v])  # one tp entry for all three
         s, b = q.shape[0], q.shape[1]
@@ -102,29 +147,39 @@ class Attention(nn.Module):
         v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
         start = cache.length if cache is not None else 0
         if rope is not None:
-            cos, sin = rope[0][start:start + s], rope[1][start:start + s]
+            if doc is not None and doc.positions is not None:
+                pos = doc.positions  # [b, s]
+                cos, sin = rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1)  # [b, 1, s, d/2]
+            else:
+                cos, sin = rope[0][start:start + s], rope[1][start:start + s]  # [s, d/2]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.k[:, :, start:start + s] = k
             cache.v[:, :, start:start + s] = v
             cache.length = start + s
             k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
+        mask = doc.mask if doc is not None else None  # [b, 1, s, s] or None (causal)
         if self.recompute_core and self.training:
-            out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start)  # [s, b, a/tp*d]
+            out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start,
+                             mask)  # [s, b, a/tp * d]
         else:
-            out = self.core_attention(q, k, v, start)  # [s, b, a/tp * d]
+            out = self.core_attention(q, k, v, start, mask)  # [s, b, a/tp * d]
         return self.o(out)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       start: int) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal) v: q [b, a/tp, s, d], k/v [b, kv/tp, S, d].
+                       start: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal) v: q [b, a/tp, s, d], k/v [b, kv/tp, S, d];
+        ``mask`` [b, 1, s, s] (True: may attend) replaces the causal mask (document reset).
 
         The part whose activations grow with s^2 (selective recomputation's target).
         Returns [s, b, a/tp * d].
         """
         p = self.cfg.attention_dropout if self.training else 0.0
         s, total = q.shape[2], k.shape[2]
-        if p == 0.0:
+        if p == 0.0 and mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 enable_gqa=self.kv_heads != self.heads)
+        elif p == 0.0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1,
                                                  enable_gqa=self.kv_heads != self.heads)
         else:
@@ -132,7 +187,8 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [b, a/tp, s, S]
             causal = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            allowed = causal if mask is None else mask  # [s, S] or [b, 1, s, s]
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
             tp, r = self.ctx.tp, self.ctx.tp_rank
             full = (q.shape[0], self.heads * tp, s, total)
             index = (slice(None), slice(r * self.heads, (r + 1) * self.heads))
@@ -200,10 +256,10 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg, ctx, f"{key}.mlp")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         p = self.cfg.hidden_dropout
-        a = self.attn(self.attn_norm(x), rope, cache)
+        a = self.attn(self.attn_norm(x), rope, cache, doc)
         x = x + hidden_dropout(a, p, self.ctx, f"{self.key}.attn_out", self.training)
         m = self.mlp(self.mlp_norm(x))
         return x + hidden_dropout(m, p, self.ctx, f"{self.key}.mlp_out", self.training)

@@ -19,7 +19,16 @@ import torch
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
-from colonnade.models.blocks import KVCache, Norm, TransformerLayer, hidden_dropout, rope_tables
+from colonnade.models.blocks import (
+    DocContext,
+    DocReset,
+    KVCache,
+    Norm,
+    TransformerLayer,
+    doc_context,
+    hidden_dropout,
+    rope_tables,
+)
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from colonnade.tensor_parallel.layers import (
@@ -54,14 +63,20 @@ class Embedding(nn.Module):
                             sp_partial_grad=ctx.sp)
             self.position = ctx.param(spec, cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> [s, b, h] or [s/tp, b, h] under sp."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """tokens [b, s] -> [s, b, h] or [s/tp, b, h] under sp; ``positions`` [b, s]: position
+        ids (document reset) instead of 0..s-1."""
         ids = tokens.t()  # [s, b]
         x = self.word(ids)  # [s(/tp), b, h]
         if self.position is not None:
             s_local = x.shape[0]
             start = self.ctx.tp_rank * s_local if self.ctx.sp else 0
-            x = x + self.position[start:start + s_local].unsqueeze(1)  # [s(/tp), b, h]
+            if positions is not None:
+                pos = positions.t()[start:start + s_local]  # [s(/tp), b]
+                x = x + self.position[pos]  # [s(/tp), b, h]
+            else:
+                x = x + self.position[start:start + s_local].unsqueeze(1)  # [s(/tp), b, h]
         return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, "embedding.dropout",
                               self.training)
 
@@ -78,6 +93,8 @@ class ModelChunk(nn.Module):
         self.embedding = Embedding(cfg, ctx) if first else None
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i) for i in layer_ids})
         self.layer_runner: LayerRunner | None = None
+        self.doc_reset: DocReset | None = None
+        """Document-boundary resets (set by the trainer from data.reset_*; None: off)."""
         if cfg.arch == "llama":
             cos, sin = rope_tables(cfg, ctx.device, ctx.dtype)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -102,7 +119,8 @@ class ModelChunk(nn.Module):
             return None
         return self.rope_cos, self.rope_sin
 
-    def run_layers(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, caches: list[KVCache] | None = None,
+                   doc: DocContext | None = None) -> torch.Tensor:
         """Apply this chunk's layers to x [s(/tp), b, h]; a recompute plan may wrap them."""
         layers = list(self.layers.values())
         if caches is not None:
@@ -110,30 +128,35 @@ class ModelChunk(nn.Module):
                 x = layer(x, self.rope, cache)
             return x
         if self.layer_runner is not None and self.training:
-            return self.layer_runner(self._layer_fns(), x)
+            return self.layer_runner(self._layer_fns(doc), x)
         for layer in layers:
-            x = layer(x, self.rope)
+            x = layer(x, self.rope, None, doc)
         return x
 
-    def _layer_fns(self) -> list[LayerFn]:
+    def _layer_fns(self, doc: DocContext | None = None) -> list[LayerFn]:
         rope = self.rope
-        return [lambda x, layer=layer: layer(x, rope) for layer in self.layers.values()]
+        return [lambda x, layer=layer: layer(x, rope, None, doc) for layer in self.layers.values()]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head: x [s(/tp), b, h] -> vocab-split logits [s, b, V'/tp]."""
         return self.head(self.final_norm(x))
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
-                reduction: str = "mean") -> torch.Tensor:
-        """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h].
+                reduction: str = "mean", tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h] and, with
+        ``doc_reset`` on, the micro-batch's ``tokens`` [b, s] (document boundaries).
 
         Returns hidden [s(/tp), b, h] unless this is the last chunk: then, when ``labels``
         [b, s] are given, the loss over the micro-batch's valid tokens (labels not
         ``IGNORE_INDEX``): their sum (``reduction='sum'``, what the training step uses) or
         their mean ('mean'; 0 when none is valid); else the logits [s, b, V'/tp].
         """
-        x = self.embedding(inputs) if self.embedding is not None else inputs
-        x = self.run_layers(x)
+        doc = self._doc(inputs if self.first else tokens)
+        if self.embedding is not None:
+            x = self.embedding(inputs, doc.positions if doc is not None else None)
+        else:
+            x = inputs
+        x = self.run_layers(x, doc=doc)
         if not self.last:
             return x
         logits = self.logits(x)  # [s, b, V'/tp]
@@ -146,6 +169,15 @@ class ModelChunk(nn.Module):
         if reduction != "mean":
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
         return loss.sum() / valid_tokens(labels).clamp(min=1)
+
+    def _doc(self, tokens: torch.Tensor | None) -> DocContext | None:
+        """Position ids and attention mask of the micro-batch (None without doc_reset)."""
+        if self.doc_reset is None:
+            return None
+        if tokens is None:
+            raise ValueError("document reset needs the micro-batch's tokens on every chunk; "
+                             "pass tokens=")
+        return doc_context(tokens, self.doc_reset)
 
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor, caches: list[KVCache] | None = None

@@ -251,11 +251,11 @@ class StageExecutor:
             assert x is not None
             inputs = x.requires_grad_() if self.train else x
         if chunk.last:
-            loss = chunk(inputs, labels, reduction="sum")
+            loss = chunk(inputs, labels, reduction="sum", tokens=tokens)
             self.losses[k] = micro_batch_mean(loss.detach(), labels)
             y = loss * self.plan.loss_multiplier() if self.train else loss
         else:
-            y = chunk(inputs)
+            y = chunk(inputs, tokens=tokens)  # tokens: document boundaries (doc_reset)
             self.outbox[(Kind.F, (k, c))] = y
         if self.train:
             self.stash[(k, c)] = (x, y)

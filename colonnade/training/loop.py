@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,21 @@ from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
 from colonnade.reliability.nan import check_step
 from colonnade.training.grads import reduce_sp_and_tied
-from colonnade.training.lifecycle import clear_for_overwrite, finished_note, interrupted_line
-from colonnade.training.metrics import MetricsWriter, flops_per_token, format_line
+from colonnade.training.lifecycle import begin_run, end_run
+from colonnade.training.metrics import (
+    MetricsWriter,
+    RunClock,
+    flops_per_token,
+    format_line,
+    perplexity,
+)
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
     Batch,
     StepPlan,
     forward_backward,
     forward_only,
+    install_doc_reset,
     mean_loss,
     set_train_mode,
 )
@@ -41,6 +49,8 @@ class Trainer:
         cfg = self.config
         self.data = data
         self.chunks: list[ModelChunk] = build_chunks(cfg, self.groups, rt.device)
+        if data is not None:  # data.reset_position_ids / reset_attention_mask need the EOD id
+            install_doc_reset(self.chunks, cfg.data, data.tokenizer)
         self.ddp = build_data_parallel(self.chunks, cfg, self.groups)
         self.optimizer = DistributedOptimizer(self.ddp, cfg.optim, self.groups, cfg.training.steps,
                                               cfg.training.precision)
@@ -121,15 +131,13 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         note = start_from(trainer, ck.load) if ck.load else init_weights(trainer, ck.init_from)
         if rt.is_logger:
             print(f"colonnade: {note}")
-        if ck.load and trainer.step >= tr.steps:  # a re-run of a finished run
-            if rt.is_logger:
-                print(finished_note(cfg, trainer.step))
-            return {"history": [], "valid": [], "rank": rt.groups.rank, "finished": True}
-    cleared = clear_for_overwrite(cfg, rt.groups)
-    if cleared and rt.is_logger:
-        print(f"colonnade: {cleared}")
+    if not begin_run(cfg, trainer.step, rt.groups):  # a re-run of a finished run
+        return {"history": [], "valid": [], "rank": rt.groups.rank, "finished": True}
     pending: PendingSave | None = None
-    writer = (MetricsWriter(log_cfg.dir, log_cfg.tensorboard, start_step=trainer.step)
+    writer = (MetricsWriter(log_cfg.dir, log_cfg.tensorboard, start_step=trainer.step,
+                            wandb_project=log_cfg.wandb_project,
+                            wandb_run_name=log_cfg.wandb_run_name,
+                            run_config=dataclasses.asdict(cfg))
               if rt.is_logger else None)
     if rt.is_logger:
         (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
@@ -143,13 +151,19 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     valid_losses: list[tuple[int, float]] = []
     window_start, window_steps = time.perf_counter(), 0
+    clock = RunClock(trainer.step, tr.steps, tokens_per_step)
     stopper, stop = StopRequest().install(), 0  # Ctrl-C / SIGTERM: finish the step, save
     if monitor is not None:
         monitor.graceful_stop = True
     if tr.eval_interval:
         valid_losses.append((trainer.step, trainer.evaluate()))
-        if rt.is_logger:
-            print(f"step {trainer.step:>5} | valid {valid_losses[-1][1]:.4f}")
+        if writer is not None:
+            loss0 = valid_losses[-1][1]
+            rec0 = {"step": trainer.step, "valid_loss": loss0, "valid_ppl": perplexity(loss0),
+                    **clock.fields(trainer.step)}
+            if trainer.step == 0:  # a resume's step already has its record
+                writer.write(rec0)
+            print(format_line(rec0), flush=True)
     while trainer.step < tr.steps:
         if monitor is not None:
             monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
@@ -176,10 +190,12 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
             tps = tokens_per_step / dt
             rec = {"step": step, **metrics, "step_time_s": dt, "tokens_per_s": tps,
                    "tflops_per_device": tps * flops_tok / 1e12 / rt.groups.world.size,
-                   **memory_stats(rt.device)}
-            rec["mfu"] = rec["tflops_per_device"] / peak if peak else 0.0
+                   **memory_stats(rt.device), **clock.fields(step)}
+            if peak:  # unknown peak (a CPU): no MFU rather than a guessed one
+                rec["mfu"] = rec["tflops_per_device"] / peak
             if evaluate:
                 rec["valid_loss"] = valid_losses[-1][1]
+                rec["valid_ppl"] = perplexity(rec["valid_loss"])
             history.append(rec)
             if writer is not None:
                 writer.write(rec)
@@ -191,19 +207,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     stopper.restore()
     if bar is not None:
         bar.close()
-    if pending is not None:
-        pending.wait()
-    final = None
-    if ck.save:
-        if monitor is not None:
-            monitor.beat(trainer.step, rt.groups.stats, phase="save")
-        final = save_training(trainer, ck.save, keep_last=ck.keep_last, tokenizer=data.tokenizer)
-        if rt.is_logger and not stop:
-            print(f"saved checkpoint {final.path}")
+    end_run(trainer, pending, stop, data.tokenizer, monitor)
     if writer is not None:
         writer.close()
-    if stop and rt.is_logger:
-        print(interrupted_line(stop, trainer.step, final.path if final else None), flush=True)
     return {"history": history, "valid": valid_losses, "rank": rt.groups.rank,
             "interrupted": stop}
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from colonnade.config.sections import DataConfig
+from colonnade.models.blocks import DocReset
 from colonnade.models.gpt import ModelChunk, valid_tokens
 from colonnade.parallel.groups import ProcessGroups
 
@@ -146,6 +149,19 @@ def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
     t = torch.tensor([total, sum(weights)], dtype=torch.float64, device=device)
     groups.world.all_reduce(t, name="log_loss")
     return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+
+def install_doc_reset(chunks: list[ModelChunk], data: DataConfig, tokenizer: Path) -> None:
+    """Turn data.reset_position_ids / reset_attention_mask on in every chunk, with the EOD id
+    of the run's tokenizer (a no-op when both are off)."""
+    if not (data.reset_position_ids or data.reset_attention_mask):
+        return
+    from colonnade.data import eod_id, load_tokenizer
+
+    reset = DocReset(eod_id(load_tokenizer(tokenizer)), positions=data.reset_position_ids,
+                     attention=data.reset_attention_mask)
+    for chunk in chunks:
+        chunk.doc_reset = reset
 
 
 def set_train_mode(chunks: list[nn.Module], training: bool) -> None:

@@ -25,6 +25,7 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.models.blocks import DocReset
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
@@ -32,6 +33,7 @@ from colonnade.training.grads import grad_of, reduce_sp_and_tied, unique_params
 from colonnade.training.step import StepPlan, forward_backward, mean_loss
 
 STEPS, SEQ, MICRO, VOCAB = 3, 16, 2, 96
+EOD = 5  # the end-of-document id of the document-reset cases
 TOL = 1e-10
 
 
@@ -55,18 +57,20 @@ def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int
     return validate(resolve(cfg, world), world)
 
 
-def step_batches(cfg: Config, step: int, masked: bool = False
+def step_batches(cfg: Config, step: int, masked: bool = False, docs: bool = False
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch of ``step``: dp x m micro-batches (dp rank d takes [d m, (d + 1) m)).
 
     ``masked``: micro-batch j keeps each label with probability j / count (the others are
     IGNORE_INDEX), so micro-batches and dp ranks hold different numbers of valid tokens and the
-    first holds none.
+    first holds none. ``docs``: about one token in six is EOD (several documents per sample).
     """
     tr = cfg.training
     gen = torch.Generator().manual_seed(1000 + step)
     count = int(tr.microbatches or 1) * int(cfg.parallel.dp or 1)
     data = torch.randint(0, VOCAB, (count, MICRO, SEQ + 1), generator=gen)
+    if docs:
+        data[torch.rand(data.shape, generator=gen) < 1 / 6] = EOD
     out = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
     if masked:
         keep = [torch.rand(MICRO, SEQ, generator=gen) < j / count for j in range(count)]
@@ -80,7 +84,7 @@ def _ref_key(key: str, ref: dict[str, torch.Tensor]) -> str:
 
 
 def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None = None,
-                masked: bool = False) -> dict[str, Any]:
+                masked: bool = False, docs: bool = False) -> dict[str, Any]:
     """3 Trainer steps on this rank's micro-batches: losses, full grads per step, full params.
 
     With ``extra`` the Trainer's step is assembled by hand so that ``extra`` (executor options)
@@ -90,10 +94,12 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
     from colonnade.training.setup import Runtime
 
     trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
+    for chunk in trainer.chunks:  # what data.reset_position_ids / reset_attention_mask set
+        chunk.doc_reset = DocReset(EOD) if docs else None
     m, d = int(cfg.training.microbatches or 1), groups.dp_rank
     losses, grads = [], []
     for step in range(STEPS):
-        batches = step_batches(cfg, step, masked)[d * m:(d + 1) * m]
+        batches = step_batches(cfg, step, masked, docs)[d * m:(d + 1) * m]
         if extra is None:
             losses.append(trainer.train_step(batches)["loss"])
         else:
@@ -113,7 +119,7 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
     return {"loss": losses, "grads": grads, "params": params, "stage": groups.pp_rank}
 
 
-def reference_run(cfg: Config, masked: bool = False) -> dict[str, Any]:
+def reference_run(cfg: Config, masked: bool = False, docs: bool = False) -> dict[str, Any]:
     """The same 3 steps on the single-process model fed all dp x m micro-batches."""
     par, tr = cfg.parallel, cfg.training
     single = dataclasses.replace(
@@ -122,24 +128,24 @@ def reference_run(cfg: Config, masked: bool = False) -> dict[str, Any]:
                                           use_distributed_optimizer=False),
         training=dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * int(par.dp or 1),
                                      global_batch_size=None))
-    return _reference(validate(resolve(single, 1), 1), masked)
+    return _reference(validate(resolve(single, 1), 1), masked, docs)
 
 
 @functools.lru_cache(maxsize=16)
-def _reference(single: Config, masked: bool = False) -> dict[str, Any]:
+def _reference(single: Config, masked: bool = False, docs: bool = False) -> dict[str, Any]:
     """Cached per single-process config: schedules of the same model and batch share it."""
     torch.set_num_threads(1)
-    return train_steps(single, ProcessGroups.single(), masked=masked)
+    return train_steps(single, ProcessGroups.single(), masked=masked, docs=docs)
 
 
 def rank_train(cfg: Config, extra: dict[str, Any] | None = None,
-               masked: bool = False) -> dict[str, Any] | None:
+               masked: bool = False, docs: bool = False) -> dict[str, Any] | None:
     """On each rank: the 3 steps; tp rank 0 returns its results."""
     torch.set_num_threads(1)
     par = cfg.parallel
     groups = ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=int(par.dp or 1),
                                               vp=par.vp))
-    out = train_steps(cfg, groups, extra, masked)
+    out = train_steps(cfg, groups, extra, masked, docs)
     return out if groups.tp_rank == 0 else None
 
 
@@ -174,10 +180,12 @@ def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any],
 
 
 def check(run_ranks: Callable[..., list[Any]], cfg: Config,
-          extra: dict[str, Any] | None = None, masked: bool = False) -> None:
+          extra: dict[str, Any] | None = None, masked: bool = False, docs: bool = False) -> None:
     par = cfg.parallel
-    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, extra, masked)
-    assert_parity(results, reference_run(cfg, masked), grads=not par.use_distributed_optimizer)
+    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, extra, masked,
+                        docs)
+    assert_parity(results, reference_run(cfg, masked, docs),
+                  grads=not par.use_distributed_optimizer)
 
 
 CASES = [  # (pp, vp, schedule, m): m = pp, a multiple of pp, not a multiple
@@ -261,3 +269,24 @@ def test_masked_loss_parity(run_ranks: Callable[..., list[Any]], pp: int, vp: in
     cfg = make_config(pp=pp, vp=vp, schedule=schedule, m=3, tp=tp, dp=dp, sp=sp, zero=zero,
                       arch=arch)
     check(run_ranks, cfg, masked=True)
+
+
+DOCS = [  # (pp, vp, schedule, tp, dp, sp, recompute, arch): documents reset at EOD
+    (1, 1, "1f1b", 2, 2, True, "none", "gpt2"),  # learned positions under sp, attn dropout
+    (2, 2, "interleaved_1f1b", 2, 1, True, "selective", "llama"),  # masked core recomputed
+    (2, 1, "zb_h1", 1, 2, False, "full", "gpt2"),
+]
+
+
+@pytest.mark.parametrize(("pp", "vp", "schedule", "tp", "dp", "sp", "recompute", "arch"), DOCS,
+                         ids=[f"pp{c[0]}-vp{c[1]}-{c[2]}-tp{c[3]}-dp{c[4]}-sp{int(c[5])}-"
+                              f"{c[6]}-{c[7]}" for c in DOCS])
+def test_document_reset_parity(run_ranks: Callable[..., list[Any]], pp: int, vp: int,
+                               schedule: str, tp: int, dp: int, sp: bool, recompute: str,
+                               arch: str) -> None:
+    """Position ids restarting and attention kept inside documents (every chunk derives them
+    from the tokens) with masked labels: every layout equals the single-process run."""
+    cfg = make_config(pp=pp, vp=vp, schedule=schedule, m=3, tp=tp, dp=dp, sp=sp, arch=arch)
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                recompute=recompute))
+    check(run_ranks, cfg, masked=True, docs=True)
