@@ -141,14 +141,18 @@ def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
     """Mean loss of the step over dp, made known on every rank (last stage contributes);
     reduced on ``device`` (NCCL reduces only device tensors). With ``batches`` (the step's
     micro-batches of this rank) each micro-batch's mean weighs by its valid tokens, giving
-    the global token mean; without, every micro-batch weighs the same."""
+    the global token mean (0 when no label of the global batch is valid, rather than a NaN
+    that would stop the run); without, every micro-batch weighs the same."""
     weights = [1.0] * len(losses)
     if batches is not None and losses:  # one device-to-host copy
         weights = torch.stack([valid_tokens(lab) for _, lab in batches]).double().tolist()
     total = sum(w * v for w, v in zip(weights, losses, strict=True))
     t = torch.tensor([total, sum(weights)], dtype=torch.float64, device=device)
     groups.world.all_reduce(t, name="log_loss")
-    return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+    if t[1] > 0:
+        return float(t[0] / t[1])
+    # every label of the global batch masked: nothing is trained on (zero gradients), loss 0
+    return 0.0 if batches is not None else float("nan")
 
 
 def install_doc_reset(chunks: list[ModelChunk], data: DataConfig, tokenizer: Path) -> None:

@@ -111,3 +111,17 @@ def test_step_loss_equals_torch_token_mean(arch: str, smoothing: float) -> None:
 def test_label_smoothing_out_of_range_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"training.label_smoothing=1.5 must be in \[0, 1\)"):
         _config("llama", 1.5)
+
+
+def test_fully_masked_global_batch_trains_nothing() -> None:
+    """No valid label anywhere: loss 0 (not NaN, which would stop the run), zero gradients."""
+    cfg = _config("llama")
+    model = build_reference(cfg, torch.float64)
+    tokens = _masked_batches()[0][0]
+    batches = [(tokens, torch.full_like(tokens, IGNORE_INDEX))] * 2
+    groups = ProcessGroups.single()
+    losses = forward_backward([model], batches, StepPlan(groups, 0))
+    assert losses == [0.0, 0.0]
+    assert mean_loss(losses, groups, torch.device("cpu"), batches) == 0.0
+    assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters()
+               if p.grad is not None)
