@@ -1,4 +1,4 @@
-"""Command line: ``colonnade prepare | train | generate | plan | bench | convert``.
+"""Command line: ``colonnade prepare | train | generate | plot | plan | bench | convert``.
 
 Config fields are set with ``--section.field=value`` after an optional ``--config FILE.toml``;
 ``colonnade train --help-config`` lists every field with its documentation.
@@ -15,12 +15,21 @@ from colonnade.config.load import ConfigError, config_to_toml, field_docs, load_
 from colonnade.config.sections import SECTIONS, Config
 from colonnade.config.validate import resolve, validate
 
+PREPARE_FIELDS: dict[str, tuple[str, ...] | None] = {"data": None, "model": ("vocab_size",)}
+"""The config fields `colonnade prepare` reads (None: the whole section)."""
 
-def _config_help() -> str:
+
+def _config_help(only: dict[str, tuple[str, ...] | None] | None = None) -> str:
+    """Every config field with its default and docstring; ``only``: these sections (and, where
+    a tuple is given, these fields of it)."""
     lines = ["Config fields (set with --section.field=value):"]
     for name, cls in SECTIONS.items():
+        if only is not None and name not in only:
+            continue
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
+            if only is not None and only[name] is not None and f.name not in only[name]:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else "..."
             lines.append(f"  --{name}.{f.name}={default}\n      {docs.get(f.name, '')}")
     return "\n".join(lines)
@@ -42,22 +51,42 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model (any tp/pp/dp layout)",
-                       description="Train. Any --section.field=value overrides the config.",
-                       epilog="Use --help-config to list every config field.",
+                       description="Train. Any --section.field=value overrides the config. "
+                       "--dry-run checks a config and shows what the run would be (model, "
+                       "layout, memory per rank, data) without starting it.",
+                       epilog="Use --help-config to list every config field.\n\nexamples:\n"
+                       "  colonnade train --config configs/tiny-llama.toml\n"
+                       "  colonnade train --config configs/llama2-70b.toml --nproc 8 "
+                       "--parallel.tp=8 --dry-run",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="TOML config file (see configs/)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     t.add_argument("--help-config", action="store_true", help="list every config field")
+    t.add_argument("--dry-run", action="store_true",
+                   help="validate, build the model on the meta device and print parameters, "
+                   "tokens per step, layout, per-rank memory (parameters, gradients, optimizer, "
+                   "activations; the planner's model) and data stats; starts no rank, writes "
+                   "and prepares nothing; exit 0")
     t.add_argument("--init-from", metavar="PATH",
                    help="fine-tune: start from the weights of a Colonnade checkpoint or a "
                    "Hugging Face Llama/GPT-2 directory, with its model shape (no --model.* "
                    "needed) and tokenizer (must be the data's); step, optimizer and data "
                    "start fresh (= --checkpoint.init_from=PATH; --checkpoint.load resumes)")
     _add_launch_args(t)
-    pr = sub.add_parser("prepare", help="tokenize text into an indexed dataset")
+    pr = sub.add_parser("prepare", help="tokenize text into an indexed dataset",
+                        description="Tokenize data.input (files, folders, globs; text, jsonl, "
+                        "json, csv, parquet, HF save_to_disk) into data.prepared_dir, which "
+                        "`colonnade train --data.prepared_dir=DIR` then reads.",
+                        epilog=f"{_config_help(PREPARE_FIELDS)}\n\nexample:\n  colonnade "
+                        "prepare --data.input=my_texts/ --data.prepared_dir=data/mine",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("--config", help="TOML config file")
-    g = sub.add_parser("generate", help="sample text from a saved model")
-    g.add_argument("model_dir", help="directory written by train --checkpoint.save=DIR")
+    g = sub.add_parser("generate", help="sample text from a saved model",
+                       description="Continue a prompt with a trained model (one process).")
+    g.add_argument("model_dir", help="a checkpoint root (train --checkpoint.save=DIR) or one "
+                   "of its step_N dirs, a run's logging.dir (its config.toml names the "
+                   "checkpoint), a `convert --from-hf` output, or a Hugging Face "
+                   "Llama/GPT-2 folder (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--prompt", default="def ", help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=120)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -78,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="with --to-hf: tensor dtype of model.safetensors and config.json's "
                    "torch_dtype (default: as stored in the checkpoint)")
+    pl = sub.add_parser("plot", help="draw loss, perplexity, tokens/s and LR curves to a PNG",
+                        description="Read each RUN_DIR's metrics.jsonl and write one PNG: "
+                        "training and validation loss, validation perplexity, tokens/s and "
+                        "learning rate over steps, the runs overlaid (needs matplotlib: pip "
+                        "install -e '.[plot]').",
+                        epilog="example:\n  colonnade plot runs/demo runs/other --out cmp.png",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                    help="a run's logging.dir (or its metrics.jsonl)")
+    pl.add_argument("--out", default="plot.png", help="PNG to write (default: plot.png)")
     b = sub.add_parser("bench", help="list or run the side-by-side benchmark scripts",
                        description="Without NAME, list benchmarks/*.py; with it, run that "
                        "script with the remaining options (NAME --help lists them).")
@@ -114,6 +153,16 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     resolved = validate(resolve(config, world), world)
     if args.print_config:
         print(config_to_toml(resolved))
+        return 0
+    from colonnade.training.metrics import logging_problems
+
+    problems = logging_problems(resolved.logging)  # e.g. W&B asked for but not installed
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    if args.dry_run:
+        from colonnade.planner.dry_run import dry_run
+
+        print(dry_run(resolved, world))
         return 0
     from colonnade.training.preflight import preflight
 
@@ -202,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "plot":
+            from colonnade.plot import plot_runs
+
+            print(f"wrote {plot_runs(args.runs, args.out)}")
+            return 0
         if args.command == "convert":
             return _convert(args)
         if args.command == "bench":
@@ -215,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"colonnade: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the training loop (which saves and returns): set-up
+        print(f"colonnade: interrupted during `{args.command}` (nothing to save yet)",
+              file=sys.stderr)
+        return 130
     except Exception as err:
         status = _failure_status(err)
         if status is None:

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from colonnade.checkpoint.commit import clear_checkpoints
+from colonnade.checkpoint.training_state import PendingSave, save_training
 from colonnade.config.sections import Config
 from colonnade.reliability.interrupt import signal_name
+from colonnade.reliability.monitor import RankMonitor
 
 
 def clear_for_overwrite(config: Config, groups: Any) -> str:
@@ -24,6 +26,39 @@ def clear_for_overwrite(config: Config, groups: Any) -> str:
         return ""
     return (f"checkpoint.on_existing=overwrite: deleted {len(names)} earlier checkpoint(s) under "
             f"{ck.save} ({names[0]} .. {names[-1]})")
+
+
+def begin_run(config: Config, step: int, groups: Any) -> bool:
+    """After loading: False (and a line) when the resumed checkpoint already reached
+    training.steps; else clears the save dir when told to overwrite (collective) and True."""
+    log = groups.rank == 0
+    if config.checkpoint.load and step >= config.training.steps:
+        if log:
+            print(finished_note(config, step))
+        return False
+    cleared = clear_for_overwrite(config, groups)
+    if cleared and log:
+        print(f"colonnade: {cleared}")
+    return True
+
+
+def end_run(trainer: Any, pending: PendingSave | None, stop: int, tokenizer: Path | None,
+            monitor: RankMonitor | None) -> Path | None:
+    """The final save (collective; also after Ctrl-C / SIGTERM) and its line; returns it."""
+    ck, log = trainer.config.checkpoint, trainer.groups.rank == 0
+    if pending is not None:
+        pending.wait()
+    final = None
+    if ck.save:
+        if monitor is not None:
+            monitor.beat(trainer.step, trainer.groups.stats, phase="save")
+        final = save_training(trainer, ck.save, keep_last=ck.keep_last,
+                              tokenizer=tokenizer).path
+        if log and not stop:
+            print(f"saved checkpoint {final}")
+    if stop and log:
+        print(interrupted_line(stop, trainer.step, final), flush=True)
+    return final
 
 
 def finished_note(config: Config, step: int) -> str:
