@@ -120,7 +120,7 @@ def main() -> None:
               f"{r['tflops']:>8.2f} {r['mfu']:>7.1%}")
     ratio = pred.step_s / got["step_s"]
     print(f"MFU of both rows against the {args.cluster} peak {pred.peak_flops / 1e12:.3g} "
-          f"TFLOP/s (colonnade's device table: {got['peak_tflops']:.3g})")
+          f"TFLOP/s (colonnade's device table: {got['peak_tflops'] or 'not listed'})")
     print(f"predicted / measured step time {ratio:.3f}; peak memory "
           f"{max(v for k, v in got.items() if k.startswith('mem')):.2f} GiB")
     out = {"model": args.model, "cluster": args.cluster, "precision": args.precision,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 # Dense bf16 peak TFLOP/s of common accelerators, by substring of the device name.
@@ -74,8 +72,14 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None) -> float:
-    """Peak TFLOP/s for MFU: the configured value, the GPU table, or a measured CPU matmul."""
+def peak_tflops(device: torch.device, dtype: torch.dtype,
+                configured: float | None) -> float | None:
+    """Peak TFLOP/s for MFU: the configured value or the GPU table; None where it is unknown.
+
+    A CPU has no peak worth dividing by: a matmul measured at start-up on cores shared by
+    several ranks (and other jobs) once reported MFU above 100%, so MFU is then n/a unless
+    ``logging.peak_tflops`` gives the peak.
+    """
     if configured:
         return configured
     if device.type == "cuda":
@@ -83,20 +87,4 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | No
         for key, value in PEAK_TFLOPS.items():
             if key in name:
                 return value if dtype in (torch.bfloat16, torch.float16) else value / 2
-    return measure_matmul_tflops(device, dtype)
-
-
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 512,
-                          repeats: int = 5) -> float:
-    """Best-of-``repeats`` TFLOP/s of an n x n x n matmul (2 n^3 FLOPs)."""
-    dtype = dtype if dtype != torch.float16 or device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e12
+    return None

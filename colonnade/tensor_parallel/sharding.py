@@ -87,8 +87,12 @@ def init_full(sharding: Sharding, seed: int, std: float, kind: str = "normal",
 def make_param(sharding: Sharding, tp_rank: int, tp: int, seed: int, std: float,
                kind: str = "normal", dtype: torch.dtype = torch.float32,
                device: torch.device | None = None) -> torch.nn.Parameter:
-    """A parameter holding this rank's shard of the seeded full initial value."""
-    full = init_full(sharding, seed, std, kind, dtype)
+    """A parameter holding this rank's shard of the seeded full initial value (on the meta
+    device: the shard's shape only, nothing initialised, e.g. for ``train --dry-run``)."""
+    if device is not None and torch.device(device).type == "meta":
+        full = torch.empty(sharding.full_shape, dtype=dtype, device="meta")
+    else:
+        full = init_full(sharding, seed, std, kind, dtype)
     param = torch.nn.Parameter(sharding.shard(full, tp_rank, tp).to(device=device))
     param.sharding = sharding  # type: ignore[attr-defined]
     return param

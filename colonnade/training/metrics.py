@@ -1,14 +1,30 @@
-"""Throughput arithmetic and the metrics writers (JSONL, TensorBoard, console, progress bar)."""
+"""Throughput arithmetic and the metrics writers (JSONL, TensorBoard, W&B, console).
+
+A log record (one line of ``metrics.jsonl``) holds ``step``, ``loss``, ``lr``, ``grad_norm``,
+``step_time_s``, ``tokens_per_s``, ``tflops_per_device``, ``tokens`` (consumed since step 0),
+``elapsed_s`` (wall time of this process's loop), ``eta_s`` (to ``training.steps`` at the mean
+step time so far), memory, ``mfu`` only against a known peak (``logging.peak_tflops`` or the GPU
+table; a shared CPU has no meaningful peak), and ``valid_loss`` / ``valid_ppl`` (perplexity,
+exp of the validation loss) when evaluated. The validation loss before the first step is a record
+of its own (step 0, no ``loss``).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from colonnade.config.sections import ModelConfig
+from colonnade.config.sections import LoggingConfig, ModelConfig
+
+TB_MISSING = ("logging.tensorboard=true but the tensorboard package is not installed; writing "
+              "metrics.jsonl only (install it with `pip install -e '.[tb]'`, or set "
+              "--logging.tensorboard=false)")
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
@@ -42,28 +58,85 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 3.0 * (cfg.num_layers * per_layer + 2 * cfg.vocab_size * h)
 
 
+def logging_problems(log: LoggingConfig) -> list[str]:
+    """What in ``log`` cannot work on this machine (checked before launch): W&B asked for but
+    not installed."""
+    if log.wandb_project and importlib.util.find_spec("wandb") is None:
+        return [f"logging.wandb_project={log.wandb_project!r} but the wandb package is not "
+                "installed; install it (`pip install wandb`, then `wandb login`) or leave "
+                "logging.wandb_project unset"]
+    return []
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where it overflows."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class RunClock:
+    """Elapsed time, ETA and tokens consumed of a run that starts at ``start_step``."""
+
+    def __init__(self, start_step: int, total_steps: int, tokens_per_step: int) -> None:
+        self.start_step, self.total_steps = start_step, total_steps
+        self.tokens_per_step = tokens_per_step
+        self.t0 = time.perf_counter()
+
+    def fields(self, step: int) -> dict[str, float]:
+        """``tokens``, ``elapsed_s`` and ``eta_s`` at ``step``."""
+        elapsed = time.perf_counter() - self.t0
+        done = step - self.start_step
+        eta = elapsed / done * max(0, self.total_steps - step) if done > 0 else math.nan
+        return {"tokens": step * self.tokens_per_step, "elapsed_s": elapsed, "eta_s": eta}
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 class MetricsWriter:
-    """Appends one JSON object per log step to metrics.jsonl; TensorBoard too when available.
+    """Appends one JSON object per log step to metrics.jsonl; TensorBoard and W&B when asked.
+
+    TensorBoard asked for (``tensorboard``) but not installed: one warning on stderr, JSONL
+    only. ``wandb_project``: ``wandb`` is imported and a run started (its absence is refused
+    before launch by :func:`logging_problems`); every numeric field is logged at its step.
 
     A run that starts at ``start_step`` (a resume; 0 for a fresh start) continues the file
     without duplicates: records of later steps, left by the run it resumes (or by an earlier run
     in the same directory), are moved to metrics.dropped.jsonl (:attr:`dropped` counts them).
     """
 
-    def __init__(self, directory: str | Path, tensorboard: bool, start_step: int = 0) -> None:
+    def __init__(self, directory: str | Path, tensorboard: bool, start_step: int = 0, *,
+                 wandb_project: str | None = None, wandb_run_name: str | None = None,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self.dropped = self._truncate_after(start_step)
         self.fh = self.path.open("a")
         self.tb: Any = None
+        self.wandb: Any = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
+            except ImportError:
+                print(f"colonnade: warning: {TB_MISSING}", file=sys.stderr, flush=True)
+            else:
                 self.tb = SummaryWriter(str(self.dir))
-            except Exception:  # tensorboard not installed: JSONL only
-                self.tb = None
+        if wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=wandb_run_name,
+                                    config=run_config, dir=str(self.dir), resume="allow")
 
     def _truncate_after(self, start_step: int) -> int:
         """Keep the records of steps <= ``start_step``; move the rest aside; return how many."""
@@ -85,29 +158,44 @@ class MetricsWriter:
         return len(drop)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append a record (and scalars to TensorBoard)."""
+        """Append a record (and its finite scalars to TensorBoard / W&B)."""
         self.fh.write(json.dumps(record) + "\n")
         self.fh.flush()
+        step = int(record.get("step", 0))
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))
+                   and k != "step" and math.isfinite(v)}
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self.tb.add_scalar(key, value, record.get("step", 0))
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         """Flush and close."""
         self.fh.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def format_line(rec: dict[str, Any]) -> str:
-    """One readable console line for a log record."""
-    parts = [f"step {rec['step']:>5}", f"loss {rec['loss']:.4f}"]
+    """One readable console line for a log record (a validation-only record too)."""
+    parts = [f"step {rec['step']:>5}"]
+    if "loss" in rec:
+        parts.append(f"loss {rec['loss']:.4f}")
     if "valid_loss" in rec:
-        parts.append(f"valid {rec['valid_loss']:.4f}")
-    parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
-              f"{rec['tokens_per_s']:,.0f} tok/s", f"{rec['tflops_per_device']:.3f} TFLOP/s/dev",
-              f"MFU {100 * rec['mfu']:.1f}%"]
+        parts.append(f"valid {rec['valid_loss']:.4f} (ppl {rec['valid_ppl']:.4g})")
+    if "lr" in rec:
+        mfu = (f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec
+               else "MFU n/a (set logging.peak_tflops)")
+        parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
+                  f"{rec['tokens_per_s']:,.0f} tok/s",
+                  f"{rec['tflops_per_device']:.3f} TFLOP/s/dev", mfu]
     if "mem_peak_gib" in rec:
         parts.append(f"mem {rec['mem_peak_gib']:.2f} GiB")
+    if "tokens" in rec:
+        parts += [f"{_count(rec['tokens'])} tok", f"elapsed {_duration(rec['elapsed_s'])}"]
+        if "loss" in rec:
+            parts.append(f"ETA {_duration(rec['eta_s'])}")
     return " | ".join(parts)

@@ -1,0 +1,86 @@
+"""`colonnade train --dry-run`: what a run would be, without running it.
+
+The config is already validated by the CLI. Here the model is built on the meta device (shapes
+only, no weights allocated, so a 70B preset takes a moment), and the report shows its parameter
+count, the layout, tokens per step, the planner's per-rank memory (colonnade/planner/memory.py:
+parameters, gradients, optimizer states, activations and buffers of the fullest pipeline stage)
+and, when ``data.prepared_dir`` holds a prepared dataset, its documents, tokens, samples per
+epoch and the epochs this run covers. Nothing is written, prepared or launched. (It lives in
+the planner, above training, because it reuses the planner's memory model.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colonnade.config.sections import Config
+from colonnade.models.build import build_reference
+from colonnade.parallel.dims import ParallelDims
+from colonnade.planner.layout import Layout, Workload
+from colonnade.planner.memory import memory_per_device, stage_params
+
+
+def meta_param_count(config: Config) -> int:
+    """Parameters of the whole model, counted on the meta device (nothing allocated)."""
+    model = build_reference(config, device=torch.device("meta"))
+    return sum(p.numel() for p in model.parameters())
+
+
+def memory_lines(config: Config, world: int) -> list[str]:
+    """Per-rank memory of the fullest stage from the planner's model, one line per kind."""
+    workload = Workload.from_config(config)
+    layout = Layout.from_config(config, world)
+    mem = memory_per_device(workload, layout)
+    params = stage_params(workload.shape, layout, mem.stage)
+    gib = mem.gib()
+    lines = [f"memory per rank (planner's model, {mem.stage} stage, "
+             f"{config.training.precision}): {params:,.0f} parameters"]
+    for kind in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+        lines.append(f"  {kind:<12} {gib[kind]:10.3f} GiB")
+    return lines
+
+
+def data_lines(config: Config) -> list[str]:
+    """Documents, tokens, samples per epoch and epochs covered, when the data is prepared;
+    what train would do with the data otherwise (a missing prepared dir is train's error)."""
+    from colonnade.data.dataset import WindowDataset
+    from colonnade.data.indexed import IndexedDataset
+    from colonnade.training.preflight import data_plan
+
+    data, tr = config.data, config.training
+    plan = data_plan(config)
+    prefix = plan.prepared_dir / "data"
+    if plan.action == "prepare" or not prefix.with_suffix(".idx").is_file():
+        source = data.input or "the built-in corpus"
+        return [f"data: train would prepare {source} into {plan.prepared_dir} first (a dry "
+                "run prepares nothing; run `colonnade prepare` to see its statistics here)"]
+    indexed = IndexedDataset(prefix)
+    train = WindowDataset(indexed, tr.seq_len, "train", data.valid_fraction)
+    valid = WindowDataset(indexed, tr.seq_len, "valid", data.valid_fraction)
+    used = tr.steps * int(tr.global_batch_size or 1)
+    return [f"data: {plan.prepared_dir}: {len(indexed):,} documents, {indexed.num_tokens:,} "
+            f"tokens; {len(train):,} training samples of {tr.seq_len} tokens per epoch "
+            f"({len(valid):,} validation); {tr.steps} steps use {used:,} samples = "
+            f"{used / len(train):.3g} epochs"]
+
+
+def dry_run(config: Config, world: int) -> str:
+    """The report of a validated, resolved config on ``world`` ranks."""
+    tr, m = config.training, config.model
+    dims = ParallelDims.from_config(config.parallel, world)
+    total = meta_param_count(config)
+    tokens = int(tr.global_batch_size or 1) * tr.seq_len
+    lines = [
+        "dry run: nothing was started, written or prepared",
+        f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
+        f"vocab {m.vocab_size}: {total:,} parameters ({total / 1e9:.3g} B; built on the meta "
+        "device)",
+        f"layout: {dims.describe()} on {world} rank(s)",
+        f"batch: global {tr.global_batch_size} x seq {tr.seq_len} = {tokens:,} tokens per step "
+        f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "
+        f"{dims.dp}); {tr.steps} steps = {tr.steps * tokens:,} tokens",
+        *memory_lines(config, world),
+        *data_lines(config),
+    ]
+    return "\n".join(lines)
+
