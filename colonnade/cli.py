@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from colonnade.config.load import ConfigError, config_to_toml, field_docs, load_config
 from colonnade.config.sections import SECTIONS, Config
@@ -186,16 +185,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from colonnade.checkpoint.export import load_exported
     from colonnade.data import load_tokenizer
-    from colonnade.generate import generate
+    from colonnade.generate import generate, load_for_generation
 
-    _config, model = load_exported(args.model_dir)
-    tok_path = Path(args.model_dir) / "tokenizer.json"
-    if not tok_path.exists():
-        from colonnade.checkpoint.commit import resolve_checkpoint
-
-        tok_path = resolve_checkpoint(args.model_dir) / "tokenizer.json"
+    model, tok_path = load_for_generation(args.model_dir)
     tok = load_tokenizer(tok_path)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     prompt = torch.tensor([ids], dtype=torch.long)

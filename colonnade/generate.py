@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from colonnade.models.gpt import ModelChunk
@@ -50,3 +52,54 @@ def generate(model: ModelChunk, prompt: torch.Tensor, max_new_tokens: int, *,
         if eod is not None and bool((nxt == eod).all()):
             break
     return tokens
+
+
+MODEL_DIR_KINDS = (
+    "a Hugging Face Llama/GPT-2 folder (config.json naming its architecture, model*.safetensors, "
+    "tokenizer.json), a Colonnade checkpoint (train --checkpoint.save=DIR: its root with a "
+    "`latest` marker, or a step_N dir with index.json and tokenizer.json; or convert --from-hf "
+    "output), or a run's logging.dir (its config.toml names checkpoint.save)")
+
+
+def load_for_generation(directory: str | Path) -> tuple[ModelChunk, Path]:
+    """The single-process model and the tokenizer.json of a model directory (see
+    :data:`MODEL_DIR_KINDS`); a clear error naming what such a directory holds otherwise."""
+    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.export import load_exported, load_full_state
+    from colonnade.checkpoint.format import CheckpointError
+    from colonnade.checkpoint.hf import is_hf_dir, read_hf
+    from colonnade.config.load import load_config
+    from colonnade.config.sections import Config
+    from colonnade.models.build import build_reference
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory; give {MODEL_DIR_KINDS}")
+    if is_hf_dir(path):
+        model_cfg, state = read_hf(path)
+        model = build_reference(Config(model=model_cfg))
+        load_full_state(model, state)
+        return model, _tokenizer_in(path, path)
+    if (path / "latest").exists() or (path / "index.json").exists():
+        _config, model = load_exported(path)
+        return model, _tokenizer_in(resolve_checkpoint(path), path)
+    if (path / "config.toml").is_file():  # a run's logging.dir
+        save = load_config(path / "config.toml").checkpoint.save
+        if not save:
+            raise CheckpointError(f"{path}/config.toml is a run's config without "
+                                  "checkpoint.save: that run saved no model; give "
+                                  f"{MODEL_DIR_KINDS}")
+        if not Path(save).is_dir():
+            raise FileNotFoundError(f"{path}/config.toml names checkpoint.save={save}, which "
+                                    "does not exist here (run from the directory you trained "
+                                    "in, or pass the checkpoint directory itself)")
+        return load_for_generation(save)
+    raise FileNotFoundError(f"{path} is not a model directory: give {MODEL_DIR_KINDS}")
+
+
+def _tokenizer_in(*candidates: Path) -> Path:
+    for directory in candidates:
+        if (directory / "tokenizer.json").is_file():
+            return directory / "tokenizer.json"
+    raise FileNotFoundError(f"{candidates[0]}: no tokenizer.json, so the prompt cannot be "
+                            "encoded; copy the data's tokenizer.json (data.prepared_dir) there")

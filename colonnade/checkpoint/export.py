@@ -50,8 +50,8 @@ def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
     written by training or ``colonnade convert``; its model tensors are read whole."""
     directory = Path(directory)
     if not ((directory / "latest").exists() or (directory / "index.json").exists()):
-        raise FileNotFoundError(f"{directory}/config.toml missing: not a checkpoint directory "
-                                "(train with --checkpoint.save=DIR)")
+        raise FileNotFoundError(f"{directory}: not a checkpoint directory (neither index.json "
+                                "nor a `latest` marker; train with --checkpoint.save=DIR)")
     from colonnade.checkpoint.commit import resolve_checkpoint
     from colonnade.checkpoint.convert import read_full_model
 

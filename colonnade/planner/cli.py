@@ -33,11 +33,34 @@ def model_presets() -> list[str]:
     return sorted(p.stem for p in configs_dir().glob("*.toml"))
 
 
+PLAN_DESCRIPTION = """\
+Choose a parallel layout before you train. For a model (a preset or your config TOML), a
+cluster and a number of GPUs, plan tries every tensor / pipeline / data parallel split,
+micro-batch size, recompute mode, pipeline schedule, sequence parallelism and ZeRO-1, predicts
+each one's memory per GPU and step time (an analytic model: parameters, gradients, optimizer
+states, activations; compute, tp/pp/dp communication, pipeline bubble), drops those that do not
+fit in memory and prints the fastest first, then the `colonnade train` flags (best: ...) that
+run the best one."""
+
+PLAN_EXAMPLES = """\
+examples:
+  colonnade plan --model llama3-8b --cluster h200 --gpus 64
+  colonnade plan --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536 \\
+      --seq-len 2048
+  colonnade plan --model configs/my-model.toml --cluster h100 --gpus 16 --tp 8 --json plan.json
+  colonnade plan --calibrate --save-cluster configs/clusters/cpu-local.toml   # this machine"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option; description and examples kept as written."""
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `plan` sub-command to ``subparsers`` and return its parser."""
     p = subparsers.add_parser(
         "plan", help="predict memory and step time of every parallel layout and rank them",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=PLAN_DESCRIPTION, epilog=PLAN_EXAMPLES, formatter_class=_HelpFormatter)
     add_plan_arguments(p)
     return p
 
