@@ -90,8 +90,7 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, metadata: dict[str
     fsync_path(tmp)
     hook("files_written")
     final = root / step_dirname(step)
-    if final.exists():
-        _set_aside(root, final)
+    aside = _set_aside(root, final) if final.exists() else None
     os.replace(tmp, final)
     fsync_path(root)
     hook("renamed")
@@ -104,21 +103,26 @@ def commit(root: Path, tmp: Path, step: int, world_size: int, metadata: dict[str
     os.replace(marker, root / LATEST)
     fsync_path(root)
     hook("latest_written")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     prune(root, keep_last)
     return final
 
 
-def _set_aside(root: Path, final: Path) -> None:
+def _set_aside(root: Path, final: Path) -> Path:
     """A step directory left by an earlier attempt that ``latest`` does not name (a crash between
     rename and marker, or a run re-done after resuming from an earlier step) is replaced: moved
-    to a ``.tmp`` name (removed by the next save) so the new one can take its place. The one
+    to a ``.tmp`` name, deleted once ``latest`` names the new one (or by the next save after a
+    crash). The one
     ``latest`` names is never replaced (it would name nothing for a moment)."""
     latest = read_latest(root)
     if latest is not None and latest.name == final.name:
         raise CheckpointError(f"{final} is the checkpoint {root / LATEST} names; a run never "
                               "saves the step it resumed from again")
-    os.replace(final, root / (final.name + ".old.tmp"))
+    aside = root / (final.name + ".old.tmp")
+    os.replace(final, aside)
     fsync_path(root)
+    return aside
 
 
 def clear_checkpoints(root: Path) -> list[str]:
