@@ -5,7 +5,8 @@ training loop asks :meth:`StopRequest.agreed` once per step, which all-reduces (
 over the world group, so every rank stops after the same step even when the signal reaches
 them at different times (the elastic agent forwards it to each worker in turn). The loop then
 saves a final checkpoint and returns; the caller exits with 128 + the signal number
-(130 for SIGINT, 143 for SIGTERM). A second Ctrl-C interrupts at once (KeyboardInterrupt).
+(130 for SIGINT, 143 for SIGTERM). A second Ctrl-C of a single process interrupts at once
+(KeyboardInterrupt).
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ def signal_name(signum: int) -> str:
 class StopRequest:
     """The first SIGINT / SIGTERM received by this process, and the ranks' agreement on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, second_sigint_aborts: bool = True) -> None:
         self.signum = 0
         """The first stop signal received (0: none)."""
+        self.second_sigint_aborts = second_sigint_aborts
+        """A second SIGINT raises KeyboardInterrupt at once. Off in launched ranks: Ctrl-C in a
+        terminal reaches them directly and again through the agent, which forwards it."""
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopRequest:
@@ -50,7 +54,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.signum and signum == signal.SIGINT:  # second Ctrl-C: stop now
+        if self.signum and signum == signal.SIGINT and self.second_sigint_aborts:
             self.restore()
             raise KeyboardInterrupt
         self.signum = self.signum or signum

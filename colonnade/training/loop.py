@@ -152,7 +152,7 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     valid_losses: list[tuple[int, float]] = []
     window_start, window_steps = time.perf_counter(), 0
     clock = RunClock(trainer.step, tr.steps, tokens_per_step)
-    stopper, stop = StopRequest().install(), 0  # Ctrl-C / SIGTERM: finish the step, save
+    stopper, stop = StopRequest(monitor is None).install(), 0  # Ctrl-C / SIGTERM: save, stop
     if monitor is not None:
         monitor.graceful_stop = True
     if tr.eval_interval:

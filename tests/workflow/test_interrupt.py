@@ -79,22 +79,30 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=0.0), s
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(
-        corpus: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("target", "sig"), [("rank1", signal.SIGTERM),
+                                             ("group", signal.SIGINT)],
+                         ids=["sigterm_rank1_only", "ctrl_c_whole_process_group"])
+def test_a_signal_to_some_processes_stops_every_rank_at_one_step(
+        corpus: tuple[Path, Path], tmp_path: Path, target: str, sig: signal.Signals) -> None:
+    """SIGTERM to rank 1 alone (rank 0 learns it in the all-reduce), or Ctrl-C in a terminal
+    (SIGINT to the launcher and every rank, then again from the agent to the ranks)."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     job = start(["train", "--nproc", "2", *tiny_args(*corpus, run, parallel__dp=2,
                                                      training__steps=STEPS,
                                                      checkpoint__save=ckpt)],
                 tmp_path / "job.log")
     _wait_for_records(job, run, 5)
-    beat = heartbeat(run, 1)
-    assert beat is not None
-    os.kill(int(beat["pid"]), signal.SIGTERM)  # rank 1 only: rank 0 learns it in the all-reduce
+    if target == "group":
+        os.killpg(job.proc.pid, sig)
+    else:
+        beat = heartbeat(run, 1)
+        assert beat is not None
+        os.kill(int(beat["pid"]), sig)
     status = job.wait(JOB_TIMEOUT_S)
     out = job.output()
-    assert status == 143, out
+    assert status == 128 + int(sig), out
     _assert_clean(out)
-    step = _stopped_at(out, "SIGTERM")
+    step = _stopped_at(out, sig.name)
     assert (ckpt / "latest").read_text().strip() == f"step_{step:08d}"
     assert json.loads((ckpt / f"step_{step:08d}" / "metadata.json").read_text())["step"] == step
     assert steps_logged(run)[-1] == step
