@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(status) from None
     if notes and os.environ.get("RANK", "0") == "0":
         print(f"colonnade: {'; '.join(notes)}", flush=True)
-    run_rank(config)
+    result = run_rank(config)
+    if result.get("interrupted"):  # Ctrl-C / SIGTERM: saved and stopped, 130 / 143
+        raise SystemExit(128 + int(result["interrupted"]))
 
 
 if __name__ == "__main__":

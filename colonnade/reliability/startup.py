@@ -105,7 +105,7 @@ def _keep_global_batch(config: Config, ckpt: Path) -> tuple[Config, str]:
     if tr.microbatches is not None:
         return config, ""  # explicit micro-batches: validation reports a conflict by name
     training = dataclasses.replace(tr, global_batch_size=saved)
-    return dataclasses.replace(config, training=training), f"; global batch {saved} kept"
+    return dataclasses.replace(config, training=training), f"; keeping its global batch {saved}"
 
 
 def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
@@ -163,4 +163,4 @@ def _with_load(config: Config, load: str | None, note: str) -> tuple[Config, str
     if path is None or not (path / "config.toml").is_file():
         return config, note
     config, batch = _keep_global_batch(config, path)
-    return config, (note + batch if note else batch.lstrip("; "))
+    return config, (note + batch if note or not batch else f"checkpoint.load={load}{batch}")

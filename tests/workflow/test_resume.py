@@ -119,7 +119,7 @@ def test_layout_change_on_resume_keeps_the_global_batch(
     _crash_after(ckpt, 4)
     status, out = run_cli(["train", *args])
     assert status == 0, out
-    assert "global batch 4 kept" in out and "global batch 4 x 16 tokens" in out, out
+    assert "keeping its global batch 4" in out and "global batch 4 x 16 tokens" in out, out
     got = losses(tmp_path / "run")
     assert sorted(got) == list(range(1, 9))
     for step in range(5, 9):
