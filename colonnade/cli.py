@@ -53,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train. Any --section.field=value overrides the config. "
                        "--dry-run checks a config and shows what the run would be (model, "
                        "layout, memory per rank, data) without starting it.",
-                       epilog="Use --help-config to list every config field.\n\nexamples:\n"
+                       epilog="Use --help-config to list every config field.\n\n"
+                       "nothing lost: re-running a command resumes from its --checkpoint.save "
+                       "(another run's\ncheckpoints are refused: --checkpoint.on_existing="
+                       "auto|resume|overwrite|refuse);\nCtrl-C / SIGTERM finish the step, save "
+                       "and exit 130 / 143; without --data.input an\nexisting "
+                       "--data.prepared_dir is used as it is (never re-prepared; "
+                       "--data.overwrite).\n\nexamples:\n"
                        "  colonnade train --config configs/tiny-llama.toml\n"
                        "  colonnade train --config configs/llama2-70b.toml --nproc 8 "
                        "--parallel.tp=8 --dry-run",
