@@ -169,11 +169,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(dry_run(resolved, world))
         return 0
-    from colonnade.training.preflight import preflight
+    from colonnade.training.preflight import finished_step, preflight
 
     resolved, notes = preflight(config, world)  # data, checkpoints, resume: before any rank
     for note in notes:
         print(f"colonnade: {note}", flush=True)
+    done = finished_step(resolved)
+    if done is not None:  # a re-run of a finished run: nothing to start
+        from colonnade.training.lifecycle import finished_note
+
+        print(finished_note(resolved, done))
+        return 0
     if world == 1:
         from colonnade.reliability.interrupt import exit_status
         from colonnade.training.loop import final_summary, train

@@ -148,6 +148,23 @@ def check_datasets(config: Config, plan: DataPlan) -> None:
         IndexedDataset(prefix)
 
 
+def finished_step(config: Config) -> int | None:
+    """The step of the checkpoint a resume starts from when it already reached training.steps
+    (a re-run of a finished run: nothing to launch), else None."""
+    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.format import CheckpointError
+
+    if not config.checkpoint.load:
+        return None
+    try:
+        meta = json.loads((resolve_checkpoint(config.checkpoint.load) / "metadata.json")
+                          .read_text())
+        step = int(meta["step"])
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if step >= config.training.steps else None
+
+
 def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
     """Every check and decision before launch; returns (the config to run, notes to log).
 
