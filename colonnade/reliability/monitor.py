@@ -118,10 +118,11 @@ class RankMonitor:
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None
         self._previous: dict[str, Any] = {}
+        self.term_grace_s = TERM_GRACE_S
         self.graceful_stop = False
         """Set by the training loop while it can stop at a step boundary and save
         (:mod:`colonnade.reliability.interrupt`): SIGTERM then ends the rank only when it makes
-        no progress for TERM_GRACE_S (stuck, or its peers are gone), never while saving."""
+        no progress for term_grace_s (stuck, or its peers are gone), never while saving."""
         self._term_since: float | None = None
 
     # ------------------------------------------------------------------ life cycle
@@ -236,7 +237,7 @@ class RankMonitor:
             else:
                 self._stop.wait(poll)
             if (self._term_since is not None and self.phase != "save"
-                    and self.idle_s() > TERM_GRACE_S):
+                    and self.idle_s() > self.term_grace_s):
                 self._on_terminate()
                 return
             if self.armed and self.watchdog_s > 0 and self.idle_s() > self.watchdog_s:

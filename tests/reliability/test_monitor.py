@@ -107,3 +107,32 @@ def test_report_puts_the_silent_dead_rank_first(tmp_path: Path) -> None:
     assert "while in all_reduce(y) on group 'dp'" in lines[3]
     assert failure_report(tmp_path, run_id="other").endswith("no rank left a record under "
                                                               f"{tmp_path / 'failures'}")
+
+
+def test_graceful_sigterm_waits_while_steps_progress_then_fires_when_stuck(
+        tmp_path: Path) -> None:
+    """With the loop's graceful stop on, SIGTERM is left to the loop (finish the step, save)
+    while the rank progresses, also through a slow save; a rank that stops progressing (its
+    peers are gone) is recorded 'terminated' after term_grace_s, as before."""
+    monitor = RankMonitor(tmp_path, RankInfo(rank=1, run_id="t"), heartbeat_s=0.0,
+                          exit_process=False)
+    monitor.term_grace_s = 0.3
+    monitor.graceful_stop = True
+    monitor.start(signals=True)
+    stats = CommStats()
+    try:
+        monitor.beat(3, stats)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for step in range(4, 16):  # still stepping: no record
+            monitor.beat(step, stats)
+            time.sleep(0.05)
+        monitor.beat(15, stats, phase="save")
+        time.sleep(0.8)  # a save longer than the grace: still no record
+        assert monitor.fired is None
+        monitor.beat(15, _stats_with_pending_op())  # back in training, now stuck
+        _wait_for(lambda: monitor.fired is not None)
+    finally:
+        monitor.stop(ok=False)
+    assert monitor.fired == "terminated"
+    rec = json.loads(failure_path(tmp_path, 1, 0).read_text())
+    assert rec["kind"] == "terminated" and rec["step"] == 15 and rec["idle_s"] >= 0.3

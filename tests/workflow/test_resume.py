@@ -124,3 +124,27 @@ def test_layout_change_on_resume_keeps_the_global_batch(
     assert sorted(got) == list(range(1, 9))
     for step in range(5, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=0.0), step
+
+
+def test_fine_tune_rerun_resumes_its_own_checkpoints(
+        finished: tuple[list[str], Path, dict[int, float]], corpus: tuple[Path, Path],
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--init-from with a checkpoint.save that already holds this fine-tune's checkpoints: the
+    re-run resumes from them (step 4, its optimizer and data position), not from the init
+    weights again, and ends with the same losses."""
+    _, source, _ = finished
+    tuned, run = tmp_path / "tuned", tmp_path / "run_ft"
+    argv = ["train", *tiny_args(*corpus, run, checkpoint__save=tuned, checkpoint__interval=4),
+            f"--init-from={source}"]
+    assert main(argv) == 0, capsys.readouterr().err
+    want = losses(run)
+    _crash_after(tuned, 4)
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"resuming from {tuned / 'step_00000004'}" in out, out
+    assert f"resumed from {tuned / 'step_00000004'} at step 4" in out, out
+    assert steps_logged(run) == list(range(1, 9))
+    got = losses(run)
+    for step in range(5, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0.0), step
