@@ -99,11 +99,11 @@ def test_train_then_generate_end_to_end(tmp_path: Path,
     out = capsys.readouterr().out
     assert "validation loss" in out and "lower" in out
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4, 6, 8]
-    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in records)
-    assert records[-1]["loss"] < records[0]["loss"]
+    assert [r["step"] for r in records] == [0, 2, 4, 6, 8]  # step 0: validation only
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in records[1:])
+    assert records[-1]["loss"] < records[1]["loss"]
     valid = [r["valid_loss"] for r in records if "valid_loss" in r]
-    assert len(valid) == 2 and valid[-1] < valid[0]
+    assert len(valid) == 3 and valid[-1] < valid[1] < valid[0]
     assert load_config(run_dir / "config.toml").training.global_batch_size == 8
 
     # the saved model: the trained weights, not the initial ones
@@ -120,17 +120,56 @@ def test_train_then_generate_end_to_end(tmp_path: Path,
     greedy = capsys.readouterr().out
     assert main([*gen, "--no-cache"]) == 0
     assert capsys.readouterr().out == greedy  # KV cache and recompute agree
-    assert greedy.startswith("def ") and len(greedy.strip()) > len("def ")
+    assert greedy.startswith("def ") and len(greedy.rstrip("\n")) > len("def ")  # new tokens
     assert main(["generate", str(model_dir), "--max-new-tokens", "8", "--seed", "3"]) == 0
     sampled = capsys.readouterr().out
     assert main(["generate", str(model_dir), "--max-new-tokens", "8", "--seed", "3"]) == 0
     assert capsys.readouterr().out == sampled  # seeded sampling is reproducible
 
+    # the run's logging dir (its config.toml names the checkpoint), a step dir, an HF export
+    assert main(["convert", "--to-hf", str(model_dir), "--out", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    for where in (run_dir, model_dir / "step_00000008", tmp_path / "hf"):
+        assert main(["generate", str(where), *gen[2:]]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out == greedy, where
+
 
 def test_generate_on_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", str(tmp_path)]) == 2  # one clear line, no traceback
     err = capsys.readouterr().err
-    assert "config.toml missing" in err and "--checkpoint.save" in err
+    assert f"{tmp_path} is not a model directory" in err
+    assert "Hugging Face" in err and "config.json" in err and "--checkpoint.save" in err
+    (tmp_path / "config.toml").write_text("[training]\nsteps = 3\n")  # a run that saved none
+    assert main(["generate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "without checkpoint.save" in err and "config.toml missing" not in err
+    assert main(["generate", str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_of_prepare_plan_and_train(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(["prepare"], capsys)
+    assert "--data.input=None" in text and "--data.text_key=text" in text
+    assert "Field (jsonl/json records) or column" in text  # the field's docstring
+    assert "--model.vocab_size=2048" in text and "--optim.lr" not in text
+    assert "colonnade prepare --data.input=my_texts/" in text
+    text = _help(["plan"], capsys)
+    assert "Choose a parallel layout before you train" in text
+    assert "colonnade plan --model llama3-8b --cluster h200 --gpus 64" in text
+    assert "Wire into the main CLI" not in text and "run_plan(args)" not in text
+    text = _help(["train"], capsys)
+    assert "--dry-run" in text and "meta device" in text
+    text = _help(["plot"], capsys)
+    assert "RUN_DIR" in text and "pip install -e '.[plot]'" in text
+    text = _help(["generate"], capsys)
+    assert "Hugging Face" in text and "logging.dir" in text
 
 
 def test_bench_lists_runs_and_rejects(capsys: pytest.CaptureFixture[str]) -> None:
