@@ -169,7 +169,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
         print(dry_run(resolved, world))
         return 0
-    from colonnade.training.preflight import finished_step, preflight
+    from colonnade.training.preflight import data_plan, finished_step, preflight
 
     resolved, notes = preflight(config, world)  # data, checkpoints, resume: before any rank
     for note in notes:
@@ -190,7 +190,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         if not result.get("finished"):
             print(final_summary(result))
         return 0
+    from colonnade.training.setup import prepare_data
 
+    if data_plan(resolved).action == "prepare":  # once, here: its errors are one line
+        prepare_data(resolved)
     return launch(resolved, args, overrides)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from colonnade.cli import main
-from tests.reliability.jobs import tiny_args
+from tests.reliability.jobs import tiny_args, write_corpus
 from tests.workflow.cli import hashes, run_cli
 
 
@@ -59,3 +59,14 @@ def test_damaged_checkpoint_in_the_ranks_is_one_line(
     assert status == 2, out
     _one_clean_line(out, "colonnade: CheckpointError: ")
     assert "rank-00000.safetensors" in out and "truncated or corrupted" in out, out
+
+
+def test_bad_input_of_a_multi_rank_run_is_one_line_before_launch(tmp_path: Path) -> None:
+    text = write_corpus(tmp_path / "text", docs=2, words=300)
+    (text / "notes.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    status, out = run_cli(["train", "--nproc", "2",
+                           *tiny_args(text, tmp_path / "prepared", tmp_path / "run")])
+    assert status == 2, out
+    _one_clean_line(out, "colonnade: ")
+    assert str(text / "notes.txt") in out and "UTF-8" in out, out
+    assert not (tmp_path / "run").exists()  # no rank started
