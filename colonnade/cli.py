@@ -192,8 +192,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     from colonnade.training.setup import prepare_data
 
-    if data_plan(resolved).action == "prepare":  # once, here: its errors are one line
-        prepare_data(resolved)
+    if args.node_rank == 0 and data_plan(resolved).action == "prepare":
+        prepare_data(resolved)  # once, before launch: its errors are one line
     return launch(resolved, args, overrides)
 
 
