@@ -147,6 +147,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     tokens_per_step = int(tr.global_batch_size or 1) * tr.seq_len
     flops_tok = flops_per_token(cfg.model, tr.seq_len)
     peak = peak_tflops(rt.device, param_dtype(tr.precision), log_cfg.peak_tflops)
+    if peak is None and rt.is_logger:
+        print(f"colonnade: MFU n/a: the peak TFLOP/s of {rt.device} is unknown (set "
+              "--logging.peak_tflops=PEAK to report MFU)")
     bar = _progress(tr.steps, log_cfg.progress and rt.is_logger)
     history: list[dict[str, Any]] = []
     valid_losses: list[tuple[int, float]] = []

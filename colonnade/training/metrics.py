@@ -187,8 +187,7 @@ def format_line(rec: dict[str, Any]) -> str:
     if "valid_loss" in rec:
         parts.append(f"valid {rec['valid_loss']:.4f} (ppl {rec['valid_ppl']:.4g})")
     if "lr" in rec:
-        mfu = (f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec
-               else "MFU n/a (set logging.peak_tflops)")
+        mfu = f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "MFU n/a"
         parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
                   f"{rec['tokens_per_s']:,.0f} tok/s",
                   f"{rec['tflops_per_device']:.3f} TFLOP/s/dev", mfu]
