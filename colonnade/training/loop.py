@@ -139,6 +139,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                             wandb_run_name=log_cfg.wandb_run_name,
                             run_config=dataclasses.asdict(cfg))
               if rt.is_logger else None)
+    if writer is not None and writer.dropped:
+        print(f"colonnade: moved {writer.dropped} metrics.jsonl record(s) past step "
+              f"{trainer.step} (not this run's) to metrics.dropped.jsonl")
     if rt.is_logger:
         (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
         print(f"colonnade: {rt.groups.dims.describe()} on {rt.device}, "

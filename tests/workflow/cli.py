@@ -31,5 +31,9 @@ def hashes(directory: Path) -> dict[str, str]:
 
 def steps_logged(run_dir: Path) -> list[int]:
     """The step of every record of metrics.jsonl, in file order (duplicates kept)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [int(json.loads(line)["step"]) for line in lines]
+    return steps_logged_file(run_dir / "metrics.jsonl")
+
+
+def steps_logged_file(path: Path) -> list[int]:
+    """The step of every record of a JSONL metrics file, in file order."""
+    return [int(json.loads(line)["step"]) for line in path.read_text().splitlines()]

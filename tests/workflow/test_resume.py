@@ -14,7 +14,7 @@ import pytest
 
 from colonnade.cli import main
 from tests.reliability.jobs import losses, tiny_args
-from tests.workflow.cli import hashes, run_cli, steps_logged
+from tests.workflow.cli import hashes, run_cli, steps_logged, steps_logged_file
 
 
 def _crash_after(ckpt: Path, step: int) -> None:
@@ -64,6 +64,8 @@ def test_rerun_after_a_crash_resumes_without_duplicate_metrics(
     out = capsys.readouterr().out
     assert f"resuming from {ckpt / 'step_00000004'}" in out, out
     assert f"saved checkpoint {ckpt / 'step_00000008'}" in out, out
+    assert "moved 4 metrics.jsonl record(s) past step 4" in out, out
+    assert steps_logged_file(tmp_path / "run" / "metrics.dropped.jsonl") == [5, 6, 7, 8]
     assert (ckpt / "latest").read_text().strip() == "step_00000008"
     assert (ckpt / "step_00000008" / "index.json").stat().st_ino != old_index
     assert steps_logged(tmp_path / "run") == list(range(1, 9))
