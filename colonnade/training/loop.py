@@ -210,10 +210,10 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
             window_start, window_steps = time.perf_counter(), 0
         if stop:
             break
-    stopper.restore()
     if bar is not None:
         bar.close()
-    end_run(trainer, pending, stop, data.tokenizer, monitor)
+    end_run(trainer, pending, stop, data.tokenizer, monitor)  # a signal now: noted, ignored
+    stopper.restore()
     if writer is not None:
         writer.close()
     return {"history": history, "valid": valid_losses, "rank": rt.groups.rank,
