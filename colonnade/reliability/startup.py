@@ -1,4 +1,4 @@
-"""Joining the job and resuming after a restart.
+"""Joining the job, and where it starts: resuming after a restart or a re-run.
 
 Start-up and steady state need different timeouts. Ranks of one job start seconds (on a busy
 machine, tens of seconds; on a large cluster, minutes) apart, and the default group's
@@ -11,6 +11,11 @@ Restarts: the elastic launcher restarts every rank after a failure (``--max-rest
 ``TORCHELASTIC_RESTART_COUNT`` = k. On a restart, :func:`resume_config` points
 ``checkpoint.load`` at ``checkpoint.save``, whose ``latest`` marker names the last committed
 checkpoint, so the job continues from there instead of from scratch.
+
+Re-runs take the same path: a command re-run into a ``checkpoint.save`` that holds its own
+checkpoints resumes from the latest (same [model], data and seed; ``checkpoint.on_existing``
+decides for another run's), keeping the checkpoint's global batch when the run does not set
+one, so a new layout re-derives its micro-batches and the data order stays exact.
 """
 
 from __future__ import annotations
