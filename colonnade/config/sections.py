@@ -120,7 +120,8 @@ class DataConfig:
     """Where the tokens come from."""
 
     input: str | None = None
-    """What to prepare; None means the built-in corpus (Python stdlib). A file (.txt/.md/.py...
+    """What to prepare; None: train uses prepared_dir as it is, or the built-in corpus (Python
+    stdlib) in its locations (see prepared_dir). A file (.txt/.md/.py...
     one document each; .jsonl/.ndjson, also .gz/.zst; .json array of records; .csv/.tsv with a
     header; .parquet; .arrow), a directory of such files (sorted), a Hugging Face datasets
     directory (save_to_disk), a glob ('shards/*.jsonl.zst'), or a comma-separated list."""
