@@ -82,11 +82,13 @@ class RunClock:
         self.t0 = time.perf_counter()
 
     def fields(self, step: int) -> dict[str, float]:
-        """``tokens``, ``elapsed_s`` and ``eta_s`` at ``step``."""
+        """``tokens``, ``elapsed_s`` and (once a step is done: JSON has no NaN) ``eta_s``."""
         elapsed = time.perf_counter() - self.t0
         done = step - self.start_step
-        eta = elapsed / done * max(0, self.total_steps - step) if done > 0 else math.nan
-        return {"tokens": step * self.tokens_per_step, "elapsed_s": elapsed, "eta_s": eta}
+        out = {"tokens": step * self.tokens_per_step, "elapsed_s": elapsed}
+        if done > 0:
+            out["eta_s"] = elapsed / done * max(0, self.total_steps - step)
+        return out
 
 
 def _duration(seconds: float) -> str:
@@ -195,6 +197,6 @@ def format_line(rec: dict[str, Any]) -> str:
         parts.append(f"mem {rec['mem_peak_gib']:.2f} GiB")
     if "tokens" in rec:
         parts += [f"{_count(rec['tokens'])} tok", f"elapsed {_duration(rec['elapsed_s'])}"]
-        if "loss" in rec:
+        if "eta_s" in rec:
             parts.append(f"ETA {_duration(rec['eta_s'])}")
     return " | ".join(parts)
