@@ -110,8 +110,7 @@ def run_save(layout: Layout, root: str, before: int, after: int,
              precision: str = "fp64", arch: str = "llama", tie: bool = False) -> dict[str, Any]:
     """Train ``before`` steps, save, train ``after`` more; losses and final full params."""
     trainer = make_trainer(layout, precision, arch, tie)
-    if layout.zero and not dp_sharded(trainer.optimizer):
-        return {"skip": "the ZeRO-1 optimizer is not wired into Trainer yet"}
+    assert not layout.zero or dp_sharded(trainer.optimizer), "ZeRO-1 optimizer not sharded"
     losses = train_steps(trainer, before)
     save_training(trainer, root, keep_last=2)
     losses += train_steps(trainer, after)
@@ -122,8 +121,7 @@ def run_load(layout: Layout, root: str, after: int, precision: str = "fp64",
              arch: str = "llama", tie: bool = False) -> dict[str, Any]:
     """Resume from ``root`` under ``layout`` and train ``after`` steps."""
     trainer = make_trainer(layout, precision, arch, tie)
-    if layout.zero and not dp_sharded(trainer.optimizer):
-        return {"skip": "the ZeRO-1 optimizer is not wired into Trainer yet"}
+    assert not layout.zero or dp_sharded(trainer.optimizer), "ZeRO-1 optimizer not sharded"
     load_training(trainer, root)
     losses = train_steps(trainer, after)
     return {"losses": losses, "params": gathered(trainer), "step": trainer.step}

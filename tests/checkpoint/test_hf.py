@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 VOCAB, SEQ = 101, 12
 

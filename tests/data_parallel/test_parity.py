@@ -11,7 +11,6 @@ after the step with overlap_param_gather and all waited by the next forward.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,6 @@ FLOOR = 1e-3
 """Norm below which errors count as absolute: the key bias has an exactly-zero gradient
 (softmax is invariant to adding q.b_k to every score of a query), so it holds only round-off
 (~1e-14) that Adam turns into noise-sized steps; any other parameter is far above 1e-3."""
-HAS_EXECUTOR = importlib.util.find_spec("colonnade.pipeline.executor") is not None
 
 
 def _train(config: Config, step_batches: list[Any]) -> dict[str, Any]:
@@ -142,7 +140,6 @@ def test_tp2_dp2_sp_tied_parity(run_ranks: Callable[..., list[Any]], arch: str,
     check_overlap(config, results)
 
 
-@pytest.mark.skipif(not HAS_EXECUTOR, reason="colonnade.pipeline.executor not written yet")
 @pytest.mark.parametrize("layout", [
     dict(pp=2, dp=2), dict(pp=2, dp=2, schedule="zb_h1"),
     dict(pp=2, vp=2, dp=2, schedule="interleaved_1f1b"), dict(tp=2, pp=2, dp=2)],

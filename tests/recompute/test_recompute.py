@@ -125,8 +125,6 @@ PP_CASES = [
 @pytest.mark.parametrize(("vp", "schedule"), PP_CASES)
 def test_pipeline_gradients_equal(run_ranks: Callable[..., list[Any]], vp: int,
                                   schedule: str) -> None:
-    pytest.importorskip("colonnade.pipeline.executor",
-                        reason="the pipeline executor (issue 4) has not landed")
     config = tiny_config("llama", pp=2, vp=vp, schedule=schedule)
     modes = [("selective", "uniform", 1), ("full", "uniform", 1), ("full", "block", 1)]
     results = run_ranks(2, compare_modes, config, modes)

@@ -253,9 +253,6 @@ def pipeline_rank(config: Config, variants: list[dict[str, Any]]) -> list[dict[s
 
 def test_pipeline_tp2_pp2_vp2_switches_preserve_results(
         run_ranks: Callable[..., list[Any]]) -> None:
-    pytest.importorskip("colonnade.pipeline.executor",
-                        reason="the pipeline executor (colonnade/pipeline/executor.py) is not "
-                               "written yet")
     base = tiny_config("llama", 2, True, layers=4, steps=1, microbatches=4)
     par = dataclasses.replace(base.parallel, pp=2, vp=2, schedule="interleaved_1f1b")
     config = validate(dataclasses.replace(base, parallel=par), 4)
