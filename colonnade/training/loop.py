@@ -140,8 +140,10 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                             run_config=dataclasses.asdict(cfg))
               if rt.is_logger else None)
     if writer is not None and writer.dropped:
-        print(f"colonnade: moved {writer.dropped} metrics.jsonl record(s) past step "
-              f"{trainer.step} (not this run's) to metrics.dropped.jsonl")
+        whose = (f"past step {trainer.step} (not this run's)" if trainer.step
+                 else "of an earlier run in this logging.dir")
+        print(f"colonnade: moved {writer.dropped} metrics.jsonl record(s) {whose} to "
+              "metrics.dropped.jsonl")
     if rt.is_logger:
         (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
         print(f"colonnade: {rt.groups.dims.describe()} on {rt.device}, "

@@ -141,16 +141,18 @@ class MetricsWriter:
                                     config=run_config, dir=str(self.dir), resume="allow")
 
     def _truncate_after(self, start_step: int) -> int:
-        """Keep the records of steps <= ``start_step``; move the rest aside; return how many."""
+        """Keep the records of steps <= ``start_step`` (a resume; a fresh start keeps none, as
+        it writes its own step-0 record); move the rest aside; return how many."""
         if not self.path.exists():
             return 0
+        last_kept = start_step if start_step > 0 else -1
         keep, drop = [], []
         for line in self.path.read_text().splitlines():
             try:
                 step = int(json.loads(line).get("step", 0))
             except (ValueError, AttributeError, TypeError):
                 step = start_step + 1  # unreadable: not part of this run's history
-            (keep if step <= start_step else drop).append(line)
+            (keep if step <= last_kept else drop).append(line)
         if drop:
             with (self.dir / "metrics.dropped.jsonl").open("a") as fh:
                 fh.write("".join(f"{line}\n" for line in drop))

@@ -160,3 +160,23 @@ def test_wandb_gets_every_finite_scalar(tmp_path: Path,
     assert calls[0][1]["config"] == {"model": {"hidden_size": 32}}
     assert calls[1] == ("log", ({"loss": 1.5, "n": 4}, 3))
     assert calls[2] == ("finish", None)
+
+
+def test_a_fresh_run_moves_an_earlier_runs_records_aside(tmp_path: Path) -> None:
+    """A new run (step 0) in a logging.dir holding another run's metrics.jsonl keeps no record of
+    it (not even its step-0 one, which would duplicate step 0) and loses none: they move to
+    metrics.dropped.jsonl. A resume at step 4 keeps steps 0..4."""
+    old = [{"step": s, "loss": 5.0 - s} for s in (0, 2, 4, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    writer = MetricsWriter(tmp_path, tensorboard=False, start_step=4)
+    writer.close()
+    kept = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert (kept, writer.dropped) == ([0, 2, 4], 1)
+    writer = MetricsWriter(tmp_path, tensorboard=False, start_step=0)
+    writer.write({"step": 0, "valid_loss": 7.0})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"step": 0, "valid_loss": 7.0}]
+    dropped = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["step"] for x in dropped) == [0, 2, 4, 6]
+    assert writer.dropped == 3
