@@ -7,9 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from tests.reliability.jobs import REPO
+from tests.reliability.jobs import REPO, Job
 
 JOB_TIMEOUT_S = 240
 
@@ -37,3 +38,13 @@ def steps_logged(run_dir: Path) -> list[int]:
 def steps_logged_file(path: Path) -> list[int]:
     """The step of every record of a JSONL metrics file, in file order."""
     return [int(json.loads(line)["step"]) for line in path.read_text().splitlines()]
+
+
+def wait_for_records(job: Job, run: Path, count: int) -> None:
+    """Block until ``run/metrics.jsonl`` holds ``count`` records (the job still running)."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    path = run / "metrics.jsonl"
+    while not path.exists() or len(path.read_text().splitlines()) < count:
+        assert job.proc.poll() is None, job.output()
+        assert time.monotonic() < deadline, job.output()
+        time.sleep(0.05)

@@ -13,24 +13,14 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.reliability.jobs import Job, heartbeat, losses, start, tiny_args
-from tests.workflow.cli import JOB_TIMEOUT_S, steps_logged
+from tests.reliability.jobs import heartbeat, losses, start, tiny_args
+from tests.workflow.cli import JOB_TIMEOUT_S, steps_logged, wait_for_records
 
 STEPS = 60
-
-
-def _wait_for_records(job: Job, run: Path, count: int) -> None:
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    path = run / "metrics.jsonl"
-    while not path.exists() or len(path.read_text().splitlines()) < count:
-        assert job.proc.poll() is None, job.output()
-        assert time.monotonic() < deadline, job.output()
-        time.sleep(0.05)
 
 
 def _stopped_at(out: str, signame: str) -> int:
@@ -54,7 +44,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(
     argv = ["train", "--nproc", "2", *tiny_args(*corpus, run, parallel__tp=2,
                                                 training__steps=STEPS, checkpoint__save=ckpt)]
     job = start(argv, tmp_path / "job.log")
-    _wait_for_records(job, run, 5)
+    wait_for_records(job, run, 5)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher, as a scheduler would
     status = job.wait(JOB_TIMEOUT_S)
     out = job.output()
@@ -91,7 +81,7 @@ def test_a_signal_to_some_processes_stops_every_rank_at_one_step(
                                                      training__steps=STEPS,
                                                      checkpoint__save=ckpt)],
                 tmp_path / "job.log")
-    _wait_for_records(job, run, 5)
+    wait_for_records(job, run, 5)
     if target == "group":
         os.killpg(job.proc.pid, sig)
     else:
@@ -115,7 +105,7 @@ def test_ctrl_c_of_one_process_saves_and_exits_130(
     extra = {"checkpoint__save": ckpt} if save else {}
     job = start(["train", *tiny_args(*corpus, run, training__steps=100_000, **extra)],
                 tmp_path / "job.log")
-    _wait_for_records(job, run, 3)
+    wait_for_records(job, run, 3)
     os.kill(job.proc.pid, signal.SIGINT)
     status = job.wait(JOB_TIMEOUT_S)
     out = job.output()
