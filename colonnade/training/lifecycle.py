@@ -28,6 +28,21 @@ def clear_for_overwrite(config: Config, groups: Any) -> str:
             f"{ck.save} ({names[0]} .. {names[-1]})")
 
 
+def write_run_config(directory: str | Path, text: str) -> str:
+    """Write ``directory/config.toml``; an earlier run's different one is kept as
+    ``config.previous-N.toml`` (N counting up), never replaced. Returns a line for the log."""
+    path = Path(directory) / "config.toml"
+    note = ""
+    if path.is_file() and path.read_text() != text:
+        n = 1
+        while (kept := path.with_name(f"config.previous-{n}.toml")).exists():
+            n += 1
+        path.rename(kept)
+        note = f"kept the earlier config.toml of {directory} as {kept.name}"
+    path.write_text(text)
+    return note
+
+
 def begin_run(config: Config, step: int, groups: Any) -> bool:
     """After loading: False (and a line) when the resumed checkpoint already reached
     training.steps; else clears the save dir when told to overwrite (collective) and True."""

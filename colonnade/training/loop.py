@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 from colonnade.checkpoint.finetune import check_tokenizers, init_weights
@@ -21,7 +20,7 @@ from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
 from colonnade.reliability.nan import check_step
 from colonnade.training.grads import reduce_sp_and_tied
-from colonnade.training.lifecycle import begin_run, end_run
+from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
     RunClock,
@@ -145,7 +144,9 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         print(f"colonnade: moved {writer.dropped} metrics.jsonl record(s) {whose} to "
               "metrics.dropped.jsonl")
     if rt.is_logger:
-        (Path(log_cfg.dir) / "config.toml").write_text(config_to_toml(cfg))
+        kept = write_run_config(log_cfg.dir, config_to_toml(cfg))
+        if kept:
+            print(f"colonnade: {kept}")
         print(f"colonnade: {rt.groups.dims.describe()} on {rt.device}, "
               f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
               f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")

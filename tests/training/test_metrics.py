@@ -180,3 +180,15 @@ def test_a_fresh_run_moves_an_earlier_runs_records_aside(tmp_path: Path) -> None
     dropped = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["step"] for x in dropped) == [0, 2, 4, 6]
     assert writer.dropped == 3
+
+
+def test_a_different_config_toml_is_kept_not_replaced(tmp_path: Path) -> None:
+    from colonnade.training.lifecycle import write_run_config
+
+    assert write_run_config(tmp_path, "a = 1\n") == ""
+    assert write_run_config(tmp_path, "a = 1\n") == ""  # the same run again: nothing to keep
+    assert "config.previous-1.toml" in write_run_config(tmp_path, "a = 2\n")
+    assert "config.previous-2.toml" in write_run_config(tmp_path, "a = 3\n")
+    assert [(tmp_path / n).read_text() for n in
+            ("config.previous-1.toml", "config.previous-2.toml", "config.toml")] == [
+        "a = 1\n", "a = 2\n", "a = 3\n"]
