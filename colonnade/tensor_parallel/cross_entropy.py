@@ -28,7 +28,9 @@ IGNORE_INDEX = -100
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss[s, b] from logits [s, b, V'/tp] and targets [s, b].
+    """loss[s, b] from logits [s, b, V'/tp] and targets [s, b]; the loss is fp32 when the
+    logits are bf16/fp16 (as in Megatron-Core: a half-precision loss loses the small per-token
+    differences once summed), and the gradient flows back in the logits' dtype.
 
     Hot path (every step): besides the max and the sums, the forward makes one [s, b, V'/tp]
     tensor (shifted logits, turned into the softmax in place) and the backward one (the
@@ -71,8 +73,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, loss, torch.zeros_like(loss))
         softmax = exp.div_(packed[1].unsqueeze(-1))  # [s, b, V'/tp], in place
         ctx.save_for_backward(softmax, index, inside, valid)
-        ctx.smoothing, ctx.vocab, ctx.real = smoothing, vocab, real
-        return loss.to(logits.dtype)
+        ctx.smoothing, ctx.vocab, ctx.real, ctx.dtype = smoothing, vocab, real, logits.dtype
+        return loss  # [s, b] in fp32 for bf16/fp16 logits (sums of it stay exact enough)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -85,7 +87,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, index.unsqueeze(-1), hit.unsqueeze(-1))
         if ctx.smoothing > 0:
             grad[..., :ctx.real] -= (ctx.smoothing / ctx.vocab) * g.unsqueeze(-1)
-        return grad.to(grad_loss.dtype), None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None  # in the logits' dtype
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: CommGroup,

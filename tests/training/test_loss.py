@@ -125,3 +125,20 @@ def test_fully_masked_global_batch_trains_nothing() -> None:
     assert mean_loss(losses, groups, torch.device("cpu"), batches) == 0.0
     assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters()
                if p.grad is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_give_an_fp32_loss(dtype: torch.dtype) -> None:
+    """bf16/fp16 logits: the per-token loss (and so every sum of it) is fp32, equal to the fp32
+    computation on the same rounded logits; the gradient comes back in the logits' dtype."""
+    gen = torch.Generator().manual_seed(5)
+    z = (3 * torch.randn(SEQ, MICRO, VOCAB, generator=gen)).to(dtype).requires_grad_()
+    targets = torch.randint(VOCAB, (SEQ, MICRO), generator=gen)
+    group = ProcessGroups.single().tp
+    loss = vocab_parallel_cross_entropy(z, targets, group, VOCAB)
+    assert loss.dtype == torch.float32
+    want = F.cross_entropy(z.detach().float().reshape(-1, VOCAB), targets.reshape(-1),
+                           reduction="none").reshape(SEQ, MICRO)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    loss.sum().backward()
+    assert z.grad is not None and z.grad.dtype == dtype
