@@ -84,6 +84,10 @@ def _interrupt_and_resume(tmp: Path) -> Path:
     stopped = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
     assert 12 <= stopped < STEPS, job.output()
     assert "re-run the same command to resume" in job.output()
+    meta = json.loads((ckpt / f"step_{stopped:08d}" / "metadata.json").read_text())
+    assert meta["step"] == stopped
+    assert (meta["layout"]["tp"], meta["layout"]["dp"]) == (2, 2)
+    assert steps_logged(tmp / "run")[-1] == stopped
     again = start(argv, tmp / "again.log")
     assert again.wait(JOB_TIMEOUT_S) == 0, again.output()
     assert "resuming from" in again.output(), again.output()
@@ -129,6 +133,7 @@ def _fine_tune(tmp: Path, hf: Path) -> None:
                            "--optim.lr=3e-3", "--optim.warmup_steps=1",
                            f"--data.prepared_dir={tmp / 'sft'}", f"--logging.dir={tmp / 'ft'}"])
     assert status == 0, out
+    assert "resuming from" not in out, out
     got = losses(tmp / "ft")
     assert sorted(got) == list(range(1, 16))  # a new run, not a resume of the export
     assert got[15] < got[1] - 0.3, got
