@@ -36,7 +36,7 @@ import torch
 
 from colonnade.models.gpt import ModelChunk
 from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
-from colonnade.pipeline.p2p import Message, PipeComm, message_shape
+from colonnade.pipeline.p2p import Message, PipeComm, message_shape, post_plan
 from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
 from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 from colonnade.training.step import (
@@ -122,20 +122,6 @@ def release_output(y: torch.Tensor) -> torch.Tensor:
     return data
 
 
-def split_runs(actions: list[Action]) -> list[tuple[list[Action], Action | None]]:
-    """[(communication run before a compute, the compute)], the last run has compute None."""
-    out: list[tuple[list[Action], Action | None]] = []
-    run: list[Action] = []
-    for a in actions:
-        if a.is_comm:
-            run.append(a)
-        else:
-            out.append((run, a))
-            run = []
-    out.append((run, None))
-    return out
-
-
 class StageExecutor:
     """Executes one stage's action list for one step (see the module docstring)."""
 
@@ -168,19 +154,16 @@ class StageExecutor:
 
     def run(self) -> ExecResult:
         """Execute every action; returns losses, timings and memory peaks."""
-        runs = split_runs(self.actions)
+        posts = post_plan(self.actions, self.options.overlap)
         self._sync()
         self.result.start = time.perf_counter()
-        for i, (comm, action) in enumerate(runs):
-            sends = [(a, self._outgoing(a)) for a in comm if a.is_send]
-            recvs = [self._message(a) for a in comm if a.is_recv]
-            if self.options.overlap and i + 1 < len(runs):
-                recvs += [self._message(a) for a in runs[i + 1][0] if a.is_recv]
-            if sends or recvs:
-                self.comm.post(sends, recvs)
+        for post in posts:
+            sends = [(a, self._outgoing(a)) for a in post.sends]
+            if sends or post.recvs:
+                self.comm.post(sends, post.recvs)
             self.comm.reap()
-            if action is not None:
-                self._compute(action)
+            if post.compute is not None:
+                self._compute(post.compute)
         self.comm.finish()
         self._sync()
         self.result.end = time.perf_counter()
@@ -195,10 +178,6 @@ class StageExecutor:
             from colonnade.device import synchronize
 
             synchronize(self.device)
-
-    def _message(self, a: Action) -> Message:
-        """The message a receive action brings (named by the compute it feeds)."""
-        return Message(a.direction, a.microbatch, a.chunk)
 
     def _outgoing(self, a: Action) -> torch.Tensor:
         """The tensor a send action ships; frees the stage's copy of a sent activation."""

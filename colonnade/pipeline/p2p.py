@@ -19,7 +19,10 @@ when the compute needs their data; with ``overlap`` the executor posts them one 
 On gloo each receive has its own handle (a send's wait needs the receiver to have posted, so
 sends and receives are never waited together); on NCCL the sends and receives of one call are
 posted as one group (``batch_isend_irecv``), as Megatron does, so that a send and the opposite
-receive on the same pair cannot block each other on the GPU streams.
+receive on the same pair cannot block each other on the GPU streams. Caveat (issue 20, open):
+NCCL runs a rank's groups in order and completes a group only when all its ops matched, and
+:mod:`colonnade.pipeline.nccl_model` shows today's posting (:func:`post_plan`) deadlocks there
+with ``overlap`` for every schedule, and without it for interleaved pp = 2, m = 2pp.
 """
 
 from __future__ import annotations
@@ -82,6 +85,86 @@ def message_streams(lists: Sequence[Sequence[Action]], stage: int) -> dict[int, 
     return streams
 
 
+class RecvOrder:
+    """Which receives to post, and when, so that each directed pair's receives follow its sender's
+    send order (see the module docstring). Pure bookkeeping, shared by :class:`PipeComm` and the
+    NCCL model (:mod:`colonnade.pipeline.nccl_model`), so both post the same receives.
+    """
+
+    def __init__(self, lists: Sequence[Sequence[Action]], stage: int) -> None:
+        self.stage = stage
+        self.streams = message_streams(lists, stage)
+        self.where: dict[Message, tuple[int, int]] = {}
+        for peer, msgs in self.streams.items():
+            for i, msg in enumerate(msgs):
+                if msg in self.where:
+                    raise ScheduleError(f"stage {peer} sends {msg} to stage {stage} twice")
+                self.where[msg] = (peer, i)
+        self.posted = dict.fromkeys(self.streams, 0)
+
+    def take(self, msgs: Sequence[Message]) -> list[tuple[Message, int]]:
+        """(message, peer stage) receives to post so that each of ``msgs`` is posted, in
+        per-pair stream order; marks them posted."""
+        out: list[tuple[Message, int]] = []
+        for msg in msgs:
+            if msg not in self.where:
+                raise ScheduleError(f"stage {self.stage} expects {msg} but no stage sends it")
+            peer, index = self.where[msg]
+            stream = self.streams[peer]
+            while self.posted[peer] <= index:
+                out.append((stream[self.posted[peer]], peer))
+                self.posted[peer] += 1
+        return out
+
+    def unposted(self) -> list[tuple[int, int]]:
+        """(peer, count) of receives never posted."""
+        return [(p, len(s) - self.posted[p]) for p, s in self.streams.items()
+                if self.posted[p] < len(s)]
+
+
+@dataclass(frozen=True)
+class Post:
+    """One ``PipeComm.post`` call of the executor: the sends of a run, the receives it asks for
+    (this run's, plus the next run's with overlap), then the compute that follows (None after
+    the last run)."""
+
+    sends: tuple[Action, ...]
+    recvs: tuple[Message, ...]
+    compute: Action | None
+
+
+def split_runs(actions: Sequence[Action]) -> list[tuple[list[Action], Action | None]]:
+    """[(communication run before a compute, the compute)], the last run has compute None."""
+    out: list[tuple[list[Action], Action | None]] = []
+    run: list[Action] = []
+    for a in actions:
+        if a.is_comm:
+            run.append(a)
+        else:
+            out.append((run, a))
+            run = []
+    out.append((run, None))
+    return out
+
+
+def post_plan(actions: Sequence[Action], overlap: bool) -> list[Post]:
+    """The posts the executor makes for one stage's action list, in order (the one place that
+    decides how sends and receives are batched)."""
+    runs = split_runs(actions)
+    posts: list[Post] = []
+    for i, (run, action) in enumerate(runs):
+        recvs = [recv_message(a) for a in run if a.is_recv]
+        if overlap and i + 1 < len(runs):
+            recvs += [recv_message(a) for a in runs[i + 1][0] if a.is_recv]
+        posts.append(Post(tuple(a for a in run if a.is_send), tuple(recvs), action))
+    return posts
+
+
+def recv_message(a: Action) -> Message:
+    """The message a receive action brings (named by the compute it feeds)."""
+    return Message(a.direction, a.microbatch, a.chunk)
+
+
 class PipeComm:
     """The p2p messages of one stage in one step (see the module docstring).
 
@@ -98,14 +181,7 @@ class PipeComm:
                  device: torch.device) -> None:
         self.group, self.stage = group, stage
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
-        self.streams = message_streams(lists, stage)
-        self.where: dict[Message, tuple[int, int]] = {}
-        for peer, msgs in self.streams.items():
-            for i, msg in enumerate(msgs):
-                if msg in self.where:
-                    raise ScheduleError(f"stage {peer} sends {msg} to stage {stage} twice")
-                self.where[msg] = (peer, i)
-        self.posted = dict.fromkeys(self.streams, 0)
+        self.order = RecvOrder(lists, stage)
         self.inbox: dict[Message, tuple[torch.Tensor, Handle]] = {}
         self.sends: deque[tuple[Handle, torch.Tensor]] = deque()
         self.fuse = group.pg is not None and dist.get_backend(group.pg) == "nccl"
@@ -114,24 +190,11 @@ class PipeComm:
     def _rank(self, stage: int) -> int:
         return self.group.ranks[stage]
 
-    def _unposted(self, msgs: Sequence[Message]) -> list[tuple[Message, int]]:
-        """Receives to post so that each of ``msgs`` is posted, in per-pair stream order."""
-        out: list[tuple[Message, int]] = []
-        for msg in msgs:
-            if msg not in self.where:
-                raise ScheduleError(f"stage {self.stage} expects {msg} but no stage sends it")
-            peer, index = self.where[msg]
-            stream = self.streams[peer]
-            while self.posted[peer] <= index:
-                out.append((stream[self.posted[peer]], peer))
-                self.posted[peer] += 1
-        return out
-
     def post(self, sends: Sequence[tuple[Action, torch.Tensor]],
              recvs: Sequence[Message]) -> None:
         """Post ``sends`` (action, tensor) and the receives of ``recvs`` not yet posted."""
         out = [(t, self._rank(a.peer_stage)) for a, t in sends]
-        todo = self._unposted(recvs)
+        todo = self.order.take(recvs)
         bufs = [torch.empty(self.shape_of(msg.microbatch), dtype=self.dtype, device=self.device)
                 for msg, _ in todo]
         ins = [(buf, self._rank(peer)) for buf, (_, peer) in zip(bufs, todo, strict=True)]
@@ -167,8 +230,7 @@ class PipeComm:
         while self.sends:
             self.sends.popleft()[0].wait()
         left = sorted(str(m) for m in self.inbox)
-        unposted = [(p, len(s) - self.posted[p]) for p, s in self.streams.items()
-                    if self.posted[p] < len(s)]
+        unposted = self.order.unposted()
         if left or unposted:
             raise ScheduleError(f"stage {self.stage}: step ended with unconsumed messages "
                                 f"{left} and unposted receives {unposted}")

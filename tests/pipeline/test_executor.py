@@ -22,9 +22,8 @@ from colonnade.pipeline.executor import (
     execute,
     forward_only_lists,
     release_output,
-    split_runs,
 )
-from colonnade.pipeline.p2p import Message, PipeComm, message_shape, message_streams
+from colonnade.pipeline.p2p import Message, PipeComm, message_shape, message_streams, split_runs
 from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay
 from colonnade.pipeline.split_backward import backward_input, backward_weight, find_boundaries

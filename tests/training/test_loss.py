@@ -142,3 +142,19 @@ def test_half_precision_logits_give_an_fp32_loss(dtype: torch.dtype) -> None:
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
     loss.sum().backward()
     assert z.grad is not None and z.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_bf16_model_returns_fp32_loss(reduction: str) -> None:
+    """Issue 20 item 3: a bf16 model's loss (sum and mean over tokens) is fp32, equal to the
+    fp32 cross entropy of its own bf16 logits; the logits' gradient stays bf16."""
+    model = build_reference(_config("llama"), dtype=torch.bfloat16)
+    tokens, labels = _masked_batches()[3]
+    loss = model(tokens, labels, reduction=reduction, tokens=tokens)
+    assert loss.dtype == torch.float32
+    logits = model(tokens, tokens=tokens).detach().float()  # [s, b, V]
+    want = F.cross_entropy(logits.reshape(-1, VOCAB), labels.t().reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
