@@ -13,6 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,17 +115,25 @@ def prepare(
     if given is None:
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
         given = train_bpe_from_texts(documents(DocumentStats()), int(vocab_size or 0), None)
-    created = not out_dir.exists()
-    try:
+    with removed_if_left_empty(out_dir):
         result, stats = _tokenize(given, documents, out_dir, num_workers, progress,
                                   _total_docs(input, max_bytes), log)
+    _write_manifest(out_dir, key, result, stats)
+    _log_summary(result, stats, log)
+    return result
+
+
+@contextmanager
+def removed_if_left_empty(out_dir: Path) -> Iterator[None]:
+    """Run the body; if it fails and ``out_dir`` was created by it and is still empty, remove
+    it (a failed prepare leaves no trace; an existing directory is never touched)."""
+    created = not out_dir.exists()
+    try:
+        yield
     except BaseException:
         if created and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise
-    _write_manifest(out_dir, key, result, stats)
-    _log_summary(result, stats, log)
-    return result
 
 
 def _given_tokenizer(tokenizer_path: Path | None, vocab_size: int | None) -> Tokenizer | None:

@@ -46,6 +46,7 @@ from colonnade.data.prepare import (
     _manifest_key,
     _try_reuse,
     _write_manifest,
+    removed_if_left_empty,
 )
 from colonnade.data.readers import Source, _open, resolve_input
 from colonnade.data.tokenizer import eod_id, save_tokenizer, train_bpe_from_texts
@@ -167,13 +168,8 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
         texts = ("".join(t for t, _ in ex) for ex in examples(DocumentStats()))
         given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
-    created = not out_dir.exists()
-    try:
+    with removed_if_left_empty(out_dir):
         result, stats = _write(given, examples, out_dir, progress, log)
-    except BaseException:
-        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()
-        raise
     _write_manifest(out_dir, key, result, stats)
     _log_summary(result, stats, log)
     return result
