@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs: auto (default) = cuda when a GPU is visible, "
+                   "else cpu")
     c = sub.add_parser("convert", help="Hugging Face <-> Colonnade checkpoint conversion",
                        description="Convert LlamaForCausalLM / GPT2LMHeadModel directories. "
                        "--to-hf writes config.json, generation_config.json, model.safetensors "
@@ -201,17 +204,18 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from colonnade.data import load_tokenizer
-    from colonnade.generate import generate, load_for_generation
+    from colonnade.generate import generate, generation_device, load_for_generation
 
-    model, tok_path = load_for_generation(args.model_dir)
+    device = generation_device(args.device)
+    model, tok_path = load_for_generation(args.model_dir, device)
     tok = load_tokenizer(tok_path)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
-    prompt = torch.tensor([ids], dtype=torch.long)
-    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, use_cache=not args.no_cache,
                    generator=gen)
-    print(tok.decode(out[0].tolist()))
+    print(tok.decode(out[0].cpu().tolist()))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Sampling text from an exported model: KV cache, temperature, top-k, top-p."""
+"""Sampling text from an exported model: KV cache, temperature, top-k, top-p, on CPU or a GPU."""
 
 from __future__ import annotations
 
@@ -6,7 +6,35 @@ from pathlib import Path
 
 import torch
 
+from colonnade.device import has_gpu, pick_device
 from colonnade.models.gpt import ModelChunk
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+"""``colonnade generate --device``: auto = cuda when a GPU is visible, else cpu."""
+
+
+def generation_device_type(choice: str, gpu_visible: bool) -> str:
+    """'cpu' or 'cuda' for ``--device choice`` given whether a GPU is visible.
+
+    auto -> cuda when ``gpu_visible`` else cpu; cpu -> cpu; cuda -> cuda, or a ConfigError
+    naming the fix when no GPU is visible (nothing is loaded first).
+    """
+    from colonnade.config.load import ConfigError
+
+    if choice not in DEVICE_CHOICES:
+        raise ConfigError(f"--device={choice!r} is not one of {DEVICE_CHOICES}")
+    if choice == "auto":
+        return "cuda" if gpu_visible else "cpu"
+    if choice == "cuda" and not gpu_visible:
+        raise ConfigError("--device=cuda but no CUDA device is visible here; use --device=cpu "
+                          "(or auto, which falls back to the CPU)")
+    return choice
+
+
+def generation_device(choice: str = "auto") -> torch.device:
+    """The device ``colonnade generate --device choice`` runs on (see
+    :func:`generation_device_type`); cuda is this process's first visible GPU."""
+    return pick_device(generation_device_type(choice, has_gpu()))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -32,8 +60,11 @@ def generate(model: ModelChunk, prompt: torch.Tensor, max_new_tokens: int, *,
 
     With ``use_cache`` each new token runs one position through the layers against cached keys
     and values; without it the whole sequence is recomputed every step (same result).
+    The prompt is moved to the model's device; the result [b, s0 + new] stays there. A
+    ``generator`` for sampling must be on that device too.
     """
     model.eval()
+    prompt = prompt.to(next(model.parameters()).device)
     limit = model.cfg.max_seq_len
     if prompt.shape[1] + max_new_tokens > limit:
         max_new_tokens = max(0, limit - prompt.shape[1])
@@ -61,9 +92,16 @@ MODEL_DIR_KINDS = (
     "output), or a run's logging.dir (its config.toml names checkpoint.save)")
 
 
-def load_for_generation(directory: str | Path) -> tuple[ModelChunk, Path]:
-    """The single-process model and the tokenizer.json of a model directory (see
-    :data:`MODEL_DIR_KINDS`); a clear error naming what such a directory holds otherwise."""
+def load_for_generation(directory: str | Path, device: torch.device | None = None
+                        ) -> tuple[ModelChunk, Path]:
+    """The single-process model (moved to ``device``; None keeps it on the CPU) and the
+    tokenizer.json of a model directory (see :data:`MODEL_DIR_KINDS`); a clear error naming
+    what such a directory holds otherwise."""
+    model, tokenizer = _load_on_cpu(directory)
+    return (model if device is None else model.to(device)), tokenizer
+
+
+def _load_on_cpu(directory: str | Path) -> tuple[ModelChunk, Path]:
     from colonnade.checkpoint.commit import resolve_checkpoint
     from colonnade.checkpoint.export import load_exported, load_full_state
     from colonnade.checkpoint.format import CheckpointError
@@ -93,7 +131,7 @@ def load_for_generation(directory: str | Path) -> tuple[ModelChunk, Path]:
             raise FileNotFoundError(f"{path}/config.toml names checkpoint.save={save}, which "
                                     "does not exist here (run from the directory you trained "
                                     "in, or pass the checkpoint directory itself)")
-        return load_for_generation(save)
+        return _load_on_cpu(save)
     raise FileNotFoundError(f"{path} is not a model directory: give {MODEL_DIR_KINDS}")
 
 

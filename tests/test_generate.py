@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,50 @@ def test_filter_top_p() -> None:
         assert math.isclose(float(renorm.sum()), 1.0, rel_tol=1e-6)
     both = filter_logits(logits, top_k=1, top_p=0.99)
     assert torch.isfinite(both).sum() == 1 and torch.isfinite(both[0, 0])
+
+
+def test_generation_device_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`generate --device`: auto follows GPU visibility; cuda without a GPU is a clear error."""
+    from colonnade import generate as gen_mod
+    from colonnade.config.load import ConfigError
+    from colonnade.generate import generation_device, generation_device_type
+
+    assert generation_device_type("auto", gpu_visible=True) == "cuda"
+    assert generation_device_type("auto", gpu_visible=False) == "cpu"
+    assert generation_device_type("cpu", gpu_visible=True) == "cpu"
+    assert generation_device_type("cuda", gpu_visible=True) == "cuda"
+    with pytest.raises(ConfigError, match="--device=cuda but no CUDA device"):
+        generation_device_type("cuda", gpu_visible=False)
+    with pytest.raises(ConfigError, match="not one of"):
+        generation_device_type("tpu", gpu_visible=True)
+    monkeypatch.setattr(gen_mod, "has_gpu", lambda: False)
+    assert generation_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError):
+        generation_device("cuda")
+
+
+def test_generate_cli_device_cpu_output_unchanged(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`colonnade generate --device cpu` prints what the CPU-only code printed: the same
+    tokens as loading on the CPU and sampling with a CPU generator (greedy and seeded)."""
+    from colonnade import generate as gen_mod
+    from colonnade.cli import main
+    from colonnade.data.tokenizer import load_tokenizer
+    from colonnade.generate import load_for_generation
+    from tests.gpu.helpers import tiny_checkpoint
+
+    monkeypatch.setattr(gen_mod, "has_gpu", lambda: False)  # auto = cpu on any machine
+    ck = tiny_checkpoint(tmp_path)
+    model, tok_path = load_for_generation(ck)
+    tok = load_tokenizer(tok_path)
+    prompt = torch.tensor([tok.encode("def foo", add_special_tokens=False).ids])
+    for temp, seed in ((0.0, 0), (1.0, 7)):
+        out = generate(model, prompt, 10, temperature=temp, top_k=40, top_p=0.95,
+                       generator=torch.Generator().manual_seed(seed))
+        expect = tok.decode(out[0].tolist()) + "\n"
+        args = ["generate", str(ck), "--prompt", "def foo", "--max-new-tokens", "10",
+                "--temperature", str(temp), "--seed", str(seed)]
+        for device in ([], ["--device", "cpu"]):
+            assert main([*args, *device]) == 0
+            assert capsys.readouterr().out == expect, (temp, device)
