@@ -11,20 +11,26 @@ from colonnade.testing import RankPools
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is visible")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA device; deselected by default (pyproject addopts "
+        "-m 'not gpu'), selected with `pytest -m gpu tests/gpu` on a GPU machine")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests on machines without a GPU."""
-    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not gpu_items:
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A selected ``@pytest.mark.gpu`` test on a machine without a GPU fails, never skips.
+
+    CI deselects them (pyproject's ``-m 'not gpu'``: no skips, no failures); a GPU run selects
+    them with ``-m gpu``. Asking for them where no CUDA device is visible is a mistake, reported
+    as an error at set-up (``--collect-only`` still lists them everywhere).
+    """
+    if item.get_closest_marker("gpu") is None:
         return
     from colonnade.device import has_gpu
 
     if not has_gpu():
-        skip = pytest.mark.skip(reason="needs a CUDA device (marker 'gpu')")
-        for item in gpu_items:
-            item.add_marker(skip)
+        pytest.fail("this test is marked gpu and needs a CUDA device; none is visible here. "
+                    "Deselect it with -m 'not gpu' (the default) or run it on a GPU machine.",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
