@@ -88,3 +88,41 @@ def peak_tflops(device: torch.device, dtype: torch.dtype,
             if key in name:
                 return value if dtype in (torch.bfloat16, torch.float16) else value / 2
     return None
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised page-locked host tensor (the target of asynchronous device-to-host
+    copies); ordinary host memory where no GPU is visible."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def copy_to_host_async(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                       device: torch.device) -> torch.cuda.Event | None:
+    """Copy each (host ``dst``, ``src`` on ``device``) without blocking the host.
+
+    GPU: the copies run non-blocking on a side stream that first waits for the work queued so
+    far; the returned event marks their end, and the current stream waits for it before its
+    later work (so a later in-place update cannot race the copy) while the host does not.
+    CPU: plain copies, returns None.
+    """
+    if device.type != "cuda":
+        for dst, src in pairs:
+            dst.copy_(src)
+        return None
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(side)
+    event = torch.cuda.Event()
+    event.record(side)
+    current.wait_event(event)
+    return event
+
+
+def wait_event(event: torch.cuda.Event | None) -> None:
+    """Block the calling thread until ``event`` (from :func:`copy_to_host_async`) completes."""
+    if event is not None:
+        event.synchronize()
