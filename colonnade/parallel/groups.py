@@ -1,14 +1,22 @@
 """ProcessGroups: every process group of a run, created once from :class:`ParallelDims`.
 
-This is the only place that calls ``torch.distributed.new_group``. Groups are values: a layer
-receives the :class:`~colonnade.parallel.comm.CommGroup` it needs; nothing is global.
+This is the only place that creates process groups. Groups are values: a layer receives the
+:class:`~colonnade.parallel.comm.CommGroup` it needs; nothing is global.
 
-Groups made (each as a CommGroup sharing one :class:`CommStats`):
-  tp, pp, dp, cp          one axis each
-  dp_cp                   gradient reduction group (dp and cp together)
-  model                   tp x pp (everything that holds a different part of one replica)
-  embedding               first and last pp stage (tied embedding gradients), same other coords
-  world                   all ranks
+Groups (each a CommGroup sharing one :class:`CommStats`) and who communicates on them:
+  tp          tensor-parallel layers, sp, vocab-parallel loss, clipping norms
+  pp          pipeline p2p, loss broadcast
+  dp_cp       gradient reduction (dp and cp together), ZeRO-1, loss token counts
+  dp          ranks/size for the data sampler; equal to dp_cp while cp = 1, so it shares its pg
+  cp          the cp axis (size 1 until context parallelism exists)
+  embedding   first and last pp stage (tied embedding gradients), same other coordinates;
+              equal to pp at pp = 2 (shares its pg); a group of one rank without tied embeddings
+  world       all ranks (the default group)
+
+Only groups used for a collective are created, with one call per axis
+(:func:`plan_groups` decides, :func:`create_partition` creates), each with the collective
+timeout passed at creation. A group whose partition equals another's shares that one's
+process group; a group of one rank has none (:class:`CommGroup` does nothing on it).
 """
 
 from __future__ import annotations
@@ -22,6 +30,74 @@ import torch.distributed as dist
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.dims import ParallelDims
 
+GROUP_NAMES: tuple[str, ...] = ("tp", "pp", "dp_cp", "dp", "cp", "embedding")
+"""Groups :meth:`ProcessGroups.build` makes besides world, in creation order (the same on
+every rank: group creation is collective)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How one named group comes to exist on every rank.
+
+    ``partition``: the disjoint rank lists covering the world (one per group of this name);
+    ``source``: 'create' (one collective creation call for the whole partition), 'single'
+    (every part is one rank: no process group), or the name of an earlier group with the same
+    partition whose process group it shares.
+    """
+
+    partition: list[list[int]]
+    source: str
+
+    @property
+    def creates(self) -> bool:
+        """This group needs a creation call of its own."""
+        return self.source == "create"
+
+
+def plan_groups(dims: ParallelDims, tied_embeddings: bool = True) -> dict[str, GroupSpec]:
+    """Pure layout maths: the partition of every group and whether it is created, shared or
+    trivial. Needs no processes (a 4096-rank layout is planned in milliseconds)."""
+    partitions: dict[str, list[list[int]]] = {
+        "tp": dims.group_ranks("tp"),
+        "pp": dims.group_ranks("pp"),
+        "dp_cp": dims.group_ranks(("dp", "cp")),
+        "dp": dims.group_ranks("dp"),
+        "cp": dims.group_ranks("cp"),
+        "embedding": (_embedding_groups(dims) if tied_embeddings
+                      else [[r] for r in range(dims.world_size)]),
+    }
+    out: dict[str, GroupSpec] = {}
+    for name in GROUP_NAMES:
+        part = partitions[name]
+        if all(len(ranks) == 1 for ranks in part):
+            out[name] = GroupSpec(part, "single")
+            continue
+        same = next((n for n, s in out.items() if s.source == "create" and s.partition == part),
+                    None)
+        out[name] = GroupSpec(part, same or "create")
+    return out
+
+
+def create_partition(name: str, partition: list[list[int]], timeout: timedelta) -> Any:
+    """Create the process groups of a whole partition in one call; this rank's pg (None when
+    its part is a single rank). Every rank must call it, in the same order.
+
+    With NCCL and a device bound to the default group, ``split_group`` splits the default
+    communicator (one ncclCommSplit: each rank makes only its own group). Elsewhere (gloo;
+    ``split_group`` needs a splitting backend) ``new_subgroups_by_enumeration`` makes them.
+    """
+    parts = [ranks for ranks in partition if len(ranks) > 1]
+    if _can_split():
+        return dist.split_group(split_ranks=parts, timeout=timeout, group_desc=name)
+    mine, _ = dist.new_subgroups_by_enumeration(parts, timeout=timeout, group_desc=name)
+    return mine
+
+
+def _can_split() -> bool:
+    """The default group can be split (NCCL with a bound device, see ``split_group``)."""
+    world: Any = dist.group.WORLD
+    return dist.get_backend() == "nccl" and getattr(world, "bound_device_id", None) is not None
+
 
 @dataclass
 class ProcessGroups:
@@ -34,7 +110,6 @@ class ProcessGroups:
     dp: CommGroup
     cp: CommGroup
     dp_cp: CommGroup
-    model: CommGroup
     embedding: CommGroup
     world: CommGroup
     stats: CommStats
@@ -83,11 +158,13 @@ class ProcessGroups:
             return CommGroup(name, [0], None, stats, 0)
 
         return cls(dims, 0, one("tp"), one("pp"), one("dp"), one("cp"), one("dp_cp"),
-                   one("model"), one("embedding"), one("world"), stats)
+                   one("embedding"), one("world"), stats)
 
     @classmethod
-    def build(cls, dims: ParallelDims, timeout_s: float = 300.0) -> ProcessGroups:
-        """Create every group; must be called by all ranks (same dims) after init_process_group."""
+    def build(cls, dims: ParallelDims, timeout_s: float = 300.0,
+              tied_embeddings: bool = True) -> ProcessGroups:
+        """Create the groups :func:`plan_groups` asks for; every rank calls it (same dims)
+        after init_process_group. ``tied_embeddings`` False: no embedding group is made."""
         if not dist.is_initialized():
             if dims.world_size == 1:
                 return cls.single(dims)
@@ -100,18 +177,16 @@ class ProcessGroups:
         rank = dist.get_rank()
         stats = CommStats()
         timeout = timedelta(seconds=timeout_s)
+        pgs: dict[str, Any] = {}
         made: dict[str, CommGroup] = {}
-        specs: dict[str, list[list[int]]] = {
-            "tp": dims.group_ranks("tp"),
-            "pp": dims.group_ranks("pp"),
-            "dp": dims.group_ranks("dp"),
-            "cp": dims.group_ranks("cp"),
-            "dp_cp": dims.group_ranks(("dp", "cp")),
-            "model": dims.group_ranks(("tp", "pp")),
-            "embedding": _embedding_groups(dims),
-        }
-        for name, partition in specs.items():
-            made[name] = _make(name, partition, rank, stats, timeout)
+        for name, spec in plan_groups(dims, tied_embeddings).items():
+            if spec.creates:
+                pgs[name] = create_partition(name, spec.partition, timeout)
+            else:
+                pgs[name] = pgs.get(spec.source)  # shared pg, or None for a group of one
+            ranks = next(r for r in spec.partition if rank in r)
+            made[name] = CommGroup(name, ranks, pgs[name] if len(ranks) > 1 else None,
+                                   stats, rank)
         world_pg: Any = dist.group.WORLD
         made["world"] = CommGroup("world", list(range(world)), world_pg, stats, rank)
         return cls(dims=dims, rank=rank, stats=stats, **made)
@@ -124,17 +199,4 @@ def _embedding_groups(dims: ParallelDims) -> list[list[int]]:
     for pipeline in dims.group_ranks("pp"):
         out.append(sorted({pipeline[0], pipeline[-1]}))
         out.extend([r] for r in pipeline[1:-1])
-    return out
-
-
-def _make(name: str, partition: list[list[int]], rank: int, stats: CommStats,
-          timeout: timedelta) -> CommGroup:
-    """Create one process group per part (collectively); return the part holding ``rank``."""
-    mine: CommGroup | None = None
-    for ranks in partition:
-        pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-        if rank in ranks:
-            mine = CommGroup(name, ranks, pg, stats, rank)
-    if mine is None:
-        raise AssertionError(f"rank {rank} is in no '{name}' group")
-    return mine
+    return sorted(out)

@@ -92,7 +92,7 @@ def _membership(order: str) -> dict[str, Any]:
     dims = ParallelDims(tp=2, pp=2, order=tuple(order.split("-")))
     groups = ProcessGroups.build(dims)
     out: dict[str, Any] = {name: getattr(groups, name).ranks for name in
-                           ("tp", "pp", "dp", "cp", "dp_cp", "model", "embedding", "world")}
+                           ("tp", "pp", "dp", "cp", "dp_cp", "embedding", "world")}
     out["index"] = {name: getattr(groups, name).rank for name in ("tp", "pp", "world")}
     value = torch.tensor([float(dist.get_rank())])
     groups.tp.all_reduce(value)
@@ -164,7 +164,6 @@ def test_groups_match_dims(run_ranks: Callable[..., list[Any]], order: str) -> N
         assert res["tp"] == dims.group_of(rank, "tp")
         assert res["pp"] == dims.group_of(rank, "pp")
         assert res["dp"] == [rank] and res["cp"] == [rank] and res["dp_cp"] == [rank]
-        assert res["model"] == [0, 1, 2, 3]
         assert res["embedding"] == res["pp"]  # first and last stage of a 2-stage pipeline
         assert res["world"] == [0, 1, 2, 3]
         coords = dims.coords(rank)

@@ -1,0 +1,100 @@
+"""ProcessGroups creates only the groups used for a collective, one creation call per axis.
+
+Counted on gloo ranks by wrapping torch.distributed's creation functions: per layout, the
+``new_subgroups_by_enumeration`` calls equal the axes with a group of more than one rank that
+no earlier axis already has (dp shares dp_cp's pg at cp = 1, embedding shares pp's at pp = 2;
+``model`` is not made at all), and the ``new_group`` calls equal the multi-rank groups of those
+calls. Every group made is then used: a sum over it equals the sum of its ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups, plan_groups
+
+LAYOUTS: dict[str, dict[str, int]] = {
+    "tp2-pp2": {"tp": 2, "pp": 2},
+    "tp2-dp2": {"tp": 2, "dp": 2},
+    "pp4": {"pp": 4},
+    "dp2-pp2": {"dp": 2, "pp": 2},
+}
+# (creation calls, new_group calls) each rank makes; the first names the axes created
+EXPECTED: dict[str, tuple[list[str], int]] = {
+    "tp2-pp2": (["tp", "pp"], 2 + 2),  # embedding == pp at pp 2; dp_cp, dp, cp single
+    "tp2-dp2": (["tp", "dp_cp"], 2 + 2),  # dp == dp_cp; pp, cp, embedding single
+    "pp4": (["pp", "embedding"], 1 + 1),  # embedding {0, 3}; middle stages alone
+    "dp2-pp2": (["pp", "dp_cp"], 2 + 2),
+}
+
+
+def _count_creation(degrees: dict[str, int], tied: bool) -> dict[str, Any]:
+    """Build the groups with counting wrappers around the creation APIs; use every group."""
+    calls: dict[str, list[Any]] = {"subgroups": [], "new_group": []}
+    real_sub, real_new = dist.new_subgroups_by_enumeration, dist.new_group
+
+    def sub(parts: list[list[int]], **kw: Any) -> Any:
+        calls["subgroups"].append((kw.get("group_desc"), parts, kw.get("timeout")))
+        return real_sub(parts, **kw)
+
+    def new(*args: Any, **kw: Any) -> Any:
+        calls["new_group"].append(kw.get("ranks", args[0] if args else None))
+        return real_new(*args, **kw)
+
+    # new_subgroups_by_enumeration calls distributed_c10d's new_group: wrap both names
+    dist.new_subgroups_by_enumeration, dist.new_group, c10d.new_group = sub, new, new
+    try:
+        groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=42.0,
+                                     tied_embeddings=tied)
+    finally:
+        dist.new_subgroups_by_enumeration, dist.new_group = real_sub, real_new
+        c10d.new_group = real_new
+    sums = {}
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "embedding"):
+        g = getattr(groups, name)
+        t = torch.tensor([float(dist.get_rank())])
+        g.all_reduce(t)
+        sums[name] = (g.ranks, float(t), g.pg is not None)
+    return {"axes": [c[0] for c in calls["subgroups"]],
+            "timeouts": [c[2].total_seconds() for c in calls["subgroups"]],
+            "new_group": len(calls["new_group"]), "sums": sums}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_groups_created_equal_groups_used(run_ranks: Callable[..., list[Any]],
+                                          layout: str) -> None:
+    degrees = LAYOUTS[layout]
+    dims = ParallelDims(**degrees)
+    axes, new_groups = EXPECTED[layout]
+    for rank, res in enumerate(run_ranks(dims.world_size, _count_creation, degrees, True)):
+        assert res["axes"] == axes, (layout, rank)
+        assert res["timeouts"] == [42.0] * len(axes)  # the timeout is given at creation
+        assert res["new_group"] == new_groups, (layout, rank)
+        for name, (ranks, total, has_pg) in res["sums"].items():
+            assert total == float(sum(ranks)), (layout, rank, name)
+            assert has_pg == (len(ranks) > 1), (layout, rank, name)
+        plan = plan_groups(dims)
+        assert [n for n, s in plan.items() if s.creates] == axes
+
+
+def test_untied_embeddings_make_no_embedding_group(run_ranks: Callable[..., list[Any]]) -> None:
+    for rank, res in enumerate(run_ranks(4, _count_creation, {"pp": 4}, False)):
+        assert res["axes"] == ["pp"] and res["new_group"] == 1
+        assert res["sums"]["embedding"] == ([rank], float(rank), False)
+
+
+def test_plan_shares_equal_partitions() -> None:
+    plan = plan_groups(ParallelDims(tp=2, pp=2, dp=2))
+    assert plan["dp"].source == "dp_cp" and plan["embedding"].source == "pp"
+    assert plan["cp"].source == "single"
+    assert plan["dp"].partition == plan["dp_cp"].partition == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    three = plan_groups(ParallelDims(pp=3, dp=2))
+    assert three["embedding"].creates
+    assert three["embedding"].partition == [[0, 4], [1, 5], [2], [3]]  # middle stages alone
