@@ -13,7 +13,6 @@ every layer of every chunk receives the same :class:`DocContext`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
 from colonnade.models.recompute import checkpoint
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -168,34 +168,48 @@ class Attention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        start: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal) v: q [b, a/tp, s, d], k/v [b, kv/tp, S, d];
-        ``mask`` [b, 1, s, s] (True: may attend) replaces the causal mask (document reset).
+        """softmax(q k^T / sqrt(d) + causal) v: q [b, a/tp, s, d], k/v [b, kv/tp, S, d] with
+        S = start + s; ``mask`` [b, 1, s, S] (True: may attend) replaces the causal mask
+        (document reset). Returns [s, b, a/tp * d].
 
-        The part whose activations grow with s^2 (selective recomputation's target).
-        Returns [s, b, a/tp * d].
+        Causal is bottom-right aligned: query i (absolute position start + i) sees keys
+        j <= start + i, also for a prefill of s > 1 tokens after a cached prefix (start > 0).
+        Which path runs:
+
+        * attention dropout 0 (or eval): fused ``F.scaled_dot_product_attention`` (flash /
+          memory-efficient kernels on GPU), with ``is_causal`` when start = 0, an explicit
+          [s, S] bottom-right mask when start > 0 and s > 1, no mask for one query token;
+          memory O(b a s d) stored, no [s, S] scores.
+        * attention dropout > 0 in training: the blockwise eager kernel of
+          :mod:`colonnade.models.dropout_attention`: query blocks whose scores hold <= 2^22
+          elements, keep-masks drawn only for this rank's heads and redrawn in backward;
+          stores q, k, v and lse [b, a/tp, s], temporaries O(block x S).
+
+        The part whose activations grow with s^2 when computed eagerly (selective
+        recomputation's target).
         """
         p = self.cfg.attention_dropout if self.training else 0.0
         s, total = q.shape[2], k.shape[2]
-        if p == 0.0 and mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 enable_gqa=self.kv_heads != self.heads)
-        elif p == 0.0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1,
-                                                 enable_gqa=self.kv_heads != self.heads)
+        if p > 0.0:
+            spec = DropoutSpec(self.ctx.rng, f"{self.site}.attn_dropout", p,
+                               self.heads * self.ctx.tp, self.ctx.tp_rank * self.heads)
+            out = dropout_attention(q, k, v, spec, mask)  # [b, a/tp, s, d]
         else:
-            rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [b, a/tp, s, S]
-            causal = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
-            allowed = causal if mask is None else mask  # [s, S] or [b, 1, s, s]
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-            tp, r = self.ctx.tp, self.ctx.tp_rank
-            full = (q.shape[0], self.heads * tp, s, total)
-            index = (slice(None), slice(r * self.heads, (r + 1) * self.heads))
-            probs = self.ctx.rng.dropout(probs, p, f"{self.site}.attn_dropout", full, index)
-            out = probs @ v  # [b, a/tp, s, d]
+            gqa = self.kv_heads != self.heads
+            if mask is None and start > 0 and s > 1:  # prefill after a cached prefix
+                mask = causal_mask(s, total, q.device)
+            if mask is not None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1,
+                                                     enable_gqa=gqa)
         b, n, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, a/tp * d]
+
+
+def causal_mask(s: int, total: int, device: torch.device) -> torch.Tensor:
+    """Bottom-right causal mask [s, S] (True: may attend): query i sees keys j <= i + S - s."""
+    return torch.ones(s, total, dtype=torch.bool, device=device).tril(total - s)
 
 
 class MLP(nn.Module):

@@ -32,29 +32,30 @@ t tp, r = s/t with sp else s (rows of the residual stream a rank holds).  Per la
                    scores (flash kernel).  The output follows q's memory order: without RoPE
                    (gpt2) q is a view of the [s, b, h/t] projection, so the out-proj input
                    below is a view of the output and they share one storage.
-      eager path (attention dropout on): q E s b h/t, k and v repeated to a heads 2 E s b h/t,
-                   causal mask s^2 bytes (bool, every rank), softmax output, keep-mask (as an
-                   E-byte float) and dropped probabilities 3 E a s^2 b/t.
+      blockwise path (attention dropout on, :mod:`colonnade.models.dropout_attention`):
+                   q E s b h/t, k and v E s b h_kv/t each and the log-sum-exp A s b a/t; no
+                   s^2 term (probabilities and keep-masks are recomputed in backward); its
+                   output is written in [s, b, a/t d] order, so the out-proj input is a view.
     out-proj input E s b h/t (the [s, b, a/t d] copy of the attention output).
     MLP, split over t: llama SwiGLU silu(gate x) * up x: gate, up, silu(gate), product
                    4 E s b f/t; gpt2 GELU input and output 2 E s b f/t.
-    hidden dropout (if on): two keep-masks kept as E-byte floats 2 E r b h.
+    hidden dropout (if on): two bool keep-masks 2 r b h bytes.
     selective      core attention is checkpointed: its inputs q E s b h/t, k, v E s b h_kv/t
-                   replace the SDPA/eager terms above.
+                   replace the SDPA/blockwise terms above.
     full           a checkpointed block keeps only its input E r b h; a chunk of L layers holds
                    ceil(L/N) of them (uniform N) or min(N, L) + full layers (block N).
 
 The paper's GPT (4h GELU MLP, LayerNorm, eager attention, dropout, masks of 1 byte) gives at
 E = 2: sbh (34 + 5as/h), tp: sbh (10 + 24/t + 5as/(ht)), tp+sp: sbh (34/t + 5as/(ht)),
 selective: without the 5as/h terms, full: 2 sbh (/t with sp); :func:`paper_layer_bytes`
-scales its 16-bit terms by E/2 and keeps the masks at 1 byte.  This code's gpt2 layer with
-the paper's settings differs from it only in (i) masks kept as E-byte floats (+2 sbh + as^2b
-at E = 2), (ii) LayerNorm statistics 4 E s b, (iii) the s^2-byte causal mask, and (iv) under
-sp the two all-gathered column inputs kept in full (+ 2 E (1 - 1/t) s b h): Megatron keeps
-the [s/t, b, h] shard and all-gathers it again in backward.  The llama layer adds RMSNorm's
-up-cast input and normalised copy (2 (A + E) s b h instead of 2 E s b h), SwiGLU's four
-s b f tensors (f ~ 8h/3: ~ 10.7 E sbh vs GELU's 8 E sbh at f = 4h), GQA's smaller k, v, and
-SDPA's flash kernel that keeps the output and log-sum-exp instead of s^2 scores.
+scales its 16-bit terms by E/2 and keeps the masks at 1 byte. This code's gpt2 layer with the
+paper's settings differs from it only in (i) attention dropout without s^2 terms (the blockwise path
+keeps q, k, v and the fp32 log-sum-exp: -5 a s^2 b + 4 a s b), (ii) LayerNorm statistics 4 E s b,
+and (iii) under sp the two all-gathered column inputs kept in full (+ 2 E (1 - 1/t) s b h): Megatron
+keeps the [s/t, b, h] shard and all-gathers it again in backward. The llama layer adds RMSNorm's
+up-cast input and normalised copy (2 (A + E) s b h instead of 2 E s b h), SwiGLU's four s b f
+tensors (f ~ 8h/3: ~ 10.7 E sbh vs GELU's 8 E sbh at f = 4h), GQA's smaller k, v, and SDPA's flash
+kernel that keeps the output and log-sum-exp instead of s^2 scores.
 
 Kernel caveats: the terms are those of PyTorch's CPU flash kernel; CUDA kernels keep the same
 output and fp32 log-sum-exp (the memory-efficient kernel pads it to a multiple of 32 positions,
@@ -313,8 +314,8 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     q, kv = e * sbh / t, 2.0 * e * s * b * h_kv / t
     if recompute == "selective":
         terms["core_inputs"] = q + kv
-    elif x.attention_dropout:
-        terms["core_eager"] = 3.0 * e * sbh / t + float(s * s) + 3.0 * e * a * s * s * b / t
+    elif x.attention_dropout:  # blockwise: q, k, v and the log-sum-exp, no s^2 term
+        terms["core_blockwise"] = q + kv + acc * s * b * a / t
     else:
         # SDPA's output takes q's memory order.  With RoPE q is a fresh [b, a/t, s, d] tensor,
         # so the [s, b, a/t d] out-proj input is a copy and the output is kept too; without
@@ -325,7 +326,7 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     terms["out_proj_input"] = e * sbh / t
     terms["mlp"] = (4.0 if x.arch == "llama" else 2.0) * e * s * b * x.ffn / t
     if x.hidden_dropout:
-        terms["dropout_masks"] = 2.0 * e * rows * b * h
+        terms["dropout_masks"] = 2.0 * rows * b * h  # bool
     return terms
 
 
