@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -21,10 +22,13 @@ from colonnade.data import (
     WindowDataset,
     prepare,
 )
-from colonnade.device import backend_for, pick_device
+from colonnade.device import apply_tf32, backend_for, pick_device
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.preflight import check_prepare_target, data_plan
+
+PREPARE_POLL_S = 0.5
+"""How often a rank waiting for rank 0's data preparation looks for its word (seconds)."""
 
 
 @dataclass
@@ -52,16 +56,31 @@ def init_runtime(config: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     config = validate(resolve(with_init_from(config), world), world)
     device = pick_device(config.training.device, local_rank)
+    apply_tf32(device, config.training.tf32)  # fp32 matmuls on TF32 tensor cores (CUDA)
     if world > 1 and not dist.is_initialized():
         backend = backend_for(device, config.parallel.backend)
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=config.parallel.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+    torch.set_num_threads(cpu_threads(_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dims = ParallelDims.from_config(config.parallel, world)
-    groups = ProcessGroups.build(dims, config.parallel.timeout_s)
+    groups = ProcessGroups.build(dims, config.parallel.timeout_s,
+                                 tied_embeddings=config.model.tie_embeddings)
     return Runtime(config, device, groups)
+
+
+def cpu_threads(cores: int, local_ranks: int) -> int:
+    """Intra-op CPU threads of one rank: this node's cores shared by its ranks, on every
+    device (a GPU rank's CPU work - data, optimizer on CPU, host copies - must not oversubscribe
+    the node either): ``max(1, cores // local_ranks)``."""
+    return max(1, cores // max(1, local_ranks))
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass
@@ -101,14 +120,11 @@ def prepare_data(config: Config, log: bool = True) -> Path:
 
 
 def build_data(config: Config, groups: ProcessGroups) -> Data:
-    """Datasets and sampler. Data is prepared only when :func:`data_plan` says so (rank 0 first,
-    the others then reuse it); otherwise the prepared dir is used as it is."""
+    """Datasets and sampler. Data is prepared only when :func:`data_plan` says so
+    (:func:`prepare_once`); otherwise the prepared dir is used as it is."""
     plan = data_plan(config)
-    if plan.action == "prepare" and groups.rank == 0:
-        prepare_data(config)
-    groups.world.barrier()
-    if plan.action == "prepare" and groups.rank != 0:
-        prepare_data(config, log=False)
+    if plan.action == "prepare":
+        prepare_once(config, groups)
     out = plan.prepared_dir
     seq, frac = config.training.seq_len, config.data.valid_fraction
     indexed = IndexedDataset(out / "data")
@@ -130,6 +146,41 @@ def build_data(config: Config, groups: ProcessGroups) -> Data:
         raise DataError(f"tokenizer has {vocab} tokens but model.vocab_size="
                         f"{config.model.vocab_size}; set --model.vocab_size={vocab}")
     return Data(train, valid, sampler, out / "tokenizer.json", vocab)
+
+
+def prepare_once(config: Config, groups: ProcessGroups, poll_s: float = PREPARE_POLL_S) -> None:
+    """Rank 0 prepares the data; every other rank waits for its word, then reuses its output.
+
+    The wait is not a collective: preparing a large corpus takes longer than
+    ``parallel.timeout_s``, which bounds collectives only. The others poll a key that rank 0
+    sets on the job's store (the default group's: every rank of every node reaches it) to
+    'ok', or to its error, which they re-raise as a :class:`DataError` naming rank 0. Under
+    ``colonnade train --nproc N`` the launcher has already prepared before the ranks started,
+    and rank 0 only finds the build and reuses it. A rank that then finds no build (a node
+    without a shared file system) prepares its own copy, as before.
+    """
+    if groups.world.size == 1:
+        prepare_data(config)
+        return
+    store = groups.world.pg.get_group_store()
+    # the n-th preparation of this rank waits for rank 0's n-th (no shared counter to race on)
+    n = store.add(f"colonnade/prepare/calls/rank{groups.rank}", 1)
+    key = f"colonnade/prepare/{n}"
+    if groups.rank == 0:
+        try:
+            prepare_data(config)
+        except BaseException as err:
+            store.set(key, f"{type(err).__name__}: {' '.join(str(err).split())}")
+            raise
+        store.set(key, "ok")
+        return
+    while not store.check([key]):
+        time.sleep(poll_s)
+    word = store.get(key).decode()
+    if word != "ok":
+        raise DataError(f"rank 0 failed to prepare data.input into data.prepared_dir="
+                        f"'{config.data.prepared_dir}' ({word}); see rank 0's error")
+    prepare_data(config, log=False)
 
 
 def _tokenizer_vocab(path: Path) -> int:

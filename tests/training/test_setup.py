@@ -1,0 +1,112 @@
+"""Start-up: data preparation outside the collective timeout, CPU threads on every device.
+
+Preparation: on 2 gloo ranks whose default group has a 1 s timeout (as ``parallel.timeout_s``
+sets it in a run), rank 0's preparation is slowed to 3 s; the other rank waits on the store, not
+in a collective, so the run's data is built on both ranks (before the fix rank 1 failed in the
+1 s barrier). A failing preparation on rank 0 is re-raised on rank 1 as a DataError naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from colonnade.config.load import load_config
+from colonnade.config.validate import resolve, validate
+from colonnade.data import DataError
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.training import setup
+from tests.reliability.jobs import tiny_args, write_corpus
+
+TIMEOUT_S = 1.0
+SLOW_S = 3.0
+
+
+def _rejoin_with_timeout(timeout_s: float) -> None:
+    """Replace the pool's default group by one with a ``timeout_s`` collective timeout."""
+    store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("short-timeout", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def _slow_prepare(args: list[str], fail: bool) -> dict[str, Any]:
+    _rejoin_with_timeout(TIMEOUT_S)
+    config = load_config(None, args)
+    config = validate(resolve(config, 2), 2)
+    groups = ProcessGroups.build(ParallelDims(dp=2), TIMEOUT_S)
+    real = setup.prepare_data
+
+    def slow(cfg: Any, log: bool = True) -> Path:
+        if groups.rank == 0:
+            time.sleep(SLOW_S)
+            if fail:
+                raise DataError("the corpus is unreadable")
+        return real(cfg, log=False)
+
+    setup.prepare_data = slow  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        data = setup.build_data(config, groups)
+    except DataError as err:
+        return {"error": str(err), "waited": time.monotonic() - start}
+    finally:
+        setup.prepare_data = real  # type: ignore[assignment]
+    t = torch.tensor([1.0])
+    groups.world.all_reduce(t)  # the group still works after the wait
+    return {"train": len(data.train), "vocab": data.vocab_size, "sum": float(t),
+            "waited": time.monotonic() - start}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("text"), docs=2, words=300)
+
+
+def test_slow_preparation_outlives_the_collective_timeout(
+        run_ranks: Callable[..., list[Any]], corpus: Path, tmp_path: Path) -> None:
+    args = tiny_args(corpus, tmp_path / "prepared", tmp_path / "run", parallel__dp=2)
+    r0, r1 = run_ranks(2, _slow_prepare, args, False)
+    assert "error" not in r1, r1
+    assert r1["waited"] >= SLOW_S > 2 * TIMEOUT_S  # waited past the timeout, and survived
+    assert r0["train"] == r1["train"] > 0 and r0["vocab"] == r1["vocab"] > 0
+    assert r0["sum"] == r1["sum"] == 2.0
+    assert (tmp_path / "prepared" / "prepare.json").is_file()
+
+
+def test_failed_preparation_on_rank0_is_named_on_the_others(
+        run_ranks: Callable[..., list[Any]], corpus: Path, tmp_path: Path) -> None:
+    args = tiny_args(corpus, tmp_path / "prepared", tmp_path / "run", parallel__dp=2)
+    r0, r1 = run_ranks(2, _slow_prepare, args, True)
+    assert r0["error"] == "the corpus is unreadable"
+    assert r1["error"].startswith("rank 0 failed to prepare data.input"), r1
+    assert "DataError: the corpus is unreadable" in r1["error"]
+    assert not (tmp_path / "prepared").exists()
+
+
+def test_cpu_threads_are_limited_on_gpu_runs_too(monkeypatch: pytest.MonkeyPatch,
+                                                 corpus: Path, tmp_path: Path) -> None:
+    """A (pretend) CUDA rank, one of 4 on a 16-core node, gets 4 threads (it kept all 16)."""
+    monkeypatch.setattr(setup, "pick_device", lambda _name, _local: torch.device("cuda", 0))
+    monkeypatch.setattr(setup, "_cores", lambda: 16)
+    monkeypatch.setattr(setup.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(16)
+        rt = setup.init_runtime(load_config(None, tiny_args(corpus, tmp_path / "p",
+                                                            tmp_path / "run")))
+        assert rt.device.type == "cuda"
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+    assert [setup.cpu_threads(c, n) for c, n in ((16, 4), (16, 3), (2, 8), (8, 0))] == [4, 5, 1, 8]
