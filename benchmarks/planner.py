@@ -5,12 +5,18 @@
 Prints, per Table 1 row, the published TFLOP/s per GPU and the planner's prediction for the
 published layout (micro-batch and vp chosen by the planner, they are not published), then the
 layout the planner ranks first (with the 2021 system's features, and with all of colonnade's)
-and why it is faster; then the ZeRO example.  --fit re-runs the efficiency fit.
+and why it is faster; then the ZeRO example; then H100: the GEMM efficiency curve against size
+and the predicted tokens/s per GPU of published H100 BF16 runs (llm-foundry's MPT table,
+https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md), the
+rows the curve was fitted on and the held-out ones, before (the A100's one constant, the old
+H100 preset) and after (the fitted curve).  --fit re-runs the fits (A100 efficiency, a knee
+scan on Table 1, the H100 curve).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,10 +24,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from colonnade.planner.fit import MEGATRON_2021, fit_efficiency, predict_row
-from colonnade.planner.hardware import PRESETS
+from colonnade.config.sections import ModelConfig
+from colonnade.planner.efficiency import layer_gemm_s, layer_gemms
+from colonnade.planner.fit import (
+    MEGATRON_2021,
+    fit_efficiency,
+    fit_gemm_curve,
+    h100_error,
+    predict_row,
+    relative_errors,
+)
+from colonnade.planner.hardware import A100_EFFICIENCY, PRESETS
+from colonnade.planner.layout import Layout, Workload
 from colonnade.planner.memory import zero_paper_bytes
-from colonnade.planner.published import TABLE1, ZERO_EXAMPLE
+from colonnade.planner.published import HELD_OUT_H100, MPT_H100_FIT, TABLE1, ZERO_EXAMPLE
 from colonnade.planner.search import Constraints, explain, plan
 
 
@@ -72,6 +88,79 @@ def zero() -> dict[str, float]:
     return got
 
 
+MPT_SOURCE = "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md"
+
+
+def gemm_curve() -> dict[str, list[float]]:
+    """Achieved fraction of peak of one layer's GEMMs (micro-batch 4 x 2048 tokens, tp 1)
+    against the hidden size, per preset."""
+    hiddens = [512, 1024, 2048, 4096, 8192, 16384]
+    print("\nGEMM efficiency of one gpt2 layer's forward (mb 4, s 2048, tp 1), fraction of peak:")
+    print(f"{'hidden':>10} " + " ".join(f"{h:>7}" for h in hiddens))
+    out: dict[str, list[float]] = {}
+    for name in ("a100-80gb", "h100-sxm", "h200"):
+        c = PRESETS[name]
+        effs = []
+        for h in hiddens:
+            w = Workload(model=ModelConfig(arch="gpt2", num_layers=1, hidden_size=h,
+                                           num_heads=max(1, h // 128), vocab_size=50304,
+                                           max_seq_len=2048), seq_len=2048, global_batch=4)
+            mats, core = layer_gemms(w, Layout(micro_batch=4))
+            flops = sum(f for f, _ in mats) + core[0]
+            effs.append(flops / sum(layer_gemm_s(w, Layout(micro_batch=4), c))
+                        / c.peak_flops_per_s("bf16"))
+        out[name] = effs
+        print(f"{name:>10} " + " ".join(f"{e:>7.3f}" for e in effs))
+    return out
+
+
+def h100_rows() -> list[dict[str, Any]]:
+    """Published H100 BF16 throughputs: the fitted curve against the old one constant."""
+    after = PRESETS["h100-sxm"]
+    before = dataclasses.replace(after, efficiency=A100_EFFICIENCY, gemm_knee_balance=0.0)
+    print(f"\nH100 SXM BF16 tokens/s per GPU, llm-foundry MPT table ({MPT_SOURCE}); before = "
+          f"the A100 constant {A100_EFFICIENCY} (the old preset), after = efficiency "
+          f"{after.efficiency:g} with a GEMM knee of {after.gemm_knee:.0f} FLOP/B")
+    head = (f"{'row':<24} {'set':<8} {'hidden':>6} {'paper':>7} {'before':>7} {'err':>7} "
+            f"{'after':>7} {'err':>7}")
+    print(head)
+    print("-" * len(head))
+    out = []
+    for kind, rows in (("fit", MPT_H100_FIT), ("held-out", HELD_OUT_H100)):
+        for row in rows:
+            eb, ea = h100_error(row, before), h100_error(row, after)
+            pub = row.tokens_per_s_per_gpu
+            print(f"{row.label():<24} {kind:<8} {row.workload().model.hidden_size:>6} "
+                  f"{pub:>7.0f} {pub * (1 + eb):>7.0f} {eb:>+7.1%} {pub * (1 + ea):>7.0f} "
+                  f"{ea:>+7.1%}")
+            out.append({"row": row.label(), "set": kind, "published": pub,
+                        "error_before": eb, "error_after": ea, "source": MPT_SOURCE})
+    for kind in ("fit", "held-out"):
+        sel = [r for r in out if r["set"] == kind]
+        print(f"{kind}: max |error| before {max(abs(r['error_before']) for r in sel):.1%}, "
+              f"after {max(abs(r['error_after']) for r in sel):.1%}")
+    return out
+
+
+def refit() -> dict[str, Any]:
+    """Re-run the fits: the A100 constant, a knee scan on Table 1, the H100 curve."""
+    a100 = PRESETS["a100-80gb"]
+    eff = fit_efficiency(a100)
+    print(f"fitted A100 efficiency (minimax over Table 1): {eff:.4f}")
+    scan = {}
+    for knee in (0.0, 0.1, 0.25, 0.5, 1.0):
+        c = dataclasses.replace(a100, gemm_knee_balance=knee)
+        c = dataclasses.replace(c, efficiency=fit_efficiency(c, lo=0.6, hi=1.2))
+        scan[knee] = max(abs(e) for e in relative_errors(c))
+        print(f"  Table 1 with knee {knee:g} x balance: efficiency {c.efficiency:.3f}, "
+              f"max |error| {scan[knee]:.1%}")
+    h_eff, h_knee = fit_gemm_curve(PRESETS["h100-sxm"])
+    print(f"fitted H100 curve (minimax over {len(MPT_H100_FIT)} MPT rows): efficiency "
+          f"{h_eff:.4f}, knee {h_knee:.3f} x balance")
+    return {"fitted_efficiency": eff, "table1_knee_scan": scan,
+            "h100_curve": {"efficiency": h_eff, "gemm_knee_balance": h_knee}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the records here")
@@ -79,13 +168,13 @@ def main() -> int:
     args = parser.parse_args()
     result: dict[str, Any] = {}
     if args.fit:
-        eff = fit_efficiency(PRESETS["a100-80gb"])
-        print(f"fitted A100 efficiency (minimax over Table 1): {eff:.4f}")
-        result["fitted_efficiency"] = eff
+        result.update(refit())
     result["table1_megatron2021"] = table1(MEGATRON_2021, "2021 features (full recompute, "
                                            "no sp, no ZeRO)")
     result["table1_all_features"] = table1({}, "all colonnade features")
     result["zero"] = zero()
+    result["gemm_curve"] = gemm_curve()
+    result["h100_published"] = h100_rows()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -5,9 +5,10 @@
     result.best.layout, result.best.step_s, result.best.memory.gib()
 
 Modules: ``model_math`` (parameters, FLOPs), ``memory`` (ZeRO, Korthikanti activations),
-``timing`` (compute, tp/pp/dp communication, bubble), ``search`` (enumeration, ranking,
-errors), ``fit`` (Narayanan et al. Table 1 and the efficiency fit), ``report`` (table, JSON,
-plot), ``calibrate`` (this machine), ``cli`` (`colonnade plan`).
+``timing`` (compute, tp/pp/dp communication, bubble), ``efficiency`` (a GEMM's achieved
+fraction of peak against its arithmetic intensity), ``search`` (enumeration, ranking, errors),
+``fit`` (Narayanan et al. Table 1, the efficiency fits, published H100 runs), ``report``
+(table, JSON, plot), ``calibrate`` (this machine), ``cli`` (`colonnade plan`).
 """
 
 from colonnade.planner.estimate import Estimate, estimate

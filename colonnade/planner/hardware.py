@@ -1,10 +1,14 @@
 """Clusters: what one device computes, holds and moves, and the collective-time model.
 
-A :class:`Cluster` is spec-sheet numbers plus one achieved-efficiency parameter per device type,
-``efficiency``, the fraction of the peak matmul rate *and* of the peak memory bandwidth that real
-kernels reach.  For the A100 it is fitted once to Narayanan et al. 2021 Table 1
-(:func:`colonnade.planner.fit.fit_efficiency`, all ten rows, one value); for H100/H200 it is
-not fitted to any published figure (the A100 value is carried over, say so when quoting).
+A :class:`Cluster` is spec-sheet numbers plus two achieved-efficiency constants: ``efficiency``,
+the fraction of the peak memory bandwidth and the large-GEMM fraction of the peak matmul rate
+that real kernels reach, and ``gemm_knee_balance``, which makes a GEMM's fraction fall with its
+arithmetic intensity (:mod:`colonnade.planner.efficiency`: eff(I) = efficiency I / (I + knee),
+knee = gemm_knee_balance x the device's FLOP/byte balance).  Both are fitted once on Narayanan et
+al. 2021 Table 1 (A100, :func:`colonnade.planner.fit.fit_gemm_curve`, minimax over the ten
+rows); the H100 / H200 presets carry them over through their own spec sheets (peak / HBM
+bandwidth), not through any H100 figure: benchmarks/planner.py checks them on published H100
+throughputs that no fit has seen (:data:`colonnade.planner.published.HELD_OUT_H100`).
 Communication uses the spec link rates as they are, with no fitted factor.
 
 Collective times (ring algorithms, n ranks, message of S bytes, link rate W, latency alpha):
@@ -66,7 +70,14 @@ class Cluster:
     reduce_scatter_latency_us: float | None = None
     """Per-step latency of a reduce-scatter when it differs; None: ``intra_latency_us``."""
     efficiency: float = 0.6
-    """Achieved fraction of peak FLOP/s and of peak memory bandwidth (the one fitted constant)."""
+    """Achieved fraction of peak memory bandwidth, and of peak FLOP/s by GEMMs of unbounded
+    arithmetic intensity (the asymptote of the GEMM curve; every GEMM's when
+    ``gemm_knee_balance`` is 0)."""
+    gemm_knee_balance: float = 0.0
+    """The GEMM curve's knee in units of the device's balance (bf16 peak FLOP/s / HBM bytes/s):
+    a GEMM of intensity I FLOP/byte reaches efficiency x I / (I + knee) of peak, knee =
+    gemm_knee_balance x balance (:mod:`colonnade.planner.efficiency`). 0: size-independent
+    (CPUs, whose calibration measures the rate at the workload's own sizes)."""
     backward_ratio: float = 2.0
     """Backward / forward time of a decoder layer: 2 by FLOPs (each GEMM has two backward
     GEMMs); elementwise ops, attention kernels and host time move it (CPU calibration
@@ -107,12 +118,23 @@ class Cluster:
         """Usable device memory in bytes (capacity minus the runtime reserve)."""
         return (self.memory_gib - self.reserved_gib) * GIB
 
-    def flops_per_s(self, precision: str) -> float:
-        """Achieved matmul FLOP/s of one device for ``precision``."""
+    def peak_flops_per_s(self, precision: str) -> float:
+        """Peak matmul FLOP/s of one device for ``precision`` (fp64: half the fp32 peak)."""
         peak = self.peak_tflops if precision in ("bf16", "fp16") else self.peak_tflops_fp32
         if precision == "fp64":
             peak /= 2
-        return peak * 1e12 * self.efficiency
+        return peak * 1e12
+
+    def flops_per_s(self, precision: str) -> float:
+        """Achieved matmul FLOP/s of one device for ``precision`` at the curve's asymptote
+        (GEMM sizes: :func:`colonnade.planner.efficiency.gemm_s`)."""
+        return self.peak_flops_per_s(precision) * self.efficiency
+
+    @property
+    def gemm_knee(self) -> float:
+        """Intensity (FLOP/byte) at which a GEMM reaches half of ``efficiency`` x peak:
+        gemm_knee_balance x bf16 peak / HBM bandwidth; 0 without a curve."""
+        return self.gemm_knee_balance * self.peak_tflops * 1e3 / self.hbm_gbps
 
     def bytes_per_s(self) -> float:
         """Achieved device memory bandwidth in bytes/s."""
@@ -169,6 +191,13 @@ class Cluster:
 # A100 efficiency: fitted by colonnade.planner.fit.fit_efficiency on Narayanan et al. Table 1
 # (minimax relative error over the ten rows); tests/planner re-runs the fit and checks this value.
 A100_EFFICIENCY = 0.70
+# H100 GEMM curve: fitted by colonnade.planner.fit.fit_gemm_curve on published.MPT_H100_FIT
+# (llm-foundry's H100 BF16 table, 4 rows; minimax 5.3%), checked on published.HELD_OUT_H100;
+# tests/planner re-runs the fit.  The knee is 0.67 x 295 = 197 FLOP/byte on an H100 SXM.  The
+# H200 (same compute die, 4.8 TB/s) takes the same two constants through its own balance
+# (knee 138 FLOP/byte): no published H200 figure has been checked.
+H100_EFFICIENCY = 0.555
+H100_KNEE_BALANCE = 0.67
 
 PRESETS: dict[str, Cluster] = {
     "a100-80gb": Cluster(
@@ -179,12 +208,14 @@ PRESETS: dict[str, Cluster] = {
     "h100-sxm": Cluster(
         name="h100-sxm", device="NVIDIA H100 SXM 80GB (DGX H100)", peak_tflops=989.0,
         peak_tflops_fp32=67.0, memory_gib=80.0, hbm_gbps=3350.0, gpus_per_node=8,
-        intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=A100_EFFICIENCY,
+        intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=H100_EFFICIENCY,
+        gemm_knee_balance=H100_KNEE_BALANCE,
     ),
     "h200": Cluster(
         name="h200", device="NVIDIA H200 SXM 141GB (HGX H200)", peak_tflops=989.0,
         peak_tflops_fp32=67.0, memory_gib=140.0, hbm_gbps=4800.0, gpus_per_node=8,
-        intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=A100_EFFICIENCY,
+        intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=H100_EFFICIENCY,
+        gemm_knee_balance=H100_KNEE_BALANCE,
     ),
     # Rough defaults for this kind of machine; `colonnade plan --calibrate` measures the real ones
     # (configs/clusters/cpu-local.toml holds the last measurement and takes precedence).

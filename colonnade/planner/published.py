@@ -76,3 +76,70 @@ TABLE1: tuple[Table1Row, ...] = (
 
 # ZeRO (Rajbhandari et al., arXiv 1910.02054), 7.5B parameters, Nd = 64, GB = 1e9 bytes.
 ZERO_EXAMPLE = {"params": 7.5e9, "dp": 64, "gb": {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}}
+
+
+# MosaicML llm-foundry, "MPT Training Benchmarks", table "H100 80GB BF16"
+# (https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md):
+# MPT models (GPT-style: learned positions, GeLU MLP 4h, LayerNorm, no biases, tied head,
+# V = 50,368, head dim 128) on DGX H100 nodes in amp_bf16 with FSDP FULL_SHARD (modelled as
+# ZeRO-1 data parallelism: the same reduce-scatter + all-gather bytes, all dp) and fused
+# attention. The figure compared is tokens per second per GPU, what the table measures.
+MPT_SHAPES: dict[str, tuple[int, int]] = {
+    "760m": (1536, 24), "1b": (2048, 24), "3b": (2560, 32), "7b": (4096, 32),
+    "13b": (5120, 40), "30b": (7168, 48), "70b": (8192, 80),
+}
+"""MPT model name -> (d_model, layers) of llm-foundry's yamls/pretrain/mpt-*.yaml."""
+
+
+@dataclass(frozen=True)
+class H100Row:
+    """One measured training throughput on H100 SXM GPUs (bf16)."""
+
+    model: str
+    seq_len: int
+    gpus: int
+    micro_batch: int
+    batch: int
+    checkpointing: bool
+    tokens_per_s_per_gpu: float
+
+    def workload(self) -> Workload:
+        """The row's model and batch (fused attention, overlapped reductions)."""
+        hidden, layers = MPT_SHAPES[self.model]
+        model = ModelConfig(arch="gpt2", num_layers=layers, hidden_size=hidden,
+                            num_heads=hidden // 128, vocab_size=50368,
+                            max_seq_len=self.seq_len, tie_embeddings=True, bias=False)
+        return Workload(model=model, seq_len=self.seq_len, global_batch=self.batch)
+
+    def layout(self) -> Layout:
+        """All data parallel, sharded optimizer, full recompute with activation checkpointing."""
+        return Layout(dp=self.gpus, micro_batch=self.micro_batch, zero1=True,
+                      recompute="full" if self.checkpointing else "none")
+
+    def label(self) -> str:
+        """Short name: model, sequence, GPUs, checkpointing."""
+        return (f"MPT-{self.model} s{self.seq_len} {self.gpus}gpu"
+                f"{' AC' if self.checkpointing else ''}")
+
+
+MPT_H100_FIT: tuple[H100Row, ...] = (
+    H100Row("760m", 2048, 8, 24, 384, False, 63147),
+    H100Row("1b", 2048, 8, 14, 112, False, 45455),
+    H100Row("7b", 2048, 8, 6, 48, False, 10643),
+    H100Row("13b", 2048, 8, 2, 16, False, 4792),
+)
+"""The rows the H100 GEMM curve is fitted on: s = 2048 on one node, no checkpointing."""
+
+HELD_OUT_H100: tuple[H100Row, ...] = (
+    H100Row("760m", 2048, 16, 24, 384, False, 68551),
+    H100Row("3b", 2048, 16, 10, 480, False, 24142),
+    H100Row("30b", 2048, 8, 3, 504, True, 2002),
+    H100Row("70b", 2048, 64, 8, 2048, True, 1039),
+    H100Row("1b", 8192, 8, 3, 96, False, 29157),
+    H100Row("3b", 4096, 8, 5, 240, False, 20964),
+    H100Row("3b", 8192, 8, 3, 144, False, 16578),
+    H100Row("7b", 4096, 8, 16, 256, True, 8611),
+    H100Row("13b", 4096, 8, 10, 240, True, 4717),
+)
+"""Rows of the same table that no fit uses: other sizes (3b, 30b, 70b), two nodes and more,
+longer sequences, activation checkpointing. benchmarks/planner.py reports their errors."""

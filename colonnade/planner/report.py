@@ -38,7 +38,9 @@ def header(p: Plan) -> str:
             f"V={m.vocab_size} ({total_params(w.shape) / 1e9:.2f}B params), seq {w.seq_len}, "
             f"global batch {w.global_batch}, {w.precision}, attention={w.attention}\n"
             f"{p.gpus} x {c.device} ({c.memory_gib:g} GiB, {c.peak_tflops:g} TFLOP/s peak, "
-            f"efficiency {c.efficiency:g}); {p.candidates} layouts, {len(p.ranked)} fit")
+            f"efficiency {c.efficiency:g}"
+            + (f", GEMM knee {c.gemm_knee:.0f} FLOP/B" if c.gemm_knee > 0 else "")
+            + f"); {p.candidates} layouts, {len(p.ranked)} fit")
 
 
 def format_table(p: Plan, top: int) -> str:

@@ -1,7 +1,9 @@
 """Time of one optimizer step of a layout on a cluster.
 
 Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp degree t):
-  compute  = FLOPs / (eff * peak) + elementwise bytes / (eff * HBM bandwidth)
+  compute  = sum over GEMMs FLOPs / (eff(I) * peak) + elementwise bytes / (eff * HBM bandwidth)
+             eff(I) the GEMM's achieved fraction at its arithmetic intensity I
+             (:mod:`colonnade.planner.efficiency`; = eff for every GEMM without a knee),
              forward FLOPs T (2 * matrix params + 4 s h) / t (Narayanan et al.), backward
              ``backward_ratio`` x (2 by FLOPs; measured on CPUs),
              full recompute +1 forward, selective +the core attention (4 s h T / t).
@@ -47,15 +49,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from colonnade.planner.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.planner.hardware import Cluster
 from colonnade.planner.layout import Layout, Workload
 from colonnade.planner.memory import stage_params, state_bytes_per_param
 from colonnade.planner.model_math import (
     LayerShape,
-    attention_core_flops_per_token,
-    layer_forward_flops_per_token,
-    layer_matrix_params,
-    logits_forward_flops_per_token,
 )
 
 OPS_PER_LAYER = 24
@@ -114,15 +113,13 @@ def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> 
 def layer_forward_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:
     """(roofline seconds, host seconds) of one layer's forward of one micro-batch on a device.
 
-    Roofline = FLOPs / (eff * peak) + elementwise bytes / (eff * bandwidth); host =
-    ``OPS_PER_LAYER * op_overhead_us``.  Backward without recompute costs ``backward_ratio``
-    (2 by FLOPs) x both.
+    Roofline = GEMM seconds (each at its intensity's efficiency) + elementwise bytes /
+    (eff * bandwidth); host = ``OPS_PER_LAYER * op_overhead_us``.  Backward without recompute
+    costs ``backward_ratio`` (2 by FLOPs) x both.
     """
-    m, t = w.shape, layout.tp
     tokens = float(layout.micro_batch) * w.seq_len
-    f_fwd = tokens * layer_forward_flops_per_token(m, w.seq_len) / t
-    b_fwd = tokens * _elementwise_bytes_per_token(m, w, layout)[0]
-    roof = f_fwd / c.flops_per_s(w.precision) + b_fwd / c.bytes_per_s()
+    b_fwd = tokens * _elementwise_bytes_per_token(w.shape, w, layout)[0]
+    roof = sum(layer_gemm_s(w, layout, c)) + b_fwd / c.bytes_per_s()
     return roof, OPS_PER_LAYER * c.op_overhead_us * 1e-6
 
 
@@ -136,10 +133,9 @@ def head_fwd_bwd_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, floa
     write), read again by the head's GEMMs: (E + 8) V / t."""
     m, t = w.shape, layout.tp
     tokens = float(layout.micro_batch) * w.seq_len
-    lf = tokens * logits_forward_flops_per_token(m) / t
-    flops, bw = c.flops_per_s(w.precision), c.bytes_per_s()
-    fwd = lf / flops + tokens * m.vocab / t * (w.elem + 32) / bw
-    bwd = 2 * lf / flops + tokens * m.vocab / t * (w.elem + 8) / bw
+    gemm, bw = head_gemm_s(w, layout, c), c.bytes_per_s()
+    fwd = gemm + tokens * m.vocab / t * (w.elem + 32) / bw
+    bwd = 2 * gemm + tokens * m.vocab / t * (w.elem + 8) / bw
     host = HEAD_OPS * c.op_overhead_us * 1e-6
     return fwd + bwd, 3 * host, fwd + host
 
@@ -147,19 +143,18 @@ def head_fwd_bwd_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, floa
 def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     m, t = w.shape, layout.tp
     tokens = float(layout.micro_batch) * w.seq_len
-    flops, bw = c.flops_per_s(w.precision), c.bytes_per_s()
+    bw = c.bytes_per_s()
     layers = m.layers // layout.pp
-    f_fwd = tokens * layer_forward_flops_per_token(m, w.seq_len) / t
-    f_w = tokens * 2 * layer_matrix_params(m) / t
+    weights_s, core_s = layer_gemm_s(w, layout, c)
     b_fwd, b_core = (tokens * x for x in _elementwise_bytes_per_token(m, w, layout))
-    fwd = f_fwd / flops + b_fwd / bw + OPS_PER_LAYER * c.op_overhead_us * 1e-6
+    fwd = weights_s + core_s + b_fwd / bw + OPS_PER_LAYER * c.op_overhead_us * 1e-6
     bwd = c.backward_ratio * fwd
     if layout.schedule == "zb_h1" and layout.pp > 1:
         bwd += c.split_backward_us * 1e-6  # the B / W split's host work
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective":
-        bwd += tokens * attention_core_flops_per_token(m, w.seq_len) / t / flops + b_core / bw
+        bwd += core_s + b_core / bw
     per_node = min(t, c.gpus_per_node)
     ar = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
     if layout.sp:  # each all-reduce becomes an all-gather + a reduce-scatter pair
@@ -168,13 +163,12 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     comm_f, comm_b = 2 * ar, (4 if layout.recompute == "full" else 2) * ar
     fwd_s = layers * (fwd + comm_f)
     bwd_s = layers * (bwd + comm_b)
-    wgrad = layers * f_w / flops
+    wgrad = layers * weights_s  # the weight-gradient GEMMs: the forward's shapes, transposed
     comm = layers * (comm_f + comm_b)
     if stage in ("first", "only"):
         emb = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
         fwd_s, comm = fwd_s + emb, comm + emb
     if stage in ("last", "only"):
-        lf = tokens * logits_forward_flops_per_token(m) / t
         roof, host, head_f = head_fwd_bwd_s(w, layout, c.head())
         head_comm = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
         # vocab-parallel cross entropy: all-reduce of the max [tokens] and of the packed
@@ -184,7 +178,7 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         comm += ce
         fwd_s += head_f
         bwd_s += roof + host - head_f + head_comm
-        wgrad += lf / c.head().flops_per_s(w.precision)
+        wgrad += head_gemm_s(w, layout, c.head())
         comm += head_comm
     return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm)
 
