@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import torch
 
-# Dense bf16 peak TFLOP/s of common accelerators, by substring of the device name.
-PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0,
+PEAK_TFLOPS: dict[str, tuple[float, float, float]] = {
+    "H200": (989.0, 494.7, 67.0), "H100 PCIe": (756.0, 378.0, 51.2),
+    "H100": (989.0, 494.7, 67.0), "A100": (312.0, 156.0, 19.5),
+    "L40S": (362.1, 183.0, 91.6), "A10": (125.0, 62.5, 31.2), "V100": (125.0, 15.7, 15.7),
 }
+"""Dense peak TFLOP/s (16-bit tensor core, TF32 tensor core, IEEE fp32) of common
+accelerators from the vendors' data sheets (sparsity excluded), by substring of the device
+name, first match wins (so "H100 PCIe" before "H100", "A100" before "A10"). V100 has no TF32:
+its fp32 matmuls run at the fp32 peak either way."""
 
 
 def pick_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
@@ -72,21 +77,47 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype,
-                configured: float | None) -> float | None:
+def apply_tf32(device: torch.device, enabled: bool) -> None:
+    """``training.tf32``: on a CUDA device let fp32 matmuls (cuBLAS) and convolutions (cuDNN)
+    use TF32 tensor cores (``fp32_precision = "tf32"``) or keep IEEE fp32 (``"ieee"``).
+    Process-wide PyTorch settings; nothing is changed for a CPU device."""
+    if device.type != "cuda":
+        return
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on CUDA run on TF32 now (the matmul setting, or the global
+    ``torch.backends.fp32_precision`` it inherits when it is ``"none"``)."""
+    precision = torch.backends.cuda.matmul.fp32_precision
+    if precision == "none":
+        precision = torch.backends.fp32_precision
+    return precision == "tf32"
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None,
+                tf32: bool | None = None) -> float | None:
     """Peak TFLOP/s for MFU: the configured value or the GPU table; None where it is unknown.
 
+    From the table (:data:`PEAK_TFLOPS`): bf16/fp16 the tensor-core peak; fp32 the TF32 peak
+    when TF32 is on (``tf32``; None reads the current setting, :func:`tf32_enabled`, which
+    :func:`apply_tf32` set from ``training.tf32``), else the IEEE fp32 peak; fp64 unknown.
     A CPU has no peak worth dividing by: a matmul measured at start-up on cores shared by
     several ranks (and other jobs) once reported MFU above 100%, so MFU is then n/a unless
     ``logging.peak_tflops`` gives the peak.
     """
     if configured:
         return configured
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value if dtype in (torch.bfloat16, torch.float16) else value / 2
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, tf32_peak, fp32_peak) in PEAK_TFLOPS.items():
+        if key in name:
+            if dtype != torch.float32:
+                return half
+            return tf32_peak if (tf32_enabled() if tf32 is None else tf32) else fp32_peak
     return None
 
 
