@@ -105,6 +105,10 @@ class ParallelConfig:
     """Split sp all-gather+matmul / matmul+reduce-scatter into this many chunks (1: off)."""
     overlap_p2p: bool = True
     """Post pipeline sends/receives asynchronously and wait only when the data is needed."""
+    p2p_in_order: bool = False
+    """Run each rank's pipeline p2p groups one after another, a group done only when all its
+    sends and receives are, as NCCL does (always so on NCCL). On gloo a checking mode: a run
+    that completes with it completes on NCCL; slightly slower, results identical."""
     backend: str = "auto"
     """torch.distributed backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo' or 'nccl'."""
     timeout_s: float = 300.0

@@ -1,10 +1,11 @@
 """Run one stage's pipeline action list: forwards, backwards, weight gradients and p2p.
 
 A schedule (:mod:`colonnade.pipeline.schedules`) gives every stage an ordered list of actions.
-The executor walks this stage's list. Communication actions between two computes form a *run*:
-its sends are posted at once (asynchronous), its receives are posted (and, with ``overlap``,
-the next run's receives too, so they arrive during the compute in between); a compute waits
-only for the message it consumes. Compute actions on micro-batch k of local chunk c:
+The executor walks this stage's computes; before each it posts the p2p groups that
+:func:`~colonnade.pipeline.p2p.p2p_program` places there (matched one to one with the peers'
+groups, so they complete under NCCL's in-order rules; with ``overlap`` as early as their sends
+allow, so receives arrive during the computes in between); a compute waits only for the group
+holding the message it consumes. Compute actions on micro-batch k of local chunk c:
 
 * F: point dropout at micro-batch k (``set_rng_context``), then y = chunk(x). The first virtual
   stage takes the tokens [b, s]; the others the received activation x [s(/tp), b, h] (a leaf
@@ -36,7 +37,7 @@ import torch
 
 from colonnade.models.gpt import ModelChunk
 from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
-from colonnade.pipeline.p2p import Message, PipeComm, message_shape, post_plan
+from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
 from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
 from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 from colonnade.training.step import (
@@ -96,6 +97,9 @@ class ExecOptions:
     """Free a sent activation's data (Megatron's output deallocation)."""
     record: bool = False
     """Record a timestamp pair per compute action (benchmarks; synchronises the device)."""
+    in_order: bool = False
+    """Issue each p2p group only after the previous one completed (``parallel.p2p_in_order``;
+    NCCL's rule, which NCCL applies anyway: on gloo it checks the posting is NCCL-safe)."""
 
 
 def forward_only_lists(pp: int, vp: int, m: int) -> list[list[Action]]:
@@ -139,9 +143,10 @@ class StageExecutor:
         hidden = chunks[0].cfg.hidden_size
         device = next((p.device for c in chunks for p in c.parameters()),
                       ctx.device or torch.device("cpu"))  # a chunk may hold no layers
-        self.comm = PipeComm(groups.pp, self.stage, lists,
+        self.program = stage_program(lists, self.stage, options.overlap)
+        self.comm = PipeComm(groups.pp, self.stage,
                              lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp),
-                             ctx.dtype, device)
+                             ctx.dtype, device, in_order=options.in_order)
         self.device = device
         self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
@@ -154,16 +159,16 @@ class StageExecutor:
 
     def run(self) -> ExecResult:
         """Execute every action; returns losses, timings and memory peaks."""
-        posts = post_plan(self.actions, self.options.overlap)
+        computes = [a for a in self.actions if a.is_compute]
         self._sync()
         self.result.start = time.perf_counter()
-        for post in posts:
-            sends = [(a, self._outgoing(a)) for a in post.sends]
-            if sends or post.recvs:
-                self.comm.post(sends, post.recvs)
+        for i, groups in enumerate(self.program.posts):
+            for ops in groups:
+                self.comm.post(ops, [self._outgoing(op.action) for op in ops
+                                     if op.kind == "send"])
             self.comm.reap()
-            if post.compute is not None:
-                self._compute(post.compute)
+            if i < len(computes):
+                self._compute(computes[i])
         self.comm.finish()
         self._sync()
         self.result.end = time.perf_counter()
@@ -179,8 +184,9 @@ class StageExecutor:
 
             synchronize(self.device)
 
-    def _outgoing(self, a: Action) -> torch.Tensor:
+    def _outgoing(self, a: Action | None) -> torch.Tensor:
         """The tensor a send action ships; frees the stage's copy of a sent activation."""
+        assert a is not None
         kind = Kind.F if a.kind == Kind.SEND_F else Kind.B
         t = self.outbox.pop((kind, (a.microbatch, a.chunk)))
         if kind == Kind.B:
@@ -269,7 +275,8 @@ def _options(plan: StepPlan, **kw: bool) -> ExecOptions:
     extra = plan.extra
     return ExecOptions(overlap=bool(extra.get("overlap_p2p", True)),
                        deallocate=bool(extra.get("deallocate_outputs", True)),
-                       record=bool(extra.get("record", False)), **kw)
+                       record=bool(extra.get("record", False)),
+                       in_order=bool(extra.get("p2p_in_order", False)), **kw)
 
 
 def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
@@ -293,7 +300,8 @@ def run_pipeline(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan)
     """Forward and backward of every micro-batch through ``plan.schedule``.
 
     Returns this rank's per-micro-batch losses on the last pipeline stage, [] elsewhere.
-    Options in ``plan.extra``: ``overlap_p2p`` (default True), ``deallocate_outputs`` (True).
+    Options in ``plan.extra``: ``overlap_p2p`` (default True), ``deallocate_outputs`` (True),
+    ``p2p_in_order`` (False).
     """
     return execute(chunks, batches, plan).losses
 

@@ -7,57 +7,42 @@ receive (NCCL ignores tags). An operation matches when its group and its counter
 both at the head of their ranks' streams. Gloo's independent receives hide orderings that NCCL
 cannot complete; this model finds them.
 
-`executor_groups` derives each rank's groups from the executor's own batching
-(:func:`colonnade.pipeline.p2p.post_plan` and :class:`~colonnade.pipeline.p2p.RecvOrder`, the
-code :class:`~colonnade.pipeline.p2p.PipeComm` runs), as posted when the backend is NCCL: one
-group per ``post`` call with its sends and receives. `run_groups` replays the groups of all ranks
-and raises `ScheduleError` naming the stuck ranks and groups on a deadlock.
+`executor_groups` takes each rank's groups from :func:`colonnade.pipeline.p2p.p2p_program`, the
+code the executor (:class:`~colonnade.pipeline.p2p.PipeComm`) posts, in posting order.
+`run_groups` replays the groups of all ranks and raises `ScheduleError` naming the stuck ranks
+and groups on a deadlock. It also checks what the posting relies on beyond the stream order: a
+group is posted only after the computes before its point, so every receive those computes
+consume must sit in an earlier group (else the rank would wait on itself).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from colonnade.pipeline.actions import Action, ScheduleError
-from colonnade.pipeline.p2p import Message, RecvOrder, post_plan, received_message
+from colonnade.pipeline.p2p import Group, Op, StageProgram, p2p_program
 
-
-@dataclass(frozen=True)
-class Op:
-    """One p2p operation of a rank: ``send`` to or ``recv`` from ``peer`` carrying ``msg``."""
-
-    kind: str
-    peer: int
-    msg: Message
-
-    def __str__(self) -> str:
-        arrow = "->" if self.kind == "send" else "<-"
-        m = self.msg
-        return f"{self.kind}{arrow}{self.peer} {m.direction}{m.microbatch}.{m.chunk}"
-
-
-Group = tuple[Op, ...]
 Slot = tuple[int, str, int, int]  # (rank, kind, peer, k-th op of that kind on the channel)
+
+__all__ = ["Group", "Op", "check_nccl", "executor_groups", "run_groups"]
+
+
+def _check_points(program: StageProgram) -> None:
+    """Each receive is consumed after the point its group is posted at (module docstring)."""
+    for point, groups in enumerate(program.posts):
+        for group in groups:
+            for op in group:
+                if op.kind == "recv" and program.consumer_point(op) < point:
+                    raise ScheduleError(f"stage {program.stage}: {op} is consumed at compute "
+                                        f"{program.consumer_point(op)} but posted at {point}")
 
 
 def executor_groups(lists: Sequence[Sequence[Action]], overlap: bool) -> list[list[Group]]:
-    """Per stage, the ordered p2p groups the executor posts under NCCL for ``lists``."""
-    pp = len(lists)
-    out: list[list[Group]] = []
-    for stage, actions in enumerate(lists):
-        order = RecvOrder(lists, stage)
-        groups: list[Group] = []
-        for post in post_plan(actions, overlap):
-            ops = [Op("send", *received_message(a, stage, pp)) for a in post.sends]
-            ops += [Op("recv", peer, msg) for msg, peer in order.take(post.recvs)]
-            if ops:
-                groups.append(tuple(ops))
-        left = order.unposted()
-        if left:
-            raise ScheduleError(f"stage {stage}: receives never posted {left}")
-        out.append(groups)
-    return out
+    """Per stage, the ordered p2p groups the executor posts for ``lists``."""
+    programs = p2p_program(tuple(tuple(a) for a in lists), overlap)
+    for program in programs:
+        _check_points(program)
+    return [program.groups for program in programs]
 
 
 def _channel_index(groups: Sequence[Sequence[Group]]) -> dict[Slot, tuple[int, int]]:

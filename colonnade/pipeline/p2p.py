@@ -6,36 +6,53 @@ what, in which order, and every message has the static shape of one micro-batch'
 sent forward and the gradient sent back have the same shape). So no shape handshake is needed:
 the receiver allocates its buffer from the micro-batch's token shape.
 
-Matching. Backends match a receive with a send by (source, order) on a pair of ranks (NCCL
-ignores tags). On one directed pair of stages, messages of both directions can travel: with
-pp = 2 and interleaving, stage 1 sends stage 0 both wrap-around activations and gradients.
-:class:`PipeComm` therefore posts the receives on each directed pair in the *sender's* send
-order (known from the sender's list), posting any earlier message of that pair together with
-the one needed now; the buffers of messages posted early simply wait to be consumed.
+NCCL's rules, which the posting must obey (gloo is more forgiving and hides their violations):
+a rank's p2p operations run in order on one stream; a batched group (``batch_isend_irecv``)
+starts only when the rank's earlier groups have completed and completes only when every
+operation in it has matched; on each directed pair the k-th send matches the k-th receive
+(tags are ignored). :mod:`colonnade.pipeline.nccl_model` replays these rules.
 
-Sends are asynchronous (post and continue); they are reaped when the backend reports them
-complete (polled at every action) and waited at the end of the step. Receives are waited only
-when the compute needs their data; with ``overlap`` the executor posts them one compute early.
-On gloo each receive has its own handle (a send's wait needs the receiver to have posted, so
-sends and receives are never waited together); on NCCL the sends and receives of one call are
-posted as one group (``batch_isend_irecv``), as Megatron does, so that a send and the opposite
-receive on the same pair cannot block each other on the GPU streams. Caveat (issue 20, open):
-NCCL runs a rank's groups in order and completes a group only when all its ops matched, and
-:mod:`colonnade.pipeline.nccl_model` shows today's posting (:func:`post_plan`) deadlocks there
-with ``overlap`` for every schedule, and without it for interleaved pp = 2, m = 2pp.
+The posting (:func:`p2p_program`, the one place that decides it, used by the executor and the
+NCCL model alike) is *matched by construction*:
+
+1. Replay the whole schedule once with unit compute times (:func:`~colonnade.pipeline.simulate
+   .replay`); message X gets the time t_X its producing compute ended, and the key
+   (t_X, sending stage, index of the send in its list).
+2. Every rank orders its operations (sends and receives) by that one global key, and batches
+   those with the same t into one group, so the groups of all ranks for time t match each
+   other one to one (Megatron's ``send_forward_recv_backward`` pairs are this for 1F1B).
+   Induction on the key: the smallest unfinished message has both ends at the heads of their
+   ranks' streams, so under NCCL's rules every group completes: no deadlock, for any schedule
+   the checker accepts.
+3. Each group is posted at a point between computes: a send after the compute that made its
+   data, a receive before the compute that consumes it. This is always possible: on one stage,
+   if the consumer of X runs before the producer of Y then t_X <= start(consumer) < end(
+   producer) = t_Y, so X's group comes first. With ``overlap`` a group is posted as early as
+   its sends allow (receives then arrive during the computes in between); without, a group of
+   receives only is posted just before the compute needing it (unless a later send needs it
+   out of the way first).
+
+``in_order`` (``parallel.p2p_in_order``) makes gloo behave as NCCL: a rank issues its next group
+only when the previous one has completed (a stream thread), and a group is done only when all
+its operations are, so the CPU tests run the exact NCCL ordering (on NCCL this is what the
+backend does). Without it gloo issues every group at once, each waited as a whole.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, virtual_stage
+from colonnade.pipeline.simulate import replay
 
 Shape = tuple[int, ...]
 
@@ -51,6 +68,46 @@ class Message:
     direction: str
     microbatch: int
     chunk: int
+
+
+@dataclass(frozen=True)
+class Op:
+    """One p2p operation of a stage: ``send`` to or ``recv`` from stage ``peer`` carrying
+    ``msg``; ``action`` is the SEND/RECV action of this stage's list it performs (None in
+    hand-written groups of the NCCL model's tests)."""
+
+    kind: str
+    peer: int
+    msg: Message
+    action: Action | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        arrow = "->" if self.kind == "send" else "<-"
+        m = self.msg
+        return f"{self.kind}{arrow}{self.peer} {m.direction}{m.microbatch}.{m.chunk}"
+
+
+Group = tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """When a stage posts which p2p groups: ``posts[i]`` before its i-th compute action (the
+    last entry after its last compute), each a batched group posted with one call."""
+
+    stage: int
+    posts: tuple[tuple[Group, ...], ...]
+    consumers: dict[Message, int] = field(default_factory=dict, compare=False)
+    """Received message -> index of the compute that consumes it."""
+
+    @property
+    def groups(self) -> list[Group]:
+        """All groups in posting order."""
+        return [g for point in self.posts for g in point]
+
+    def consumer_point(self, op: Op) -> int:
+        """Index of the compute that consumes the message of receive ``op``."""
+        return self.consumers[op.msg]
 
 
 def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool) -> Shape:
@@ -72,165 +129,227 @@ def received_message(sender: Action, src: int, pp: int) -> tuple[int, Message]:
     return dst, Message(sender.direction, sender.microbatch, chunk)
 
 
-def message_streams(lists: Sequence[Sequence[Action]], stage: int) -> dict[int, list[Message]]:
-    """For each peer stage, the messages it sends to ``stage``, in its send order."""
-    pp = len(lists)
-    streams: dict[int, list[Message]] = {}
-    for src, actions in enumerate(lists):
-        for a in actions:
-            if a.is_send:
-                dst, msg = received_message(a, src, pp)
-                if dst == stage:
-                    streams.setdefault(src, []).append(msg)
-    return streams
-
-
-class RecvOrder:
-    """Which receives to post, and when, so that each directed pair's receives follow its sender's
-    send order (see the module docstring). Pure bookkeeping, shared by :class:`PipeComm` and the
-    NCCL model (:mod:`colonnade.pipeline.nccl_model`), so both post the same receives.
-    """
-
-    def __init__(self, lists: Sequence[Sequence[Action]], stage: int) -> None:
-        self.stage = stage
-        self.streams = message_streams(lists, stage)
-        self.where: dict[Message, tuple[int, int]] = {}
-        for peer, msgs in self.streams.items():
-            for i, msg in enumerate(msgs):
-                if msg in self.where:
-                    raise ScheduleError(f"stage {peer} sends {msg} to stage {stage} twice")
-                self.where[msg] = (peer, i)
-        self.posted = dict.fromkeys(self.streams, 0)
-
-    def take(self, msgs: Sequence[Message]) -> list[tuple[Message, int]]:
-        """(message, peer stage) receives to post so that each of ``msgs`` is posted, in
-        per-pair stream order; marks them posted."""
-        out: list[tuple[Message, int]] = []
-        for msg in msgs:
-            if msg not in self.where:
-                raise ScheduleError(f"stage {self.stage} expects {msg} but no stage sends it")
-            peer, index = self.where[msg]
-            stream = self.streams[peer]
-            while self.posted[peer] <= index:
-                out.append((stream[self.posted[peer]], peer))
-                self.posted[peer] += 1
-        return out
-
-    def unposted(self) -> list[tuple[int, int]]:
-        """(peer, count) of receives never posted."""
-        return [(p, len(s) - self.posted[p]) for p, s in self.streams.items()
-                if self.posted[p] < len(s)]
-
-
-@dataclass(frozen=True)
-class Post:
-    """One ``PipeComm.post`` call of the executor: the sends of a run, the receives it asks for
-    (this run's, plus the next run's with overlap), then the compute that follows (None after
-    the last run)."""
-
-    sends: tuple[Action, ...]
-    recvs: tuple[Message, ...]
-    compute: Action | None
-
-
-def split_runs(actions: Sequence[Action]) -> list[tuple[list[Action], Action | None]]:
-    """[(communication run before a compute, the compute)], the last run has compute None."""
-    out: list[tuple[list[Action], Action | None]] = []
-    run: list[Action] = []
-    for a in actions:
-        if a.is_comm:
-            run.append(a)
-        else:
-            out.append((run, a))
-            run = []
-    out.append((run, None))
-    return out
-
-
-def post_plan(actions: Sequence[Action], overlap: bool) -> list[Post]:
-    """The posts the executor makes for one stage's action list, in order (the one place that
-    decides how sends and receives are batched)."""
-    runs = split_runs(actions)
-    posts: list[Post] = []
-    for i, (run, action) in enumerate(runs):
-        recvs = [recv_message(a) for a in run if a.is_recv]
-        if overlap and i + 1 < len(runs):
-            recvs += [recv_message(a) for a in runs[i + 1][0] if a.is_recv]
-        posts.append(Post(tuple(a for a in run if a.is_send), tuple(recvs), action))
-    return posts
-
-
 def recv_message(a: Action) -> Message:
     """The message a receive action brings (named by the compute it feeds)."""
     return Message(a.direction, a.microbatch, a.chunk)
 
 
+Key = tuple[float, int, int]  # (send time, sending stage, index of the send in its list)
+
+
+def _message_keys(lists: Sequence[Sequence[Action]]) -> dict[tuple[int, Message], Key]:
+    """(receiving stage, message) -> the message's global key (module docstring, step 1)."""
+    pp = len(lists)
+    timeline = replay(lists, lambda stage, a: 1.0)  # raises on a deadlock or FIFO mismatch
+    keys: dict[tuple[int, Message], Key] = {}
+    for src, events in enumerate(timeline):
+        for e in events:
+            if e.action.is_send:
+                dst, msg = received_message(e.action, src, pp)
+                if (dst, msg) in keys:
+                    raise ScheduleError(f"stage {src} sends {msg} to stage {dst} twice")
+                keys[(dst, msg)] = (e.start, src, e.index)
+    return keys
+
+
+def _stage_ops(lists: Sequence[Sequence[Action]], stage: int,
+               keys: dict[tuple[int, Message], Key]) -> list[tuple[Key, Op, int, int]]:
+    """(key, op, earliest point, latest point) of each p2p action of ``stage``: a send may be
+    posted once the compute before it ran, a receive must be posted before the compute after."""
+    pp = len(lists)
+    out: list[tuple[Key, Op, int, int]] = []
+    point = 0  # number of computes before the action
+    for a in lists[stage]:
+        if a.is_compute:
+            point += 1
+        elif a.is_send:
+            dst, msg = received_message(a, stage, pp)
+            out.append((keys[(dst, msg)], Op("send", dst, msg, a), point, 10**9))
+        else:
+            msg = recv_message(a)
+            if (stage, msg) not in keys:
+                raise ScheduleError(f"stage {stage} expects {msg} but no stage sends it")
+            out.append((keys[(stage, msg)], Op("recv", a.peer_stage, msg, a), 0, point))
+    return out
+
+
+def _points(bounds: list[tuple[int, int, bool]], overlap: bool) -> list[int]:
+    """Posting point of each group from (earliest, latest, has a send) (docstring, step 3)."""
+    want = [lo if (overlap or has_send) else hi for lo, hi, has_send in bounds]
+    for g in range(len(want) - 2, -1, -1):  # never hold back a later group
+        want[g] = min(want[g], want[g + 1])
+    points: list[int] = []
+    for g, (lo, hi, _) in enumerate(bounds):
+        p = max(points[-1] if points else 0, lo, want[g])
+        if p > hi:
+            raise ScheduleError(f"group {g} cannot be posted: its sends are ready at point {lo} "
+                                f"but a receive is needed at point {hi}")
+        points.append(p)
+    return points
+
+
+def stage_program(lists: Sequence[Sequence[Action]], stage: int, overlap: bool) -> StageProgram:
+    """The groups ``stage`` posts and when (see the module docstring)."""
+    return p2p_program(tuple(tuple(a) for a in lists), overlap)[stage]
+
+
+@lru_cache(maxsize=32)
+def p2p_program(lists: tuple[tuple[Action, ...], ...], overlap: bool) -> tuple[StageProgram, ...]:
+    """Every stage's :class:`StageProgram` for one step's action lists (cached: a schedule is
+    rebuilt every step with the same lists)."""
+    keys = _message_keys(lists)
+    out: list[StageProgram] = []
+    for stage, actions in enumerate(lists):
+        ops = sorted(_stage_ops(lists, stage, keys), key=lambda x: x[0])
+        groups: list[list[tuple[Key, Op, int, int]]] = []
+        for entry in ops:
+            if groups and groups[-1][0][0][0] == entry[0][0]:
+                groups[-1].append(entry)
+            else:
+                groups.append([entry])
+        bounds = [(max(e[2] for e in g), min(e[3] for e in g), any(e[1].kind == "send"
+                                                                   for e in g)) for g in groups]
+        points = _points(bounds, overlap)
+        n = sum(a.is_compute for a in actions)
+        posts: list[list[Group]] = [[] for _ in range(n + 1)]
+        for g, p in zip(groups, points, strict=True):
+            posts[min(p, n)].append(tuple(e[1] for e in g))
+        consumers = {e[1].msg: e[3] for e in ops if e[1].kind == "recv"}
+        out.append(StageProgram(stage, tuple(tuple(p) for p in posts), consumers))
+    return tuple(out)
+
+
+class _Posted:
+    """One posted group: its handle once issued, the tensors it sends, whether it is done."""
+
+    def __init__(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]]) -> None:
+        self.sends, self.recvs = sends, recvs
+        self.handle: Handle | None = None
+        self.done = threading.Event()
+
+
+class _InOrderStream:
+    """NCCL's per-rank p2p stream on a backend without one (gloo): a worker thread issues the
+    posted groups one at a time, each only when the previous one completed (gloo reports
+    completion only through a blocking ``wait``, so a thread is the faithful model: the stream
+    progresses while the rank computes, as the GPU's would). Exposed time is then the time the
+    compute thread waits on :attr:`_Posted.done`, not recorded in the comm stats."""
+
+    def __init__(self, group: CommGroup) -> None:
+        self.group = group
+        self.queue: queue.SimpleQueue[_Posted | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="pp-p2p-stream", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (posted := self.queue.get()) is not None:
+            try:
+                if self.error is None:
+                    posted.handle = self.group.p2p(posted.sends, posted.recvs, name="pp")
+                    posted.handle.wait()
+            except BaseException as err:  # handed to the compute thread at its next wait
+                self.error = err
+            posted.done.set()
+
+    def put(self, posted: _Posted) -> None:
+        self.queue.put(posted)
+
+    def wait(self, posted: _Posted) -> None:
+        posted.done.wait()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 class PipeComm:
-    """The p2p messages of one stage in one step (see the module docstring).
+    """The p2p groups of one stage in one step (see the module docstring).
 
     Args:
         group: the pp group; peers are addressed by stage index (``group.ranks[stage]``).
         stage: this stage.
-        lists: the action lists of *all* stages (to know every sender's order).
         shape_of: micro-batch index -> message shape.
         dtype, device: of the message buffers.
+        in_order: run the groups as NCCL does, one after another on a stream
+            (:class:`_InOrderStream`; on NCCL the backend does this itself, so it only changes
+            what gloo does).
     """
 
-    def __init__(self, group: CommGroup, stage: int, lists: Sequence[Sequence[Action]],
-                 shape_of: Callable[[int], Shape], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, group: CommGroup, stage: int, shape_of: Callable[[int], Shape],
+                 dtype: torch.dtype, device: torch.device, in_order: bool = False) -> None:
         self.group, self.stage = group, stage
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
-        self.order = RecvOrder(lists, stage)
-        self.inbox: dict[Message, tuple[torch.Tensor, Handle]] = {}
-        self.sends: deque[tuple[Handle, torch.Tensor]] = deque()
-        self.fuse = group.pg is not None and dist.get_backend(group.pg) == "nccl"
+        nccl = group.pg is not None and dist.get_backend(group.pg) == "nccl"
+        self.stream = _InOrderStream(group) if in_order and not nccl else None
+        self.inbox: dict[Message, tuple[torch.Tensor, _Posted]] = {}
+        self.pending: deque[_Posted] = deque()  # posted, not yet retired, in posting order
         self.peak_buffers = 0
 
     def _rank(self, stage: int) -> int:
         return self.group.ranks[stage]
 
-    def post(self, sends: Sequence[tuple[Action, torch.Tensor]],
-             recvs: Sequence[Message]) -> None:
-        """Post ``sends`` (action, tensor) and the receives of ``recvs`` not yet posted."""
-        out = [(t, self._rank(a.peer_stage)) for a, t in sends]
-        todo = self.order.take(recvs)
-        bufs = [torch.empty(self.shape_of(msg.microbatch), dtype=self.dtype, device=self.device)
-                for msg, _ in todo]
-        ins = [(buf, self._rank(peer)) for buf, (_, peer) in zip(bufs, todo, strict=True)]
-        if self.fuse and (out or ins):
-            handle = self.group.p2p(out, ins, name="pp")
-            self.sends.extend((handle, t) for t, _ in out)
-            self.inbox.update({msg: (buf, handle) for buf, (msg, _) in zip(bufs, todo,
-                                                                            strict=True)})
+    def post(self, ops: Group, tensors: Sequence[torch.Tensor]) -> None:
+        """Post one group: its sends carry ``tensors`` (in the order of its send ops)."""
+        sends = [op for op in ops if op.kind == "send"]
+        posted = _Posted([(t, self._rank(op.peer)) for op, t in zip(sends, tensors, strict=True)],
+                         [])
+        for op in ops:
+            if op.kind == "recv":
+                buf = torch.empty(self.shape_of(op.msg.microbatch), dtype=self.dtype,
+                                  device=self.device)
+                posted.recvs.append((buf, self._rank(op.peer)))
+                self.inbox[op.msg] = (buf, posted)
+        self.pending.append(posted)
+        if self.stream is not None:
+            self.stream.put(posted)
         else:
-            if out:
-                handle = self.group.p2p(out, [], name="pp_send")
-                self.sends.extend((handle, t) for t, _ in out)
-            for buf, (msg, peer) in zip(bufs, todo, strict=True):
-                self.inbox[msg] = (buf, self.group.p2p([], [(buf, self._rank(peer))],
-                                                       name=f"pp_recv_{msg.direction}"))
+            posted.handle = self.group.p2p(posted.sends, posted.recvs, name="pp")
         self.peak_buffers = max(self.peak_buffers, len(self.inbox))
 
+    def _complete(self, posted: _Posted) -> None:
+        """Block until ``posted`` is done."""
+        if self.stream is not None:
+            self.stream.wait(posted)
+        elif not posted.done.is_set():
+            assert posted.handle is not None
+            posted.handle.wait()
+            posted.done.set()
+
     def wait(self, msg: Message) -> torch.Tensor:
-        """The data of ``msg`` (posting its receive first if needed); blocks until it arrived."""
+        """The data of ``msg``; blocks until its group (in order mode: and every earlier one)
+        is done."""
         if msg not in self.inbox:
-            self.post([], [msg])
-        buf, handle = self.inbox.pop(msg)
-        handle.wait()
+            raise ScheduleError(f"stage {self.stage}: {msg} is consumed before it was posted")
+        buf, posted = self.inbox.pop(msg)
+        self._complete(posted)
         return buf
 
     def reap(self) -> None:
-        """Complete (and release) the sends the backend has finished, oldest first."""
-        while self.sends and self.sends[0][0].is_completed():
-            self.sends.popleft()[0].wait()
+        """Release the groups known to be done, oldest first (their sent tensors), without
+        blocking."""
+        while self.pending:
+            head = self.pending[0]
+            if not head.done.is_set():
+                if self.stream is not None or head.handle is None:
+                    return
+                if not head.handle.is_completed():
+                    return
+                head.handle.wait()
+                head.done.set()
+            self.pending.popleft()
 
     def finish(self) -> None:
-        """Wait for every send; fail if a message was posted but never consumed."""
-        while self.sends:
-            self.sends.popleft()[0].wait()
+        """Wait for every group; fail if a received message was never consumed."""
+        while self.pending:
+            self._complete(self.pending.popleft())
+        if self.stream is not None:
+            self.stream.close()
         left = sorted(str(m) for m in self.inbox)
-        unposted = self.order.unposted()
-        if left or unposted:
-            raise ScheduleError(f"stage {self.stage}: step ended with unconsumed messages "
-                                f"{left} and unposted receives {unposted}")
+        if left:
+            raise ScheduleError(f"stage {self.stage}: step ended with unconsumed messages {left}")

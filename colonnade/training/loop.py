@@ -74,7 +74,8 @@ class Trainer:
 
     def executor_options(self) -> dict[str, object]:
         """Pipeline executor switches taken from the config."""
-        return {"overlap_p2p": self.config.parallel.overlap_p2p}
+        par = self.config.parallel
+        return {"overlap_p2p": par.overlap_p2p, "p2p_in_order": par.p2p_in_order}
 
     def next_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next step."""

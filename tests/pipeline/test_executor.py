@@ -23,7 +23,7 @@ from colonnade.pipeline.executor import (
     forward_only_lists,
     release_output,
 )
-from colonnade.pipeline.p2p import Message, PipeComm, message_shape, message_streams, split_runs
+from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
 from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay
 from colonnade.pipeline.split_backward import backward_input, backward_weight, find_boundaries
@@ -115,25 +115,24 @@ def test_release_output_frees_values_and_keeps_backward() -> None:
 
 
 def test_receives_follow_the_senders_order_across_directions() -> None:
-    """pp = 2 interleaved, m = 5: stage 0 sends stage 1 activations *and* gradients, and stage
-    1's list receives them in a different order than they are sent: posting receives in list
-    order would match a gradient with an activation buffer (NCCL matches by order only)."""
+    """With pp=2 and interleaving stage 0 sends stage 1 activations and gradients on one pair;
+    the receiver's posting order must be the sender's send order (NCCL matches by order only)."""
     lists = build_schedule("interleaved_1f1b", 2, 2, 5)
-    stream = message_streams(lists, 1)[0]
+    sent = [op.msg for g in stage_program(lists, 0, True).groups for op in g if op.kind == "send"]
+    for overlap in (True, False):
+        got = [op.msg for g in stage_program(lists, 1, overlap).groups for op in g
+               if op.kind == "recv" and op.peer == 0]
+        assert got == sent
+    assert {m.direction for m in sent} == {"F", "B"}
     recv_order = [Message(a.direction, a.microbatch, a.chunk) for a in lists[1] if a.is_recv]
-    assert sorted(stream, key=str) == sorted(recv_order, key=str)
-    assert {m.direction for m in stream} == {"F", "B"}
-    assert stream != recv_order
-    sends = [a for a in lists[0] if a.is_send]
-    assert [m.microbatch for m in stream] == [a.microbatch for a in sends]
+    assert sorted(sent, key=str) == sorted(recv_order, key=str) and sent != recv_order
 
 
-def test_pipe_comm_rejects_a_message_nobody_sends() -> None:
-    lists = build_schedule("1f1b", 2, 1, 2)
+def test_pipe_comm_rejects_a_message_never_posted() -> None:
     group = CommGroup("pp", [0, 1], None, CommStats(), 0)
-    comm = PipeComm(group, 0, lists, lambda k: (4, 1, 2), torch.float32, torch.device("cpu"))
-    with pytest.raises(ScheduleError, match=r"expects Message.*no stage sends it"):
-        comm.post([], [Message("F", 0, 0)])  # stage 0 holds virtual stage 0: no input
+    comm = PipeComm(group, 0, lambda k: (4, 1, 2), torch.float32, torch.device("cpu"))
+    with pytest.raises(ScheduleError, match=r"consumed before it was posted"):
+        comm.wait(Message("F", 0, 0))
     with pytest.raises(ValueError, match=r"not divisible by parallel.tp=2"):
         message_shape((2, 15), 32, 2, True)
     assert message_shape((2, 16), 32, 2, True) == (8, 2, 32)
@@ -151,11 +150,21 @@ def test_forward_only_lists_are_complete_and_deadlock_free(pp: int, vp: int, m: 
     assert sum(len(t) for t in timeline) == sum(len(a) for a in lists)
 
 
-def test_split_runs_groups_communication_between_computes() -> None:
-    actions = build_schedule("1f1b", 2, 1, 2)[1]  # rF0 F0 B0 sB0 rF1 F1 B1 sB1
-    runs = [([str(a) for a in run], str(c)) for run, c in split_runs(actions)]
-    assert runs == [(["rF0c0<0"], "F0c0"), ([], "B0c0"), (["sB0c0>0", "rF1c0<0"], "F1c0"),
-                    ([], "B1c0"), (["sB1c0>0"], "None")]
+def test_program_pairs_groups_like_megatron_1f1b() -> None:
+    """1F1B pp=2 m=2, stage 1 (computes F0 B0 F1 B1): the receive of F1 is posted before F0
+    with overlap, and the send of B0 goes out with nothing else (stage 0 is still forwarding)."""
+    lists = build_schedule("1f1b", 2, 1, 2)
+
+    def posts(stage: int, overlap: bool) -> list[list[list[str]]]:
+        return [[[str(op) for op in g] for g in gs]
+                for gs in stage_program(lists, stage, overlap).posts]
+
+    assert posts(1, True) == [[["recv<-0 F0.0"], ["recv<-0 F1.0"]], [], [["send->0 B0.0"]], [],
+                              [["send->0 B1.0"]]]
+    assert posts(1, False) == [[["recv<-0 F0.0"]], [], [["recv<-0 F1.0"], ["send->0 B0.0"]],
+                               [], [["send->0 B1.0"]]]
+    assert posts(0, True) == [[], [["send->1 F0.0"]],
+                              [["send->1 F1.0"], ["recv<-1 B0.0"], ["recv<-1 B1.0"]], [], []]
 
 
 # ----------------------------------------------------------------------------- on ranks

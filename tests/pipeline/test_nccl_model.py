@@ -1,13 +1,19 @@
-"""The NCCL p2p model: in-order groups per rank, a group done only when all its ops matched."""
+"""The NCCL p2p model (in-order groups per rank, a group done only when all its ops matched)
+and the executor's posting (:func:`p2p_program`) proven deadlock-free under it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from colonnade.pipeline.actions import ScheduleError
-from colonnade.pipeline.nccl_model import Op, check_nccl, executor_groups, run_groups
-from colonnade.pipeline.p2p import Message
+from colonnade.pipeline.actions import Action, ScheduleError
+from colonnade.pipeline.executor import forward_only_lists
+from colonnade.pipeline.nccl_model import Group, Op, check_nccl, executor_groups, run_groups
+from colonnade.pipeline.p2p import Message, received_message, recv_message
 from colonnade.pipeline.schedules import build_schedule
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
 
 
 def _f(k: int) -> Message:
@@ -39,32 +45,96 @@ def test_mismatched_payload_rejected() -> None:
         run_groups([[(Op("send", 1, _f(0)),)], [(Op("recv", 0, _f(1)),)]])
 
 
-def test_executor_groups_1f1b_pp2() -> None:
-    """The groups derive from the executor's own batching (post_plan + RecvOrder)."""
-    groups = executor_groups(build_schedule("1f1b", 2, 1, 2), overlap=True)
-    assert [[str(op) for op in g] for g in groups[0]] == [
-        ["send->1 F0.0", "recv<-1 B0.0"], ["send->1 F1.0", "recv<-1 B1.0"]]
-    assert len(groups[1]) == 4
+def legacy_groups(lists: Sequence[Sequence[Action]], overlap: bool) -> list[list[Group]]:
+    """The posting the executor used before issue 20 (main at 7723d49), rebuilt here as the
+    negative case: one group per run of communication actions between two computes, holding
+    the run's sends and its receives plus, with overlap, the next run's receives; receives
+    on a pair in the sender's send order."""
+    pp = len(lists)
+    out: list[list[Group]] = []
+    for stage, actions in enumerate(lists):
+        stream: dict[int, list[Message]] = {}
+        for src, acts in enumerate(lists):
+            for a in acts:
+                if a.is_send and received_message(a, src, pp)[0] == stage:
+                    stream.setdefault(src, []).append(received_message(a, src, pp)[1])
+        posted = dict.fromkeys(stream, 0)
+        runs: list[list[Action]] = [[]]
+        for a in actions:
+            if a.is_comm:
+                runs[-1].append(a)
+            else:
+                runs.append([])
+        groups: list[Group] = []
+        for i, run in enumerate(runs):
+            ops = [Op("send", *received_message(a, stage, pp)) for a in run if a.is_send]
+            want = [a for a in run if a.is_recv] + (
+                [a for a in runs[i + 1] if a.is_recv] if overlap and i + 1 < len(runs) else [])
+            for a in want:
+                peer, msg = a.peer_stage, recv_message(a)
+                while posted[peer] <= stream[peer].index(msg):
+                    ops.append(Op("recv", peer, stream[peer][posted[peer]]))
+                    posted[peer] += 1
+            if ops:
+                groups.append(tuple(ops))
+        out.append(groups)
+    return out
 
 
-@pytest.mark.parametrize("name,vp", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                     ("zb_h1", 1)])
+@pytest.mark.parametrize("name,vp", SCHEDULES)
 @pytest.mark.parametrize("pp", [2, 4])
-def test_today_overlap_posting_deadlocks_under_nccl(name: str, vp: int, pp: int) -> None:
-    """Issue 20 item 1 (open): with overlap_p2p the executor's posting hangs on NCCL."""
+def test_legacy_overlap_posting_is_caught(name: str, vp: int, pp: int) -> None:
+    """The pre-fix posting with overlap_p2p hangs on NCCL for every schedule; the model says so."""
     with pytest.raises(ScheduleError, match="NCCL p2p deadlock"):
-        check_nccl(build_schedule(name, pp, vp, 2 * pp), overlap=True)
+        run_groups(legacy_groups(build_schedule(name, pp, vp, 2 * pp), overlap=True))
 
 
-@pytest.mark.parametrize("name,pp,m,rounds", [
-    ("gpipe", 2, 3, 6), ("gpipe", 4, 5, 14), ("1f1b", 2, 4, 5), ("1f1b", 4, 8, 19),
-    ("zb_h1", 2, 3, 5), ("zb_h1", 4, 8, 29), ("interleaved_1f1b", 4, 4, 21)])
-def test_no_overlap_posting_completes(name: str, pp: int, m: int, rounds: int) -> None:
-    vp = 2 if name == "interleaved_1f1b" else 1
-    assert check_nccl(build_schedule(name, pp, vp, m), overlap=False) == rounds
-
-
-def test_interleaved_no_overlap_pp2_m4_deadlocks() -> None:
-    """Open: even without overlap, interleaved pp=2 m=4 posts a send behind an unmatched recv."""
+def test_legacy_interleaved_without_overlap_is_caught() -> None:
     with pytest.raises(ScheduleError, match=r"rank 0 group 5/15 waits on: send->1 B0\.0"):
-        check_nccl(build_schedule("interleaved_1f1b", 2, 2, 4), overlap=False)
+        run_groups(legacy_groups(build_schedule("interleaved_1f1b", 2, 2, 4), overlap=False))
+
+
+def _cases() -> list[tuple[str, int, int, int]]:
+    """Every schedule x pp {2, 4} x vp {1, 2} x m {pp, 2pp, pp + 1} the schedule accepts."""
+    out = []
+    for name, _ in SCHEDULES:
+        for pp in (2, 4):
+            for vp in (1, 2):
+                for m in (pp, 2 * pp, pp + 1):
+                    try:
+                        build_schedule(name, pp, vp, m)
+                    except ScheduleError:
+                        continue
+                    out.append((name, pp, vp, m))
+    return out
+
+
+CASES = _cases()
+
+
+def test_case_matrix_covers_every_schedule() -> None:
+    assert {c[0] for c in CASES} == {n for n, _ in SCHEDULES} and len(CASES) == 24
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("name,pp,vp,m", CASES)
+def test_executor_posting_is_deadlock_free_under_nccl(name: str, pp: int, vp: int, m: int,
+                                                      overlap: bool) -> None:
+    lists = build_schedule(name, pp, vp, m)
+    groups = executor_groups(lists, overlap)
+    rounds = check_nccl(lists, overlap)
+    assert rounds >= max(len(g) for g in groups)  # every group of every rank completed
+    sent = sum(op.kind == "send" for gs in groups for g in gs for op in g)
+    assert sent == sum(a.is_send for actions in lists for a in actions)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("pp,vp,m", [(2, 1, 3), (4, 2, 8), (4, 2, 5)])
+def test_forward_only_posting_is_deadlock_free_under_nccl(pp: int, vp: int, m: int,
+                                                          overlap: bool) -> None:
+    assert check_nccl(forward_only_lists(pp, vp, m), overlap) > 0
+
+
+def test_large_pipeline_is_deadlock_free() -> None:
+    """pp=8, vp=2, 32 micro-batches: 1,000+ messages in well under a second."""
+    assert check_nccl(build_schedule("interleaved_1f1b", 8, 2, 32), overlap=True) > 0
