@@ -162,13 +162,17 @@ class StageExecutor:
         computes = [a for a in self.actions if a.is_compute]
         self._sync()
         self.result.start = time.perf_counter()
-        for i, groups in enumerate(self.program.posts):
-            for ops in groups:
-                self.comm.post(ops, [self._outgoing(op.action) for op in ops
-                                     if op.kind == "send"])
-            self.comm.reap()
-            if i < len(computes):
-                self._compute(computes[i])
+        try:
+            for i, groups in enumerate(self.program.posts):
+                for ops in groups:
+                    self.comm.post(ops, [self._outgoing(op.action) for op in ops
+                                         if op.kind == "send"])
+                self.comm.reap()
+                if i < len(computes):
+                    self._compute(computes[i])
+        except BaseException:
+            self.comm.abandon()
+            raise
         self.comm.finish()
         self._sync()
         self.result.end = time.perf_counter()

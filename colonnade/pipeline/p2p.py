@@ -261,11 +261,13 @@ class _InOrderStream:
         if self.error is not None:
             raise self.error
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
+        """End the stream after the groups already posted (``join``: wait for them)."""
         self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+        if join:
+            self.thread.join()
+            if self.error is not None:
+                raise self.error
 
 
 class PipeComm:
@@ -343,6 +345,11 @@ class PipeComm:
                 head.handle.wait()
                 head.done.set()
             self.pending.popleft()
+
+    def abandon(self) -> None:
+        """The step failed: stop the stream thread once its current group ends, not waiting."""
+        if self.stream is not None:
+            self.stream.close(join=False)
 
     def finish(self) -> None:
         """Wait for every group; fail if a received message was never consumed."""
