@@ -1,0 +1,429 @@
+"""One-GPU check: train the demo and a 1.3B model in bf16 against the planner, SDPA, async save.
+
+    python benchmarks/gpu_check.py [--budget-s 450] [--json PATH] [--workdir DIR] [--cluster NAME]
+    python benchmarks/gpu_check.py --cpu-smoke      # the same stages at tiny sizes on the CPU
+
+Stages, each timed and failing soft (a failed stage is reported, the others still run), all
+within one global time budget (a stage that would start past it is reported as skipped):
+
+  environment       torch, CUDA, the device and the planner cluster its numbers are set against
+  train_demo        ``colonnade train`` of configs/demo.toml on one device (tp = pp = 1, bf16):
+                    median tokens/s, model TFLOP/s, MFU and peak memory of the timed steps, each
+                    next to the planner's prediction for that layout on the cluster
+  train_1p3b        the same for configs/gpt3-1.3b.toml (dropout off: the fused-attention path)
+  sdpa_kernel       the SDPA backend bf16 causal attention dispatches to (must be fused)
+  async_checkpoint  an asynchronous save of a ~0.4B-parameter trainer's state: the training
+                    thread's stall, the write's total time and rate, a step taken meanwhile
+  generate          ``colonnade generate`` of the demo checkpoint on the device, greedy
+  gpu_tests         ``pytest -m gpu tests/gpu`` (not applicable on a CPU)
+
+Prints a table and writes JSON (default benchmarks/results/gpu_check.json; --cpu-smoke:
+benchmarks/results/gpu_check_cpu_smoke.json).  The training runs go through the CLI, the
+checkpoint stage through the library's Trainer and save_training: no training code here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+FUSED = ("flash", "efficient", "cudnn")
+CLUSTER_BY_NAME = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"))
+"""Device-name substring -> planner preset; a GPU matching none is set against the H200's."""
+
+
+class NotApplicable(Exception):
+    """A stage that does not apply in this mode (CUDA-only checks on a CPU)."""
+
+
+@dataclass
+class Sizes:
+    """What differs between the GPU run and the CPU smoke run."""
+
+    device: str
+    demo: list[str]
+    big: list[str]
+    demo_steps: int
+    big_steps: int
+    warm: int
+    ckpt_model: dict[str, int]
+    ckpt_tokens: tuple[int, int]
+    sdpa_shape: tuple[int, int, int, int]
+    new_tokens: int
+
+
+GPU = Sizes(
+    device="cuda",
+    demo=["--training.precision=bf16"],
+    big=["--training.precision=bf16", "--training.micro_batch_size=4",
+         "--training.microbatches=2", "--training.global_batch_size=8",
+         "--model.hidden_dropout=0", "--model.attention_dropout=0"],
+    demo_steps=40, big_steps=10, warm=3,
+    ckpt_model={"num_layers": 8, "hidden_size": 2048, "num_heads": 16}, ckpt_tokens=(4, 1024),
+    sdpa_shape=(4, 16, 2048, 128), new_tokens=64,
+)
+CPU = Sizes(
+    device="cpu",
+    demo=["--training.precision=fp32", "--training.seq_len=32", "--model.hidden_size=32",
+          "--model.num_layers=2", "--training.micro_batch_size=2", "--training.microbatches=2",
+          "--data.max_corpus_bytes=200000"],
+    big=["--training.precision=fp32", "--training.seq_len=32", "--model.hidden_size=32",
+         "--model.num_layers=2", "--model.num_heads=4", "--training.micro_batch_size=2",
+         "--training.microbatches=1", "--training.global_batch_size=2",
+         "--model.hidden_dropout=0", "--model.attention_dropout=0"],
+    demo_steps=3, big_steps=2, warm=1,
+    ckpt_model={"num_layers": 2, "hidden_size": 32, "num_heads": 4}, ckpt_tokens=(2, 32),
+    sdpa_shape=(1, 2, 64, 16), new_tokens=12,
+)
+
+
+@dataclass
+class Context:
+    """One run of the check: mode, sizes, where files go, the clock."""
+
+    sizes: Sizes
+    cpu_smoke: bool
+    workdir: Path
+    cluster: str
+    budget_s: float
+    start: float = field(default_factory=time.monotonic)
+
+    def remaining(self) -> float:
+        """Seconds left of the global budget."""
+        return self.budget_s - (time.monotonic() - self.start)
+
+
+def run_cli(ctx: Context, args: list[str], cap_s: float,
+            cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``python -m <args>`` in ``cwd``, limited by ``cap_s`` and the global budget; a non-zero
+    exit raises with the tail of its output."""
+    limit = max(1.0, min(cap_s, ctx.remaining()))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": str(REPO)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, text=True,
+                              capture_output=True, timeout=limit, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"timed out after {limit:.0f}s: {' '.join(args[:3])}") from err
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        raise RuntimeError(f"exit {proc.returncode}: " + " | ".join(tail))
+    return proc
+
+
+def stage_environment(ctx: Context) -> dict[str, Any]:
+    """Versions, the device and the planner cluster the predictions use."""
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "device": ctx.sizes.device, "cluster": ctx.cluster}
+    if not ctx.cpu_smoke:
+        out["gpu"] = gpu_name()
+    return out
+
+
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi ('' when it cannot be asked)."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+
+
+def cluster_for(name: str) -> str:
+    """Planner preset for a GPU name (see :data:`CLUSTER_BY_NAME`)."""
+    for key, preset in CLUSTER_BY_NAME:
+        if key in name:
+            return preset
+    return "h200"
+
+
+def train(ctx: Context, name: str, config: str, steps: int, extra: list[str],
+          save: bool) -> dict[str, Any]:
+    """Train through ``colonnade train`` in the work directory (the built-in corpus is prepared
+    once into its data/stdlib-2k); measured medians next to the planner's prediction."""
+    run_dir = ctx.workdir / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = ["colonnade.cli", "train", "--config", str(REPO / config), "--parallel.tp=1",
+            "--parallel.pp=1",
+            "--parallel.sp=false", f"--training.steps={steps}", "--training.eval_interval=0",
+            f"--training.device={ctx.sizes.device}", "--logging.log_interval=1",
+            f"--logging.dir={run_dir}", "--logging.progress=false",
+            "--logging.tensorboard=false",
+            "--data.prepared_dir=data/stdlib-2k", *extra]
+    if save:
+        args.append(f"--checkpoint.save={ctx.workdir / 'ckpt' / name}")
+    run_cli(ctx, args, cap_s=240, cwd=ctx.workdir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_done = [r for r in records if "loss" in r]
+    timed = steps_done[ctx.sizes.warm:] or steps_done
+    measured = {
+        "steps": len(steps_done), "timed_steps": len(timed),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "tflops": statistics.median(r["tflops_per_device"] for r in timed),
+        "peak_mem_gib": max(r.get("mem_peak_gib", 0.0) for r in timed),
+        "first_loss": steps_done[0]["loss"], "last_loss": steps_done[-1]["loss"],
+    }
+    if all("mfu" in r for r in timed):
+        measured["mfu"] = statistics.median(r["mfu"] for r in timed)
+    return {"measured": measured, "predicted": predict(run_dir / "config.toml", ctx.cluster)}
+
+
+def predict(config_toml: Path, cluster_name: str) -> dict[str, float]:
+    """The planner's tokens/s, model TFLOP/s, MFU and memory for the run's resolved config."""
+    from colonnade.config.load import load_config
+    from colonnade.planner.estimate import estimate
+    from colonnade.planner.hardware import get_cluster
+    from colonnade.planner.layout import Layout, Workload
+
+    cfg = load_config(config_toml)
+    w = Workload.from_config(cfg)
+    layout = Layout(micro_batch=cfg.training.micro_batch_size, recompute=cfg.training.recompute)
+    est = estimate(w, layout, get_cluster(cluster_name))
+    return {"tokens_per_s": est.tokens_per_s, "tflops": est.mfu * est.peak_flops / 1e12,
+            "mfu": est.mfu, "peak_mem_gib": est.memory.total / 2**30}
+
+
+def stage_train_demo(ctx: Context) -> dict[str, Any]:
+    """configs/demo.toml on one device (also writes the checkpoint `generate` samples)."""
+    return train(ctx, "demo", "configs/demo.toml", ctx.sizes.demo_steps, ctx.sizes.demo,
+                 save=True)
+
+
+def stage_train_1p3b(ctx: Context) -> dict[str, Any]:
+    """configs/gpt3-1.3b.toml (tiny layers on the CPU smoke run) on the demo's data."""
+    return train(ctx, "gpt3-1.3b", "configs/gpt3-1.3b.toml", ctx.sizes.big_steps,
+                 ctx.sizes.big, save=False)
+
+
+def stage_sdpa(ctx: Context) -> dict[str, Any]:
+    """The backend of bf16 causal SDPA (fused expected) and one forward's milliseconds."""
+    import torch
+    import torch.nn.functional as F
+
+    from colonnade.device import synchronize
+    from tests.gpu.helpers import sdpa_backends
+
+    device = torch.device(ctx.sizes.device)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*ctx.sizes.sdpa_shape, generator=gen).to(device, torch.bfloat16)
+               for _ in range(3))
+    found = sdpa_backends(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    synchronize(device)
+    t0 = time.perf_counter()
+    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    synchronize(device)
+    ms = (time.perf_counter() - t0) * 1e3
+    if not found or not set(found) <= set(FUSED):
+        raise RuntimeError(f"bf16 causal SDPA ran {found}, not a fused kernel {FUSED}")
+    return {"measured": {"backends": found, "forward_ms": ms, "shape": ctx.sizes.sdpa_shape}}
+
+
+def ckpt_trainer(ctx: Context) -> Any:
+    """A single-process Trainer of a GPT model on the device (no data: batches are fed)."""
+    import torch
+
+    from colonnade.config.sections import Config, ModelConfig, TrainingConfig
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.parallel.groups import ProcessGroups
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+
+    batch, seq = ctx.sizes.ckpt_tokens
+    model = ModelConfig(arch="gpt2", vocab_size=2048, max_seq_len=seq, **ctx.sizes.ckpt_model)
+    precision = "fp32" if ctx.cpu_smoke else "bf16"
+    tr = TrainingConfig(steps=100, seq_len=seq, micro_batch_size=batch, microbatches=1,
+                        global_batch_size=batch, precision=precision, eval_interval=0)
+    cfg = Config(model=model, training=tr)
+    return Trainer(Runtime(cfg, torch.device(ctx.sizes.device),
+                           ProcessGroups.build(ParallelDims())), None)
+
+
+def stage_async_checkpoint(ctx: Context) -> dict[str, Any]:
+    """Asynchronous save: the caller's stall, the write's time and rate, a step meanwhile."""
+    import torch
+
+    from colonnade.checkpoint.training_state import save_training
+    from colonnade.device import synchronize
+
+    trainer = ckpt_trainer(ctx)
+    device = trainer.rt.device
+    batch, seq = ctx.sizes.ckpt_tokens
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> float:
+        data = torch.randint(0, 2048, (batch, seq + 1), generator=gen)
+        t0 = time.perf_counter()
+        trainer.train_step([(data[:, :-1].to(device), data[:, 1:].to(device))])
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    step()
+    plain = step()
+    root = ctx.workdir / "ckpt" / "async"
+    shutil.rmtree(root, ignore_errors=True)
+    t0 = time.perf_counter()
+    pending = save_training(trainer, root, async_save=True)
+    stall = time.perf_counter() - t0
+    during = step()
+    path = pending.wait()
+    total = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    params = sum(p.numel() for p in trainer.chunks[0].parameters())
+    return {"measured": {"params": params, "bytes": size, "stall_s": stall, "total_s": total,
+                         "write_gb_per_s": size / total / 1e9, "step_s": plain,
+                         "step_during_save_s": during}}
+
+
+def stage_generate(ctx: Context) -> dict[str, Any]:
+    """``colonnade generate`` of the demo checkpoint on the device, greedy."""
+    ckpt = ctx.workdir / "ckpt" / "demo"
+    if not ckpt.is_dir():
+        raise RuntimeError(f"no demo checkpoint at {ckpt} (train_demo failed?)")
+    n = ctx.sizes.new_tokens
+    t0 = time.perf_counter()
+    proc = run_cli(ctx, ["colonnade.cli", "generate", str(ckpt), "--device", ctx.sizes.device,
+                         "--prompt", "def ", "--max-new-tokens", str(n), "--temperature", "0"],
+                   cap_s=120)
+    text = proc.stdout.rstrip("\n")
+    if not text.startswith("def ") or len(text) <= len("def "):
+        raise RuntimeError(f"generate printed no continuation: {text[:80]!r}")
+    return {"measured": {"new_tokens": n, "seconds_incl_load": time.perf_counter() - t0,
+                         "chars": len(text), "sample": text[:120]}}
+
+
+def stage_gpu_tests(ctx: Context) -> dict[str, Any]:
+    """``pytest -m gpu tests/gpu``: the gpu-marked tests."""
+    if ctx.cpu_smoke:
+        raise NotApplicable("not applicable on CPU (gpu-marked tests need a CUDA device)")
+    proc = run_cli(ctx, ["pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu", "tests/gpu"],
+                   cap_s=240)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    return {"measured": {"summary": summary}}
+
+
+STAGES: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
+    ("environment", stage_environment), ("train_demo", stage_train_demo),
+    ("train_1p3b", stage_train_1p3b), ("sdpa_kernel", stage_sdpa),
+    ("async_checkpoint", stage_async_checkpoint), ("generate", stage_generate),
+    ("gpu_tests", stage_gpu_tests),
+]
+
+
+def run_stages(ctx: Context) -> list[dict[str, Any]]:
+    """Every stage in order: timed, failing soft, skipped once the budget is spent."""
+    results = []
+    for name, fn in STAGES:
+        rec: dict[str, Any] = {"stage": name}
+        if ctx.remaining() <= 0:
+            rec.update(status="skipped", seconds=0.0, note="global time budget spent")
+            results.append(rec)
+            continue
+        t0 = time.monotonic()
+        try:
+            rec.update(fn(ctx))
+            rec["status"] = "ok"
+        except NotApplicable as why:
+            rec.update(status="n/a", note=str(why))
+        except Exception as err:  # a failed stage is reported; the others still run
+            rec.update(status="failed", error=f"{type(err).__name__}: {err}")
+        rec["seconds"] = time.monotonic() - t0
+        results.append(rec)
+        print(f"[{ctx.budget_s - ctx.remaining():6.1f}s] {name}: {rec['status']}", flush=True)
+    return results
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def cells(rec: dict[str, Any]) -> list[str]:
+    """measured vs predicted as 'key measured (pred P)' strings."""
+    meas, pred = rec.get("measured", {}), rec.get("predicted", {})
+    out = []
+    for key, value in meas.items():
+        if key in ("sample", "first_loss", "shape"):
+            continue
+        text = f"{key} {_fmt(value)}"
+        if key in pred:
+            text += f" (plan {_fmt(pred[key])})"
+        out.append(text)
+    if rec.get("status") != "ok":
+        out.append(rec.get("error") or rec.get("note", ""))
+    return out
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    """One block per stage: status, seconds, then its numbers (planner's in parentheses)."""
+    print(f"\n{'stage':<17} {'status':<8} {'seconds':>8}  measured (planner prediction)")
+    print("-" * 100)
+    for rec in results:
+        parts = cells(rec)
+        print(f"{rec['stage']:<17} {rec['status']:<8} {rec['seconds']:>8.1f}  "
+              f"{'; '.join(parts[:4])}")
+        for i in range(4, len(parts), 4):
+            print(f"{'':<36}{'; '.join(parts[i:i + 4])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="the same stages at tiny sizes on the CPU (CUDA-only ones n/a)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="global time budget in seconds (default 450 on a GPU, 60 smoke)")
+    parser.add_argument("--json", default=None, help="where to write the results")
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--cluster", default=None,
+                        help="planner preset to predict against (default: from the GPU's name; "
+                        "cpu-local with --cpu-smoke)")
+    args = parser.parse_args(argv)
+    smoke = args.cpu_smoke
+    if not smoke:
+        from colonnade.device import has_gpu
+
+        if not has_gpu():
+            print("gpu_check: no CUDA device is visible; run on a GPU machine, or use "
+                  "--cpu-smoke", file=sys.stderr)
+            return 2
+    cluster = args.cluster or ("cpu-local" if smoke else cluster_for(gpu_name()))
+    budget = args.budget_s or (60.0 if smoke else 450.0)
+    default_json = "gpu_check_cpu_smoke.json" if smoke else "gpu_check.json"
+    out = Path(args.json or REPO / "benchmarks" / "results" / default_json)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        ctx = Context(CPU if smoke else GPU, smoke, workdir, cluster, budget)
+        results = run_stages(ctx)
+        total = ctx.budget_s - ctx.remaining()
+    print_table(results)
+    failed = [r["stage"] for r in results if r["status"] in ("failed", "skipped")]
+    print(f"\ntotal {total:.1f}s of a {budget:.0f}s budget; "
+          + (f"FAILED: {', '.join(failed)}" if failed else "every stage passed or n/a"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"mode": "cpu-smoke" if smoke else "gpu", "cluster": cluster,
+                               "budget_s": budget, "total_s": total, "stages": results},
+                              indent=2) + "\n")
+    print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

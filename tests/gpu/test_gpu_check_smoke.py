@@ -1,0 +1,48 @@
+"""benchmarks/gpu_check.py --cpu-smoke (not gpu-marked: CI runs it): every stage runs at tiny
+sizes on the CPU, the CUDA-only one says it does not apply, and the JSON holds the numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ["environment", "train_demo", "train_1p3b", "sdpa_kernel", "async_checkpoint",
+          "generate", "gpu_tests"]
+
+
+def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a generous budget: this shared CI machine runs other tests alongside (~40 s when idle)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"),
+                           "--cpu-smoke", "--budget-s", "240", "--json", str(out),
+                           "--workdir", str(tmp_path / "work")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "cpu-smoke" and result["cluster"] == "cpu-local"
+    assert 0 < result["total_s"] < result["budget_s"] == 240
+    stages = {r["stage"]: r for r in result["stages"]}
+    assert list(stages) == STAGES
+    assert {n: r["status"] for n, r in stages.items()} == {
+        **dict.fromkeys(STAGES[:-1], "ok"), "gpu_tests": "n/a"}
+    assert stages["gpu_tests"]["note"].startswith("not applicable on CPU")
+    assert all(r["seconds"] >= 0 for r in result["stages"])
+    for name, steps in (("train_demo", 3), ("train_1p3b", 2)):
+        meas, pred = stages[name]["measured"], stages[name]["predicted"]
+        assert meas["steps"] == steps and meas["timed_steps"] == steps - 1
+        assert meas["tokens_per_s"] > 0 and meas["tflops"] > 0 and meas["peak_mem_gib"] > 0
+        assert pred["tokens_per_s"] > 0 and pred["tflops"] > 0 and pred["peak_mem_gib"] > 0
+    assert stages["train_demo"]["measured"]["last_loss"] < 8.0  # ln(2048) = 7.6 at the start
+    assert stages["sdpa_kernel"]["measured"]["backends"] == ["flash"]
+    ckpt = stages["async_checkpoint"]["measured"]
+    # 4 bytes x (param + 2 moments) x params at least; the stall is a part of the whole save
+    assert ckpt["bytes"] > 12 * ckpt["params"] > 0
+    assert 0 < ckpt["stall_s"] <= ckpt["total_s"]
+    gen = stages["generate"]["measured"]
+    assert gen["sample"].startswith("def ") and gen["chars"] > len("def ")
