@@ -10,12 +10,18 @@ state-dict sharding/gathering, gradient reductions and checkpoint resharding all
   sequence parallelism (norm weights, row-parallel biases): it is all-reduced across tp;
 * ``key``: the layout-independent global name; it seeds initialisation.
 
-Initialisation draws the *full* tensor from a generator seeded by (seed, key) and keeps this
-rank's shard, so every layout starts from bit-identical weights.
+Initialisation builds only this rank's shard, yet every layout starts from bit-identical
+weights: the full tensor is tiled along ``dim`` (dim 0 when replicated) into blocks of
+:func:`block_len` indices, a length fixed by the full shape alone; block j holds normal(0, std)
+values drawn in float64 from a generator seeded by (seed, key, j), cast to the parameter's
+dtype. A rank draws only the blocks overlapping its shard (at most two beyond it) and writes
+them straight into the shard on its device; padding rows are zeros. Peak memory is the shard
+plus two float64 blocks (:data:`BLOCK_ELEMENTS` each), not the full tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -71,29 +77,83 @@ def seed_for(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
 
 
+BLOCK_ELEMENTS = 1 << 18
+"""Elements (about) of one initialisation block: 2 MiB of float64."""
+
+
+def block_len(sharding: Sharding) -> int:
+    """Indices along the tiling dim (``dim``, or 0 when replicated) per initialisation block;
+    depends on the full shape only, so the tiling is the same in every layout."""
+    dim = sharding.dim or 0
+    inner = math.prod(sharding.full_shape) // max(1, sharding.full_shape[dim])
+    return max(1, BLOCK_ELEMENTS // max(1, inner))
+
+
+def _block(sharding: Sharding, seed: int, std: float, index: int, length: int,
+           scratch: torch.Tensor) -> torch.Tensor:
+    """Block ``index`` (``length`` indices along the tiling dim) of normal(0, std) values,
+    drawn in float64 into the front of ``scratch`` (one buffer per parameter, so the
+    allocator is not left with a trail of freed blocks)."""
+    dim = sharding.dim or 0
+    shape = list(sharding.full_shape)
+    shape[dim] = length
+    gen = torch.Generator().manual_seed(seed_for(seed, f"{sharding.tied_to or sharding.key}"
+                                                       f"#block{index}"))
+    return scratch[:math.prod(shape)].view(shape).normal_(0.0, std, generator=gen)
+
+
+def init_shard(sharding: Sharding, tp_rank: int, tp: int, seed: int, std: float,
+               kind: str = "normal", dtype: torch.dtype = torch.float32,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """This rank's shard of the initial value (normal(0, std), ones or zeros), built directly
+    in ``dtype`` on ``device`` from the blocks that overlap it; equal, in every layout, to the
+    matching slice of :func:`init_full`."""
+    local = sharding.local_shape(tp)
+    dim = sharding.dim or 0
+    start = tp_rank * local[dim] if sharding.dim is not None else 0
+    real = max(0, min(start + local[dim], sharding.full_shape[dim]) - start)  # unpadded part
+    if kind == "ones":
+        out = torch.ones(local, dtype=dtype, device=device)
+    elif kind == "zeros":
+        out = torch.zeros(local, dtype=dtype, device=device)
+    elif kind == "normal":
+        out = torch.empty(local, dtype=dtype, device=device)
+        step = block_len(sharding)
+        blocks = range(start // step, -(-(start + real) // step))
+        inner = math.prod(sharding.full_shape) // max(1, sharding.full_shape[dim])
+        scratch = torch.empty(min(step, sharding.full_shape[dim]) * inner if blocks else 0,
+                              dtype=torch.float64)
+        for index in blocks:
+            lo, hi = max(start, index * step), min(start + real, (index + 1) * step)
+            length = min(step, sharding.full_shape[dim] - index * step)
+            block = _block(sharding, seed, std, index, length, scratch)
+            out.narrow(dim, lo - start, hi - lo).copy_(block.narrow(dim, lo - index * step,
+                                                                    hi - lo))
+    else:
+        raise ValueError(f"{sharding.key}: unknown init kind '{kind}' (normal, ones, zeros)")
+    if real < local[dim]:
+        out.narrow(dim, real, local[dim] - real).zero_()  # vocab padding rows
+    return out
+
+
 def init_full(sharding: Sharding, seed: int, std: float, kind: str = "normal",
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full initial value of a parameter: normal(0, std), ones or zeros."""
-    if kind == "ones":
-        return torch.ones(sharding.full_shape, dtype=dtype)
-    if kind == "zeros":
-        return torch.zeros(sharding.full_shape, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed_for(seed, sharding.tied_to or sharding.key))
-    out = torch.empty(sharding.full_shape, dtype=torch.float64)
-    out.normal_(0.0, std, generator=gen)
-    return out.to(dtype)
+    """The full (unpadded) initial value of a parameter, as every layout's shards make it."""
+    return init_shard(dataclasses.replace(sharding, padded_rows=0), 0, 1, seed, std, kind,
+                      dtype)
 
 
 def make_param(sharding: Sharding, tp_rank: int, tp: int, seed: int, std: float,
                kind: str = "normal", dtype: torch.dtype = torch.float32,
                device: torch.device | None = None) -> torch.nn.Parameter:
-    """A parameter holding this rank's shard of the seeded full initial value (on the meta
-    device: the shard's shape only, nothing initialised, e.g. for ``train --dry-run``)."""
+    """A parameter holding this rank's shard of the seeded initial value, built on its own
+    (on the meta device: the shard's shape only, nothing initialised, e.g. for
+    ``train --dry-run``)."""
     if device is not None and torch.device(device).type == "meta":
-        full = torch.empty(sharding.full_shape, dtype=dtype, device="meta")
+        value = torch.empty(sharding.local_shape(tp), dtype=dtype, device="meta")
     else:
-        full = init_full(sharding, seed, std, kind, dtype)
-    param = torch.nn.Parameter(sharding.shard(full, tp_rank, tp).to(device=device))
+        value = init_shard(sharding, tp_rank, tp, seed, std, kind, dtype, device)
+    param = torch.nn.Parameter(value)
     param.sharding = sharding  # type: ignore[attr-defined]
     return param
 
