@@ -24,13 +24,16 @@ and reproduces the masks bit for bit; a backward pass may redraw a mask instead 
 (:class:`MaskStream` is a plain value).
 
 Statistics: P(keep) = 1 - round(p 2^64) / 2^64, i.e. 1 - p within 2^-64; kept elements are
-scaled by 1 / (1 - p), so E[dropout(x)] = x. Memory: a draw is evaluated in row chunks of at
-most :data:`DRAW_CHUNK` elements (two int64 temporaries each) into a bool mask.
+scaled by 1 / (1 - p), so E[dropout(x)] = x. Memory and time: a draw is evaluated in chunks
+of at most :func:`draw_chunk` elements (two int64 temporaries each) into a bool mask; on CPU
+the chunks stay in cache (2^16 elements: ~4x faster than 2^22 in benchmarks/dropout_rng.py),
+on a GPU they are large enough to keep the ~12 elementwise kernels per chunk busy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -42,8 +45,14 @@ GOLDEN = 0x9E3779B97F4A7C15
 """SplitMix64's increment (2^64 / golden ratio, odd)."""
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 """SplitMix64's finaliser multipliers (Stafford's variant 13)."""
-DRAW_CHUNK = 1 << 22
-"""Most elements evaluated at once: bounds a draw's int64 temporaries to 2 x 32 MiB."""
+DRAW_CHUNK = {"cpu": 1 << 16, "other": 1 << 22}
+"""Most elements evaluated at once, by device type: int64 temporaries 2 x 512 KiB on CPU
+(cache-resident), 2 x 32 MiB on accelerators."""
+
+
+def draw_chunk(device: torch.device) -> int:
+    """Elements per evaluation chunk on ``device`` (:data:`DRAW_CHUNK`)."""
+    return DRAW_CHUNK["cpu" if device.type == "cpu" else "other"]
 
 
 def _signed(u: int) -> int:
@@ -126,17 +135,24 @@ class MaskStream:
     def keep(self, full_shape: tuple[int, ...], index: tuple[slice, ...],
              device: torch.device) -> torch.Tensor:
         """Bool keep-mask of the slice ``index`` of a ``full_shape`` mask; only that slice's
-        elements are evaluated (in chunks of the first dim, :data:`DRAW_CHUNK` elements each)."""
+        elements are evaluated, in boxes of at most :func:`draw_chunk` elements: the outermost
+        dim k whose inner dims fit is split in runs, for each coordinate of the dims before k."""
         ranges = _ranges(full_shape, index)
         shape = [len(r) for r in ranges]
         out = torch.empty(shape, dtype=torch.bool, device=device)
         if out.numel() == 0:
             return out
-        rows = max(1, DRAW_CHUNK // max(1, out.numel() // shape[0]))
-        for lo in range(0, shape[0], rows):
-            part = [ranges[0][lo:lo + rows], *ranges[1:]]
-            z = mix64_(self.counters(full_shape, part, device))
-            torch.ge(z.bitwise_xor_(_signed(1 << 63)), self.threshold, out=out[lo:lo + rows])
+        limit = draw_chunk(device)
+        k = next(i for i in range(len(shape)) if math.prod(shape[i + 1:]) <= limit)
+        run = max(1, limit // math.prod(shape[k + 1:]))
+        for outer in itertools.product(*(range(n) for n in shape[:k])):
+            for lo in range(0, shape[k], run):
+                box = [ranges[i][c:c + 1] for i, c in enumerate(outer)]
+                box += [ranges[k][lo:lo + run], *ranges[k + 1:]]
+                z = mix64_(self.counters(full_shape, box, device))
+                target = out[(*outer, slice(lo, lo + run))]
+                torch.ge(z.bitwise_xor_(_signed(1 << 63)).view(target.shape), self.threshold,
+                         out=target)
         return out
 
 

@@ -58,10 +58,11 @@ def test_key_mixes_every_input() -> None:
     assert base not in others and len(others) == 5
 
 
-@pytest.mark.parametrize("chunk", [1 << 22, 7])
+@pytest.mark.parametrize("chunk", [1 << 22, 64, 7, 1])
 def test_slice_equals_slice_of_full(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
-    """Any slice drawn alone (also in draw chunks of 7 elements) is that slice of the full."""
-    monkeypatch.setattr(rng_mod, "DRAW_CHUNK", chunk)
+    """Any slice drawn alone (also in draw chunks of 64, 7, 1 elements) is that slice of the
+    full mask."""
+    monkeypatch.setattr(rng_mod, "DRAW_CHUNK", {"cpu": chunk, "other": chunk})
     tracker = RNGTracker(seed=5)
     tracker.set_context(2, 3)
     full_shape = (4, 6, 10)
