@@ -38,7 +38,8 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     """The vp model chunks of this pipeline rank (one chunk when vp = 1).
 
     Initial weights are bit-identical to the single-process model's in every layout: each
-    parameter's full value is drawn from (seed, global name) and sharded. The activation
+    rank builds only its shard, from blocks drawn from (seed, global name, block index)
+    (:func:`colonnade.tensor_parallel.sharding.init_shard`). The activation
     recomputation plan of ``config.training`` is installed on every chunk.
     """
     par = config.parallel
