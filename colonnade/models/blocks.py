@@ -244,7 +244,8 @@ def hidden_dropout(x: torch.Tensor, p: float, ctx: TPContext, site: str,
     """Dropout on [s(/tp), b, h] activations: a slice of the full [s, b, h] mask.
 
     Without sp every tp rank holds the whole tensor (same slice, same mask); under sp rank r
-    holds sequence chunk r (its own slice of the mask).
+    holds sequence chunk r and evaluates only those rows of the mask (see
+    :mod:`colonnade.parallel.rng`); a 1-byte bool mask is kept for backward.
     """
     if not training or p == 0.0:
         return x
