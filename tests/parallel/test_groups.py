@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from colonnade.parallel import groups as groups_mod
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups, plan_groups
 
@@ -98,3 +99,30 @@ def test_plan_shares_equal_partitions() -> None:
     three = plan_groups(ParallelDims(pp=3, dp=2))
     assert three["embedding"].creates
     assert three["embedding"].partition == [[0, 4], [1, 5], [2], [3]]  # middle stages alone
+
+
+def _split_path(degrees: dict[str, int]) -> dict[str, Any]:
+    """With a splittable default group (as NCCL with a bound device), each axis is one
+    ``split_group`` call; stood in for on gloo (which cannot split) by the enumeration."""
+    calls: list[tuple[Any, ...]] = []
+
+    def split(*, split_ranks: list[list[int]], timeout: Any, group_desc: str) -> Any:
+        calls.append((group_desc, split_ranks, timeout.total_seconds()))
+        mine, _ = dist.new_subgroups_by_enumeration(split_ranks, timeout=timeout)
+        return mine
+
+    real_split, real_can = dist.split_group, groups_mod._can_split
+    dist.split_group, groups_mod._can_split = split, lambda: True  # type: ignore[assignment]
+    try:
+        groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=7.0)
+    finally:
+        dist.split_group, groups_mod._can_split = real_split, real_can  # type: ignore
+    t = torch.tensor([float(dist.get_rank())])
+    groups.tp.all_reduce(t)
+    return {"calls": calls, "tp_sum": float(t)}
+
+
+def test_split_group_path_is_one_call_per_axis(run_ranks: Callable[..., list[Any]]) -> None:
+    for rank, res in enumerate(run_ranks(4, _split_path, {"tp": 2, "pp": 2})):
+        assert res["calls"] == [("tp", [[0, 1], [2, 3]], 7.0), ("pp", [[0, 2], [1, 3]], 7.0)]
+        assert res["tp_sum"] == (1.0 if rank < 2 else 5.0)
