@@ -100,6 +100,12 @@ class Cluster:
     op_overhead_us: float = 0.0
     """Host time per tensor operation (dispatch); matters for tiny models on CPU, hidden by
     asynchronous launches on GPUs (0 there)."""
+    launch_us: float = 0.0
+    """GPU only: host time to issue one tensor operation (Python, dispatcher, kernel launch).
+    Kernels run asynchronously, so it costs nothing while they are longer than their launches;
+    a step is at least its operations x ``launch_us`` (tiny models such as the demo are
+    launch-bound: :func:`colonnade.planner.timing.launch_floor_s`).  0: no floor (CPUs pay
+    ``op_overhead_us`` on top instead)."""
     sync_skew_2: float = 0.0
     """Measured (``calibrate.measure_skew``): extra wall time, as a fraction of the compute
     between two blocking collectives, that 2 ranks lose waiting for the slower one (OS
@@ -191,6 +197,10 @@ class Cluster:
 # A100 efficiency: fitted by colonnade.planner.fit.fit_efficiency on Narayanan et al. Table 1
 # (minimax relative error over the ten rows); tests/planner re-runs the fit and checks this value.
 A100_EFFICIENCY = 0.70
+# Eager PyTorch's per-operation host cost on a current server CPU (~10 us: dispatcher, autograd,
+# launch); not fitted to a published figure: benchmarks/gpu_check.py's demo stage measures a
+# launch-bound run.
+GPU_LAUNCH_US = 10.0
 # H100 GEMM curve: fitted by colonnade.planner.fit.fit_gemm_curve on published.MPT_H100_FIT
 # (llm-foundry's H100 BF16 table, 4 rows; minimax 5.3%), checked on published.HELD_OUT_H100;
 # tests/planner re-runs the fit.  The knee is 0.67 x 295 = 197 FLOP/byte on an H100 SXM.  The
@@ -204,18 +214,19 @@ PRESETS: dict[str, Cluster] = {
         name="a100-80gb", device="NVIDIA A100 80GB SXM (DGX A100)", peak_tflops=312.0,
         peak_tflops_fp32=19.5, memory_gib=80.0, hbm_gbps=2039.0, gpus_per_node=8,
         intra_node_gbps=300.0, inter_node_gbps=200.0, efficiency=A100_EFFICIENCY,
+        launch_us=GPU_LAUNCH_US,
     ),
     "h100-sxm": Cluster(
         name="h100-sxm", device="NVIDIA H100 SXM 80GB (DGX H100)", peak_tflops=989.0,
         peak_tflops_fp32=67.0, memory_gib=80.0, hbm_gbps=3350.0, gpus_per_node=8,
         intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=H100_EFFICIENCY,
-        gemm_knee_balance=H100_KNEE_BALANCE,
+        gemm_knee_balance=H100_KNEE_BALANCE, launch_us=GPU_LAUNCH_US,
     ),
     "h200": Cluster(
         name="h200", device="NVIDIA H200 SXM 141GB (HGX H200)", peak_tflops=989.0,
         peak_tflops_fp32=67.0, memory_gib=140.0, hbm_gbps=4800.0, gpus_per_node=8,
         intra_node_gbps=450.0, inter_node_gbps=400.0, efficiency=H100_EFFICIENCY,
-        gemm_knee_balance=H100_KNEE_BALANCE,
+        gemm_knee_balance=H100_KNEE_BALANCE, launch_us=GPU_LAUNCH_US,
     ),
     # Rough defaults for this kind of machine; `colonnade plan --calibrate` measures the real ones
     # (configs/clusters/cpu-local.toml holds the last measurement and takes precedence).

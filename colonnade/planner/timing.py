@@ -43,6 +43,8 @@ logged loss over the world, sp-partial and tied gradients) each pay their latenc
 (:func:`step_collectives_s`); per micro-batch, vocab-parallel cross entropy adds 2
 all-reduces under tp.  Ranks wait for the slowest at each blocking collective: the step's
 compute grows by ``Cluster.skew_fraction(world)``, measured in calibration (0 on GPUs).
+GPUs: kernels are launched asynchronously, so the host's per-operation cost (``launch_us``)
+hides behind them unless they are shorter: the step is at least :func:`launch_floor_s`.
 """
 
 from __future__ import annotations
@@ -254,6 +256,18 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     return total
 
 
+def launch_floor_s(w: Workload, layout: Layout, c: Cluster) -> float:
+    """Host seconds to issue one step's tensor operations on the last (or only) stage, the
+    least a step of asynchronously launched kernels takes: per micro-batch l/p layers x
+    ``OPS_PER_LAYER`` x (forward + 2 backward (+1 full recompute)) + ``HEAD_OPS`` x 3, each
+    ``launch_us``; plus ``step_overhead_s``.  0 where the cluster has no ``launch_us``."""
+    if c.launch_us <= 0:
+        return 0.0
+    passes = 4 if layout.recompute == "full" else 3
+    per_mb = w.shape.layers // layout.pp * OPS_PER_LAYER * passes + HEAD_OPS * 3
+    return layout.microbatches(w.global_batch) * per_mb * c.launch_us * 1e-6 + c.step_overhead_s
+
+
 def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     """Predicted seconds per optimizer step of ``layout`` (see the module docstring)."""
     m = layout.microbatches(w.global_batch)
@@ -297,6 +311,7 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
             share = layout.world / c.compute_units
             crit = share * (1 + skew) * (steady - tp_comm + bubble + opt)
             total = max(total, crit + tp_comm + p2p_full + dp + extra + c.step_overhead_s)
+    total = max(total, launch_floor_s(w, layout, c))  # kernels shorter than their launches
     return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
                   total=total)

@@ -111,3 +111,24 @@ def test_held_out_h100_runs_are_predicted() -> None:
     small = [a for a, r in zip(after, HELD_OUT_H100, strict=True)
              if r.workload().model.hidden_size <= 4096]
     assert len(small) == 6 and max(abs(e) for e in small) < 0.16
+
+
+def test_tiny_models_are_launch_bound_on_gpus() -> None:
+    """A demo-sized model's kernels are shorter than their launches: its predicted step is the
+    host's launch floor (ops x launch_us), not the microseconds of its FLOPs; a 1.3B model's
+    step is its kernels'; the CPU has no floor (it pays op_overhead_us on top)."""
+    from colonnade.planner.timing import OPS_PER_LAYER, launch_floor_s
+
+    tiny = Workload(model=ModelConfig(arch="llama", num_layers=4, hidden_size=96, num_heads=4,
+                                      num_kv_heads=2, vocab_size=2048, max_seq_len=256),
+                    seq_len=128, global_batch=16)
+    lay = Layout(micro_batch=4)  # 4 micro-batches
+    floor = launch_floor_s(tiny, lay, H200)
+    assert floor == pytest.approx(4 * (4 * OPS_PER_LAYER * 3 + 12 * 3) * H200.launch_us * 1e-6)
+    assert step_time(tiny, lay, H200).total == pytest.approx(floor)
+    no_floor = dataclasses.replace(H200, launch_us=0.0)
+    assert step_time(tiny, lay, no_floor).total < floor / 10
+    big = workload(2048)
+    assert step_time(big, Layout(micro_batch=4), H200).total > 10 * launch_floor_s(
+        big, Layout(micro_batch=4), H200)
+    assert launch_floor_s(tiny, lay, PRESETS["cpu-local"]) == 0.0
