@@ -3,10 +3,12 @@
 Protocol (the root holds ``step_XXXXXXXX/`` directories and a ``latest`` text file):
 
 1. rank 0 removes stale ``*.tmp`` directories and creates ``step_XXXXXXXX.tmp/``;
-2. every rank writes its shard, fsyncs it, then writes its index fragment (fsync, rename);
-3. rank 0, once all fragments exist, merges them into ``index.json``, writes ``metadata.json``
-   and ``config.toml``, fsyncs every file and the directory, renames ``.tmp`` to the final
-   name and fsyncs the root;
+2. every rank that owns pieces (a *writer*; dp replicas own none) writes its shard, fsyncs it,
+   then writes its index fragment (fsync, rename); the others write nothing;
+3. rank 0, once all writers' fragments exist (it learns who writes from one small all-gather
+   at the start of the save, and then polls with backoff), merges them into ``index.json``,
+   writes ``metadata.json`` and ``config.toml``, fsyncs every file and the directory, renames
+   ``.tmp`` to the final name and fsyncs the root;
 4. rank 0 writes ``latest.tmp`` (fsync) and renames it onto ``latest`` (fsync root);
 5. checkpoints beyond the last K are deleted (never the one ``latest`` names).
 
@@ -32,6 +34,7 @@ from typing import Any
 from colonnade.checkpoint.format import (
     INDEX,
     CheckpointError,
+    fragment_name,
     fsync_path,
     merge_fragments,
     write_json,
@@ -62,24 +65,39 @@ def prepare_tmp(root: Path, step: int) -> Path:
     return tmp
 
 
-def wait_for_fragments(tmp: Path, world_size: int, timeout_s: float) -> None:
-    """Poll until every rank's index fragment exists (the async commit needs no collective)."""
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.5
+
+
+def wait_for_fragments(tmp: Path, writers: list[int], timeout_s: float) -> int:
+    """Poll until the index fragment of every rank in ``writers`` exists; returns the polls.
+
+    The async commit runs no collective, so rank 0 looks: one directory listing per poll (not
+    one stat per rank), the interval doubling from 5 ms up to 0.5 s, so a wait of T seconds
+    costs about log2(100) + 2 T listings whatever the number of ranks.
+    """
+    want = {fragment_name(r) for r in writers}
     deadline = time.monotonic() + timeout_s
+    delay, polls = POLL_FIRST_S, 0
     while True:
-        missing = [r for r in range(world_size) if not (tmp / f"rank-{r:05d}.json").exists()]
+        polls += 1
+        missing = want - set(os.listdir(tmp))
         if not missing:
-            return
+            return polls
         if time.monotonic() > deadline:
-            raise CheckpointError(f"{tmp}: ranks {missing} did not finish writing within "
+            ranks = sorted(int(n[5:10]) for n in missing)
+            raise CheckpointError(f"{tmp}: ranks {ranks} did not finish writing within "
                                   f"{timeout_s:.0f} s; the checkpoint is not committed")
-        time.sleep(0.01)
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX_S)
 
 
-def commit(root: Path, tmp: Path, step: int, world_size: int, metadata: dict[str, Any],
+def commit(root: Path, tmp: Path, step: int, writers: list[int], metadata: dict[str, Any],
            files: dict[str, bytes], keep_last: int, on_phase: PhaseHook | None = None) -> Path:
-    """(rank 0) Steps 3-5 of the protocol; returns the committed directory."""
+    """(rank 0) Steps 3-5 of the protocol for the fragments of ``writers`` (the ranks that
+    own pieces); returns the committed directory."""
     hook = on_phase or (lambda _p: None)
-    write_json(tmp / INDEX, merge_fragments(tmp, world_size))
+    write_json(tmp / INDEX, merge_fragments(tmp, writers))
     hook("index_written")
     write_json(tmp / METADATA, metadata)
     for name, data in files.items():

@@ -46,7 +46,7 @@ def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, tor
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).exists():
                 files[name] = (Path(tokenizer_dir) / name).read_bytes()
-    return commit(root, tmp, 0, 1, meta, files, keep_last=0)
+    return commit(root, tmp, 0, [0], meta, files, keep_last=0)
 
 
 def from_hf(hf_dir: str | Path, out: str | Path) -> Path:

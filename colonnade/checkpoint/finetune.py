@@ -38,7 +38,7 @@ from typing import Any
 
 from colonnade.checkpoint.commit import METADATA, resolve_checkpoint
 from colonnade.checkpoint.format import CheckpointError, CheckpointReader
-from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, model_config_from_hf, read_hf
+from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, model_config_from_hf
 from colonnade.checkpoint.sharded import load_model, load_optimizer
 from colonnade.config.load import ConfigError, config_from_dict, load_config, parse_overrides
 from colonnade.config.sections import Config, ModelConfig
@@ -221,8 +221,7 @@ def init_weights(trainer: Any, path: str | Path) -> str:
     if ddp is not None and hasattr(ddp, "finish_param_gather"):
         ddp.finish_param_gather()
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
-        _model_cfg, full = read_hf(path)
-        load_hf_into_chunks(trainer.chunks, trainer.groups, full, source=str(path))
+        load_hf_into_chunks(trainer.chunks, trainer.groups, path)
         what = "Hugging Face model"
     else:
         ckpt, meta = _colonnade_meta(path)

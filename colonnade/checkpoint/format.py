@@ -35,7 +35,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from colonnade.checkpoint.pieces import Box, Piece, box_slices, intersect
+from colonnade.checkpoint.pieces import Box, Piece
+from colonnade.checkpoint.reads import PieceRead, plan_reads
 
 FORMAT_VERSION = 1
 INDEX = "index.json"
@@ -87,9 +88,26 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_rank_shard(directory: Path, rank: int, entries: list[Entry]) -> Path:
-    """Write this rank's pieces (shard file, fsync, then its index fragment); returns fragment."""
-    file = f"rank-{rank:05d}.safetensors"
+def shard_file(rank: int) -> str:
+    """Name of rank ``rank``'s shard file (its index fragment is the same name in .json)."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def fragment_name(rank: int) -> str:
+    """Name of rank ``rank``'s index fragment."""
+    return f"rank-{rank:05d}.json"
+
+
+def rank_files(rank: int, entries: list[Entry]) -> list[str]:
+    """The files rank ``rank`` writes for ``entries``: its shard and fragment, none without
+    pieces (a dp replica)."""
+    return [shard_file(rank), fragment_name(rank)] if entries else []
+
+
+def plan_fragment(rank: int, entries: list[Entry]) -> tuple[dict[str, torch.Tensor],
+                                                            dict[str, Any]]:
+    """The tensors rank ``rank`` stores (by stored name) and its index fragment (pure)."""
+    file = shard_file(rank)
     tensors: dict[str, torch.Tensor] = {}
     fragment: dict[str, dict[str, Any]] = {}
     for k, e in enumerate(entries):
@@ -103,45 +121,65 @@ def write_rank_shard(directory: Path, rank: int, entries: list[Entry]) -> Path:
                                             "dtype": DTYPE_NAMES[data.dtype], "pieces": []})
         info["pieces"].append({**e.piece.to_json(), "file": file, "tensor": stored,
                                "crc32": crc32(data)})
-    save_file(tensors, str(directory / file), metadata={"format": "pt"})
-    fsync_path(directory / file)
-    out = directory / f"rank-{rank:05d}.json"
-    write_json(out, {"format_version": FORMAT_VERSION, "file": file, "tensors": fragment})
+    return tensors, {"format_version": FORMAT_VERSION, "file": file, "tensors": fragment}
+
+
+def write_rank_shard(directory: Path, rank: int, entries: list[Entry]) -> Path | None:
+    """Write this rank's pieces (shard file, fsync, then its index fragment); returns the
+    fragment, or None (and writes nothing) when the rank owns no piece."""
+    files = rank_files(rank, entries)
+    if not files:
+        return None
+    tensors, fragment = plan_fragment(rank, entries)
+    shard, out = directory / files[0], directory / files[1]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    fsync_path(shard)
+    write_json(out, fragment)
     return out
 
 
-def merge_fragments(directory: Path, world_size: int) -> dict[str, Any]:
-    """Join every rank's fragment into the index (checking full shapes agree)."""
+def merge_index(fragments: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Join (name, fragment) pairs into the index, checking that full shapes agree."""
     tensors: dict[str, dict[str, Any]] = {}
-    for rank in range(world_size):
-        path = directory / f"rank-{rank:05d}.json"
-        frag = json.loads(path.read_text())
+    for where, frag in fragments:
         for name, info in frag["tensors"].items():
             have = tensors.setdefault(name, {"full_shape": info["full_shape"],
                                              "dtype": info["dtype"], "pieces": []})
             if have["full_shape"] != info["full_shape"]:
-                raise CheckpointError(f"{path}: tensor '{name}' has full shape "
+                raise CheckpointError(f"{where}: tensor '{name}' has full shape "
                                       f"{info['full_shape']} but another rank wrote "
                                       f"{have['full_shape']}")
             have["pieces"].extend(info["pieces"])
     return {"format_version": FORMAT_VERSION, "tensors": tensors}
 
 
-class CheckpointReader:
-    """Reads any box (or flat range of a box) of any logical tensor of one checkpoint."""
+def merge_fragments(directory: Path, writers: list[int]) -> dict[str, Any]:
+    """Join the fragments of the ranks ``writers`` in ``directory`` into the index."""
+    frags = []
+    for rank in writers:
+        path = directory / fragment_name(rank)
+        frags.append((str(path), json.loads(path.read_text())))
+    return merge_index(frags)
 
-    def __init__(self, directory: str | Path, verify: bool = True) -> None:
+
+class CheckpointReader:
+    """Reads any box (or flat range of a box) of any logical tensor of one checkpoint.
+
+    Every read follows a plan (:func:`~colonnade.checkpoint.reads.plan_reads`) and takes only
+    the requested elements from the shard files (``get_slice``), so a tp shard reads its box
+    and a ZeRO-1 rank its range. ``bytes_read`` counts the tensor bytes taken. A stored piece
+    read whole is checked against its crc32; a part of a piece (resharding) is not (the crc
+    covers the whole piece).
+    """
+
+    def __init__(self, directory: str | Path, verify: bool = True,
+                 index: dict[str, Any] | None = None) -> None:
         self.directory = Path(directory)
         self.verify = verify
+        self.bytes_read = 0
         path = self.directory / INDEX
-        if not path.exists():
-            raise CheckpointError(f"{path} missing: {self.directory} is not a committed "
-                                  "checkpoint (pass the checkpoint root or a step_* directory)")
-        try:
-            index = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{path} is not valid JSON ({err}); the file is "
-                                  "corrupted") from err
+        if index is None:
+            index = _load_index(path, self.directory)
         version = index.get("format_version")
         if version != FORMAT_VERSION:
             raise CheckpointError(f"{path}: format_version {version} is not supported (this "
@@ -169,6 +207,40 @@ class CheckpointReader:
                                   "checkpoint comes from a different model shape (check "
                                   "the [model] section)")
 
+    def plan(self, name: str, box: Box, flat: tuple[int, int] | None = None) -> list[PieceRead]:
+        """The reads :meth:`read` does for this request (raises when pieces are missing)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.directory}/{INDEX}: tensor '{name}' missing")
+        reads, covered = plan_reads(info["pieces"], box, flat)
+        want = math.prod(box[1]) if flat is None else flat[1] - flat[0]
+        if covered != want:
+            what = f"box {box}" + (f" range {flat}" if flat is not None else "")
+            raise CheckpointError(f"{self.directory}: tensor '{name}' {what} is only "
+                                  f"{covered}/{want} covered by stored pieces (a rank's shard "
+                                  "is missing)")
+        return reads
+
+    def read(self, name: str, box: Box, flat: tuple[int, int] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values of ``box`` of tensor ``name`` (shaped like the box), or of the flat range
+        ``flat`` of the box's row-major flattening (1-D)."""
+        reads = self.plan(name, box, flat)
+        shape = box[1] if flat is None else (flat[1] - flat[0],)
+        out = torch.empty(shape, dtype=DTYPES[self.tensors[name]["dtype"]])
+        flat_out = out.view(-1)
+        for r in reads:
+            values = self._fetch(name, r)
+            if r.flat_dst:
+                flat_out[r.dst[0]] = values.reshape(-1)
+            else:
+                out[r.dst] = values
+        return out if dtype is None else out.to(dtype)
+
+    def read_box(self, name: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values of ``box`` of tensor ``name``, assembled from every intersecting piece."""
+        return self.read(name, box, None, dtype)
+
     def _handle(self, file: str) -> Any:
         if file not in self._files:
             path = self.directory / file
@@ -181,65 +253,34 @@ class CheckpointReader:
                                       "truncated or corrupted") from err
         return self._files[file]
 
-    def _load_piece(self, name: str, p: dict[str, Any]) -> torch.Tensor:
+    def _fetch(self, name: str, r: PieceRead) -> torch.Tensor:
+        """Execute one planned read (only the requested elements leave the file)."""
+        p = r.piece
         path = self.directory / p["file"]
+        handle = self._handle(p["file"])
         try:
-            t = self._handle(p["file"]).get_tensor(p["tensor"])
-        except CheckpointError:
-            raise
+            t = handle.get_slice(p["tensor"])[r.src]
         except Exception as err:
             raise CheckpointError(f"{path}: cannot read tensor '{name}' (stored as "
                                   f"'{p['tensor']}'): {err}; the file is truncated or "
                                   "corrupted") from err
-        if self.verify and crc32(t) != p["crc32"]:
+        self.bytes_read += t.numel() * t.element_size()
+        if self.verify and r.whole and crc32(t) != p["crc32"]:
             raise CheckpointError(f"{path}: tensor '{name}' (stored as '{p['tensor']}') fails "
                                   "its crc32 check; the file is corrupted")
         return t
-
-    def read_box(self, name: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values of ``box`` of tensor ``name``, assembled from every intersecting piece."""
-        info = self.tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"{self.directory}/{INDEX}: tensor '{name}' missing")
-        out = torch.empty(box[1], dtype=DTYPES[info["dtype"]])
-        covered = 0
-        for stored, parts in _group_by_box(info["pieces"]).items():
-            common = intersect(stored, box)
-            if common is None:
-                continue
-            values = self._assemble(name, stored, parts)
-            out[box_slices(box, common)] = values[box_slices(stored, common)]
-            covered += math.prod(common[1])
-        if covered != math.prod(box[1]):
-            raise CheckpointError(f"{self.directory}: tensor '{name}' box {box} is only "
-                                  f"{covered}/{math.prod(box[1])} covered by stored pieces")
-        return out if dtype is None else out.to(dtype)
-
-    def _assemble(self, name: str, stored: Box, parts: list[dict[str, Any]]) -> torch.Tensor:
-        """Full values of one stored box from its (possibly flat-range) pieces."""
-        numel = math.prod(stored[1])
-        if len(parts) == 1 and parts[0]["flat"] is None:
-            return self._load_piece(name, parts[0]).reshape(stored[1])
-        flat, filled = None, 0
-        for p in parts:
-            t = self._load_piece(name, p).reshape(-1)
-            if flat is None:
-                flat = t.new_empty(numel)
-            a, b = p["flat"] if p["flat"] is not None else (0, numel)
-            flat[a:b] = t
-            filled += b - a
-        if flat is None or filled != numel:
-            raise CheckpointError(f"{self.directory}: tensor '{name}' box {stored} has "
-                                  f"{filled}/{numel} elements stored (a rank's shard is missing)")
-        return flat.reshape(stored[1])
 
     def close(self) -> None:
         """Drop open file handles."""
         self._files.clear()
 
 
-def _group_by_box(pieces: list[dict[str, Any]]) -> dict[Box, list[dict[str, Any]]]:
-    out: dict[Box, list[dict[str, Any]]] = {}
-    for p in pieces:
-        out.setdefault((tuple(p["offsets"]), tuple(p["shape"])), []).append(p)
-    return out
+def _load_index(path: Path, directory: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise CheckpointError(f"{path} missing: {directory} is not a committed "
+                              "checkpoint (pass the checkpoint root or a step_* directory)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); the file is "
+                              "corrupted") from err

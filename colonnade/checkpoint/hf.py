@@ -13,8 +13,9 @@ tokenizer files. The mapping to Colonnade's global names is pure renaming, excep
 * a tied head (``tie_word_embeddings``) is not stored in HF files; Colonnade stores it once as
   ``embedding.word.weight`` too.
 
-Loading an HF directory into any parallel layout: :func:`load_hf_into_chunks` shards each full
-tensor through the parameter's own :class:`~colonnade.tensor_parallel.sharding.Sharding`.
+Loading an HF directory into any parallel layout: :func:`load_hf_into_chunks` reads, for each
+of this rank's parameters, only the box of its tp shard (:class:`HFRef` says where that box
+lies in the HF tensor), one slice at a time.
 Writing one (config.json, generation config, tokenizer with special tokens, dtype) is
 :mod:`colonnade.hf_export`, which uses :func:`hf_config_from_model` and :func:`to_hf_state`.
 """
@@ -22,6 +23,8 @@ Writing one (config.json, generation config, tokenizer with special tokens, dtyp
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from torch import nn
 
 from colonnade.checkpoint.format import CheckpointError
 from colonnade.checkpoint.optim_state import read_key
+from colonnade.checkpoint.pieces import Box, pad_to_local, shard_box
 from colonnade.config.sections import ModelConfig
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.grads import unique_params
@@ -130,31 +134,85 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full Colonnade tensors from an HF state dict."""
+@dataclass(frozen=True)
+class HFRef:
+    """Where a Colonnade tensor lives in an HF file: tensor ``name``, stored transposed
+    (GPT-2's Conv1D [in, out]), as block ``block`` of ``blocks`` equal blocks along the stored
+    last dim (q, k, v of GPT-2's fused c_attn [h, 3h] and its bias [3h])."""
+
+    name: str
+    transpose: bool = False
+    block: int = 0
+    blocks: int = 1
+
+    def stored_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        """The HF tensor's shape for our full shape ``ours``."""
+        shape = list(reversed(ours)) if self.transpose else list(ours)
+        shape[-1] *= self.blocks
+        return tuple(shape)
+
+    def our_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """Our full shape for the HF tensor's shape (inverse of :meth:`stored_shape`)."""
+        shape = list(stored)
+        shape[-1] //= self.blocks
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+
+def hf_refs(cfg: ModelConfig) -> dict[str, HFRef]:
+    """Colonnade key -> where its values are in the HF checkpoint (see :class:`HFRef`)."""
     if cfg.arch == "llama":
-        return {ours: _take(hf, theirs) for ours, theirs in _llama_names(cfg).items()}
-    out = {"embedding.word.weight": _take(hf, "transformer.wte.weight"),
-           "embedding.position.weight": _take(hf, "transformer.wpe.weight"),
-           "final_norm.weight": _take(hf, "transformer.ln_f.weight"),
-           "final_norm.bias": _take(hf, "transformer.ln_f.bias")}
+        return {ours: HFRef(theirs) for ours, theirs in _llama_names(cfg).items()}
+    out = {"embedding.word.weight": HFRef("transformer.wte.weight"),
+           "embedding.position.weight": HFRef("transformer.wpe.weight"),
+           "final_norm.weight": HFRef("transformer.ln_f.weight"),
+           "final_norm.bias": HFRef("transformer.ln_f.bias")}
     if not cfg.tie_embeddings:
-        out["head.weight"] = _take(hf, "lm_head.weight")
-    h = cfg.hidden_size
+        out["head.weight"] = HFRef("lm_head.weight")
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}", f"transformer.h.{i}"
         for o, t in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[f"{ours}.{o}.weight"] = _take(hf, f"{theirs}.{t}.weight")
-            out[f"{ours}.{o}.bias"] = _take(hf, f"{theirs}.{t}.bias")
-        w = _take(hf, f"{theirs}.attn.c_attn.weight")  # [h, 3h] Conv1D (in, out)
-        b = _take(hf, f"{theirs}.attn.c_attn.bias")  # [3h]
+            out[f"{ours}.{o}.weight"] = HFRef(f"{theirs}.{t}.weight")
+            out[f"{ours}.{o}.bias"] = HFRef(f"{theirs}.{t}.bias")
         for j, name in enumerate("qkv"):
-            out[f"{ours}.attn.{name}.weight"] = w[:, j * h:(j + 1) * h].t().contiguous()
-            out[f"{ours}.attn.{name}.bias"] = b[j * h:(j + 1) * h].clone()
+            out[f"{ours}.attn.{name}.weight"] = HFRef(f"{theirs}.attn.c_attn.weight", True, j, 3)
+            out[f"{ours}.attn.{name}.bias"] = HFRef(f"{theirs}.attn.c_attn.bias", False, j, 3)
         for o, t in (("attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
                      ("mlp.down", "mlp.c_proj")):
-            out[f"{ours}.{o}.weight"] = _take(hf, f"{theirs}.{t}.weight").t().contiguous()
-            out[f"{ours}.{o}.bias"] = _take(hf, f"{theirs}.{t}.bias")
+            out[f"{ours}.{o}.weight"] = HFRef(f"{theirs}.{t}.weight", True)
+            out[f"{ours}.{o}.bias"] = HFRef(f"{theirs}.{t}.bias")
+    return out
+
+
+def hf_slice(ref: HFRef, box: Box, stored: tuple[int, ...]) -> tuple[slice, ...]:
+    """Index into the HF tensor (shape ``stored``) of box ``box`` of our tensor."""
+    offsets, shape = box
+    if ref.transpose:
+        offsets, shape = offsets[::-1], shape[::-1]
+    out = [slice(o, o + n) for o, n in zip(offsets, shape, strict=True)]
+    shift = ref.block * (stored[-1] // ref.blocks)
+    out[-1] = slice(out[-1].start + shift, out[-1].stop + shift)
+    return tuple(out)
+
+
+def take_box(get: Callable[[str, tuple[slice, ...]], torch.Tensor],
+             shape_of: Callable[[str], tuple[int, ...]], ref: HFRef, box: Box) -> torch.Tensor:
+    """Box ``box`` of our tensor, read as one slice of the HF tensor through ``get``."""
+    values = get(ref.name, hf_slice(ref, box, shape_of(ref.name)))
+    return values.t().contiguous() if ref.transpose else values
+
+
+def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full Colonnade tensors from an HF state dict."""
+    def get(name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return _take(hf, name)[index].clone()
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        return tuple(_take(hf, name).shape)
+
+    out = {}
+    for ours, ref in hf_refs(cfg).items():
+        full = ref.our_shape(shape_of(ref.name))
+        out[ours] = take_box(get, shape_of, ref, ((0,) * len(full), full))
     return out
 
 
@@ -190,19 +248,28 @@ def _take(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return hf[name]
 
 
-def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """ModelConfig and full Colonnade tensors of an HF directory (safetensors only)."""
-    directory = Path(directory)
-    if not is_hf_dir(directory):
-        raise CheckpointError(f"{directory}/config.json missing or without 'architectures': "
-                              "not a Hugging Face model directory")
-    cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+def _shard_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no model*.safetensors (pickled .bin checkpoints "
                               "are not loaded; re-save with safe_serialization=True)")
+    return files
+
+
+def _hf_config(directory: Path) -> ModelConfig:
+    if not is_hf_dir(directory):
+        raise CheckpointError(f"{directory}/config.json missing or without 'architectures': "
+                              "not a Hugging Face model directory")
+    return model_config_from_hf(json.loads((directory / "config.json").read_text()))
+
+
+def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """ModelConfig and full Colonnade tensors of an HF directory (safetensors only); for one
+    process that needs the whole model (conversion, ``generate``)."""
+    directory = Path(directory)
+    cfg = _hf_config(directory)
     hf: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in _shard_files(directory):
         try:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -212,20 +279,82 @@ def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     return cfg, from_hf_state(cfg, hf)
 
 
+class HFReader:
+    """An HF directory's safetensors shards, read one slice of one tensor at a time.
+
+    Opening reads only each file's header (names, shapes); :meth:`read` takes just the slice
+    asked for (``get_slice``). ``bytes_read`` counts the tensor bytes taken.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.config = _hf_config(self.directory)
+        self.bytes_read = 0
+        self._where: dict[str, tuple[Path, Any]] = {}
+        for f in _shard_files(self.directory):
+            try:
+                handle = safe_open(str(f), framework="pt")
+                names = list(handle.keys())
+            except Exception as err:
+                raise CheckpointError(f"{f}: cannot read ({err}); truncated or "
+                                      "corrupted") from err
+            for name in names:
+                self._where[name] = (f, handle)
+
+    def _locate(self, name: str) -> tuple[Path, Any]:
+        if name not in self._where:
+            raise CheckpointError(f"HF checkpoint {self.directory} has no tensor '{name}'")
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of HF tensor ``name`` (from the file header)."""
+        _, handle = self._locate(name)
+        return tuple(handle.get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Elements ``index`` of HF tensor ``name``, and nothing else."""
+        path, handle = self._locate(name)
+        try:
+            t = handle.get_slice(name)[index]
+        except Exception as err:
+            raise CheckpointError(f"{path}: cannot read '{name}' ({err}); truncated or "
+                                  "corrupted") from err
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def close(self) -> None:
+        """Drop the file handles."""
+        self._where.clear()
+
+
 def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
-                        full: dict[str, torch.Tensor], model_cfg: ModelConfig | None = None,
-                        source: str = "HF checkpoint") -> None:
-    """Shard full tensors into this rank's chunks (any layout), checking every shape."""
+                        directory: str | Path) -> int:
+    """Load an HF directory into this rank's chunks (any layout), checking every shape.
+
+    Reads only this rank's parameters (its pipeline stage's layers) and of each only the box of
+    its tp shard, one tensor slice at a time: a tp x pp rank reads about 1/(tp pp) of the file.
+    Returns the bytes read.
+    """
+    reader = HFReader(directory)
+    refs = hf_refs(reader.config)
     tp_rank, tp = groups.tp.rank, groups.tp.size
     for p in unique_params(chunks):
         s = p.sharding  # type: ignore[attr-defined]
         key = read_key(s)
-        if key not in full:
-            raise CheckpointError(f"{source}: tensor '{key}' missing")
-        value = full[key]
-        if tuple(value.shape) != s.full_shape:
-            raise CheckpointError(f"{source}: tensor '{key}' has shape {tuple(value.shape)} "
-                                  f"but the model expects {s.full_shape}; the [model] config "
-                                  "does not match the checkpoint")
+        if key not in refs:
+            raise CheckpointError(f"{directory}: tensor '{key}' missing")
+        ref = refs[key]
+        theirs = ref.our_shape(reader.shape(ref.name))
+        if theirs != s.full_shape:
+            raise CheckpointError(f"{directory}: tensor '{key}' has shape {theirs} but the "
+                                  f"model expects {s.full_shape}; the [model] config does not "
+                                  "match the checkpoint")
+        box = shard_box(s, tp_rank, tp)
+        if 0 in box[1]:
+            value = torch.zeros(s.local_shape(tp), dtype=p.dtype)
+        else:
+            value = pad_to_local(take_box(reader.read, reader.shape, ref, box).to(p.dtype), s, tp)
         with torch.no_grad():
-            p.copy_(s.shard(value.to(p.dtype), tp_rank, tp).to(p.device))
+            p.copy_(value.to(p.device))
+    reader.close()
+    return reader.bytes_read

@@ -14,12 +14,13 @@ its optimizer asks for), whatever layout wrote them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from colonnade.checkpoint.format import CheckpointReader, Entry
+from colonnade.checkpoint.format import DTYPES, CheckpointReader, Entry
 from colonnade.checkpoint.optim_state import (
     OptimSlice,
     dp_sharded,
@@ -44,9 +45,8 @@ def optim_name(key: str, state: str) -> str:
     return f"optim/{key}/{state}"
 
 
-def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
-                  snapshot: bool = False) -> list[Entry]:
-    """The model pieces this rank writes (``snapshot`` copies them for a background write)."""
+def model_entries(chunks: list[nn.Module], groups: ProcessGroups) -> list[Entry]:
+    """The model pieces this rank writes (views of the live parameters)."""
     if groups.dp_cp.rank != 0:
         return []
     tp_rank, tp = groups.tp.rank, groups.tp.size
@@ -59,13 +59,12 @@ def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
         if 0 in shape:
             continue
         data = valid_part(p.detach(), s, tp_rank, tp)
-        out.append(Entry(model_name(s.key), _snap(data, snapshot), Piece(offsets, shape),
-                         s.full_shape))
+        out.append(Entry(model_name(s.key), data, Piece(offsets, shape), s.full_shape))
     return out
 
 
-def optim_entries(optimizer: Any, groups: ProcessGroups, snapshot: bool = False) -> list[Entry]:
-    """The optimizer-state pieces this rank writes."""
+def optim_entries(optimizer: Any, groups: ProcessGroups) -> list[Entry]:
+    """The optimizer-state pieces this rank writes (views of the live state)."""
     sharded = dp_sharded(optimizer)
     if not sharded and groups.dp_cp.rank != 0:
         return []
@@ -73,14 +72,13 @@ def optim_entries(optimizer: Any, groups: ProcessGroups, snapshot: bool = False)
     out = []
     for key, states in logical_state(optimizer).items():
         for state, sl in states.items():
-            entry = _optim_entry(key, state, sl, tp_rank, tp, snapshot)
+            entry = _optim_entry(key, state, sl, tp_rank, tp)
             if entry is not None:
                 out.append(entry)
     return out
 
 
-def _optim_entry(key: str, state: str, sl: OptimSlice, tp_rank: int, tp: int,
-                 snapshot: bool) -> Entry | None:
+def _optim_entry(key: str, state: str, sl: OptimSlice, tp_rank: int, tp: int) -> Entry | None:
     s = sl.sharding
     if not writes_param(s) or (s.dim is None and tp_rank != 0):
         return None
@@ -93,21 +91,36 @@ def _optim_entry(key: str, state: str, sl: OptimSlice, tp_rank: int, tp: int,
         data = sl.tensor.detach().reshape(-1)[keep[0]:keep[1]]
         if piece.flat is None:  # the range is the whole shard
             data = data.reshape(piece.shape)
-    return Entry(optim_name(key, state), _snap(data, snapshot), piece, s.full_shape)
-
-
-def _snap(t: torch.Tensor, snapshot: bool) -> torch.Tensor:
-    return t.to("cpu", copy=True) if snapshot else t.cpu()
+    return Entry(optim_name(key, state), data, piece, s.full_shape)
 
 
 def read_local(reader: CheckpointReader, name: str, sharding: Sharding, tp_rank: int, tp: int,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This tp rank's local shard (zero padded) of a stored tensor."""
+               dtype: torch.dtype | None = None,
+               flat: tuple[int, int] | None = None) -> torch.Tensor:
+    """This tp rank's local shard (zero padded) of a stored tensor, or only the flat range
+    ``flat`` of the padded local shard's flattening (1-D): only those elements are read.
+
+    Padding rows lie at the end of dim 0 (vocabulary), so the box's values are a prefix of the
+    local shard's flattening and the rest of a range is zeros (see :func:`flat_piece`)."""
     reader.check_shape(name, sharding.full_shape)
     box = shard_box(sharding, tp_rank, tp)
-    if 0 in box[1]:
-        return torch.zeros(sharding.local_shape(tp), dtype=dtype)
-    return pad_to_local(reader.read_box(name, box, dtype), sharding, tp)
+    if flat is None:
+        if 0 in box[1]:
+            return torch.zeros(sharding.local_shape(tp), dtype=dtype)
+        return pad_to_local(reader.read_box(name, box, dtype), sharding, tp)
+    flat_piece(sharding, tp_rank, tp, flat)  # rejects ranges over padding along another dim
+    lo, hi = flat
+    end = min(hi, math.prod(box[1]))
+    if end <= lo:
+        return torch.zeros(hi - lo, dtype=dtype or _stored_dtype(reader, name))
+    values = reader.read(name, box, (lo, end), dtype)
+    if end == hi:
+        return values
+    return torch.cat([values, values.new_zeros(hi - end)])
+
+
+def _stored_dtype(reader: CheckpointReader, name: str) -> torch.dtype:
+    return DTYPES[reader.tensors[name]["dtype"]]
 
 
 def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: ProcessGroups) -> None:
@@ -135,7 +148,6 @@ def load_optimizer(reader: CheckpointReader | None, optimizer: Any, chunks: list
         sharding = shardings.get(key)
         if sharding is None:  # a tied copy asks under its tie target
             sharding = next(s for s in shardings.values() if read_key(s) == key)
-        local = read_local(reader, name, sharding, tp_rank, tp)
-        return local if flat is None else local.reshape(-1)[flat[0]:flat[1]]
+        return read_local(reader, name, sharding, tp_rank, tp, flat=flat)
 
     load_logical_state(optimizer, read)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +40,7 @@ from colonnade.checkpoint.format import (
     write_rank_shard,
 )
 from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
+from colonnade.checkpoint.staging import HostStager, Staged
 from colonnade.config.load import config_to_dict, config_to_toml
 from colonnade.optim.lr import SCHEDULE_FIELDS, lr_at, schedule_of, with_schedule
 
@@ -100,46 +101,63 @@ def _metadata(trainer: Any) -> dict[str, Any]:
     }
 
 
+def stager_of(trainer: Any) -> HostStager:
+    """The trainer's :class:`HostStager` (made at its first async save; its pinned buffers are
+    reused by every later save), kept as ``trainer.checkpoint_stager``."""
+    stager = getattr(trainer, "checkpoint_stager", None)
+    if stager is None:
+        stager = HostStager()
+        trainer.checkpoint_stager = stager
+    return stager
+
+
 def save_training(trainer: Any, root: str | Path, *, keep_last: int = 3,
                   async_save: bool = False, tokenizer: str | Path | None = None,
                   on_phase: PhaseHook | None = None, timeout_s: float = 600.0) -> PendingSave:
     """Write a checkpoint of ``trainer`` after ``trainer.step`` steps (collective: all ranks).
 
-    Synchronous: returns once committed. Asynchronous: tensors are copied to host memory, a
-    thread writes them (rank 0's thread also commits, polling for the other ranks' index
-    fragments, so the thread runs no collective) and the caller must :meth:`PendingSave.wait`
-    before the next save and before exiting.
+    Only ranks that own pieces write (dp replicas write nothing); one all-gather of a flag
+    tells rank 0 who does. Synchronous: returns once committed. Asynchronous: the training
+    thread only stages host copies (:mod:`.staging`: pinned buffers, non-blocking copies on a
+    side stream) and returns; a thread waits for the copies and writes (rank 0's thread also
+    commits, polling for the writers' index fragments, so the thread runs no collective) and
+    the caller must :meth:`PendingSave.wait` before the next save and before exiting.
     """
     root = Path(root)
     groups = trainer.groups
     _finish_gathers(trainer)
-    rank, world, step = groups.world.rank, groups.world.size, int(trainer.step)
+    rank, step = groups.world.rank, int(trainer.step)
     if rank == 0:
         prepare_tmp(root, step)
-    groups.world.barrier()
     tmp = root / (step_dirname(step) + ".tmp")
-    entries = (model_entries(trainer.chunks, groups, async_save)
-               + optim_entries(trainer.optimizer, groups, async_save))
+    entries = model_entries(trainer.chunks, groups) + optim_entries(trainer.optimizer, groups)
+    # who writes; also the barrier that orders rank 0's prepare_tmp before every write
+    writers = [r for r, w in enumerate(groups.world.all_gather_object(bool(entries))) if w]
     meta = _metadata(trainer) if rank == 0 else {}
     files = {"config.toml": config_to_toml(trainer.config).encode()}
     if tokenizer is not None and Path(tokenizer).exists():
         files["tokenizer.json"] = Path(tokenizer).read_bytes()
     pending = PendingSave(root / step_dirname(step))
     hook = on_phase or (lambda _p: None)
+    stager = stager_of(trainer) if async_save else None
+    staged = (stager.stage(entries) if stager is not None
+              else Staged([replace(e, tensor=e.tensor.cpu()) for e in entries]))
 
     def write() -> None:
         try:
-            write_rank_shard(tmp, rank, entries)
+            mine = stager.ready(staged) if stager is not None else staged.entries
+            write_rank_shard(tmp, rank, mine)
             hook("shard_written")
             if rank == 0:
-                wait_for_fragments(tmp, world, timeout_s)
-                commit(root, tmp, step, world, meta, files, keep_last, on_phase)
+                wait_for_fragments(tmp, writers, timeout_s)
+                commit(root, tmp, step, writers, meta, files, keep_last, on_phase)
         except BaseException as err:  # surfaced by wait()
             pending.errors.append(err)
 
-    if async_save:
+    if stager is not None:
         pending.thread = threading.Thread(target=write, name="colonnade-ckpt", daemon=False)
         pending.thread.start()
+        stager.writing(pending.thread)
         return pending
     write()
     groups.world.barrier()

@@ -167,3 +167,52 @@ def assert_same_run(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float
 def path(p: Path) -> str:
     """str for rank args."""
     return str(p)
+
+
+class CountingOpen:
+    """A stand-in for ``safetensors.safe_open`` that counts the tensor bytes read through it
+    (``get_tensor`` and ``get_slice(...)[index]``); patch it over a module's ``safe_open``."""
+
+    def __init__(self) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.bytes = 0
+
+    def __call__(self, path: str, framework: str = "pt") -> Any:
+        return _CountingHandle(self, self._open(path, framework=framework))
+
+
+class _CountingHandle:
+    def __init__(self, counter: CountingOpen, handle: Any) -> None:
+        self._c, self._h = counter, handle
+
+    def __enter__(self) -> _CountingHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return list(self._h.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        t = self._h.get_tensor(name)
+        self._c.bytes += t.numel() * t.element_size()
+        return t
+
+    def get_slice(self, name: str) -> _CountingSlice:
+        return _CountingSlice(self._c, self._h.get_slice(name))
+
+
+class _CountingSlice:
+    def __init__(self, counter: CountingOpen, sl: Any) -> None:
+        self._c, self._s = counter, sl
+
+    def get_shape(self) -> list[int]:
+        return self._s.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        t = self._s[index]
+        self._c.bytes += t.numel() * t.element_size()
+        return t

@@ -203,3 +203,49 @@ def test_resume_under_another_lr_schedule_is_refused_or_reconciled(tmp_path: Pat
     got = [moved.train_step(batches_for(k, 0, 1))["lr"] for k in (2, 3)]
     assert got == pytest.approx([lr_at(k, 10, moved.config.optim) for k in (2, 3)])
     assert got[1] > rest[1]["lr"]  # the longer cosine has decayed less by step 3
+
+
+def test_only_owners_write_files(run_ranks: Any, tmp_path: Path) -> None:
+    """tp2 x dp2: the dp replicas write nothing (2 shards + 2 fragments + index, metadata,
+    config); with ZeRO-1 each of the 4 ranks owns an optimizer range and writes."""
+    for zero, writers in ((False, 2), (True, 4)):
+        root = tmp_path / f"z{zero}"
+        run_ranks(4, run_save, Layout(tp=2, dp=2, zero=zero), str(root), 1, 0)
+        names = sorted(p.name for p in resolve_checkpoint(root).iterdir())
+        shards = [n for n in names if n.endswith(".safetensors")]
+        assert len(shards) == writers, names
+        assert len(names) == 2 * writers + 3, names
+
+
+def test_commit_wait_polls_with_backoff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 waiting 0.4 s for the last of 8 writers probes the file system a few times (one
+    listing per poll, backing off), not once per rank every 10 ms."""
+    import threading
+    import time
+
+    from colonnade.checkpoint import commit as commit_mod
+    from colonnade.checkpoint.format import write_json
+
+    writers = list(range(8))
+    for r in writers[:-1]:
+        write_json(tmp_path / f"rank-{r:05d}.json", {})
+    probes = [0]
+    main = threading.current_thread()
+
+    def counted(fn: Any) -> Any:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is main:
+                probes[0] += 1
+            return fn(*args, **kwargs)
+        return inner
+
+    for name in ("stat", "lstat", "listdir", "scandir"):
+        monkeypatch.setattr(os, name, counted(getattr(os, name)))
+    late = threading.Timer(0.4, write_json, (tmp_path / "rank-00007.json", {}))
+    late.start()
+    start = time.monotonic()
+    commit_mod.wait_for_fragments(tmp_path, writers, 10.0)
+    waited = time.monotonic() - start
+    late.join()
+    assert 0.4 <= waited < 1.5
+    assert 1 <= probes[0] <= 12, probes[0]

@@ -57,12 +57,12 @@ def _parallel_logits(hf_dir: str, tp: int, pp: int) -> torch.Tensor | None:
     from colonnade.tensor_parallel import mappings as mp
 
     torch.set_num_threads(1)
-    model_cfg, full = read_hf(hf_dir)
+    model_cfg, _ = read_hf(hf_dir)
     cfg = Config(model=model_cfg, parallel=ParallelConfig(tp=tp, pp=pp),
                  training=TrainingConfig(precision="fp32"))
     groups = ProcessGroups.build(ParallelDims(tp=tp, pp=pp))
     (chunk,) = build_chunks(cfg, groups)
-    load_hf_into_chunks([chunk], groups, full)
+    load_hf_into_chunks([chunk], groups, hf_dir)
     chunk.eval()
     tokens = _tokens()
     with torch.no_grad():
@@ -133,13 +133,13 @@ def test_wrong_shape_is_named(tmp_path: Path) -> None:
     from colonnade.parallel.groups import ProcessGroups
 
     hf_dir = _save(_hf_model("llama", False), tmp_path / "hf")
-    model_cfg, full = read_hf(hf_dir)
+    model_cfg, _ = read_hf(hf_dir)
     import dataclasses
 
     other = dataclasses.replace(model_cfg, ffn_hidden_size=96)
     model = build_reference(Config(model=other))
     with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.up\.weight.*\(64, 32\)"):
-        load_hf_into_chunks([model], ProcessGroups.single(), full)
+        load_hf_into_chunks([model], ProcessGroups.single(), hf_dir)
 
 
 def test_cli_convert(tmp_path: Path) -> None:
