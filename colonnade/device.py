@@ -38,6 +38,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceEvent:
+    """A timing event recorded on the current CUDA stream when made: it completes when the GPU
+    has run everything queued on that stream before it. :mod:`colonnade.parallel.comm` times
+    NCCL operations with these (there ``wait()`` only orders streams)."""
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event(enable_timing=True)
+        self._event.record()
+
+    def done(self) -> bool:
+        """Whether the GPU has reached the event (never blocks)."""
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        """Block the host until the GPU has reached the event."""
+        self._event.synchronize()
+
+    def seconds_since(self, earlier: DeviceEvent) -> float:
+        """GPU seconds from ``earlier`` to this event (both reached)."""
+        return float(earlier._event.elapsed_time(self._event)) / 1e3
+
+
 def has_gpu() -> bool:
     """True when a CUDA device is visible."""
     return torch.cuda.is_available()

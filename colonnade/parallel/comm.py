@@ -9,21 +9,38 @@ Wire bytes per rank for a payload of B bytes on n ranks (ring algorithms):
 all-reduce 2(n-1)/n B, all-gather (n-1)/n B_out, reduce-scatter (n-1)/n B_in, send/recv B.
 A group of size 1 performs no communication and counts nothing.
 
+Timing on both backends (:func:`clock_for`, the one place that tells them apart):
+* gloo: ``wait()`` blocks the host until the data is there, so wall-clock time is honest: an op
+  is finished when ``wait()`` returns, exposed time = the time spent in ``wait()``.
+* NCCL: ``wait()`` only makes the caller's CUDA stream wait for the op's stream and returns at
+  once. Times come from CUDA events recorded on the caller's stream (:class:`DeviceEvent`) at
+  posting (p), before ``wait()`` (w) and after it (e): in flight = e - p, exposed = e - w (how
+  long the compute stream stalled on the op). An op stays pending (in :meth:`CommStats.pending`,
+  what the hang detector reports) until event e has completed *and* the backend says the work
+  is done; the times are added lazily, when the stats are read or at the step's
+  synchronisation (:meth:`CommStats.settle`).
+
 For failure diagnosis :class:`CommStats` also keeps the last posted operation, the operations
 still in flight and the time of the latest completion (:class:`OpRecord`); the hang detector of
 :mod:`colonnade.reliability` reads them. A backend timeout or a dead peer becomes a
-:class:`CommError` that says which of the two it was.
+:class:`CommError` that says which of the two it was. Under NCCL an asynchronous failure never
+reaches ``wait()``: torch's own watchdog ends the process (set up by
+:func:`colonnade.reliability.startup.torch_nccl_env`), after Colonnade's hang detector, which
+fires first (:func:`colonnade.reliability.monitor.watchdog_seconds`), has written its report.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from colonnade.device import DeviceEvent
 
 MAX_IN_FLIGHT = 4096
 """Records of un-waited operations kept at most (older ones are dropped)."""
@@ -46,6 +63,87 @@ def ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
     return str(ranks)
 
 
+class Mark(Protocol):
+    """A point on the caller's timeline (a wall-clock reading or a CUDA event)."""
+
+    def done(self) -> bool:
+        """Whether the point has been reached (always, for a wall-clock reading)."""
+        ...
+
+    def wait(self) -> None:
+        """Block the host until the point has been reached."""
+        ...
+
+    def seconds_since(self, earlier: Any) -> float:
+        """Seconds from ``earlier`` (a mark of the same clock) to this one; both done."""
+        ...
+
+
+class Clock(Protocol):
+    """Makes :class:`Mark` s; ``host_blocking`` says whether ``wait()`` blocks the host."""
+
+    host_blocking: bool
+
+    def mark(self) -> Mark:
+        """A mark at this point of the caller's timeline."""
+        ...
+
+
+class WallMark:
+    """``time.perf_counter()`` when it was made."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def done(self) -> bool:
+        """Always: the host has passed it."""
+        return True
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+    def seconds_since(self, earlier: Any) -> float:
+        """Wall-clock seconds from ``earlier``."""
+        return float(self.t - earlier.t)
+
+
+class WallClock:
+    """Host timeline: backends whose ``wait()`` blocks until the data is there (gloo)."""
+
+    host_blocking = True
+
+    def mark(self) -> Mark:
+        """The current wall-clock time."""
+        return WallMark()
+
+
+class EventClock:
+    """Device timeline: CUDA events on the current stream, for backends whose ``wait()`` only
+    orders streams (NCCL)."""
+
+    host_blocking = False
+
+    def mark(self) -> Mark:
+        """An event recorded on the current CUDA stream."""
+        return DeviceEvent()
+
+
+STREAM_ORDERED_BACKENDS = ("nccl",)
+"""Backends whose ``Work.wait()`` returns before the operation is done (it orders streams)."""
+
+
+def clock_for(pg: Any) -> Clock:
+    """The one place where the backend decides how operations are timed and finished:
+    wall clock for host-blocking backends (gloo, and size-1 groups), CUDA events for
+    stream-ordered ones (:data:`STREAM_ORDERED_BACKENDS`)."""
+    if pg is None:
+        return WallClock()
+    backend = str(dist.get_backend(pg)).lower()
+    if any(name in backend for name in STREAM_ORDERED_BACKENDS):
+        return EventClock()
+    return WallClock()
+
+
 @dataclass
 class OpRecord:
     """One posted operation as the hang detector and failure dumps see it."""
@@ -58,7 +156,10 @@ class OpRecord:
     started: float
     """``time.monotonic()`` when it was posted."""
     finished: float | None = None
-    """``time.monotonic()`` when it completed; None while in flight (or when it failed)."""
+    """``time.monotonic()`` when it was seen complete; None while in flight (or failed)."""
+    waited: float | None = None
+    """``time.monotonic()`` when the caller first needed the result (a blocking call: at
+    posting; async: its ``wait()``); None while nobody waits for it."""
 
     def describe(self, now: float | None = None) -> str:
         """'all_reduce(x) on group 'dp' (ranks [0, 2], 64 B), in flight for 3.2 s'."""
@@ -77,12 +178,34 @@ class OpStats:
     payload_bytes: int = 0
     wire_bytes: float = 0.0
     in_flight_s: float = 0.0
+    """Posting to completion as the caller sees it (until its wait returned / stream passed)."""
     waited_s: float = 0.0
+    """Exposed time: how long the caller (host on gloo, compute stream on NCCL) stalled."""
+
+
+@dataclass
+class _Timing:
+    """An operation whose wait has been issued but whose completion is not yet confirmed."""
+
+    entry: OpStats
+    seq: int
+    posted: Mark
+    waited: Mark
+    ended: Mark
+    work: Any
+
+    def complete(self) -> bool:
+        """Its end mark was reached and the backend says the work is done."""
+        return self.ended.done() and (self.work is None or bool(self.work.is_completed()))
 
 
 @dataclass
 class CommStats:
-    """Counters of every operation of every group of one rank, keyed by 'group/op'."""
+    """Counters of every operation of every group of one rank, keyed by 'group/op'.
+
+    Thread-safe where the hang detector needs it: :meth:`pending`, :meth:`progressed_at` and
+    :meth:`overdue` may be called from another thread while the main thread posts.
+    """
 
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
     last: OpRecord | None = None
@@ -90,31 +213,102 @@ class CommStats:
     in_flight: dict[int, OpRecord] = field(default_factory=dict)
     """Posted operations not yet completed, by sequence number."""
     last_progress: float = field(default_factory=time.monotonic)
-    """``time.monotonic()`` of the latest completion (the hang detector's progress signal)."""
+    """``time.monotonic()`` of the latest completion seen (the hang detector's progress)."""
     posted: int = 0
     """Operations posted so far (sequence numbers)."""
+    unsettled: list[_Timing] = field(default_factory=list)
+    """Waited operations of a stream-ordered backend not yet seen complete (NCCL)."""
+    _lock: Any = field(default_factory=threading.RLock, repr=False)
 
-    def begin(self, group: CommGroup, op: str, payload: int) -> int:
-        """Note that ``op`` was posted on ``group``; returns its sequence number."""
-        rec = OpRecord(group.name, tuple(group.ranks), op, payload, time.monotonic())
-        self.posted += 1
-        self.last = rec
-        self.in_flight[self.posted] = rec
-        if len(self.in_flight) > MAX_IN_FLIGHT:  # a handle dropped without wait(): forget it
-            self.in_flight.pop(next(iter(self.in_flight)))
-        return self.posted
+    def begin(self, group: CommGroup, op: str, payload: int, waited: bool = False) -> int:
+        """Note that ``op`` was posted on ``group`` (``waited``: a blocking call); returns its
+        sequence number."""
+        now = time.monotonic()
+        rec = OpRecord(group.name, tuple(group.ranks), op, payload, now,
+                       waited=now if waited else None)
+        with self._lock:
+            self.poll()
+            self.posted += 1
+            self.last = rec
+            self.in_flight[self.posted] = rec
+            if len(self.in_flight) > MAX_IN_FLIGHT:  # a handle dropped without wait(): forget it
+                self.in_flight.pop(next(iter(self.in_flight)))
+            return self.posted
+
+    def mark_waited(self, seq: int) -> None:
+        """The caller now needs the result of operation ``seq``."""
+        with self._lock:
+            rec = self.in_flight.get(seq)
+            if rec is not None and rec.waited is None:
+                rec.waited = time.monotonic()
 
     def finish(self, seq: int) -> None:
         """Note that operation ``seq`` completed."""
-        rec = self.in_flight.pop(seq, None)
-        now = time.monotonic()
-        if rec is not None:
-            rec.finished = now
-        self.last_progress = now
+        with self._lock:
+            rec = self.in_flight.pop(seq, None)
+            now = time.monotonic()
+            if rec is not None:
+                rec.finished = now
+            self.last_progress = now
+
+    def complete(self, timing: _Timing, host_blocking: bool) -> None:
+        """The caller's wait for an operation returned: on a host-blocking backend it is done
+        now; otherwise it is settled once its end mark and its work are complete."""
+        if host_blocking:
+            self._account(timing)
+            return
+        with self._lock:
+            self.unsettled.append(timing)
+            if len(self.unsettled) > MAX_IN_FLIGHT:
+                self.unsettled.pop(0)
+        self.poll()
+
+    def _account(self, t: _Timing) -> None:
+        t.entry.waited_s += t.ended.seconds_since(t.waited)
+        t.entry.in_flight_s += t.ended.seconds_since(t.posted)
+        self.finish(t.seq)
+
+    def poll(self) -> None:
+        """Settle the waited operations that have completed (never blocks)."""
+        with self._lock:
+            if not self.unsettled:
+                return
+            still = []
+            for t in self.unsettled:
+                if t.complete():
+                    self._account(t)
+                else:
+                    still.append(t)
+            self.unsettled = still
+
+    def settle(self) -> None:
+        """Wait (host) for every waited operation's end mark, then settle what completed: the
+        step's synchronisation point. A no-op on host-blocking backends."""
+        with self._lock:
+            marks = [t.ended for t in self.unsettled]
+        for mark in marks:
+            mark.wait()
+        self.poll()
 
     def pending(self) -> list[OpRecord]:
         """Operations in flight, oldest first (a snapshot, safe from another thread)."""
-        return list(self.in_flight.values())
+        with self._lock:
+            self.poll()
+            return list(self.in_flight.values())
+
+    def progressed_at(self) -> float:
+        """``time.monotonic()`` of the latest completion, completions so far settled."""
+        self.poll()
+        return self.last_progress
+
+    def overdue(self, limit_s: float, now: float | None = None) -> OpRecord | None:
+        """The oldest operation the caller waits for that was posted over ``limit_s`` ago (the
+        backend's own timeout counts from posting too), or None."""
+        now = time.monotonic() if now is None else now
+        for rec in self.pending():
+            if rec.waited is not None and now - rec.started > limit_s:
+                return rec
+        return None
 
     def record(self, key: str, payload: int, wire: float) -> OpStats:
         """Count one call and return its stats entry."""
@@ -126,14 +320,18 @@ class CommStats:
 
     def reset(self) -> None:
         """Forget everything counted so far."""
+        self.settle()
         self.ops.clear()
 
     def total(self, prefix: str = "", what: str = "wire_bytes") -> float:
-        """Sum of one counter over keys starting with ``prefix`` (e.g. 'tp/' or 'dp/all_reduce')."""
+        """Sum of one counter over keys starting with ``prefix`` (e.g. 'tp/' or 'dp/all_reduce');
+        times settled first."""
+        self.settle()
         return float(sum(getattr(s, what) for k, s in self.ops.items() if k.startswith(prefix)))
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Plain-dict copy for logging / JSON."""
+        """Plain-dict copy for logging / JSON (times settled first)."""
+        self.settle()
         return {k: dict(vars(v)) for k, v in sorted(self.ops.items())}
 
 
@@ -141,30 +339,34 @@ class Handle:
     """An in-flight asynchronous operation; :meth:`wait` records the exposed time."""
 
     def __init__(self, work: Any, group: CommGroup, op: str, entry: OpStats,
-                 seq: int = 0) -> None:
+                 seq: int = 0, posted: Mark | None = None) -> None:
         self._work, self._group, self._op, self._entry = work, group, op, entry
         self._seq = seq
+        self._posted = posted if posted is not None or work is None else group.clock.mark()
         self._start = time.perf_counter()
         self.done = work is None
+        """The caller's wait has returned (on NCCL: its stream is ordered after the op)."""
 
     def wait(self) -> None:
-        """Block until the operation completes (idempotent)."""
+        """Wait for the operation (idempotent): on gloo the host blocks until it is done; on
+        NCCL the caller's stream waits, and the op is finished once its event completes."""
         if self.done:
             return
-        begin = time.perf_counter()
+        stats, clock = self._group.stats, self._group.clock
+        stats.mark_waited(self._seq)
+        begin = clock.mark()
         try:
             self._work.wait()
         except Exception as err:  # re-raised with context
             raise self._group.error(self._op, err, self._start) from err
-        self._group.stats.finish(self._seq)
-        end = time.perf_counter()
-        self._entry.waited_s += end - begin
-        self._entry.in_flight_s += end - self._start
+        assert self._posted is not None
+        stats.complete(_Timing(self._entry, self._seq, self._posted, begin, clock.mark(),
+                               self._work), clock.host_blocking)
         self.done = True
 
     def is_completed(self) -> bool:
         """Whether the operation has finished, without blocking."""
-        return self.done or bool(self._work.is_completed())
+        return self._work is None or bool(self._work.is_completed())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -175,11 +377,13 @@ class CommGroup:
     """A named process group; all collectives of Colonnade are methods of this class."""
 
     def __init__(self, name: str, ranks: list[int], pg: Any, stats: CommStats,
-                 global_rank: int) -> None:
+                 global_rank: int, clock: Clock | None = None) -> None:
         self.name = name
         self.ranks = list(ranks)
         self.pg = pg
         self.stats = stats
+        self.clock = clock if clock is not None else clock_for(pg)
+        """How this group's operations are timed and finished (:func:`clock_for`)."""
         self.size = len(ranks)
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
 
@@ -214,18 +418,17 @@ class CommGroup:
              async_op: bool) -> Handle | None:
         key = f"{self.name}/{op}" + (f"/{name}" if name else "")
         entry = self.stats.record(key, payload, wire)
-        seq = self.stats.begin(self, f"{op}({name})", payload)
-        start = time.perf_counter()
+        seq = self.stats.begin(self, f"{op}({name})", payload, waited=not async_op)
+        start, posted = time.perf_counter(), self.clock.mark()
         try:
             work = fn(async_op)
         except Exception as err:
             raise self.error(f"{op}({name})", err, start) from err
         if async_op:
-            return Handle(work, self, f"{op}({name})", entry, seq)
-        self.stats.finish(seq)
-        elapsed = time.perf_counter() - start
-        entry.in_flight_s += elapsed
-        entry.waited_s += elapsed
+            return Handle(work, self, f"{op}({name})", entry, seq, posted)
+        # blocking: the whole time is exposed (on NCCL: settled when the end event completes)
+        self.stats.complete(_Timing(entry, seq, posted, posted, self.clock.mark(), None),
+                            self.clock.host_blocking)
         return None
 
     def all_reduce(self, t: torch.Tensor, *, op: Any = None, name: str = "",
@@ -275,7 +478,8 @@ class CommGroup:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        seq, start = self.stats.begin(self, "all_gather_object", 0), time.perf_counter()
+        seq = self.stats.begin(self, "all_gather_object", 0, waited=True)
+        start = time.perf_counter()
         try:
             dist.all_gather_object(out, obj, group=self.pg)
         except Exception as err:
@@ -286,7 +490,7 @@ class CommGroup:
     def barrier(self) -> None:
         """Block until every rank of the group arrives."""
         if self.size > 1:
-            seq, start = self.stats.begin(self, "barrier", 0), time.perf_counter()
+            seq, start = self.stats.begin(self, "barrier", 0, True), time.perf_counter()
             try:
                 dist.barrier(group=self.pg)
             except Exception as err:
@@ -308,11 +512,12 @@ class CommGroup:
         if not ops:
             return Handle(None, self, "p2p", entry)
         seq, start = self.stats.begin(self, f"p2p({name})", payload), time.perf_counter()
+        posted = self.clock.mark()
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as err:
             raise self.error(f"p2p({name})", err, start) from err
-        return Handle(_WorkList(works), self, f"p2p({name})", entry, seq)
+        return Handle(_WorkList(works), self, f"p2p({name})", entry, seq, posted)
 
 
 class _WorkList:
@@ -322,21 +527,10 @@ class _WorkList:
         self.works = works
 
     def wait(self) -> None:
+        """Wait for every work."""
         for w in self.works:
             w.wait()
 
     def is_completed(self) -> bool:
+        """Every work is done."""
         return all(w.is_completed() for w in self.works)
-
-
-def set_timeout(pg: Any, seconds: float) -> None:
-    """Set the timeout of every later operation on process group ``pg`` (None: the default).
-
-    Used to give the default group a long timeout for start-up (ranks join at different times)
-    and the configured ``parallel.timeout_s`` afterwards.
-    """
-    from datetime import timedelta
-
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timedelta(seconds=seconds), pg)

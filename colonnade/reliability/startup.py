@@ -1,11 +1,15 @@
 """Joining the job, and where it starts: resuming after a restart or a re-run.
 
 Start-up and steady state need different timeouts. Ranks of one job start seconds (on a busy
-machine, tens of seconds; on a large cluster, minutes) apart, and the default group's
-construction waits for all of them; a collective in the middle of training should fail fast
-when a peer is gone. So the default group is created with ``max(parallel.timeout_s,
-STARTUP_TIMEOUT_S)`` and then set to ``parallel.timeout_s`` (groups made later by
-:class:`~colonnade.parallel.groups.ProcessGroups` get ``parallel.timeout_s`` directly).
+machine, tens of seconds; on a large cluster, minutes) apart; a collective in the middle of
+training should fail fast when a peer is gone. So every rank first waits in a store barrier
+(:func:`join_barrier`) for all the others under ``max(parallel.timeout_s, STARTUP_TIMEOUT_S)``,
+and only then creates the default group, with ``parallel.timeout_s`` given at creation (as
+:class:`~colonnade.parallel.groups.ProcessGroups` gives it to every later group). No timeout is
+changed afterwards (torch has no public API for that).
+
+NCCL's failure handling is torch's own, set up by :func:`torch_nccl_env` before any group
+exists (the launcher exports it to its ranks; a rank started by torchrun sets it itself).
 
 Restarts: the elastic launcher restarts every rank after a failure (``--max-restarts K``) with
 ``TORCHELASTIC_RESTART_COUNT`` = k. On a restart, :func:`resume_config` points
@@ -30,10 +34,51 @@ import torch.distributed as dist
 
 from colonnade.config.sections import Config
 from colonnade.device import backend_for, pick_device
-from colonnade.parallel.comm import set_timeout
 
 STARTUP_TIMEOUT_S = 900.0
 """Longest wait for every rank to join the default group (torchrun's rendezvous default)."""
+NCCL_TRACE_ENTRIES = 2000
+"""Collectives kept per rank by torch's NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE)."""
+
+
+def torch_nccl_env(run_dir: str | Path) -> dict[str, str]:
+    """Torch's own NCCL failure handling (environment variables that torch reads when it makes
+    an NCCL group; not Colonnade switches):
+
+    * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``: when a collective fails or exceeds
+      ``parallel.timeout_s``, torch's NCCL watchdog thread ends the process (SIGABRT) instead
+      of leaving it waiting forever (``wait()`` only orders streams, so no Python call could
+      raise); 3 skips aborting the communicators first, which can itself hang when a peer is
+      gone. It is torch's default; the elastic agent would otherwise set 1.
+    * ``TORCH_NCCL_TRACE_BUFFER_SIZE``: the flight recorder keeps the last
+      :data:`NCCL_TRACE_ENTRIES` collectives of every group (sequence numbers, sizes, state).
+    * ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: on a timeout the watchdog writes that record before
+      ending the process ...
+    * ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``: ... to ``logging.dir/failures/nccl_trace_rank_<r>``
+      (torch appends the rank), next to Colonnade's own failure records; read it with
+      ``python -m torch.distributed.flight_recorder.fr_trace`` to see which rank did not join.
+    """
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir).resolve() / "failures"
+                                                   / "nccl_trace_rank_")}
+
+
+def set_torch_nccl_env(run_dir: str | Path) -> dict[str, str]:
+    """Put :func:`torch_nccl_env` into this process's environment (and so its children's),
+    keeping any value the user set; returns what was set."""
+    added = {k: v for k, v in torch_nccl_env(run_dir).items() if k not in os.environ}
+    os.environ.update(added)
+    return added
+
+
+def join_barrier(store: dist.Store, rank: int, world: int, timeout: timedelta) -> None:
+    """Wait until all ``world`` ranks have reached this point (a store barrier, O(world) keys:
+    each rank counts itself in, the last one opens the barrier)."""
+    if store.add("joined", 1) == world:
+        store.set("all_joined", str(rank))
+    store.wait(["all_joined"], timeout)
 
 
 def init_distributed(config: Config) -> bool:
@@ -52,11 +97,14 @@ def init_distributed(config: Config) -> bool:
     device = pick_device(config.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     backend = backend_for(device, config.parallel.backend)
     startup = timedelta(seconds=max(config.parallel.timeout_s, STARTUP_TIMEOUT_S))
+    if backend == "nccl":
+        set_torch_nccl_env(config.logging.dir)  # torchrun: no launcher of ours set it
     store, rank, world = next(rendezvous("env://", timeout=startup))
     store = dist.PrefixStore(f"colonnade/attempt{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=startup,
+    join_barrier(store, rank, world, startup)  # every rank is here: creation is quick
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=config.parallel.timeout_s),
                             device_id=device if device.type == "cuda" else None)
-    set_timeout(None, config.parallel.timeout_s)
     return True
 
 

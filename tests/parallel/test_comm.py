@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colonnade.parallel.comm import CommError, CommStats
+from colonnade.parallel.comm import CommError, CommGroup, CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 
@@ -185,3 +185,118 @@ def test_single_groups_count_nothing() -> None:
     assert isinstance(groups.stats, CommStats)
     with pytest.raises(ValueError, match="world of size 1"):
         ProcessGroups.single(ParallelDims(tp=2))
+
+
+# ----------------------------------------------------------------------------- NCCL semantics
+
+
+class _FakeMark:
+    """A CUDA event stand-in: reached (with a GPU time) only when the test says so."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def done(self) -> bool:
+        return self.t is not None
+
+    def wait(self) -> None:  # a real event would block; the test reaches it beforehand
+        assert self.t is not None, "waited on an event the fake GPU never reached"
+
+    def seconds_since(self, earlier: Any) -> float:
+        assert self.t is not None and earlier.t is not None
+        return self.t - earlier.t
+
+
+class _FakeClock:
+    """Marks of a stream-ordered backend (what EventClock gives under NCCL)."""
+
+    host_blocking = False
+
+    def __init__(self) -> None:
+        self.marks: list[_FakeMark] = []
+
+    def mark(self) -> _FakeMark:
+        self.marks.append(_FakeMark())
+        return self.marks[-1]
+
+
+class _StreamOrderedWork:
+    """NCCL's Work as the host sees it: wait() returns at once, completion comes later."""
+
+    def __init__(self) -> None:
+        self.completed = False
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def _fake_group(monkeypatch: pytest.MonkeyPatch, clock: Any,
+                work: _StreamOrderedWork) -> CommGroup:
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: work if k.get("async_op") else None)
+    return CommGroup("dp", [0, 1], object(), CommStats(), 0, clock=clock)
+
+
+def test_stream_ordered_wait_does_not_finish_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL wait() only orders streams: the op stays pending (what the hang detector
+    reports) and untimed until its end event and its work complete; then exposed time is the
+    compute stream's stall (end - wait) and in-flight time end - post, from the events."""
+    clock, work = _FakeClock(), _StreamOrderedWork()
+    group = _fake_group(monkeypatch, clock, work)
+    stats = group.stats
+    progress0 = stats.last_progress
+    handle = group.all_reduce(torch.ones(4), name="grads", async_op=True)
+    assert handle is not None
+    handle.wait()
+    assert work.waits == 1 and handle.done and not handle.is_completed()
+    posted, waited, ended = clock.marks
+    assert [r.op for r in stats.pending()] == ["all_reduce(grads)"]
+    assert stats.pending()[0].waited is not None  # the caller needs it: overdue can fire
+    assert stats.progressed_at() == progress0  # no completion seen yet
+    entry = stats.ops["dp/all_reduce/grads"]
+    assert (entry.calls, entry.waited_s, entry.in_flight_s) == (1, 0.0, 0.0)
+    posted.t, waited.t, ended.t = 10.0, 10.5, 12.0  # GPU: the op ended 1.5 s after the wait
+    assert [r.op for r in stats.pending()] == ["all_reduce(grads)"]  # the work is not done
+    work.completed = True
+    assert stats.pending() == [] and stats.progressed_at() > progress0
+    assert entry.waited_s == pytest.approx(1.5) and entry.in_flight_s == pytest.approx(2.0)
+    snap = stats.snapshot()["dp/all_reduce/grads"]
+    assert snap["waited_s"] == pytest.approx(1.5) and snap["calls"] == 1
+    # a blocking call is pending until its end event is reached, all of it exposed
+    group.all_reduce(torch.ones(2), name="sync")
+    start, end = clock.marks[3:]
+    assert [r.op for r in stats.pending()] == ["all_reduce(sync)"]
+    start.t, end.t = 20.0, 20.25
+    stats.settle()
+    sync = stats.ops["dp/all_reduce/sync"]
+    assert stats.pending() == [] and sync.waited_s == sync.in_flight_s == pytest.approx(0.25)
+
+
+def test_host_blocking_wait_finishes_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo (wall clock): wait() blocks until the data is there, so the op is done when it
+    returns, whatever is_completed says; the times are the host's."""
+    from colonnade.parallel.comm import WallClock
+
+    work = _StreamOrderedWork()
+    group = _fake_group(monkeypatch, WallClock(), work)
+    handle = group.all_reduce(torch.ones(4), name="grads", async_op=True)
+    assert handle is not None
+    time.sleep(0.05)
+    handle.wait()
+    assert group.stats.pending() == []
+    entry = group.stats.ops["dp/all_reduce/grads"]
+    assert entry.in_flight_s >= 0.05 and entry.waited_s < entry.in_flight_s
+
+
+def test_clock_for_is_the_one_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from colonnade.parallel.comm import EventClock, WallClock, clock_for
+
+    assert isinstance(clock_for(None), WallClock)
+    monkeypatch.setattr(dist, "get_backend", lambda pg: pg)
+    assert isinstance(clock_for("gloo"), WallClock) and clock_for("gloo").host_blocking
+    assert isinstance(clock_for("nccl"), EventClock) and not clock_for("nccl").host_blocking
+    group = CommGroup("tp", [0, 1], "nccl", CommStats(), 0)
+    assert isinstance(group.clock, EventClock)
