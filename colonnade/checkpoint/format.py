@@ -2,7 +2,8 @@
 
 A checkpoint directory (``step_000100/``) holds:
 
-* ``rank-00003.safetensors``: the pieces rank 3 owns, each stored under ``NAME@k``;
+* ``rank-00003.safetensors``: the pieces rank 3 owns, each stored under ``NAME@k`` (a rank
+  that owns none, e.g. a dp replica without ZeRO-1, writes no file);
 * ``rank-00003.json``: that rank's fragment of the index (written after its shard is durable);
 * ``index.json``: merged by rank 0 at commit: for every logical tensor (``model/<key>``,
   ``optim/<key>/<state>``) its full shape, dtype and pieces (file, stored name, box in full

@@ -145,14 +145,8 @@ class HFRef:
     block: int = 0
     blocks: int = 1
 
-    def stored_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
-        """The HF tensor's shape for our full shape ``ours``."""
-        shape = list(reversed(ours)) if self.transpose else list(ours)
-        shape[-1] *= self.blocks
-        return tuple(shape)
-
     def our_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
-        """Our full shape for the HF tensor's shape (inverse of :meth:`stored_shape`)."""
+        """Our full shape for the HF tensor's shape ``stored``."""
         shape = list(stored)
         shape[-1] //= self.blocks
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
