@@ -98,7 +98,6 @@ def test_cpu_threads_are_limited_on_gpu_runs_too(monkeypatch: pytest.MonkeyPatch
     """A (pretend) CUDA rank, one of 4 on a 16-core node, gets 4 threads (it kept all 16)."""
     monkeypatch.setattr(setup, "pick_device", lambda _name, _local: torch.device("cuda", 0))
     monkeypatch.setattr(setup, "_cores", lambda: 16)
-    monkeypatch.setattr(setup.os, "cpu_count", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     before = torch.get_num_threads()
     try:
