@@ -15,7 +15,7 @@ within one global time budget (a stage that would start past it is reported as s
   async_checkpoint  an asynchronous save of a ~0.4B-parameter trainer's state: the training
                     thread's stall, the write's total time and rate, a step taken meanwhile
   generate          ``colonnade generate`` of the demo checkpoint on the device, greedy
-  gpu_tests         ``pytest -m gpu tests/gpu`` (not applicable on a CPU)
+  gpu_tests         ``pytest -m gpu tests`` (not applicable on a CPU)
 
 Prints a table and writes JSON (default benchmarks/results/gpu_check.json; --cpu-smoke:
 benchmarks/results/gpu_check_cpu_smoke.json).  The training runs go through the CLI, the
@@ -311,10 +311,10 @@ def stage_generate(ctx: Context) -> dict[str, Any]:
 
 
 def stage_gpu_tests(ctx: Context) -> dict[str, Any]:
-    """``pytest -m gpu tests/gpu``: the gpu-marked tests."""
+    """``pytest -m gpu tests``: every gpu-marked test."""
     if ctx.cpu_smoke:
         raise NotApplicable("not applicable on CPU (gpu-marked tests need a CUDA device)")
-    proc = run_cli(ctx, ["pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu", "tests/gpu"],
+    proc = run_cli(ctx, ["pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu", "tests"],
                    cap_s=240)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     return {"measured": {"summary": summary}}
