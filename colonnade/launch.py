@@ -14,6 +14,14 @@ processes with the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR environmen
 * Failure: when a rank dies or raises, the agent stops the others (SIGTERM, then SIGKILL after
   30 s); each rank records what it was doing (:mod:`colonnade.reliability`), and the launcher
   prints a report naming the rank that failed first, how, and in which collective, and exits 1.
+* Hangs: each rank's watchdog reports a rank with no progress for the hang limit (0.8 x
+  ``parallel.timeout_s`` by default, :func:`~colonnade.reliability.monitor.watchdog_seconds`),
+  before the collective timeout ends it; the launcher's :class:`~colonnade.reliability.watch.
+  HeartbeatWatch` records and SIGKILLs a rank frozen as a whole (stale heartbeat), so the job
+  is gone within about ``parallel.timeout_s``, and the report tells the hang from a death.
+* NCCL: the launcher exports torch's own failure handling to its ranks
+  (:func:`~colonnade.reliability.startup.torch_nccl_env`: async error handling, flight recorder
+  dumped on timeout under ``logging.dir/failures``).
 * ``--max-restarts R``: the agent restarts every rank up to R times; a restarted rank resumes
   from the latest checkpoint under ``checkpoint.save``
   (:func:`colonnade.reliability.startup.resume_config`).
@@ -28,12 +36,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from colonnade.config.sections import Config, ParallelConfig
-
-
-def watchdog_seconds(par: ParallelConfig) -> float:
-    """The hang detector's limit: ``parallel.watchdog_s``, or 2 x timeout_s when unset."""
-    return 2.0 * par.timeout_s if par.watchdog_s is None else par.watchdog_s
+from colonnade.config.sections import Config
 
 
 def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
@@ -44,7 +47,7 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
     import os
 
     from colonnade.config.validate import resolve, validate
-    from colonnade.reliability.monitor import RankInfo, RankMonitor
+    from colonnade.reliability.monitor import RankInfo, RankMonitor, watchdog_seconds
     from colonnade.reliability.report import failure_report
     from colonnade.reliability.startup import init_distributed, resume_config
     from colonnade.training.loop import final_summary, train
@@ -152,6 +155,41 @@ def quiet_agent_warnings() -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
 
 
+def _signal_in(err: BaseException) -> int:
+    """The signal number of a ``SignalException`` anywhere in ``err``'s chain (the agent's
+    handler raises it wherever the launcher happens to be, and a library may wrap it), or 0."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__name__ == "SignalException":
+            return int(getattr(cur, "sigval", 0))
+        cur = cur.__cause__ or cur.__context__
+    return 0
+
+
+def _launcher_failed(config: Config, args: argparse.Namespace, err: Exception, run_id: str,
+                     since: float) -> int:
+    """Report an error of the launcher itself: a stop signal (wrapped), after ranks started
+    (with the ranks' report), or before (rendezvous / store failures: nothing ran)."""
+    from colonnade.reliability.report import failure_report, read_heartbeats
+
+    signum = _signal_in(err)
+    if signum:
+        print(_stopped_line(config, signum), file=sys.stderr, flush=True)
+        return 128 + signum
+    if read_heartbeats(config.logging.dir, run_id, since):
+        print(f"colonnade: the launcher failed while the ranks ran ({type(err).__name__}: "
+              f"{err})\n" + failure_report(config.logging.dir, run_id=run_id, since=since),
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"colonnade: the launcher failed before training ({type(err).__name__}: {err}). "
+          f"Multi-node: check that every node uses the same --nnodes={args.nnodes} and "
+          f"--rdzv-endpoint={args.rdzv_endpoint}, distinct --node-rank values, and that node "
+          "0 is reachable.", file=sys.stderr, flush=True)
+    return 1
+
+
 def launch_config(args: argparse.Namespace) -> Any:
     """The elastic agent's :class:`LaunchConfig` for the launcher arguments."""
     from torch.distributed.launcher.api import LaunchConfig
@@ -198,7 +236,10 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from colonnade.reliability.monitor import watchdog_seconds
     from colonnade.reliability.report import failure_report
+    from colonnade.reliability.startup import set_torch_nccl_env
+    from colonnade.reliability.watch import HeartbeatWatch
 
     problems = check_launch_args(args)
     if problems:
@@ -208,7 +249,12 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
     lc = launch_config(args)
     since = time.time()
     quiet_agent_warnings()
+    set_torch_nccl_env(config.logging.dir)  # torch's NCCL failure handling, for the ranks
+    first = args.node_rank * args.nproc
+    watch = HeartbeatWatch(config.logging.dir, lc.run_id, since,
+                           watchdog_seconds(config.parallel), range(first, first + args.nproc))
     try:
+        watch.start()
         results = elastic_launch(lc, entrypoint)(*(entry_args if entry_args is not None
                                                    else (config, True)))
     except SignalException as err:  # Ctrl-C / SIGTERM to the launcher, forwarded to the ranks
@@ -223,12 +269,10 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
                                 agent_failures=err.failures)
         print(report, file=sys.stderr, flush=True)
         return 1
-    except Exception as err:  # rendezvous / store failures: nothing ran
-        print(f"colonnade: the launcher failed before training ({type(err).__name__}: {err}). "
-              f"Multi-node: check that every node uses the same --nnodes={args.nnodes} and "
-              f"--rdzv-endpoint={args.rdzv_endpoint}, distinct --node-rank values, and that node "
-              "0 is reachable.", file=sys.stderr, flush=True)
-        return 1
+    except Exception as err:
+        return _launcher_failed(config, args, err, lc.run_id, since)
+    finally:
+        watch.stop()
     stopped = max((int((r or {}).get("interrupted", 0)) if isinstance(r, dict) else 0
                    for r in (results or {}).values()), default=0)
     return 128 + stopped if stopped else 0

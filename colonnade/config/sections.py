@@ -115,8 +115,10 @@ class ParallelConfig:
     """Timeout of every collective; a rank that waits longer fails naming group and operation."""
     watchdog_s: float | None = None
     """Hang detector: a rank with no finished step and no completed collective for this long
-    dumps its Python stacks and last collective to logging.dir/failures and exits; None means
-    2 x timeout_s, 0 disables."""
+    (or waiting this long for one collective) dumps its Python stacks and last collective to
+    logging.dir/failures and exits, and the launcher kills a rank whose heartbeat is this old
+    (frozen); None means 0.8 x timeout_s, so both report before the collective timeout; must
+    be < timeout_s; 0 disables."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -309,7 +309,11 @@ def _reliability(c: Config, _: int | None) -> list[str]:
                    "wait before the rank fails), e.g. 300.")
     if p.watchdog_s is not None and p.watchdog_s < 0:
         out.append(f"parallel.watchdog_s={p.watchdog_s} must be >= 0 (0 disables the hang "
-                   "detector; unset means 2 x parallel.timeout_s).")
+                   "detector; unset means 0.8 x parallel.timeout_s).")
+    elif p.watchdog_s and p.timeout_s > 0 and p.watchdog_s >= p.timeout_s:
+        out.append(f"parallel.watchdog_s={p.watchdog_s} must be < parallel.timeout_s="
+                   f"{p.timeout_s}: the hang detector reports before the collective timeout "
+                   "ends the rank; unset it (0.8 x timeout_s) or lower it.")
     return out
 
 

@@ -203,8 +203,9 @@ class _Timing:
 class CommStats:
     """Counters of every operation of every group of one rank, keyed by 'group/op'.
 
-    Thread-safe where the hang detector needs it: :meth:`pending`, :meth:`progressed_at` and
-    :meth:`overdue` may be called from another thread while the main thread posts.
+    Thread-safe: the hang detector reads :meth:`pending`, :meth:`progressed_at` and
+    :meth:`overdue` from its thread, and the pipeline's p2p stream thread posts and waits
+    while the main thread runs other collectives.
     """
 
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
@@ -264,9 +265,10 @@ class CommStats:
         self.poll()
 
     def _account(self, t: _Timing) -> None:
-        t.entry.waited_s += t.ended.seconds_since(t.waited)
-        t.entry.in_flight_s += t.ended.seconds_since(t.posted)
-        self.finish(t.seq)
+        with self._lock:
+            t.entry.waited_s += t.ended.seconds_since(t.waited)
+            t.entry.in_flight_s += t.ended.seconds_since(t.posted)
+            self.finish(t.seq)
 
     def poll(self) -> None:
         """Settle the waited operations that have completed (never blocks)."""
@@ -312,11 +314,12 @@ class CommStats:
 
     def record(self, key: str, payload: int, wire: float) -> OpStats:
         """Count one call and return its stats entry."""
-        entry = self.ops[key]
-        entry.calls += 1
-        entry.payload_bytes += payload
-        entry.wire_bytes += wire
-        return entry
+        with self._lock:  # the pipeline's p2p stream thread counts too
+            entry = self.ops[key]
+            entry.calls += 1
+            entry.payload_bytes += payload
+            entry.wire_bytes += wire
+            return entry
 
     def reset(self) -> None:
         """Forget everything counted so far."""

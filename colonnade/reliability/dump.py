@@ -26,7 +26,7 @@ def comm_state(stats: CommStats | None, now: float | None = None) -> list[str]:
     else:
         lines.append("in flight: nothing")
     lines.append(f"collectives posted: {stats.posted}; last completion "
-                 f"{now - stats.last_progress:.1f} s ago")
+                 f"{max(0.0, now - stats.progressed_at()):.1f} s ago")
     return lines
 
 

@@ -2,8 +2,10 @@
 
 Every rank of a run writes under ``logging.dir`` (the launcher reads these after a failure):
 
-  heartbeat/rank{r}-a{k}.json pid, host, attempt, step, phase and the last collective; rewritten
-                              at most every ``heartbeat_s`` seconds, and at start and end
+  heartbeat/rank{r}-a{k}.json pid, host, attempt, step, phase and the last collective; written
+                              at every step and rewritten by the watchdog thread every
+                              ``heartbeat_s`` seconds (also while the main thread waits in a
+                              collective), so a stale one means the process itself is frozen
   failures/rank{r}-a{k}.json  why rank r ended on attempt k: kind 'exception' | 'hang' |
                               'terminated', a one-line summary, the step, the last collective
   failures/rank{r}-a{k}.txt   the full dump: message, collectives in flight, the traceback and
@@ -11,8 +13,12 @@ Every rank of a run writes under ``logging.dir`` (the launcher reads these after
 A fatal signal (SIGSEGV, SIGABRT, ...) makes faulthandler print every thread's stack to stderr.
 
 The watchdog is a daemon thread. Progress is a finished training step (:meth:`beat`) or a
-completed collective (``CommStats.last_progress``); with no progress for ``watchdog_s`` seconds
-it writes a 'hang' record and exits the process with :data:`HANG_EXIT_CODE`. The same thread
+completed collective (``CommStats.progressed_at``); with no progress for ``watchdog_s`` seconds,
+or a collective the rank waits for posted over ``watchdog_s`` ago, it writes a 'hang' record
+and exits the process with :data:`HANG_EXIT_CODE`. ``watchdog_s`` defaults to
+:data:`WATCHDOG_FRACTION` x ``parallel.timeout_s`` (:func:`watchdog_seconds`, the one place
+both limits are related), so the record is written before the backend's own timeout (gloo's
+error, NCCL's watchdog abort) ends the rank. The same thread
 serves SIGTERM (how a launcher stops the surviving ranks): it records what the rank was doing
 (kind 'terminated'), then exits with 128 + SIGTERM. A Python signal handler alone could not do
 this: it runs only when the main thread returns to the interpreter, never while the main
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from colonnade.config.sections import ParallelConfig
 from colonnade.parallel.comm import CommStats
 from colonnade.reliability.dump import comm_state, last_op_text, python_stacks
 
@@ -45,6 +52,16 @@ TERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status of a rank stopped by SIGTERM after recording its state."""
 TERM_GRACE_S = 5.0
 """With graceful stop on, a SIGTERM'd rank idle this long (no step, no collective) is stuck."""
+WATCHDOG_FRACTION = 0.8
+"""Default hang limit as a fraction of ``parallel.timeout_s``: below 1 so that the hang
+detectors (each rank's and the launcher's) report before the collective timeout aborts."""
+
+
+def watchdog_seconds(par: ParallelConfig) -> float:
+    """The hang limit of the in-rank watchdog and of the launcher's heartbeat watch:
+    ``parallel.watchdog_s``, or :data:`WATCHDOG_FRACTION` x ``parallel.timeout_s`` when unset
+    (0 disables both). Validation keeps a set value below ``timeout_s``."""
+    return WATCHDOG_FRACTION * par.timeout_s if par.watchdog_s is None else par.watchdog_s
 
 
 @dataclass(frozen=True)
@@ -85,7 +102,9 @@ def failure_path(run_dir: str | Path, rank: int, attempt: int, suffix: str = ".j
     return Path(run_dir) / "failures" / f"rank{rank}-a{attempt}{suffix}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readers never see a
+    half-written file)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -145,12 +164,11 @@ class RankMonitor:
 
     def beat(self, step: int, stats: CommStats | None = None, phase: str = "train") -> None:
         """Progress: step ``step`` (1-based, as logged) starts; ``stats`` counts the collectives."""
-        first = self.phase != phase
         self.step, self.phase, self.armed = step, phase, True
         if stats is not None:
             self.stats = stats
         self._last_beat = time.monotonic()
-        self._write_heartbeat(force=first)
+        self._write_heartbeat(force=True)
 
     def stop(self, ok: bool = True) -> None:
         """Stop the thread, restore signal handlers, write the final heartbeat."""
@@ -182,7 +200,7 @@ class RankMonitor:
         text = "\n".join([header, *comm_state(self.stats, now), body,
                           "--- Python stacks of every thread ---", python_stacks()])
         txt = failure_path(self.run_dir, info.rank, info.attempt, ".txt")
-        idle = now - max(self._last_beat, self.stats.last_progress if self.stats else 0.0)
+        idle = self.idle_s()
         record = {"rank": info.rank, "world": info.world, "attempt": info.attempt,
                   "run_id": info.run_id, "pid": info.pid, "host": info.host, "kind": kind,
                   "summary": " ".join(summary.split())[:2000], "step": self.step,
@@ -193,7 +211,7 @@ class RankMonitor:
         try:
             txt.parent.mkdir(parents=True, exist_ok=True)
             txt.write_text(text + "\n")
-            _write_atomic(failure_path(self.run_dir, info.rank, info.attempt),
+            write_atomic(failure_path(self.run_dir, info.rank, info.attempt),
                           json.dumps(record, indent=1))
         except OSError as err:  # the dump must never hide the original failure
             print(f"colonnade: could not write the failure record: {err}", file=sys.stderr)
@@ -213,7 +231,7 @@ class RankMonitor:
         body = {"rank": info.rank, "world": info.world, "attempt": info.attempt,
                 "run_id": info.run_id, "pid": info.pid, "host": info.host, "step": self.step,
                 "phase": self.phase, "last_op": last_op_text(self.stats), "time": time.time()}
-        _write_atomic(heartbeat_path(self.run_dir, info.rank, info.attempt), json.dumps(body))
+        write_atomic(heartbeat_path(self.run_dir, info.rank, info.attempt), json.dumps(body))
 
     # ------------------------------------------------------------------ watchdog thread
 
@@ -221,7 +239,7 @@ class RankMonitor:
         """Seconds since the last progress (a step beat or a completed collective)."""
         last = self._last_beat
         if self.stats is not None:
-            last = max(last, self.stats.last_progress)
+            last = max(last, self.stats.progressed_at())
         return time.monotonic() - last
 
     def _watch(self) -> None:
@@ -240,9 +258,17 @@ class RankMonitor:
                     and self.idle_s() > self.term_grace_s):
                 self._on_terminate()
                 return
-            if self.armed and self.watchdog_s > 0 and self.idle_s() > self.watchdog_s:
+            if self.armed and self.watchdog_s > 0 and self._hung():
                 self._on_hang()
                 return
+            with contextlib.suppress(OSError):
+                self._write_heartbeat()  # fresh: current step and last collective
+
+    def _hung(self) -> bool:
+        """No progress for watchdog_s, or a collective waited for posted over watchdog_s ago."""
+        if self.idle_s() > self.watchdog_s:
+            return True
+        return self.stats is not None and self.stats.overdue(self.watchdog_s) is not None
 
     def _got_sigterm(self) -> bool:
         assert self._wake is not None
@@ -253,9 +279,17 @@ class RankMonitor:
         return int(signal.SIGTERM) in data
 
     def _on_hang(self) -> None:
-        self._record("hang", f"no progress for {self.idle_s():.1f} s (parallel.watchdog_s="
-                     f"{self.watchdog_s:g}): no step finished and no collective completed; this "
-                     "rank is stuck (see its stack below) or waits for a stuck peer")
+        idle = self.idle_s()
+        late = self.stats.overdue(self.watchdog_s) if self.stats is not None else None
+        if late is not None and idle <= self.watchdog_s:
+            what = (f"{late.op} on group '{late.group}' waited for over "
+                    f"{time.monotonic() - late.started:.1f} s")
+        else:
+            what = (f"no progress for {idle:.1f} s: no step finished and no collective "
+                    "completed")
+        self._record("hang", f"{what} (hang limit parallel.watchdog_s={self.watchdog_s:g}, "
+                     "reported before the collective timeout parallel.timeout_s ends the "
+                     "rank); this rank is stuck (see its stack below) or waits for a stuck peer")
         if self.exit_process:
             os._exit(HANG_EXIT_CODE)
 

@@ -5,11 +5,15 @@ Sources, combined per rank:
   worker it saw die, and its Python error when it raised;
 * the ranks' own records (:mod:`colonnade.reliability.monitor`): 'exception', 'hang' and
   'terminated' records with the collective in flight and a full dump;
+* the launcher's 'frozen' records (:mod:`colonnade.reliability.watch`): a rank whose heartbeat
+  went stale while its process still existed (stopped, or not running at all) was hung, not
+  dead; the launcher recorded its last step and collective, then killed it;
 * the heartbeats: a rank that started (it has a heartbeat of this attempt) but left no record
   and did not finish died without running any Python: SIGKILL, the OOM killer, a hard crash.
 
-Ranks are listed most-likely-cause first: died without a trace, hung, raised a non-comm error,
-failed in a collective (usually a consequence), stopped by the launcher.
+Ranks are listed most-likely-cause first: died without a trace or frozen, stuck outside any
+collective, raised a non-comm error, hung inside a collective or failed in one (usually waiting
+for one of the former), exited, stopped by the launcher.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_ORDER = {"died": 0, "hang": 1, "stuck": 1, "exception": 2, "comm": 3, "exited": 4,
-          "terminated": 5, "done": 6}
+_ORDER = {"died": 0, "frozen": 0, "stuck": 1, "exception": 2, "hang": 3, "comm": 3,
+          "exited": 4, "terminated": 5, "done": 6}
 STUCK_IDLE_S = 1.0
 """A rank stopped while outside every collective and idle this long was stuck in its own code."""
 
@@ -32,7 +36,8 @@ class RankStatus:
 
     rank: int
     kind: str
-    """'died' | 'hang' | 'stuck' | 'exception' | 'comm' | 'exited' | 'terminated' | 'done'."""
+    """'died' | 'frozen' | 'stuck' | 'hang' | 'exception' | 'comm' | 'exited' | 'terminated' |
+    'done'."""
     text: str
     dump: str = ""
 
@@ -89,6 +94,11 @@ def _from_agent(rank: int, failure: Any) -> RankStatus:
     """Status from a torch elastic ``ProcessFailure``."""
     code = int(getattr(failure, "exitcode", 1))
     pid = getattr(failure, "pid", "?")
+    if code == -int(signal.SIGABRT):
+        return RankStatus(rank, "died", f"aborted (SIGABRT, pid {pid}) without a Python error: "
+                          "on NCCL, torch's watchdog aborts a rank whose collective failed or "
+                          "exceeded parallel.timeout_s (its flight recorder dump: logging.dir/"
+                          f"failures/nccl_trace_rank_{rank}); else a crash in C++ (see stderr)")
     if code < 0:
         return RankStatus(rank, "died", f"killed by {_signal_name(code)} (pid {pid}) without a "
                           "Python error: killed from outside (kill -9, the OOM killer, the "
@@ -109,6 +119,12 @@ def _from_record(rec: dict[str, Any]) -> RankStatus:
         summary = rec.get("summary", "")
         kind = "comm" if summary.startswith("CommError") else "exception"
         text = f"raised at step {step}: {summary}"
+    elif kind == "frozen":
+        text = f"FROZEN at step {step}{doing}: {rec.get('summary', '')}"
+    elif kind == "hang" and not rec.get("in_flight"):
+        kind = "stuck"
+        text = (f"STUCK outside any collective at step {step}{doing} (see its Python stack): "
+                f"{rec.get('summary', '')}")
     elif kind == "hang":
         text = f"HUNG at step {step}{doing}: {rec.get('summary', '')}"
     elif not rec.get("in_flight") and float(rec.get("idle_s", 0.0)) >= STUCK_IDLE_S:

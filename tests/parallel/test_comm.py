@@ -300,3 +300,36 @@ def test_clock_for_is_the_one_backend_choice(monkeypatch: pytest.MonkeyPatch) ->
     assert isinstance(clock_for("nccl"), EventClock) and not clock_for("nccl").host_blocking
     group = CommGroup("tp", [0, 1], "nccl", CommStats(), 0)
     assert isinstance(group.clock, EventClock)
+
+
+@pytest.mark.gpu
+def test_nccl_timing_from_events_on_a_gpu(tmp_path: Any) -> None:
+    """On a real NCCL group (one rank: the ranks list is only a label here) an async all-reduce
+    queued behind ~0.2 s of GPU work: wait() returns at once, the op stays pending until the
+    GPU gets there, and its times are the GPU's (events), not the queued compute nor ~0."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0))
+    from colonnade.parallel.comm import EventClock
+
+    group = CommGroup("dp", [0, 1], dist.group.WORLD, CommStats(), 0)
+    assert isinstance(group.clock, EventClock)
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(20):
+        a = a @ a / 8192**0.5  # queued compute ahead of the collective
+    t = torch.ones(1 << 20, device="cuda")
+    handle = group.all_reduce(t, name="grads", async_op=True)
+    assert handle is not None
+    handle.wait()
+    host_s = time.perf_counter() - begin
+    assert [r.op for r in group.stats.pending()] == ["all_reduce(grads)"]
+    torch.cuda.synchronize()
+    gpu_s = time.perf_counter() - begin
+    assert gpu_s > 5 * host_s  # the host ran ahead: wait() did not block
+    entry = group.stats.snapshot()["dp/all_reduce/grads"]
+    assert group.stats.pending() == []
+    assert 0.0 <= entry["waited_s"] <= entry["in_flight_s"] + 1e-6
+    assert 0.0 < entry["in_flight_s"] < 0.5 * gpu_s
+    dist.destroy_process_group()

@@ -5,7 +5,9 @@ attempt:
   'hang'   the rank sleeps in Python (blocked outside any collective) for an hour;
   'kill'   the rank SIGKILLs itself in the middle of the step's backward pass;
   'nan'    the gradient of parameter ``param`` becomes NaN on that step;
-  'raise'  the rank raises RuntimeError at the start of the step.
+  'raise'  the rank raises RuntimeError at the start of the step;
+  'stop'   the rank freezes itself with SIGSTOP at the start of the step (every thread stops,
+           its monitor too: a hang that no in-rank watchdog can report).
 
 Run a job with a fault (same arguments as ``colonnade train``)::
 
@@ -70,6 +72,8 @@ def install(fault: Fault) -> None:
         handles = []
         if hit and fault.kind == "hang":
             time.sleep(3600)
+        if hit and fault.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         if hit and fault.kind == "raise":
             raise RuntimeError(f"injected failure on rank {fault.rank} at step {fault.step}")
         if hit and fault.kind in ("nan", "kill"):

@@ -7,8 +7,8 @@ report, the ranks' dumps and the losses in metrics.jsonl.
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import signal
 import socket
 import time
@@ -122,10 +122,11 @@ def test_max_restarts_resumes_from_latest_checkpoint(corpus: tuple[Path, Path],
     _assert_same_losses(losses(tmp_path), reference)
 
 
-def test_hung_rank_times_out_the_others_with_dumps(corpus: tuple[Path, Path],
-                                                   tmp_path: Path) -> None:
-    """Rank 1 blocks in Python at step 3: rank 0 fails with the timeout naming group 'tp' and
-    the operation; the report names rank 1 as stuck; both dumps hold stacks and collectives."""
+def test_hung_rank_is_reported_before_the_collective_timeout(corpus: tuple[Path, Path],
+                                                            tmp_path: Path) -> None:
+    """Rank 1 blocks in Python at step 3: both ranks' watchdogs fire at 0.8 x timeout_s, before
+    gloo's timeout would: rank 1 is named STUCK outside any collective (the cause), rank 0 HUNG
+    in the tp all-reduce waiting for it; both dumps hold stacks and collectives."""
     timeout_s = 8
     args = tiny_args(*corpus, tmp_path, parallel__tp=2, parallel__timeout_s=timeout_s,
                      training__steps=50)
@@ -135,15 +136,52 @@ def test_hung_rank_times_out_the_others_with_dumps(corpus: tuple[Path, Path],
     out = job.output()
     assert status == 1, out
     cause = next(line for line in out.splitlines() if "likely cause:" in line)
-    assert "rank 1: STUCK outside any collective" in cause and "at step 3" in cause, cause
-    timeout_line = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
-    assert "on group 'tp'" in timeout_line and "all_reduce(" in timeout_line, timeout_line
-    waited = re.search(r"failed after ([0-9.]+) s", timeout_line)
-    assert waited and timeout_s <= float(waited[1]) < timeout_s + 10, timeout_line
-    assert "timed out (parallel.timeout_s)" in timeout_line, timeout_line
+    assert "rank 1: STUCK outside any collective at step 3" in cause, cause
+    waiting = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
+    assert "HUNG at step 3 while in all_reduce(" in waiting, waiting
+    assert "on group 'tp'" in waiting and "parallel.watchdog_s=6.4" in waiting, waiting
+    rec = json.loads((tmp_path / "failures" / "rank0-a0.json").read_text())
+    assert rec["kind"] == "hang" and 0.8 * timeout_s <= rec["idle_s"] < timeout_s, rec
+    assert "CommError" not in out  # the backend's timeout never had to fire
     stuck = (tmp_path / "failures" / "rank1-a0.txt").read_text()
     assert "time.sleep(3600)" in stuck and "in train_step" in stuck, stuck
     assert "in flight: nothing" in stuck and "last collective: all_reduce(" in stuck, stuck
-    waiting = (tmp_path / "failures" / "rank0-a0.txt").read_text()
-    assert "in flight: all_reduce(" in waiting and "group 'tp'" in waiting, waiting
-    assert "Thread 'MainThread'" in waiting, waiting
+    dump = (tmp_path / "failures" / "rank0-a0.txt").read_text()
+    assert "in flight: all_reduce(" in dump and "group 'tp'" in dump, dump
+    assert "Thread 'MainThread'" in dump, dump
+
+
+def test_frozen_rank_is_a_hang_and_the_job_ends_within_the_timeout(corpus: tuple[Path, Path],
+                                                                   tmp_path: Path) -> None:
+    """Rank 1 SIGSTOPs itself at step 3 (its watchdog freezes with it): the launcher sees its
+    heartbeat go stale, records it FROZEN with its current step and last collective, SIGKILLs
+    it; rank 0's watchdog reports it waited in the tp all-reduce; everything is gone well
+    within timeout_s of the freeze (it used to take ~34 s more, and say 'died' at step 1)."""
+    timeout_s = 8
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, parallel__timeout_s=timeout_s,
+                     training__steps=50)
+    job = start(["--fault", "stop:1:3", "--nproc", "2", *args], tmp_path / "job.log",
+                module="tests.reliability.faults")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    beat = heartbeat(tmp_path, 1)
+    while beat is None or int(beat["step"]) < 3:  # rank 1 starts step 3 and freezes
+        assert job.proc.poll() is None, job.output()
+        assert time.monotonic() < deadline, job.output()
+        time.sleep(0.1)
+        beat = heartbeat(tmp_path, 1)
+    frozen_at = time.monotonic()
+    pids = [int(b["pid"]) for b in (heartbeat(tmp_path, r) for r in range(2)) if b]
+    status = job.wait(JOB_TIMEOUT_S)
+    took = time.monotonic() - frozen_at
+    out = job.output()
+    assert status == 1, out
+    assert took < timeout_s + 3, (took, out)
+    assert len(pids) == 2 and not [p for p in pids if alive(p)], "ranks survived the job"
+    cause = next(line for line in out.splitlines() if "likely cause:" in line)
+    assert ("likely cause: rank 1: FROZEN at step 3; last collective all_reduce(stop_flag) on "
+            "group 'world'") in cause, cause
+    assert "stopped by a signal (SIGSTOP / SIGTSTP)" in cause and "SIGKILL" in cause, cause
+    assert "died" not in out, out
+    waiting = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
+    assert "HUNG at step 3 while in all_reduce(" in waiting, waiting
+    assert "on group 'tp'" in waiting, waiting

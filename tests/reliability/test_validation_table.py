@@ -111,6 +111,8 @@ TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
      ["parallel.timeout_s=0.0 must be > 0", "e.g. 300"]),
     ("watchdog_negative", 1, {"parallel": {"watchdog_s": -1}},
      ["parallel.watchdog_s=-1.0 must be >= 0", "0 disables the hang detector"]),
+    ("watchdog_not_before_timeout", 1, {"parallel": {"timeout_s": 10, "watchdog_s": 10}},
+     ["parallel.watchdog_s=10.0 must be < parallel.timeout_s=10.0", "0.8 x timeout_s"]),
     ("eval_without_valid_split", 1, {"training": {"eval_interval": 10},
                                      "data": {"valid_fraction": 0.0}},
      ["training.eval_interval=10 needs data.valid_fraction > 0", "or eval_interval=0"]),
