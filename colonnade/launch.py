@@ -258,7 +258,10 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
         results = elastic_launch(lc, entrypoint)(*(entry_args if entry_args is not None
                                                    else (config, True)))
     except SignalException as err:  # Ctrl-C / SIGTERM to the launcher, forwarded to the ranks
-        print(_stopped_line(config, int(err.sigval)), file=sys.stderr, flush=True)
+        frozen = [f"\n  rank {r} was frozen and could not stop: {text}"
+                  for r, text in sorted(watch.killed.items())]
+        print(_stopped_line(config, int(err.sigval)) + "".join(frozen), file=sys.stderr,
+              flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         line = _one_line_failure(config.logging.dir, lc.run_id, since)

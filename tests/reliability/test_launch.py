@@ -185,3 +185,34 @@ def test_frozen_rank_is_a_hang_and_the_job_ends_within_the_timeout(corpus: tuple
     waiting = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
     assert "HUNG at step 3 while in all_reduce(" in waiting, waiting
     assert "on group 'tp'" in waiting, waiting
+
+
+def test_sigterm_to_the_launcher_with_a_frozen_rank_stops_at_once(corpus: tuple[Path, Path],
+                                                                  tmp_path: Path) -> None:
+    """SIGTERM to the launcher while rank 1 is frozen (a stopped process ignores SIGTERM): the
+    job is reported as stopped by SIGTERM, names the frozen rank, and is gone within seconds
+    (the agent used to wait 30 s before its SIGKILL)."""
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, parallel__timeout_s=60,
+                     training__steps=50)
+    job = start(["--fault", "stop:1:3", "--nproc", "2", *args], tmp_path / "job.log",
+                module="tests.reliability.faults")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    beat = heartbeat(tmp_path, 1)
+    while beat is None or int(beat["step"]) < 3:
+        assert job.proc.poll() is None, job.output()
+        assert time.monotonic() < deadline, job.output()
+        time.sleep(0.1)
+        beat = heartbeat(tmp_path, 1)
+    pids = [int(b["pid"]) for b in (heartbeat(tmp_path, r) for r in range(2)) if b]
+    time.sleep(1.0)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    status = job.wait(JOB_TIMEOUT_S)
+    took = time.monotonic() - sent
+    out = job.output()
+    assert status == 143, out
+    assert took < 15, (took, out)  # rank 0's stop grace (5 s) + the watch, not the agent's 30 s
+    assert "colonnade: the job was stopped by SIGTERM" in out, out
+    assert "rank 1 was frozen and could not stop: no heartbeat for" in out, out
+    assert "failed before training" not in out, out
+    assert len(pids) == 2 and not [p for p in pids if alive(p)], "ranks survived the job"
