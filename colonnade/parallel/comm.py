@@ -138,7 +138,10 @@ def clock_for(pg: Any) -> Clock:
     stream-ordered ones (:data:`STREAM_ORDERED_BACKENDS`)."""
     if pg is None:
         return WallClock()
-    backend = str(dist.get_backend(pg)).lower()
+    try:
+        backend = str(dist.get_backend(pg)).lower()
+    except (RuntimeError, ValueError):  # a group this rank is not in: it never runs an op here
+        return WallClock()
     if any(name in backend for name in STREAM_ORDERED_BACKENDS):
         return EventClock()
     return WallClock()
@@ -161,11 +164,16 @@ class OpRecord:
     """``time.monotonic()`` when the caller first needed the result (a blocking call: at
     posting; async: its ``wait()``); None while nobody waits for it."""
 
-    def describe(self, now: float | None = None) -> str:
-        """'all_reduce(x) on group 'dp' (ranks [0, 2], 64 B), in flight for 3.2 s'."""
+    def describe(self, now: float | None = None, ages: bool = True) -> str:
+        """'all_reduce(x) on group 'dp' (ranks [0, 2], 64 B), in flight for 3.2 s' (without
+        ``ages``: '..., in flight' / '..., completed', for text read later)."""
         now = time.monotonic() if now is None else now
-        state = (f"in flight for {now - self.started:.1f} s" if self.finished is None
-                 else f"completed {now - self.finished:.1f} s ago")
+        if not ages:
+            state = "in flight" if self.finished is None else "completed"
+        elif self.finished is None:
+            state = f"in flight for {now - self.started:.1f} s"
+        else:
+            state = f"completed {now - self.finished:.1f} s ago"
         return (f"{self.op} on group '{self.group}' (ranks {ranks_text(self.ranks)}, "
                 f"{self.payload_bytes} B), {state}")
 

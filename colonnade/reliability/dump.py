@@ -30,13 +30,14 @@ def comm_state(stats: CommStats | None, now: float | None = None) -> list[str]:
     return lines
 
 
-def last_op_text(stats: CommStats | None) -> str:
-    """One line: the operation in flight (oldest) or else the last one posted."""
+def last_op_text(stats: CommStats | None, ages: bool = True) -> str:
+    """One line: the operation in flight (oldest) or else the last one posted (``ages``: with
+    how long ago, as of now)."""
     if stats is None:
         return "none"
     pending = stats.pending()
     rec = pending[0] if pending else stats.last
-    return rec.describe() if rec is not None else "none"
+    return rec.describe(ages=ages) if rec is not None else "none"
 
 
 def python_stacks() -> str:

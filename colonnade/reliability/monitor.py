@@ -105,7 +105,7 @@ def failure_path(run_dir: str | Path, rank: int, attempt: int, suffix: str = ".j
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (readers never see a
     half-written file)."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -134,6 +134,7 @@ class RankMonitor:
         self._last_write = float("-inf")
         self._stop = threading.Event()
         self._record_lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None
         self._previous: dict[str, Any] = {}
@@ -223,14 +224,19 @@ class RankMonitor:
         return txt
 
     def _write_heartbeat(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_write < self.heartbeat_s:
-            return
-        self._last_write = now
+        with self._beat_lock:  # the main thread (each step) and the watchdog thread write it
+            now = time.monotonic()
+            if not force and now - self._last_write < self.heartbeat_s:
+                return
+            self._last_write = now
+            self._write_heartbeat_file()
+
+    def _write_heartbeat_file(self) -> None:
         info = self.info
         body = {"rank": info.rank, "world": info.world, "attempt": info.attempt,
                 "run_id": info.run_id, "pid": info.pid, "host": info.host, "step": self.step,
-                "phase": self.phase, "last_op": last_op_text(self.stats), "time": time.time()}
+                "phase": self.phase, "last_op": last_op_text(self.stats, ages=False),
+                "time": time.time()}
         write_atomic(heartbeat_path(self.run_dir, info.rank, info.attempt), json.dumps(body))
 
     # ------------------------------------------------------------------ watchdog thread
