@@ -55,8 +55,8 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = validate(resolve(config, world), world)  # before any process group exists
     info = RankInfo.from_env()
-    monitor = RankMonitor(config.logging.dir, info,
-                          watchdog_s=watchdog_seconds(config.parallel)).start()
+    monitor = RankMonitor(config.logging.dir, info, watchdog_s=watchdog_seconds(config.parallel),
+                          timeout_s=config.parallel.timeout_s).start()
     ok = False
     try:
         if info.attempt > 0 and info.rank == 0:

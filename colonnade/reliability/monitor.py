@@ -14,8 +14,10 @@ A fatal signal (SIGSEGV, SIGABRT, ...) makes faulthandler print every thread's s
 
 The watchdog is a daemon thread. Progress is a finished training step (:meth:`beat`) or a
 completed collective (``CommStats.progressed_at``); with no progress for ``watchdog_s`` seconds,
-or a collective the rank waits for posted over ``watchdog_s`` ago, it writes a 'hang' record
-and exits the process with :data:`HANG_EXIT_CODE`. ``watchdog_s`` defaults to
+or a collective the rank waits for posted over ``watchdog_s`` ago, it writes a 'hang' record.
+The rank is then left to the backend's timeout (gloo raises, NCCL's watchdog dumps its flight
+recorder and aborts) and exits itself with :data:`HANG_EXIT_CODE` at the latest
+:data:`HANG_EXIT_GRACE_S` after that timeout. ``watchdog_s`` defaults to
 :data:`WATCHDOG_FRACTION` x ``parallel.timeout_s`` (:func:`watchdog_seconds`, the one place
 both limits are related), so the record is written before the backend's own timeout (gloo's
 error, NCCL's watchdog abort) ends the rank. The same thread
@@ -51,6 +53,9 @@ HANG_EXIT_CODE = 124
 TERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 """Exit status of a rank stopped by SIGTERM after recording its state."""
 TERM_GRACE_S = 5.0
+HANG_EXIT_GRACE_S = 10.0
+"""A hung rank whose backend never ends it (stuck outside every collective, or every rank
+stuck) exits itself this long after ``parallel.timeout_s`` would have passed."""
 """With graceful stop on, a SIGTERM'd rank idle this long (no step, no collective) is stuck."""
 WATCHDOG_FRACTION = 0.8
 """Default hang limit as a fraction of ``parallel.timeout_s``: below 1 so that the hang
@@ -115,12 +120,18 @@ class RankMonitor:
 
     def __init__(self, run_dir: str | Path, info: RankInfo | None = None, *,
                  watchdog_s: float = 0.0, heartbeat_s: float = 1.0,
-                 exit_process: bool = True) -> None:
+                 exit_process: bool = True, timeout_s: float | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.info = info or RankInfo.from_env()
         self.watchdog_s = watchdog_s
         """No progress for this long is a hang (0 disables the check)."""
         self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        """``parallel.timeout_s``: after its hang record the rank is left to the backend's
+        timeout (NCCL then dumps its flight recorder), exiting itself :data:`HANG_EXIT_GRACE_S`
+        after it at the latest; None: exit right after the record."""
+        self.exit_at: float | None = None
+        """``time.monotonic()`` at which a hung rank exits itself (set by its hang record)."""
         self.exit_process = exit_process
         """Exit after a hang or SIGTERM record (False only in tests)."""
         self.stats: CommStats | None = None
@@ -264,9 +275,17 @@ class RankMonitor:
                     and self.idle_s() > self.term_grace_s):
                 self._on_terminate()
                 return
-            if self.armed and self.watchdog_s > 0 and self._hung():
+            if self.exit_at is not None:
+                if time.monotonic() >= self.exit_at:
+                    self._exit_hung()
+                    return
+            elif self.armed and self.watchdog_s > 0 and self._hung():
                 self._on_hang()
-                return
+                if self.timeout_s is None:
+                    self._exit_hung()
+                    return
+                late = max(0.0, self.timeout_s - self.watchdog_s) + HANG_EXIT_GRACE_S
+                self.exit_at = time.monotonic() + late
             with contextlib.suppress(OSError):
                 self._write_heartbeat()  # fresh: current step and last collective
 
@@ -296,6 +315,8 @@ class RankMonitor:
         self._record("hang", f"{what} (hang limit parallel.watchdog_s={self.watchdog_s:g}, "
                      "reported before the collective timeout parallel.timeout_s ends the "
                      "rank); this rank is stuck (see its stack below) or waits for a stuck peer")
+
+    def _exit_hung(self) -> None:
         if self.exit_process:
             os._exit(HANG_EXIT_CODE)
 

@@ -219,3 +219,26 @@ def test_signal_wrapped_in_another_error_is_a_stop(tmp_path: Path,
     err_text = capsys.readouterr().err
     assert status == 143, err_text
     assert "the job was stopped by SIGTERM" in err_text and "failed before" not in err_text
+
+
+def test_hung_rank_is_left_to_the_backend_timeout_then_exits(tmp_path: Path) -> None:
+    """After its hang record (at watchdog_s) a rank waits for the backend's timeout to end it
+    (NCCL dumps its flight recorder then), and exits itself HANG_EXIT_GRACE_S after it at the
+    latest; the heartbeat stays fresh meanwhile (it is not frozen)."""
+    from colonnade.reliability.monitor import HANG_EXIT_GRACE_S
+
+    monitor = RankMonitor(tmp_path, RankInfo(rank=0, run_id="t"), watchdog_s=0.3,
+                          heartbeat_s=0.05, exit_process=False, timeout_s=0.5)
+    monitor.start(signals=False)
+    monitor.beat(2, CommStats())
+    deadline = time.monotonic() + 5
+    while monitor.exit_at is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    recorded = time.monotonic()
+    assert monitor.fired == "hang"
+    assert monitor.exit_at - recorded == pytest.approx(0.2 + HANG_EXIT_GRACE_S, abs=0.3)
+    first = json.loads(heartbeat_path(tmp_path, 0, 0).read_text())["time"]
+    time.sleep(0.3)
+    assert json.loads(heartbeat_path(tmp_path, 0, 0).read_text())["time"] > first
+    monitor.stop(ok=False)
