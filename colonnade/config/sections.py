@@ -257,14 +257,14 @@ class TrainingConfig:
     (PyTorch's cross_entropy label_smoothing); masked labels (-100) stay out of the loss."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
     tf32: bool = True
     """On CUDA, run fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa
     inputs, fp32 accumulate); MFU of fp32 runs is then against the TF32 peak. False keeps
     IEEE fp32 (the much lower fp32 peak). No effect on CPU or on bf16/fp16/fp64 maths."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
     """Saving and loading."""
 
     save: str | None = None
