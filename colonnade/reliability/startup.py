@@ -38,7 +38,7 @@ from colonnade.device import backend_for, pick_device
 STARTUP_TIMEOUT_S = 900.0
 """Longest wait for every rank to join the default group (torchrun's rendezvous default)."""
 NCCL_TRACE_ENTRIES = 2000
-"""Collectives kept per rank by torch's NCCL flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE)."""
+"""Collectives kept per rank by torch's flight recorder (TORCH_FR_BUFFER_SIZE)."""
 
 
 def torch_nccl_env(run_dir: str | Path) -> dict[str, str]:
@@ -50,19 +50,21 @@ def torch_nccl_env(run_dir: str | Path) -> dict[str, str]:
       of leaving it waiting forever (``wait()`` only orders streams, so no Python call could
       raise); 3 skips aborting the communicators first, which can itself hang when a peer is
       gone. It is torch's default; the elastic agent would otherwise set 1.
-    * ``TORCH_NCCL_TRACE_BUFFER_SIZE``: the flight recorder keeps the last
-      :data:`NCCL_TRACE_ENTRIES` collectives of every group (sequence numbers, sizes, state).
+    * ``TORCH_FR_BUFFER_SIZE`` (formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``, which torch 2.13
+      warns about): the flight recorder keeps the last :data:`NCCL_TRACE_ENTRIES` collectives
+      of every group (sequence numbers, sizes, state).
     * ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: on a timeout the watchdog writes that record before
       ending the process ...
-    * ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``: ... to ``logging.dir/failures/nccl_trace_rank_<r>``
-      (torch appends the rank), next to Colonnade's own failure records; read it with
-      ``python -m torch.distributed.flight_recorder.fr_trace`` to see which rank did not join.
+    * ``TORCH_FR_DUMP_TEMP_FILE`` (formerly ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``): ... to
+      ``logging.dir/failures/nccl_trace_rank_<r>`` (torch appends the rank), next to
+      Colonnade's own failure records; read them with ``python -m
+      torch.distributed.flight_recorder.fr_trace`` to see which rank did not join.
     """
     return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+            "TORCH_FR_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir).resolve() / "failures"
-                                                   / "nccl_trace_rank_")}
+            "TORCH_FR_DUMP_TEMP_FILE": str(Path(run_dir).resolve() / "failures"
+                                           / "nccl_trace_rank_")}
 
 
 def set_torch_nccl_env(run_dir: str | Path) -> dict[str, str]:

@@ -10,9 +10,10 @@ the launcher reads a heartbeat older than the hang limit as "this process no lon
 ``/proc``) and SIGKILLs it, so the elastic agent stops the job at once instead of waiting 30 s
 for a stopped process that can never exit after SIGTERM. Limits:
 
-* the hang limit: :func:`colonnade.reliability.monitor.watchdog_seconds` (0.8 x
-  ``parallel.timeout_s`` by default), the same as the ranks' own, so the whole job is gone
-  before or shortly after the collective timeout;
+* the hang limit :func:`colonnade.reliability.monitor.watchdog_seconds` (0.8 x
+  ``parallel.timeout_s`` by default) plus :data:`HEARTBEAT_SLACK_S`, so the peers waiting for
+  the frozen rank record their hang first and the whole job is gone by about the collective
+  timeout;
 * a *stopped* process (state T) whose heartbeat is older than :data:`STOPPED_STALE_S` is killed
   at once when another rank of the attempt has already failed (the job is ending anyway).
 
@@ -37,6 +38,9 @@ from colonnade.reliability.report import read_heartbeats, read_records
 
 POLL_S = 0.5
 """How often the launcher reads the heartbeats."""
+HEARTBEAT_SLACK_S = 2.0
+"""Added to the hang limit: a heartbeat is up to a refresh period old when the rank freezes,
+and the peers' own watchdogs (their idle time counts from the freeze) should report first."""
 STOPPED_STALE_S = 3.0
 """A stopped rank (state T) with a heartbeat this old is frozen once the job is failing."""
 STATES = {"R": "running", "S": "sleeping", "D": "blocked in the kernel (uninterruptible)",
@@ -111,7 +115,8 @@ class HeartbeatWatch:
             state = process_state(pid)
             if state is None or state == "Z":
                 continue  # gone: the agent reports its exit
-            if age > self.limit_s or (state == "T" and failing and age > STOPPED_STALE_S):
+            late = age > self.limit_s + HEARTBEAT_SLACK_S
+            if late or (state == "T" and failing and age > STOPPED_STALE_S):
                 self._freeze(rank, beat, pid, age, state)
                 out.append(rank)
         return out
