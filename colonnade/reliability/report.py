@@ -120,7 +120,7 @@ def _from_record(rec: dict[str, Any]) -> RankStatus:
         kind = "comm" if summary.startswith("CommError") else "exception"
         text = f"raised at step {step}: {summary}"
     elif kind == "frozen":
-        text = f"FROZEN at step {step}{doing}: {rec.get('summary', '')}"
+        text = f"FROZEN at step {step}: {rec.get('summary', '')}{doing}"
     elif kind == "hang" and not rec.get("in_flight"):
         kind = "stuck"
         text = (f"STUCK outside any collective at step {step}{doing} (see its Python stack): "

@@ -79,8 +79,8 @@ def test_watch_records_and_kills_a_frozen_rank(tmp_path: Path,
     assert "stopped by a signal (SIGSTOP / SIGTSTP)" in rec["summary"]
     assert rec["idle_s"] == pytest.approx(7.0, abs=0.5)
     report = failure_report(tmp_path, run_id="r")
-    assert "likely cause: rank 1: FROZEN at step 3; last collective all_reduce(stop_flag) on " \
-           "group 'world'" in report, report
+    assert "likely cause: rank 1: FROZEN at step 3: no heartbeat for " in report, report
+    assert "(SIGKILL); last collective all_reduce(stop_flag) on group 'world'" in report, report
     assert "died" not in report, report
 
 
