@@ -35,7 +35,8 @@ NCCL model alike) is *matched by construction*:
 ``in_order`` (``parallel.p2p_in_order``) makes gloo behave as NCCL: a rank issues its next group
 only when the previous one has completed (a stream thread), and a group is done only when all
 its operations are, so the CPU tests run the exact NCCL ordering (on NCCL this is what the
-backend does). Without it gloo issues every group at once, each waited as a whole.
+backend does). Without it gloo issues every group at once, a compute waiting only for its own
+receive (gloo's fastest; the posting order is the same).
 """
 
 from __future__ import annotations
@@ -220,12 +221,15 @@ def p2p_program(lists: tuple[tuple[Action, ...], ...], overlap: bool) -> tuple[S
 
 
 class _Posted:
-    """One posted group: its handle once issued, the tensors it sends, whether it is done."""
+    """One posted group: the tensors it sends and receives, its backend handles once issued
+    (one for the whole group on NCCL and in-order mode; on free gloo one for the sends and one
+    per receive, so a compute waits only for its own message), whether it is done."""
 
-    def __init__(self, sends: list[tuple[torch.Tensor, int]],
-                 recvs: list[tuple[torch.Tensor, int]]) -> None:
-        self.sends, self.recvs = sends, recvs
-        self.handle: Handle | None = None
+    def __init__(self, sends: list[tuple[torch.Tensor, int]]) -> None:
+        self.sends = sends
+        self.recvs: list[tuple[torch.Tensor, int]] = []
+        self.handles: list[Handle] = []
+        self.recv_handles: dict[Message, Handle] = {}
         self.done = threading.Event()
 
 
@@ -247,8 +251,9 @@ class _InOrderStream:
         while (posted := self.queue.get()) is not None:
             try:
                 if self.error is None:
-                    posted.handle = self.group.p2p(posted.sends, posted.recvs, name="pp")
-                    posted.handle.wait()
+                    handle = self.group.p2p(posted.sends, posted.recvs, name="pp")
+                    posted.handles.append(handle)
+                    handle.wait()
             except BaseException as err:  # handed to the compute thread at its next wait
                 self.error = err
             posted.done.set()
@@ -287,8 +292,8 @@ class PipeComm:
                  dtype: torch.dtype, device: torch.device, in_order: bool = False) -> None:
         self.group, self.stage = group, stage
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
-        nccl = group.pg is not None and dist.get_backend(group.pg) == "nccl"
-        self.stream = _InOrderStream(group) if in_order and not nccl else None
+        self.nccl = group.pg is not None and dist.get_backend(group.pg) == "nccl"
+        self.stream = _InOrderStream(group) if in_order and not self.nccl else None
         self.inbox: dict[Message, tuple[torch.Tensor, _Posted]] = {}
         self.pending: deque[_Posted] = deque()  # posted, not yet retired, in posting order
         self.peak_buffers = 0
@@ -299,19 +304,26 @@ class PipeComm:
     def post(self, ops: Group, tensors: Sequence[torch.Tensor]) -> None:
         """Post one group: its sends carry ``tensors`` (in the order of its send ops)."""
         sends = [op for op in ops if op.kind == "send"]
-        posted = _Posted([(t, self._rank(op.peer)) for op, t in zip(sends, tensors, strict=True)],
-                         [])
+        posted = _Posted([(t, self._rank(op.peer)) for op, t in zip(sends, tensors, strict=True)])
+        free = self.stream is None and not self.nccl
+        if free and posted.sends:
+            posted.handles.append(self.group.p2p(posted.sends, [], name="pp_send"))
         for op in ops:
             if op.kind == "recv":
                 buf = torch.empty(self.shape_of(op.msg.microbatch), dtype=self.dtype,
                                   device=self.device)
                 posted.recvs.append((buf, self._rank(op.peer)))
                 self.inbox[op.msg] = (buf, posted)
+                if free:
+                    handle = self.group.p2p([], [posted.recvs[-1]],
+                                            name=f"pp_recv_{op.msg.direction}")
+                    posted.handles.append(handle)
+                    posted.recv_handles[op.msg] = handle
         self.pending.append(posted)
         if self.stream is not None:
             self.stream.put(posted)
-        else:
-            posted.handle = self.group.p2p(posted.sends, posted.recvs, name="pp")
+        elif self.nccl:
+            posted.handles.append(self.group.p2p(posted.sends, posted.recvs, name="pp"))
         self.peak_buffers = max(self.peak_buffers, len(self.inbox))
 
     def _complete(self, posted: _Posted) -> None:
@@ -319,17 +331,20 @@ class PipeComm:
         if self.stream is not None:
             self.stream.wait(posted)
         elif not posted.done.is_set():
-            assert posted.handle is not None
-            posted.handle.wait()
+            for handle in posted.handles:
+                handle.wait()
             posted.done.set()
 
     def wait(self, msg: Message) -> torch.Tensor:
-        """The data of ``msg``; blocks until its group (in order mode: and every earlier one)
-        is done."""
+        """The data of ``msg``; blocks until its receive is done (NCCL: its group; in-order
+        mode: its group and every earlier one)."""
         if msg not in self.inbox:
             raise ScheduleError(f"stage {self.stage}: {msg} is consumed before it was posted")
         buf, posted = self.inbox.pop(msg)
-        self._complete(posted)
+        if msg in posted.recv_handles:
+            posted.recv_handles[msg].wait()
+        else:
+            self._complete(posted)
         return buf
 
     def reap(self) -> None:
@@ -338,12 +353,9 @@ class PipeComm:
         while self.pending:
             head = self.pending[0]
             if not head.done.is_set():
-                if self.stream is not None or head.handle is None:
+                if self.stream is not None or not all(h.is_completed() for h in head.handles):
                     return
-                if not head.handle.is_completed():
-                    return
-                head.handle.wait()
-                head.done.set()
+                self._complete(head)
             self.pending.popleft()
 
     def abandon(self) -> None:
