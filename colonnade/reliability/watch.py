@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from colonnade.reliability.monitor import failure_path, write_atomic
-from colonnade.reliability.report import read_heartbeats, read_records
+from colonnade.reliability.report import read_records
 
 POLL_S = 0.5
 """How often the launcher reads the heartbeats."""
@@ -94,32 +94,57 @@ class HeartbeatWatch:
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     self.check()
 
+    def _latest_beats(self) -> dict[int, dict[str, Any]]:
+        """This node's ranks' heartbeats of this run, the latest attempt of each (only their
+        own files are read: at thousands of ranks the directory is large and shared)."""
+        out: dict[int, dict[str, Any]] = {}
+        for rank in self.ranks:
+            for path in (self.run_dir / "heartbeat").glob(f"rank{rank}-a*.json"):
+                try:
+                    beat = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if (beat.get("run_id") != self.run_id
+                        or float(beat.get("time", 0.0)) < self.since - 1.0):
+                    continue
+                if rank not in out or int(beat["attempt"]) > int(out[rank]["attempt"]):
+                    out[rank] = beat
+        return out
+
     def check(self, now: float | None = None) -> list[int]:
-        """One look at every local rank of the latest attempt; returns the ranks killed."""
+        """One look at every local rank's latest attempt; returns the ranks killed."""
         now = time.time() if now is None else now
-        beats = read_heartbeats(self.run_dir, self.run_id, self.since)
-        if not beats:
-            return []
-        attempt = max(a for a, _ in beats)
-        records = read_records(self.run_dir, self.run_id, self.since)
-        failing = any(a == attempt for a, _ in records)
         out = []
-        for (a, rank), beat in sorted(beats.items()):
-            if a != attempt or rank not in self.ranks or rank in self.killed:
+        for rank, beat in sorted(self._latest_beats().items()):
+            attempt = int(beat["attempt"])
+            if rank in self.killed or beat.get("host") != self.host:
                 continue
-            if beat.get("host") != self.host or (a, rank) in records:
-                continue  # another node's, or it already said why it ends
             if beat.get("phase") in ("done", "failed"):
                 continue
+            if self._recorded(rank, attempt):
+                continue  # it said itself why it ends
             pid, age = int(beat["pid"]), now - float(beat["time"])
             state = process_state(pid)
             if state is None or state == "Z":
                 continue  # gone: the agent reports its exit
             late = age > self.limit_s + HEARTBEAT_SLACK_S
-            if late or (state == "T" and failing and age > STOPPED_STALE_S):
+            if late or (state == "T" and age > STOPPED_STALE_S and self._failing(attempt)):
                 self._freeze(rank, beat, pid, age, state)
                 out.append(rank)
         return out
+
+    def _recorded(self, rank: int, attempt: int) -> bool:
+        """Rank ``rank`` has recorded why it ends (this run's record, not an older run's)."""
+        try:
+            rec = json.loads(failure_path(self.run_dir, rank, attempt).read_text())
+        except (OSError, ValueError):
+            return False
+        return rec.get("run_id") == self.run_id and float(rec.get("time", 0.0)) >= self.since - 1
+
+    def _failing(self, attempt: int) -> bool:
+        """Some rank of this attempt has recorded why it ends (the job is stopping)."""
+        records = read_records(self.run_dir, self.run_id, self.since)
+        return any(a == attempt for a, _ in records)
 
     def _freeze(self, rank: int, beat: dict[str, Any], pid: int, age: float,
                 state: str) -> None:
