@@ -52,6 +52,7 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks
 from colonnade.parallel.comm import CommStats
 from colonnade.parallel.dims import ParallelDims
@@ -64,7 +65,6 @@ from colonnade.tensor_parallel.partition import (
 )
 from colonnade.testing import RankPool
 from colonnade.testing.batches import random_batches
-from colonnade.training.grads import reduce_sp_and_tied
 from colonnade.training.step import StepPlan, forward_backward, set_train_mode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap.json"

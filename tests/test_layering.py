@@ -46,9 +46,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # (importing module, imported module) pairs that still break the order, each with its reason.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("colonnade.checkpoint.hf", "colonnade.training.grads"): "grad_of/unique_params: step 2",
-    ("colonnade.checkpoint.sharded", "colonnade.training.grads"): "unique_params: step 2",
-    ("colonnade.reliability.nan", "colonnade.training.grads"): "grad_of: step 2",
     ("colonnade.pipeline.executor", "colonnade.training.step"): "plan types: step 3",
     ("colonnade.models.build", "colonnade.pipeline.partition"): "stage_chunks: step 4",
     ("colonnade.planner.calibrate", "colonnade.testing"): "rank pool: step 5",

@@ -36,8 +36,8 @@ from colonnade.checkpoint.format import CheckpointError
 from colonnade.checkpoint.optim_state import read_key
 from colonnade.checkpoint.pieces import Box, pad_to_local, shard_box
 from colonnade.config.sections import ModelConfig
+from colonnade.models.params import unique_params
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.training.grads import unique_params
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt")

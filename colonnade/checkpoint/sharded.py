@@ -30,9 +30,9 @@ from colonnade.checkpoint.optim_state import (
     writes_param,
 )
 from colonnade.checkpoint.pieces import Piece, flat_piece, pad_to_local, shard_box, valid_part
+from colonnade.models.params import unique_params
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel.sharding import Sharding
-from colonnade.training.grads import unique_params
 
 
 def model_name(key: str) -> str:

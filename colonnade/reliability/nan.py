@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.training.grads import grad_of, unique_params
 
 MAX_NAMED = 8
 """Parameters named in a message (the count of the rest is given)."""

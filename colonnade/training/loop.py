@@ -12,6 +12,7 @@ from colonnade.config.load import config_to_toml
 from colonnade.config.sections import Config
 from colonnade.data import collate
 from colonnade.data_parallel import build_data_parallel
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.device import memory_stats, peak_tflops, synchronize
 from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.gpt import ModelChunk
@@ -19,7 +20,6 @@ from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
 from colonnade.reliability.nan import check_step
-from colonnade.training.grads import reduce_sp_and_tied
 from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,

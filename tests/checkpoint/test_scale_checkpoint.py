@@ -34,11 +34,11 @@ from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entri
 from colonnade.config.sections import Config, ModelConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
 from colonnade.models.build import build_chunks
+from colonnade.models.params import unique_params
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups, plan_groups
-from colonnade.training.grads import unique_params
 
 BIG = ParallelDims(tp=8, pp=8, dp=64)
 COMMIT_FILES = 3  # index.json, metadata.json, config.toml

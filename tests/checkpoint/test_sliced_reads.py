@@ -25,7 +25,7 @@ from tests.checkpoint.test_hf import _hf_model, _save
 def _param_bytes(trainer: Any) -> int:
     """Bytes of the boxes of this rank's parameters (its pp stage, its tp shard, no padding)."""
     from colonnade.checkpoint.pieces import shard_box
-    from colonnade.training.grads import unique_params
+    from colonnade.models.params import unique_params
 
     g = trainer.groups
     return sum(math.prod(shard_box(p.sharding, g.tp.rank, g.tp.size)[1]) * p.element_size()
@@ -37,7 +37,7 @@ def _hf_init(hf_dir: str) -> dict[str, Any]:
     from colonnade.checkpoint import hf
     from colonnade.checkpoint.finetune import init_weights
     from colonnade.checkpoint.optim_state import read_key
-    from colonnade.training.grads import unique_params
+    from colonnade.models.params import unique_params
 
     trainer = make_trainer(Layout(tp=2, pp=2), precision="fp32")
     counter = CountingOpen()

@@ -25,13 +25,13 @@ from colonnade.config.sections import (
 )
 from colonnade.config.validate import resolve, validate
 from colonnade.data_parallel import build_data_parallel
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.training.grads import reduce_sp_and_tied
 from colonnade.training.step import Batch, StepPlan, forward_backward
 
 VOCAB = 101

@@ -29,11 +29,12 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.blocks import DocReset
+from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
-from colonnade.training.grads import grad_of, reduce_sp_and_tied, unique_params
 from colonnade.training.step import StepPlan, forward_backward, mean_loss
 
 STEPS, SEQ, MICRO, VOCAB = 3, 16, 2, 96

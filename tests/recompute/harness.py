@@ -24,11 +24,11 @@ from colonnade.config.sections import (
 from colonnade.config.validate import resolve, validate
 from colonnade.models.build import build_chunks
 from colonnade.models.gpt import LayerFn, ModelChunk
+from colonnade.models.params import unique_params
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.testing.batches import random_batches
-from colonnade.training.grads import unique_params
 from colonnade.training.step import Batch, StepPlan, forward_backward, set_rng_context
 
 Grads = dict[str, torch.Tensor]

@@ -24,13 +24,14 @@ from colonnade.config.sections import (
 )
 from colonnade.config.validate import resolve, validate
 from colonnade.data_parallel import build_data_parallel
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks
 from colonnade.models.gpt import ModelChunk
+from colonnade.models.params import unique_params
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
-from colonnade.training.grads import reduce_sp_and_tied, unique_params
 from colonnade.training.step import Batch, StepPlan, forward_backward, set_train_mode
 
 TOL = 1e-10

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.blocks import TransformerLayer, rope_tables
 from colonnade.models.build import build_chunks, make_context
-from colonnade.training.grads import reduce_sp_and_tied
 from tests.tensor_parallel.harness import make_batches, rank_groups, tiny_config
 
 FP64 = 8

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config
 from colonnade.config.validate import validate
+from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
@@ -32,7 +33,6 @@ from colonnade.tensor_parallel.partition import (
     gathered_linears,
     linear_reduce_scatter,
 )
-from colonnade.training.grads import reduce_sp_and_tied
 from colonnade.training.step import StepPlan, forward_backward, set_train_mode
 from tests.tensor_parallel.harness import full_tensors, make_batches, rel_err, tiny_config
 

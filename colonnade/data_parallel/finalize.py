@@ -1,7 +1,8 @@
-"""Gradient reductions that complete a step's gradients, in one place.
+"""Gradient reductions that complete a step's gradients after backward (Megatron's
+``finalize_model_grads``), in one place.
 
 The data-parallel reduction (bucketed, overlapped with backward) lives in
-:mod:`colonnade.data_parallel`. After it two partial-sum cases remain:
+:mod:`colonnade.data_parallel.ddp`. After it two partial-sum cases remain:
 * sequence parallelism: tp-replicated parameters (norms, row-parallel biases, gpt2 positions)
   saw only this rank's sequence chunk, so their gradients are summed across tp;
 * tied embeddings with pp > 1: the first stage's embedding and the last stage's head hold the
@@ -11,30 +12,11 @@ Both are sums over disjoint groups, so their order does not matter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
+from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.groups import ProcessGroups
-
-
-def grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient a reduction should act on: ``main_grad`` (fp32 buffer) if present."""
-    main = getattr(param, "main_grad", None)
-    return main if main is not None else param.grad
-
-
-def unique_params(chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """Parameters of all chunks, each once, in a deterministic order."""
-    seen: set[int] = set()
-    out = []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
 
 
 def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: bool) -> None:
@@ -61,4 +43,3 @@ def _all_reduce_flat(grads: list[torch.Tensor], reduce: object, name: str) -> No
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-

@@ -1,0 +1,30 @@
+"""Parameter helpers every layer above the models shares: each parameter once, and its gradient.
+
+They sit here, below the pipeline, data parallelism, checkpoints and reliability, so that none of
+those has to import the training package to walk a model's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def grad_of(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient a reduction should act on: ``main_grad`` (fp32 buffer) if present."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def unique_params(chunks: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Parameters of all chunks, each once, in a deterministic order."""
+    seen: set[int] = set()
+    out = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
