@@ -13,6 +13,10 @@ sequence-first ([s, b, h]) with separate q / k / v (and gate / up) weights; the 
 * gpt2: LayerNorm, learned positions, fused ``c_attn`` [3h, h] (q; k; v rows, GPT-2's
   layout, here as an ``nn.Linear``), tanh-GELU MLP, biases, head tied to the word embedding.
 
+Document reset (optional, ``eod``): a packed row holds documents each ending with the EOD id;
+positions restart at 0 after every EOD and a token attends only to earlier tokens of its own
+document (derived here row by row in Python, see :func:`documents`).
+
 Dropout (optional): ``keep(site, full_shape, p)`` returns a bool keep-mask of the *full* tensor
 in Colonnade's layout ([s, b, h] for hidden sites, [b, a, s, s] for attention probabilities);
 this model transposes the hidden masks to [b, s, h] itself and applies x * keep / (1 - p).
@@ -50,6 +54,7 @@ class PlainSpec:
     bias: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    label_smoothing: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -68,12 +73,32 @@ class RMSNorm(nn.Module):
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate x [b, n, s, d] at positions 0..s-1: pair (x_i, x_{i+d/2}) by angle
+def documents(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [b, s] and the may-attend mask [b, 1, s, s] of packed rows: a document
+    runs up to and including its EOD token; positions count from 0 within a document."""
+    b, s = tokens.shape
+    pos = torch.zeros(b, s, dtype=torch.long)
+    doc = torch.zeros(b, s, dtype=torch.long)
+    for r in range(b):
+        current, start = 0, 0
+        for i in range(s):
+            pos[r, i], doc[r, i] = i - start, current
+            if tokens[r, i] == eod:
+                current, start = current + 1, i + 1
+    allowed = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    for r in range(b):
+        for i in range(s):
+            for j in range(i + 1):
+                allowed[r, 0, i, j] = bool(doc[r, i] == doc[r, j])
+    return pos, allowed
+
+
+def rope(x: torch.Tensor, theta: float, pos: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, n, s, d] at positions ``pos`` [b, s]: pair (x_i, x_{i+d/2}) by angle
     pos * theta^(-2i/d), i < d/2 (angles in float64, then cast to x's dtype)."""
-    s, d = x.shape[2], x.shape[3]
+    d = x.shape[3]
     i = torch.arange(d // 2, dtype=torch.float64)
-    angle = torch.arange(s, dtype=torch.float64)[:, None] * theta ** (-2.0 * i / d)  # [s, d/2]
+    angle = pos.to(torch.float64)[:, None, :, None] * theta ** (-2.0 * i / d)  # [b, 1, s, d/2]
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     a, b = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
@@ -95,8 +120,9 @@ class PlainAttention(nn.Module):
             self.v_proj = nn.Linear(h, spec.kv_heads * d, bias=spec.bias)
             self.o_proj = nn.Linear(spec.heads * d, h, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor, site: str, keep: KeepFn | None) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h]."""
+    def forward(self, x: torch.Tensor, site: str, keep: KeepFn | None, pos: torch.Tensor,
+                allowed: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; positions [b, s], may-attend mask [b, 1, s, s]."""
         sp, (b, s, _) = self.spec, x.shape
         d = sp.head_dim
         if sp.arch == "gpt2":
@@ -107,12 +133,11 @@ class PlainAttention(nn.Module):
         k = k.view(b, s, -1, d).transpose(1, 2)  # [b, kv, s, d]
         v = v.view(b, s, -1, d).transpose(1, 2)
         if sp.arch == "llama":
-            q, k = rope(q, sp.theta), rope(k, sp.theta)
+            q, k = rope(q, sp.theta, pos), rope(k, sp.theta, pos)
         rep = sp.heads // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [b, a, s, d]
         scores = q @ k.transpose(-1, -2) / math.sqrt(d)  # [b, a, s, s]
-        future = torch.ones(s, s, dtype=torch.bool).triu(1)
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         p = sp.attention_dropout
         if keep is not None and p > 0.0:
             probs = probs * keep(f"{site}.attn_dropout", (b, sp.heads, s, s), p) / (1.0 - p)
@@ -163,9 +188,11 @@ class PlainBlock(nn.Module):
         self.ln_1, self.attn, self.ln_2, self.mlp = norm(), PlainAttention(spec), norm(), \
             PlainMLP(spec)
 
-    def forward(self, x: torch.Tensor, index: int, keep: KeepFn | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: int, keep: KeepFn | None, pos: torch.Tensor,
+                allowed: torch.Tensor) -> torch.Tensor:
         p, key = self.spec.hidden_dropout, f"layers.{index}"
-        x = x + _drop(self.attn(self.ln_1(x), f"{key}.attn", keep), f"{key}.attn_out", p, keep)
+        a = self.attn(self.ln_1(x), f"{key}.attn", keep, pos, allowed)
+        x = x + _drop(a, f"{key}.attn_out", p, keep)
         return x + _drop(self.mlp(self.ln_2(x)), f"{key}.mlp_out", p, keep)
 
 
@@ -182,19 +209,27 @@ class PlainLM(nn.Module):
                      else nn.LayerNorm(spec.hidden, spec.eps))
         self.lm_head = None if spec.tie else nn.Linear(spec.hidden, spec.vocab, bias=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
-                keep: KeepFn | None = None) -> torch.Tensor:
-        """Mean cross entropy of tokens [b, s] against labels [b, s] (-100: ignored)."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, keep: KeepFn | None = None,
+                eod: int | None = None) -> torch.Tensor:
+        """Mean cross entropy (with the spec's label smoothing) of tokens [b, s] against labels
+        [b, s] (-100: ignored); ``eod``: reset positions and attention at documents."""
+        b, s = tokens.shape
+        if eod is None:
+            pos = torch.arange(s).expand(b, s)
+            allowed = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s)
+        else:
+            pos, allowed = documents(tokens, eod)
         x = self.wte(tokens)  # [b, s, h]
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(tokens.shape[1]))
+            x = x + self.wpe(pos)
         x = _drop(x, "embedding.dropout", self.spec.hidden_dropout, keep)
         for i, block in enumerate(self.blocks):
-            x = block(x, i, keep)
+            x = block(x, i, keep, pos, allowed)
         x = self.ln_f(x)
         head = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, head)  # [b, s, V]
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                               label_smoothing=self.spec.label_smoothing)
 
 
 def colonnade_names(spec: PlainSpec) -> dict[str, tuple[str, int, int]]:
