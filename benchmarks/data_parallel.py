@@ -65,9 +65,10 @@ from colonnade.models.build import build_chunks, build_reference
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import StepPlan
 from colonnade.testing import RankPool
 from colonnade.testing.batches import random_steps
-from colonnade.training.step import StepPlan, forward_backward
+from colonnade.training.step import forward_backward
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_parallel.json"
 VARIANTS = ("baseline", "colonnade_ddp", "colonnade_ddp_no_overlap", "colonnade_zero1",

@@ -32,6 +32,7 @@ from colonnade.models.build import build_chunks
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import StepPlan
 from colonnade.testing.batches import random_batches
 from colonnade.training.memory import (
     ActivationShape,
@@ -41,7 +42,7 @@ from colonnade.training.memory import (
     paper_layer_bytes,
     relative_error,
 )
-from colonnade.training.step import StepPlan, forward_backward
+from colonnade.training.step import forward_backward
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "memory.json"

@@ -57,6 +57,7 @@ from colonnade.models.build import build_chunks
 from colonnade.parallel.comm import CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.partition import (
     gathered_linear,
@@ -65,7 +66,7 @@ from colonnade.tensor_parallel.partition import (
 )
 from colonnade.testing import RankPool
 from colonnade.testing.batches import random_batches
-from colonnade.training.step import StepPlan, forward_backward, set_train_mode
+from colonnade.training.step import forward_backward, set_train_mode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap.json"
 CHUNKS = (1, 2, 4, 8)
@@ -219,14 +220,15 @@ def _batches(config: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def timed_step(chunks: list[Any], config: Config, groups: ProcessGroups,
-               batches: list[Any], extra: dict[str, object]) -> dict[str, Any]:
+               batches: list[Any], options: ExecOptions) -> dict[str, Any]:
     """One forward/backward (+ sp/tied grad reduction); wall time and per-group comm report."""
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
     groups.world.barrier()
     groups.stats.reset()
     begin = time.perf_counter()
-    forward_backward(chunks, batches, StepPlan(groups, 0, config.parallel.schedule, extra=extra))
+    forward_backward(chunks, batches, StepPlan(groups, 0, config.parallel.schedule,
+                                                     options=options))
     reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
     wall = time.perf_counter() - begin
     ops = {k: {"exposed_s": v.waited_s, "in_flight_s": v.in_flight_s, "calls": v.calls}
@@ -235,7 +237,7 @@ def timed_step(chunks: list[Any], config: Config, groups: ProcessGroups,
             "pp": comm_report(groups.stats, "pp/"), "ops": ops}
 
 
-def variants_rank(configs: dict[str, Config], extras: dict[str, dict[str, object]],
+def variants_rank(configs: dict[str, Config], extras: dict[str, ExecOptions],
                   rounds: int, steps: int) -> dict[str, list[dict[str, Any]]]:
     """Rank function: build every variant's model, then interleave their steps round by round."""
     torch.set_num_threads(1)
@@ -317,7 +319,7 @@ def bench_pipeline(pool: RankPool, size: dict[str, int], rounds: int,
                                       overlap_p2p=overlap)
             configs[f"vp{vp} overlap={'on' if overlap else 'off'}"] = validate(
                 dataclasses.replace(base, parallel=par), 2)
-    extras = {name: {"overlap_p2p": cfg.parallel.overlap_p2p} for name, cfg in configs.items()}
+    extras = {name: ExecOptions(overlap=cfg.parallel.overlap_p2p) for name, cfg in configs.items()}
     res = pool.run(variants_rank, configs, extras, rounds, steps)
     tokens = pp_size["seq"] * pp_size["micro"] * pp_size["microbatches"]
     table = summarise(res, tokens, "pp", lambda name: name.replace("=on", "=off"))
@@ -350,7 +352,7 @@ def run_sections(pool: RankPool, sections: list[str], size: dict[str, int], roun
         print_table("tp=2 + sp, one SwiGLU MLP block forward+backward", report["tp2_sp_mlp_block"])
     if "model" in sections:
         configs = {f"chunks={n}": bench_config(2, 1, n, **size) for n in CHUNKS}
-        extras: dict[str, dict[str, object]] = {name: {} for name in configs}
+        extras = {name: ExecOptions() for name in configs}
         res = pool.run(variants_rank, configs, extras, rounds, steps)
         tokens = size["seq"] * size["micro"] * size["microbatches"]
         report["tp2_sp"] = summarise(res, tokens, "tp", lambda _: "chunks=1")

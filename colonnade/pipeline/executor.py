@@ -12,7 +12,7 @@ holding the message it consumes. Compute actions on micro-batch k of local chunk
   that requires grad). The last virtual stage returns the micro-batch's loss summed over its
   valid tokens S_k; the step's loss is sum over the global batch / N (``StepPlan.tokens``), so
   backward starts from y = S_k * plan.loss_multiplier() (= S_k * loss_scale * dp / N), exactly
-  as the pp = 1 loop in :mod:`colonnade.training.step` does.
+  as the pp = 1 loop in :mod:`colonnade.training.step` does (:mod:`colonnade.pipeline.plan`).
   (x, y) are stashed until B.
 * B: backward of the stashed y with the received gradient dy (none on the last virtual stage),
   giving dx (sent back unless this is the first virtual stage). Schedules with W actions (ZB-H1)
@@ -38,16 +38,17 @@ import torch
 from colonnade.models.gpt import ModelChunk
 from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
 from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
-from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
-from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
-from colonnade.training.step import (
+from colonnade.pipeline.plan import (
     Batch,
+    ExecOptions,
     StepPlan,
     host_losses,
     micro_batch_mean,
     set_rng_context,
     with_tokens,
 )
+from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
+from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 Item = tuple[int, int]  # (microbatch, local chunk)
 
@@ -85,21 +86,6 @@ class ExecResult:
     def busy(self) -> float:
         """Seconds spent computing (sum over compute actions; needs recording)."""
         return sum(t.end - t.start for t in self.timeline)
-
-
-@dataclass
-class ExecOptions:
-    """Executor switches; none of them changes results."""
-
-    overlap: bool = True
-    """Post each compute's receives one compute early (``parallel.overlap_p2p``)."""
-    deallocate: bool = True
-    """Free a sent activation's data (Megatron's output deallocation)."""
-    record: bool = False
-    """Record a timestamp pair per compute action (benchmarks; synchronises the device)."""
-    in_order: bool = False
-    """Issue each p2p group only after the previous one completed (``parallel.p2p_in_order``;
-    NCCL's rule, which NCCL applies anyway: on gloo it checks the posting is NCCL-safe)."""
 
 
 def forward_only_lists(pp: int, vp: int, m: int) -> list[list[Action]]:
@@ -275,26 +261,19 @@ class StageExecutor:
         backward_weight(self.pending_w.pop((k, c)))
 
 
-def _options(plan: StepPlan, **kw: bool) -> ExecOptions:
-    extra = plan.extra
-    return ExecOptions(overlap=bool(extra.get("overlap_p2p", True)),
-                       deallocate=bool(extra.get("deallocate_outputs", True)),
-                       record=bool(extra.get("record", False)),
-                       in_order=bool(extra.get("p2p_in_order", False)), **kw)
-
-
 def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
             lists: list[list[Action]] | None = None, *, train: bool = True,
             options: ExecOptions | None = None) -> ExecResult:
     """Run this stage's list of ``lists`` (default: ``plan.schedule`` for pp, vp = len(chunks),
-    m = len(batches)); the full result with timings and memory peaks."""
+    m = len(batches)) with ``options`` (default ``plan.options``); the full result with timings
+    and memory peaks."""
     pp, vp, m = plan.groups.pp.size, len(chunks), len(batches)
     if lists is None:
         lists = (build_schedule(plan.schedule, pp, vp, m) if train
                  else forward_only_lists(pp, vp, m))
     if len(lists) != pp:
         raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
-    opts = options or _options(plan)
+    opts = options or plan.options
     if train:
         plan = with_tokens(plan, batches)  # the loss divisor N, counted over dp when unset
     return StageExecutor(chunks, batches, plan, lists, train=train, options=opts).run()
@@ -304,8 +283,7 @@ def run_pipeline(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan)
     """Forward and backward of every micro-batch through ``plan.schedule``.
 
     Returns this rank's per-micro-batch losses on the last pipeline stage, [] elsewhere.
-    Options in ``plan.extra``: ``overlap_p2p`` (default True), ``deallocate_outputs`` (True),
-    ``p2p_in_order`` (False).
+    Executor switches come from ``plan.options`` (:class:`~colonnade.pipeline.plan.ExecOptions`).
     """
     return execute(chunks, batches, plan).losses
 

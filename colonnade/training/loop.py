@@ -17,6 +17,7 @@ from colonnade.device import memory_stats, peak_tflops, synchronize
 from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
 from colonnade.reliability.nan import check_step
@@ -30,8 +31,6 @@ from colonnade.training.metrics import (
 )
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
-    Batch,
-    StepPlan,
     forward_backward,
     forward_only,
     install_doc_reset,
@@ -62,7 +61,7 @@ class Trainer:
         plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
                         loss_scale=self.optimizer.loss_scale,
                         grad_sync=self.ddp.grad_sync_hook(len(batches)),
-                        extra=self.executor_options())
+                        options=self.executor_options())
         losses = forward_backward(self.chunks, batches, plan)
         self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings)
@@ -72,10 +71,10 @@ class Trainer:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
         return {"loss": mean_loss(losses, self.groups, self.rt.device, batches), **info}
 
-    def executor_options(self) -> dict[str, object]:
+    def executor_options(self) -> ExecOptions:
         """Pipeline executor switches taken from the config."""
         par = self.config.parallel
-        return {"overlap_p2p": par.overlap_p2p, "p2p_in_order": par.p2p_in_order}
+        return ExecOptions(overlap=par.overlap_p2p, in_order=par.p2p_in_order)
 
     def next_batches(self) -> list[Batch]:
         """This rank's micro-batches of the next step."""
@@ -101,7 +100,7 @@ class Trainer:
             tokens, labels = collate(valid, idx)
             batches.append((tokens.to(self.rt.device), labels.to(self.rt.device)))
         plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
-                        extra=self.executor_options())
+                        options=self.executor_options())
         losses = forward_only(self.chunks, batches, plan)
         set_train_mode(self.chunks, True)
         return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted

@@ -134,7 +134,8 @@ def _config(prepared: Path, steps: int) -> Config:
 
 def _split_losses(trainer: object, prepared: Path) -> tuple[float, float]:
     """Mean loss over response targets and over prompt targets of 8 valid windows."""
-    from colonnade.training.step import StepPlan, forward_only, mean_loss
+    from colonnade.pipeline.plan import StepPlan
+    from colonnade.training.step import forward_only, mean_loss
 
     valid = WindowDataset(IndexedDataset(prepared / "data"), 32, "valid", 0.1)
     tokens, labels = collate(valid, list(range(8)))

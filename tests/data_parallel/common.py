@@ -32,7 +32,8 @@ from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.training.step import Batch, StepPlan, forward_backward
+from colonnade.pipeline.plan import Batch, StepPlan
+from colonnade.training.step import forward_backward
 
 VOCAB = 101
 

@@ -29,7 +29,7 @@ from colonnade.models.gpt import ModelChunk
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
-from colonnade.training.step import set_rng_context
+from colonnade.pipeline.plan import set_rng_context
 from tests.tensor_parallel.harness import tiny_config
 
 P = 0.2

@@ -17,17 +17,13 @@ from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.actions import Kind, ScheduleError
 from colonnade.pipeline.checker import check_schedule
-from colonnade.pipeline.executor import (
-    ExecOptions,
-    execute,
-    forward_only_lists,
-    release_output,
-)
+from colonnade.pipeline.executor import execute, forward_only_lists, release_output
 from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
+from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay
 from colonnade.pipeline.split_backward import backward_input, backward_weight, find_boundaries
-from colonnade.training.step import StepPlan, forward_backward, forward_only, set_train_mode
+from colonnade.training.step import forward_backward, forward_only, set_train_mode
 from tests.pipeline.test_parity import make_config, step_batches
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))

@@ -34,8 +34,9 @@ from colonnade.models.blocks import DocReset
 from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
-from colonnade.training.step import StepPlan, forward_backward, mean_loss
+from colonnade.training.step import forward_backward, mean_loss
 
 STEPS, SEQ, MICRO, VOCAB = 3, 16, 2, 96
 EOD = 5  # the end-of-document id of the document-reset cases
@@ -89,12 +90,12 @@ def _ref_key(key: str, ref: dict[str, torch.Tensor]) -> str:
     return key if key in ref or key != "head.weight" else "embedding.word.weight"
 
 
-def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None = None,
+def train_steps(cfg: Config, groups: ProcessGroups, options: ExecOptions | None = None,
                 masked: bool = False, docs: bool = False) -> dict[str, Any]:
     """3 Trainer steps on this rank's micro-batches: losses, full grads per step, full params.
 
-    With ``extra`` the Trainer's step is assembled by hand so that ``extra`` (executor options)
-    reaches the executor through the StepPlan; otherwise ``Trainer.train_step`` runs as is.
+    With ``options`` the Trainer's step is assembled by hand so that these executor options
+    reach the executor through ``StepPlan.options``; otherwise ``Trainer.train_step`` runs as is.
     """
     from colonnade.training.loop import Trainer
     from colonnade.training.setup import Runtime
@@ -106,12 +107,11 @@ def train_steps(cfg: Config, groups: ProcessGroups, extra: dict[str, Any] | None
     losses, grads = [], []
     for step in range(STEPS):
         batches = step_batches(cfg, step, masked, docs)[d * m:(d + 1) * m]
-        if extra is None:
+        if options is None:
             losses.append(trainer.train_step(batches)["loss"])
         else:
             trainer.optimizer.zero_grad()
-            options = {"p2p_in_order": cfg.parallel.p2p_in_order, **extra}
-            plan = StepPlan(groups, step, cfg.parallel.schedule, extra=options,
+            plan = StepPlan(groups, step, cfg.parallel.schedule, options=options,
                             grad_sync=trainer.ddp.grad_sync_hook(m))
             out = forward_backward(trainer.chunks, batches, plan)
             trainer.ddp.finish_grad_sync()
@@ -145,14 +145,14 @@ def _reference(single: Config, masked: bool = False, docs: bool = False) -> dict
     return train_steps(single, ProcessGroups.single(), masked=masked, docs=docs)
 
 
-def rank_train(cfg: Config, extra: dict[str, Any] | None = None,
+def rank_train(cfg: Config, options: ExecOptions | None = None,
                masked: bool = False, docs: bool = False) -> dict[str, Any] | None:
     """On each rank: the 3 steps; tp rank 0 returns its results."""
     torch.set_num_threads(1)
     par = cfg.parallel
     groups = ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=int(par.dp or 1),
                                               vp=par.vp))
-    out = train_steps(cfg, groups, extra, masked, docs)
+    out = train_steps(cfg, groups, options, masked, docs)
     return out if groups.tp_rank == 0 else None
 
 
@@ -187,9 +187,10 @@ def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any],
 
 
 def check(run_ranks: Callable[..., list[Any]], cfg: Config,
-          extra: dict[str, Any] | None = None, masked: bool = False, docs: bool = False) -> None:
+          options: ExecOptions | None = None, masked: bool = False,
+          docs: bool = False) -> None:
     par = cfg.parallel
-    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, extra, masked,
+    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, options, masked,
                         docs)
     assert_parity(results, reference_run(cfg, masked, docs),
                   grads=not par.use_distributed_optimizer)
@@ -243,8 +244,7 @@ def test_switches_off_give_the_same_numbers(run_ranks: Callable[..., list[Any]],
     numbers (a switch never changes results)."""
     cfg = make_config(pp=2, vp=2 if schedule == "interleaved_1f1b" else 1, schedule=schedule,
                       m=5, arch="gpt2")
-    check(run_ranks, cfg, {"overlap_p2p": False, "deallocate_outputs": False,
-                           "p2p_in_order": in_order})
+    check(run_ranks, cfg, ExecOptions(overlap=False, deallocate=False, in_order=in_order))
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])

@@ -28,8 +28,9 @@ from colonnade.models.params import unique_params
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import Batch, StepPlan, set_rng_context
 from colonnade.testing.batches import random_batches
-from colonnade.training.step import Batch, StepPlan, forward_backward, set_rng_context
+from colonnade.training.step import forward_backward
 
 Grads = dict[str, torch.Tensor]
 MODES: list[tuple[str, str, int]] = [

@@ -32,7 +32,8 @@ from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
-from colonnade.training.step import Batch, StepPlan, forward_backward, set_train_mode
+from colonnade.pipeline.plan import Batch, StepPlan
+from colonnade.training.step import forward_backward, set_train_mode
 
 TOL = 1e-10
 """Largest relative error ||a - b|| / ||b|| accepted in float64 parity."""

@@ -26,6 +26,7 @@ from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.partition import (
     chunk_rows,
@@ -33,7 +34,7 @@ from colonnade.tensor_parallel.partition import (
     gathered_linears,
     linear_reduce_scatter,
 )
-from colonnade.training.step import StepPlan, forward_backward, set_train_mode
+from colonnade.training.step import forward_backward, set_train_mode
 from tests.tensor_parallel.harness import full_tensors, make_batches, rel_err, tiny_config
 
 TOL = 1e-12
@@ -159,11 +160,11 @@ def with_chunks(config: Config, chunks: int, **parallel: Any) -> Config:
 
 
 def step_results(config: Config, groups: ProcessGroups, batches: list[Any],
-                 extra: dict[str, object] | None = None) -> dict[str, Any]:
+                 options: ExecOptions | None = None) -> dict[str, Any]:
     """One forward/backward step of a fresh model: micro-batch losses and gathered grads."""
     chunks = build_chunks(config, groups, dtype=torch.float64)
     set_train_mode(chunks, True)
-    plan = StepPlan(groups, 0, config.parallel.schedule, extra=extra or {})
+    plan = StepPlan(groups, 0, config.parallel.schedule, options=options or ExecOptions())
     groups.stats.reset()
     losses = forward_backward(chunks, batches, plan)
     reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
@@ -245,7 +246,7 @@ def pipeline_rank(config: Config, variants: list[dict[str, Any]]) -> list[dict[s
     out = []
     for v in variants:
         cfg = with_chunks(config, v["chunks"], overlap_p2p=v["overlap_p2p"])
-        res = step_results(cfg, groups, batches, {"overlap_p2p": v["overlap_p2p"]})
+        res = step_results(cfg, groups, batches, ExecOptions(overlap=v["overlap_p2p"]))
         res["last_stage"] = groups.is_last_stage
         out.append(res)
     return out

@@ -20,8 +20,9 @@ from colonnade.config.sections import Config, ModelConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.models.build import build_reference
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import StepPlan
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from colonnade.training.step import StepPlan, forward_backward, forward_only, mean_loss
+from colonnade.training.step import forward_backward, forward_only, mean_loss
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 

@@ -1,0 +1,111 @@
+"""The step plan: what one forward/backward pass needs besides the model and the data.
+
+Loss convention (Megatron's token-level loss): the step's loss is the mean over the VALID
+tokens of the whole global batch,
+
+    L = sum over valid tokens of the global batch of CE / N,
+
+N = number of labels that are not ``IGNORE_INDEX`` (-100: padding, SFT prompt tokens) over every
+micro-batch of every dp rank, not a mean of per-micro-batch means (which would weight a token of
+a mostly-masked micro-batch more). Before the step each rank counts its micro-batches' valid
+labels and one tiny all-reduce over dp gives N (``StepPlan.tokens``; :func:`with_tokens`). Each
+micro-batch's backward then runs on sum(CE over its valid tokens) * loss_scale * dp / N
+(:meth:`StepPlan.loss_multiplier`): the dp gradient reduction averages over the dp ranks (it
+pre-scales by 1/dp or uses AVG), so the reduced gradient is exactly that of L. Without masking,
+N = b * s * microbatches * dp and L is the old mean, bit for bit up to rounding. The pipeline
+executor and the pp = 1 loop of :mod:`colonnade.training.step` apply the same multiplier, so
+pp = 1 and pp > 1 compute the same thing.
+
+These types live in the pipeline package (below ``training/``) because the executor consumes
+them; the training step only builds a plan and hands it down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from colonnade.models.gpt import ModelChunk, valid_tokens
+from colonnade.parallel.groups import ProcessGroups
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # tokens [b, s], labels [b, s]
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """Executor switches; none of them changes results."""
+
+    overlap: bool = True
+    """Post each compute's receives one compute early (``parallel.overlap_p2p``)."""
+    deallocate: bool = True
+    """Free a sent activation's data (Megatron's output deallocation)."""
+    record: bool = False
+    """Record a timestamp pair per compute action (benchmarks; synchronises the device)."""
+    in_order: bool = False
+    """Issue each p2p group only after the previous one completed (``parallel.p2p_in_order``;
+    NCCL's rule, which NCCL applies anyway: on gloo it checks the posting is NCCL-safe)."""
+
+
+@dataclass
+class StepPlan:
+    """What a forward/backward pass needs besides the model and the data."""
+
+    groups: ProcessGroups
+    step: int
+    """Optimizer step index (seeds dropout with the micro-batch index)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule name (ignored when pp = 1)."""
+    loss_scale: float = 1.0
+    """Multiplier applied to the loss before backward (fp16 dynamic scaling)."""
+    grad_sync: Callable[[int], None] | None = None
+    """Called before the backward of micro-batch k; the DP wrapper enables sync on the last."""
+    options: ExecOptions = field(default_factory=ExecOptions)
+    """Pipeline executor switches (p2p overlap, output deallocation, in-order p2p, recording)."""
+    tokens: int | None = None
+    """Valid tokens (labels not IGNORE_INDEX) of the whole global batch, all dp ranks: the loss
+    divisor N. None: counted from the batches by :func:`with_tokens` (one all-reduce over dp)."""
+
+    def loss_multiplier(self) -> float:
+        """Factor on a micro-batch's summed loss before backward: loss_scale * dp / N (the dp
+        reduction averages over its group, dp x cp, so the reduced gradient is that of
+        sum CE / N)."""
+        if self.tokens is None:
+            raise ValueError("StepPlan.tokens is unset; call with_tokens(plan, batches) first")
+        return self.loss_scale * self.groups.dp_cp.size / max(self.tokens, 1)
+
+
+def count_tokens(batches: list[Batch], groups: ProcessGroups) -> int:
+    """Valid tokens of the global batch: this rank's micro-batches, all-reduced over dp (the
+    dp x cp group that reduces gradients, so the count and the averaging agree)."""
+    if not batches:
+        raise ValueError("a step needs at least one micro-batch")
+    labels = [lab for _, lab in batches]
+    local = torch.stack([valid_tokens(lab) for lab in labels]).sum().reshape(1)  # [1] int64
+    groups.dp_cp.all_reduce(local, name="loss_tokens")  # the gradient reduction's group
+    return int(local.item())
+
+
+def with_tokens(plan: StepPlan, batches: list[Batch]) -> StepPlan:
+    """``plan`` with ``tokens`` set (counted over dp when unset; unchanged otherwise)."""
+    if plan.tokens is not None:
+        return plan
+    return replace(plan, tokens=count_tokens(batches, plan.groups))
+
+
+def set_rng_context(chunks: list[ModelChunk], plan: StepPlan, k: int, m: int) -> None:
+    """Point dropout at global micro-batch index dp_rank * m + k of this step."""
+    rng = chunks[0].ctx.rng
+    rng.set_context(plan.step, plan.groups.dp_rank * m + k)
+
+
+def micro_batch_mean(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's summed loss as the mean over its valid tokens (0 when none is)."""
+    return loss_sum / valid_tokens(labels).clamp(min=1)
+
+
+def host_losses(losses: list[torch.Tensor]) -> list[float]:
+    """Per-micro-batch 0-d loss tensors as floats with one device-to-host copy for the step
+    (a ``float(loss)`` per micro-batch would stall a GPU's queue m times)."""
+    return torch.stack(losses).tolist() if losses else []
