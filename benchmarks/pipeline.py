@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from colonnade.config.sections import Config, ModelConfig, ParallelConfig, TrainingConfig
 from colonnade.models.build import build_chunks, make_context
 from colonnade.models.gpt import ModelChunk
+from colonnade.models.stages import virtual_stage_layers
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute
-from colonnade.pipeline.partition import virtual_stage_layers
 from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay

@@ -46,7 +46,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 # (importing module, imported module) pairs that still break the order, each with its reason.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("colonnade.models.build", "colonnade.pipeline.partition"): "stage_chunks: step 4",
     ("colonnade.planner.calibrate", "colonnade.testing"): "rank pool: step 5",
 }
 

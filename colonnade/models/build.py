@@ -8,9 +8,9 @@ from colonnade.config.sections import Config
 from colonnade.models.gpt import ModelChunk
 from colonnade.models.recompute import RecomputePlan
 from colonnade.models.recompute import install as install_recompute
+from colonnade.models.stages import stage_chunks
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
-from colonnade.pipeline.partition import stage_chunks
 from colonnade.tensor_parallel.layers import TPContext
 
 DTYPES: dict[str, torch.dtype] = {

@@ -5,6 +5,9 @@ also holds the embedding, the last the final norm, head and loss. By default eve
 gets num_layers / (pp * vp) layers; ``pipeline_layout`` gives explicit counts for uneven splits.
 A count that does not divide and has no layout is rejected by the config validator (no layer is
 ever dropped); this function re-checks so it can be used on its own.
+
+It lives with the models (not the pipeline) because building a rank's chunks needs it and the
+pipeline package sits above the models.
 """
 
 from __future__ import annotations
