@@ -145,7 +145,8 @@ def test_hung_rank_is_reported_before_the_collective_timeout(corpus: tuple[Path,
     took = time.monotonic() - hung_at
     out = job.output()
     assert status == 1, out
-    assert took < timeout_s + 4, (took, out)
+    # ~timeout_s + 1 s unloaded; the margin absorbs a 2-core machine running other jobs
+    assert took < timeout_s + 8, (took, out)
     cause = next(line for line in out.splitlines() if "likely cause:" in line)
     assert "rank 1: STUCK outside any collective at step 3" in cause, cause
     waiting = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
@@ -186,7 +187,8 @@ def test_frozen_rank_is_a_hang_and_the_job_ends_within_the_timeout(corpus: tuple
     took = time.monotonic() - frozen_at
     out = job.output()
     assert status == 1, out
-    assert took < timeout_s + 3, (took, out)
+    # ~7 s unloaded (before the fix: 54 s); the margin absorbs a loaded 2-core machine
+    assert took < timeout_s + 8, (took, out)
     assert len(pids) == 2 and not [p for p in pids if alive(p)], "ranks survived the job"
     cause = next(line for line in out.splitlines() if "likely cause:" in line)
     assert "likely cause: rank 1: FROZEN at step 3: no heartbeat for " in cause, cause
@@ -222,7 +224,7 @@ def test_sigterm_to_the_launcher_with_a_frozen_rank_stops_at_once(corpus: tuple[
     took = time.monotonic() - sent
     out = job.output()
     assert status == 143, out
-    assert took < 15, (took, out)  # rank 0's stop grace (5 s) + the watch, not the agent's 30 s
+    assert took < 20, (took, out)  # rank 0's stop grace (5 s) + the watch, not the agent's 30 s
     assert "colonnade: the job was stopped by SIGTERM" in out, out
     assert "rank 1 was frozen and could not stop: no heartbeat for" in out, out
     assert "failed before training" not in out, out
