@@ -236,8 +236,9 @@ def test_uneven_layout_parity(run_ranks: Callable[..., list[Any]], schedule: str
                                  layout=layout))
 
 
-@pytest.mark.parametrize("in_order", [True, False])
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize(("schedule", "in_order"), [
+    ("gpipe", True), ("1f1b", True), ("interleaved_1f1b", True), ("zb_h1", True),
+    ("interleaved_1f1b", False), ("zb_h1", False)])
 def test_switches_off_give_the_same_numbers(run_ranks: Callable[..., list[Any]],
                                             schedule: str, in_order: bool) -> None:
     """No p2p overlap, no output deallocation, with and without NCCL's in-order p2p: same
