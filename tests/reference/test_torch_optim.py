@@ -19,8 +19,8 @@ from colonnade.data_parallel.ddp import build_data_parallel
 from colonnade.models.build import build_reference
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.groups import ProcessGroups
+from tests.reference.common import batch, model_config, randomise, spec_of
 from tests.reference.plain_models import PlainLM, colonnade_names, load_from_colonnade
-from tests.reference.test_plain_reference import batch, model_config, spec_of
 
 STEPS = 4
 OPTIM = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, decay="cosine", weight_decay=0.1,
@@ -35,12 +35,7 @@ def colonnade_run(arch: str) -> tuple[list[float], list[float], dict[str, torch.
     cfg = Config(model=model_config(arch), optim=OPTIM,
                  training=TrainingConfig(precision="fp64", steps=STEPS, seed=7))
     model = build_reference(cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name and name.endswith("weight")
-                    else (0.2 if p.ndim == 1 else 0.3) * noise)
+    randomise(model)
     model.train()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     groups = ProcessGroups.single()

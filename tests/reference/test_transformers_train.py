@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import transformers
 
 from colonnade.config.sections import ModelConfig
-from tests.reference.test_plain_reference import (
+from tests.reference.common import (
     BATCH,
     SEQ,
     VOCAB,
