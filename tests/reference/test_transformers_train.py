@@ -2,6 +2,10 @@
 ``GPT2LMHeadModel`` with random tiny configs made here, float64, dropout 0, loss and every
 parameter gradient. Weights go from Colonnade (randomised far from init) into the HF model by
 this file's own name mapping (:func:`hf_names`); gradients come back by the same mapping.
+Document resets (Colonnade's ``DocReset``) are given to HF as ``position_ids`` and a 4-d mask.
+Dropout on is not compared here: HF draws its masks from torch's generator inside
+``nn.functional.dropout``, Colonnade from its counter-based SplitMix64 stream, and HF has no
+hook to take masks from outside (the plain reference covers dropout).
 
 The loss on the HF side is ``F.cross_entropy`` of HF's logits against Colonnade's (already
 shifted) labels: HF's own ``ForCausalLMLoss`` shifts the labels itself and upcasts the logits
@@ -31,8 +35,10 @@ import torch.nn.functional as F
 import transformers
 
 from colonnade.config.sections import ModelConfig
+from colonnade.models.blocks import DocReset
 from tests.reference.common import (
     BATCH,
+    EOD,
     SEQ,
     VOCAB,
     batch,
@@ -40,6 +46,7 @@ from tests.reference.common import (
     grad_errors,
     model_config,
 )
+from tests.reference.plain_models import documents
 
 EXACT = (1e-12, 1e-10)
 """(loss, gradient) relative tolerance in float64 with no float32 island (module docstring)."""
@@ -173,18 +180,35 @@ def make_exact(model: Any, cfg: ModelConfig) -> None:
         norm.forward = _rms_norm_fp64.__get__(norm)
 
 
+def hf_doc_inputs(tokens: torch.Tensor, attention: bool) -> dict[str, torch.Tensor]:
+    """HF inputs for packed documents: ``position_ids`` [b, s] restarting after each EOD and,
+    when ``attention`` resets too, a 4-d additive mask [b, 1, s, s] (0 where a token may
+    attend, -inf elsewhere; HF uses a 4-d mask as given, and GPT-2's eager attention adds it,
+    so it must be additive, not bool). Derived by the plain model's :func:`documents`."""
+    positions, allowed = documents(tokens, EOD)
+    out = {"position_ids": positions}
+    if attention:
+        out["attention_mask"] = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(
+            ~allowed, float("-inf"))
+    return out
+
+
 def compare(cfg: ModelConfig, masked: bool, exact: bool = False,
-            hf_cfg: ModelConfig | None = None) -> tuple[float, float, float]:
-    """(HF loss, loss rel. error, worst gradient rel. error) of Colonnade against HF."""
+            hf_cfg: ModelConfig | None = None, docs: DocReset | None = None
+            ) -> tuple[float, float, float]:
+    """(HF loss, loss rel. error, worst gradient rel. error) of Colonnade against HF;
+    ``docs``: Colonnade's document reset (EOD = ``EOD``), given to HF as positions / mask."""
     ours = colonnade_model(cfg)
-    tokens, labels = batch(masked)
+    ours.doc_reset = docs
+    tokens, labels = batch(masked, docs=docs is not None)
     loss = ours(tokens, labels)
     loss.backward()
     model = hf_model(hf_cfg or cfg)
     load_into_hf(model, cfg, dict(ours.named_parameters()))
     if exact and cfg.arch == "llama":
         make_exact(model, hf_cfg or cfg)
-    logits = model(input_ids=tokens).logits  # [b, s, V]
+    extra = hf_doc_inputs(tokens, docs.attention) if docs is not None else {}
+    logits = model(input_ids=tokens, **extra).logits  # [b, s, V]
     assert logits.shape == (BATCH, SEQ, VOCAB) and logits.dtype == torch.float64
     ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     ref.backward()
@@ -198,6 +222,17 @@ def compare(cfg: ModelConfig, masked: bool, exact: bool = False,
 def test_loss_and_grads_match_transformers(arch: str, masked: bool) -> None:
     loss, loss_err, grad_err = compare(model_config(arch), masked, exact=True)
     assert 1.0 < loss < 50.0
+    assert loss_err < EXACT[0]
+    assert grad_err < EXACT[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("attention", [False, True])
+def test_document_reset_matches_transformers(arch: str, attention: bool) -> None:
+    """Positions restart after each EOD (HF position_ids), and with ``attention`` tokens see
+    only their own document (HF 4-d mask)."""
+    docs = DocReset(eod_id=EOD, positions=True, attention=attention)
+    _, loss_err, grad_err = compare(model_config(arch), masked=True, exact=True, docs=docs)
     assert loss_err < EXACT[0]
     assert grad_err < EXACT[1]
 
