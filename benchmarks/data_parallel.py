@@ -60,14 +60,14 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.data.synthetic import random_steps
 from colonnade.data_parallel import build_data_parallel
 from colonnade.models.build import build_chunks, build_reference
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.parallel.pool import RankPool
 from colonnade.pipeline.plan import StepPlan
-from colonnade.testing import RankPool
-from colonnade.testing.batches import random_steps
 from colonnade.training.step import forward_backward
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_parallel.json"

@@ -28,12 +28,12 @@ import torch
 
 from colonnade.config import Config, load_config, resolve, validate
 from colonnade.config.sections import ModelConfig, ParallelConfig, TrainingConfig
+from colonnade.data.synthetic import random_batches
 from colonnade.models.build import build_chunks
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import StepPlan
-from colonnade.testing.batches import random_batches
 from colonnade.training.memory import (
     ActivationShape,
     PeakTensorBytes,
@@ -107,7 +107,7 @@ def measure_rows(tp: int, sp: bool) -> list[dict[str, Any]]:
 
 def part1() -> list[dict[str, Any]]:
     """Every layout's rows (tp = 2 on a pool of 2 gloo ranks; rank 0's rows, both checked)."""
-    from colonnade.testing import RankPool
+    from colonnade.parallel.pool import RankPool
 
     rows = measure_rows(1, False)
     pool = RankPool(2, timeout_s=600.0)

@@ -52,11 +52,13 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.data.synthetic import random_batches
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks
 from colonnade.parallel.comm import CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.parallel.pool import RankPool
 from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.partition import (
@@ -64,8 +66,6 @@ from colonnade.tensor_parallel.partition import (
     gathered_linears,
     linear_reduce_scatter,
 )
-from colonnade.testing import RankPool
-from colonnade.testing.batches import random_batches
 from colonnade.training.step import forward_backward, set_train_mode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap.json"

@@ -50,12 +50,12 @@ from colonnade.models.gpt import ModelChunk
 from colonnade.models.stages import virtual_stage_layers
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.parallel.pool import RankPool
 from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute
 from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay
-from colonnade.testing import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}

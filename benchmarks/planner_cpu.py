@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 from colonnade.config.sections import Config, OptimConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
+from colonnade.data.synthetic import random_batches
+from colonnade.parallel.pool import RankPool
 from colonnade.planner.calibrate import (
     MORE_TINY_LAYOUTS,
     TINY_LAYOUTS,
@@ -58,8 +60,6 @@ from colonnade.planner.calibrate import (
 from colonnade.planner.estimate import estimate
 from colonnade.planner.hardware import Cluster, cluster_to_toml
 from colonnade.planner.layout import Layout, Workload
-from colonnade.testing import RankPool
-from colonnade.testing.batches import random_batches
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_cpu.json"
 EXTENDED = RESULTS.with_name("planner_cpu_extended.json")

@@ -29,13 +29,13 @@ import torch
 
 from colonnade.config.load import load_config
 from colonnade.config.validate import resolve, validate
+from colonnade.data.synthetic import random_batches
 from colonnade.device import memory_stats, peak_tflops, pick_device, synchronize
 from colonnade.models.build import param_dtype
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.planner.estimate import estimate
 from colonnade.planner.hardware import get_cluster
 from colonnade.planner.layout import Layout, Workload
-from colonnade.testing.batches import random_batches
 from colonnade.training.loop import Trainer
 from colonnade.training.metrics import flops_per_token
 from colonnade.training.setup import Runtime

@@ -49,9 +49,9 @@ from colonnade.config.sections import ModelConfig
 from colonnade.models.blocks import TransformerLayer, rope_tables
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.parallel.pool import spawn_ranks
 from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel.layers import TPContext
-from colonnade.testing import spawn_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
 TP = 2

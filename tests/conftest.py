@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from colonnade.testing import RankPools
+from colonnade.parallel.pool import RankPools
+
+# The pool's ranks import test functions by name (``tests.<dir>.<module>``) with the parent's
+# sys.path (spawn copies it): the repo root first, the tests directory last for its helpers.
+# The paths are set here, by the tests, never by the library.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+if str(_REPO_ROOT / "tests") not in sys.path:
+    sys.path.append(str(_REPO_ROOT / "tests"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

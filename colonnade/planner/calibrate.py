@@ -393,7 +393,7 @@ def measure_gloo(pool: object | None = None, numel: int = 32768,
     """Gloo between 2 local processes: send/recv latency and bandwidth (pipeline p2p) and the
     collective costs of :func:`_gloo_all_reduce` (tp/dp collectives, in situ after a forward
     of ``model``); ``pool``: a 2-rank RankPool to use (else one is started)."""
-    from colonnade.testing import RankPool
+    from colonnade.parallel.pool import RankPool
 
     if pool is not None:
         run = pool.run  # type: ignore[attr-defined]
@@ -462,7 +462,7 @@ def calibrate_cpu(w: Workload, pools: dict[int, Any],
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Measure, print the cluster, predict the tiny layouts; optionally save the cluster."""
-    from colonnade.testing import RankPool
+    from colonnade.parallel.pool import RankPool
 
     w = tiny_workload()
     with RankPool(2, timeout_s=120.0) as two, RankPool(4, timeout_s=120.0) as four:

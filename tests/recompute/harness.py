@@ -22,6 +22,7 @@ from colonnade.config.sections import (
     TrainingConfig,
 )
 from colonnade.config.validate import resolve, validate
+from colonnade.data.synthetic import random_batches
 from colonnade.models.build import build_chunks
 from colonnade.models.gpt import LayerFn, ModelChunk
 from colonnade.models.params import unique_params
@@ -29,7 +30,6 @@ from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch, StepPlan, set_rng_context
-from colonnade.testing.batches import random_batches
 from colonnade.training.step import forward_backward
 
 Grads = dict[str, torch.Tensor]

@@ -1,4 +1,4 @@
-"""Random token batches for tests and benchmarks (uniform ids; no dataset needed)."""
+"""Synthetic token batches for tests, benchmarks and calibration (uniform ids; no dataset)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The rank pool: results in rank order, remote errors named, hangs killed, pools reused.
 
 Functions sent to ranks live at module level so the ranks import them by name
-(``tests.testing.test_pool._all_reduce_ranks``).
+(``tests.parallel.test_pool._all_reduce_ranks``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colonnade.testing import RankError, RankPool, RankPools, RankTimeout, spawn_ranks
+from colonnade.parallel.pool import RankError, RankPool, RankPools, RankTimeout, spawn_ranks
 
 # ----------------------------------------------------------------------------- rank functions
 

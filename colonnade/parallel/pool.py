@@ -1,4 +1,4 @@
-"""A pool of CPU ranks (gloo) kept alive between calls, for multi-process parity tests.
+"""A pool of CPU ranks (gloo) kept alive between calls: the parity tests and calibration.
 
 Starting a rank is the expensive part (importing torch in 8 processes on 2 cores takes
 seconds), so a :class:`RankPool` starts ``world_size`` spawned workers once, joins them into a
@@ -39,11 +39,8 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TESTS_DIR = REPO_ROOT / "tests"
 FRESH_SEED = 0  # torch.manual_seed applied on every rank before each run
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # Backstop for gloo collectives and the store; the parent enforces the real per-call timeouts
@@ -154,14 +151,11 @@ def _worker_main(
 ) -> None:
     """Body of one rank: join the group, then serve run/end/stop messages until told to stop.
 
-    sys.path gets the repo root first (pytest's rootdir: ``tests`` is a package, so test modules
-    are ``tests.<dir>.<module>``) and the tests directory last (for top-level test helpers).
+    The rank's ``sys.path`` is the parent's (multiprocessing's spawn start method copies it), so
+    a function the parent can import by name the rank can too; the library edits no path (the
+    tests' conftest and the benchmark scripts put the repo root there themselves).
     """
     _watch_parent()
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.append(str(TESTS_DIR))
 
     def send(reply: _Reply) -> None:
         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
