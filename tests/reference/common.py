@@ -81,8 +81,9 @@ def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 def grad_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     """Relative gradient error per parameter, each against max(||ref||, 1e-4 ||all ref||).
 
-    The floor is for gradients that are zero in exact arithmetic: the key bias (q . b_k is
-    the same for every key of a query row, and softmax ignores a constant shift), whose
+    The floor is for gradients that are zero in exact arithmetic: gpt2's key bias (without
+    RoPE, q . b_k is the same for every key of a query row, and softmax ignores a constant
+    shift; llama's rotates b_k by position, so its gradient is not zero), whose
     computed values are rounding noise (~1e-16) on both sides; a real error there still shows
     (1e-10 of the floor is ~1e-14 absolute).
     """
