@@ -78,12 +78,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return {"mem_peak_gib": rss_kib / 2**20}
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Reset the peak counter (GPU only)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def get_rng_state(device: torch.device) -> torch.Tensor:
     """The default generator state of ``device``."""
     if device.type == "cuda":

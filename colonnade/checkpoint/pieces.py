@@ -41,13 +41,6 @@ class Piece:
         return {"offsets": list(self.offsets), "shape": list(self.shape),
                 "flat": list(self.flat) if self.flat is not None else None}
 
-    @classmethod
-    def from_json(cls, d: dict[str, object]) -> Piece:
-        """Inverse of :meth:`to_json`."""
-        flat = d.get("flat")
-        return cls(tuple(d["offsets"]), tuple(d["shape"]),  # type: ignore[arg-type]
-                   tuple(flat) if flat is not None else None)  # type: ignore[arg-type]
-
 
 def shard_box(sharding: Sharding, tp_rank: int, tp: int) -> Box:
     """The box of the full tensor held by tp rank ``tp_rank`` (padding rows cut off).

@@ -82,10 +82,6 @@ class BatchSampler:
             pos += take
         return out
 
-    def global_batch_indices(self) -> list[int]:
-        """The next step's full global batch (all dp ranks), without consuming it."""
-        return self.stream(self.consumed_samples, self.global_batch)
-
     def next_step(self) -> list[list[int]]:
         """This rank's micro-batches for the next step; consumed_samples += global_batch."""
         per_rank = self.global_batch // self.dp_size

@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from colonnade.config.sections import Config, ParallelConfig
 from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
@@ -78,9 +77,8 @@ class DataParallel:
         self._sync = False
         self.launched_in_backward = 0
         """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
-        self._hooks: list[RemovableHandle] = []
-        for p in self.buffers.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for p in self.buffers.params:  # hooks live as long as the parameters
+            p.register_post_accumulate_grad_hook(self._on_grad)
         if self.sharded and cfg.overlap_param_gather:
             self._install_pre_forward_hooks(chunks)
         self.zero_grad()
@@ -225,20 +223,13 @@ class DataParallel:
                 if not own:
                     continue
                 needed = sorted({self.buffers.slot(p).bucket for p in own})
-                hook = module.register_forward_pre_hook(self._pre_forward_hook(needed))
-                self._hooks.append(hook)
+                module.register_forward_pre_hook(self._pre_forward_hook(needed))
 
     def _pre_forward_hook(self, needed: list[int]) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: object) -> None:
             self.finish_param_gather(needed)
 
         return hook
-
-    def remove_hooks(self) -> None:
-        """Detach every hook (the buffers stay attached to the parameters)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
 
 def build_data_parallel(chunks: Sequence[nn.Module], config: Config,

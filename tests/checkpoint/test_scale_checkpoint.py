@@ -80,8 +80,7 @@ def _ranks(cfg: Config) -> list[RankState]:
         if key not in chunks:
             chunks[key] = build_chunks(cfg, groups)
         if zero or key not in replicas:  # without ZeRO-1 dp replicas hold equal optimizers
-            ddp = build_data_parallel(chunks[key], cfg, groups)
-            ddp.remove_hooks()
+            ddp = build_data_parallel(chunks[key], cfg, groups)  # no step runs: hooks stay idle
             replicas[key] = DistributedOptimizer(ddp, cfg.optim, groups, 1,
                                                  cfg.training.precision)
         out.append(RankState(groups, chunks[key], replicas[key]))
