@@ -11,8 +11,8 @@ holding the message it consumes. Compute actions on micro-batch k of local chunk
   stage takes the tokens [b, s]; the others the received activation x [s(/tp), b, h] (a leaf
   that requires grad). The last virtual stage returns the micro-batch's loss summed over its
   valid tokens S_k; the step's loss is sum over the global batch / N (``StepPlan.tokens``), so
-  backward starts from y = S_k * plan.loss_multiplier() (= S_k * loss_scale * dp / N), exactly
-  as the pp = 1 loop in :mod:`colonnade.training.step` does (:mod:`colonnade.pipeline.plan`).
+  backward starts from y = S_k * plan.loss_multiplier() (= S_k * loss_scale * dp / N; see
+  :mod:`colonnade.pipeline.plan`). pp = 1 is the degenerate case: one stage, 1f1b, no p2p.
   (x, y) are stashed until B.
 * B: backward of the stashed y with the received gradient dy (none on the last virtual stage),
   giving dx (sent back unless this is the first virtual stage). Schedules with W actions (ZB-H1)
@@ -265,12 +265,12 @@ def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
             lists: list[list[Action]] | None = None, *, train: bool = True,
             options: ExecOptions | None = None) -> ExecResult:
     """Run this stage's list of ``lists`` (default: ``plan.schedule`` for pp, vp = len(chunks),
-    m = len(batches)) with ``options`` (default ``plan.options``); the full result with timings
-    and memory peaks."""
+    m = len(batches); with pp = vp = 1 always 1f1b, i.e. gradient accumulation) with
+    ``options`` (default ``plan.options``); the full result with timings and memory peaks."""
     pp, vp, m = plan.groups.pp.size, len(chunks), len(batches)
-    if lists is None:
-        lists = (build_schedule(plan.schedule, pp, vp, m) if train
-                 else forward_only_lists(pp, vp, m))
+    if lists is None:  # pp = vp = 1: the degenerate 1f1b (F0 B0 F1 B1 ...: plain accumulation)
+        name = "1f1b" if pp == vp == 1 else plan.schedule
+        lists = build_schedule(name, pp, vp, m) if train else forward_only_lists(pp, vp, m)
     if len(lists) != pp:
         raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
     opts = options or plan.options

@@ -12,9 +12,9 @@ labels and one tiny all-reduce over dp gives N (``StepPlan.tokens``; :func:`with
 micro-batch's backward then runs on sum(CE over its valid tokens) * loss_scale * dp / N
 (:meth:`StepPlan.loss_multiplier`): the dp gradient reduction averages over the dp ranks (it
 pre-scales by 1/dp or uses AVG), so the reduced gradient is exactly that of L. Without masking,
-N = b * s * microbatches * dp and L is the old mean, bit for bit up to rounding. The pipeline
-executor and the pp = 1 loop of :mod:`colonnade.training.step` apply the same multiplier, so
-pp = 1 and pp > 1 compute the same thing.
+N = b * s * microbatches * dp and L is the old mean, bit for bit up to rounding. Every step, pp = 1
+included (the degenerate one-stage 1f1b), runs through the pipeline executor, so pp = 1 and
+pp > 1 apply the same multiplier and compute the same thing.
 
 These types live in the pipeline package (below ``training/``) because the executor consumes
 them; the training step only builds a plan and hands it down.
@@ -56,7 +56,7 @@ class StepPlan:
     step: int
     """Optimizer step index (seeds dropout with the micro-batch index)."""
     schedule: str = "1f1b"
-    """Pipeline schedule name (ignored when pp = 1)."""
+    """Pipeline schedule name (pp = vp = 1 always runs the degenerate 1f1b)."""
     loss_scale: float = 1.0
     """Multiplier applied to the loss before backward (fp16 dynamic scaling)."""
     grad_sync: Callable[[int], None] | None = None

@@ -2,10 +2,10 @@
 
 The loss convention (token-level mean over the global batch's valid tokens, N counted over dp)
 and the plan types are in :mod:`colonnade.pipeline.plan`; every micro-batch's backward runs on
-its summed loss times ``StepPlan.loss_multiplier()`` = loss_scale * dp / N, on pp = 1 here and on
-pp > 1 in the pipeline executor, so both compute the same thing. Reported losses (per
-micro-batch: mean over its valid tokens; per step: :func:`mean_loss` weighted by valid tokens)
-are the same token-weighted mean on every rank.
+its summed loss times ``StepPlan.loss_multiplier()`` = loss_scale * dp / N in the pipeline
+executor, which every step goes through (pp = 1 is its degenerate one-stage 1f1b). Reported
+losses (per micro-batch: mean over its valid tokens; per step: :func:`mean_loss` weighted by
+valid tokens) are the same token-weighted mean on every rank.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from colonnade.pipeline.executor import run_pipeline, run_pipeline_forward
 from colonnade.pipeline.plan import (
     Batch,
     StepPlan,
-    host_losses,
-    micro_batch_mean,
-    set_rng_context,
     with_tokens,
 )
 
@@ -34,34 +31,21 @@ def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
                      plan: StepPlan) -> list[float]:
     """Run every micro-batch forward and backward; returns per-micro-batch losses.
 
-    pp = 1: a plain gradient-accumulation loop. pp > 1: the pipeline executor runs the action
-    lists of ``plan.schedule``. Each backward runs on the micro-batch's summed loss times
+    One call into the pipeline executor, which runs the action lists of ``plan.schedule``;
+    pp = 1 is its degenerate case (1f1b on one stage: F0 B0 F1 B1 ..., plain gradient
+    accumulation, no p2p). Each backward runs on the micro-batch's summed loss times
     ``plan.loss_multiplier()`` (``plan.tokens`` counted first when unset). Returned losses are
     each micro-batch's mean over its valid tokens, known only on the last pipeline stage
     (others return an empty list).
     """
-    plan = with_tokens(plan, batches)
-    if plan.groups.pp.size > 1:
-        return run_pipeline(chunks, batches, plan)
-    (chunk,) = chunks
-    m, losses, scale = len(batches), [], plan.loss_multiplier()
-    for k, (tokens, labels) in enumerate(batches):
-        set_rng_context(chunks, plan, k, m)
-        if plan.grad_sync is not None:
-            plan.grad_sync(k)
-        loss = chunk(tokens, labels, reduction="sum")
-        (loss * scale).backward()
-        losses.append(micro_batch_mean(loss.detach(), labels))
-    return host_losses(losses)
+    return run_pipeline(chunks, batches, with_tokens(plan, batches))
 
 
 @torch.no_grad()
 def forward_only(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan) -> list[float]:
-    """Evaluation: forward every micro-batch (pipelined when pp > 1), no gradients."""
-    if plan.groups.pp.size > 1:
-        return run_pipeline_forward(chunks, batches, plan)
-    (chunk,) = chunks
-    return host_losses([chunk(tokens, labels) for tokens, labels in batches])  # valid-token means
+    """Evaluation: forward every micro-batch through the executor (pp = 1 included), no
+    gradients; per-micro-batch means over valid tokens on the last stage."""
+    return run_pipeline_forward(chunks, batches, plan)
 
 
 def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
