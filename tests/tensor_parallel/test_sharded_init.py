@@ -69,7 +69,7 @@ def test_block_tiling_depends_on_the_full_shape_only() -> None:
 
 
 _BUILD = """
-import json, math, resource
+import json, math
 from colonnade.config.load import load_config
 from colonnade.models.build import build_chunks
 from colonnade.parallel.comm import CommGroup, CommStats
@@ -83,10 +83,14 @@ def group(name, ranks):  # tp rank 0 of 2, nothing communicates while building
 one = [group(n, [0]) for n in ("pp", "dp", "cp", "dp_cp", "embedding")]
 groups = ProcessGroups(ParallelDims(tp=2), 0, group("tp", [0, 1]), *one[:4],
                        one[4], group("world", [0, 1]), stats)
-with open("/proc/self/statm") as f:  # resident now (pages); ru_maxrss: peak so far (KiB)
-    before = int(f.read().split()[1]) * resource.getpagesize()
+def status_kib(field):  # VmRSS: resident now; VmHWM: peak since the reset below
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak: imports' pages (file-backed
+    f.write("5")                               # ones may be reclaimed later) do not count
+before = status_kib("VmRSS") * 1024
 chunks = build_chunks(cfg, groups)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status_kib("VmHWM") * 1024
 local = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
 full = 2 * sum(math.prod(p.sharding.full_shape) for c in chunks for p in c.parameters())
 print(json.dumps({"delta": peak - before, "local": local, "full": full}))
