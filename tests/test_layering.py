@@ -141,6 +141,50 @@ def test_no_package_cycle() -> None:
     assert cycles == [], f"package cycle: {' -> '.join(cycles[0]) if cycles else ''}"
 
 
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node (each one is a cycle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_cycle() -> None:
+    """No cycle among modules either, type-checking-only imports included (a cycle hidden in
+    ``if TYPE_CHECKING`` or in a function is still two modules that cannot be read apart)."""
+    paths = sorted(PACKAGE_ROOT.rglob("*.py"))
+    modules = {_module_name(path) for path in paths}
+    graph = {_module_name(path): {m for m in _imports(path) if m in modules} - {_module_name(path)}
+             for path in paths}
+    assert _strongly_connected(graph) == []
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c"]]
+
+
 def test_the_walker_sees_function_level_and_relative_imports(tmp_path: Path) -> None:
     """The walker is what the other tests rest on: it must see imports hidden in functions."""
     root = tmp_path / "colonnade"

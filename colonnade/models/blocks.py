@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
-from colonnade.models.recompute import checkpoint
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -16,7 +16,8 @@ import torch
 
 from colonnade.config.sections import TrainingConfig
 from colonnade.models.build import build_chunks
-from colonnade.models.recompute import FullRecompute, RecomputePlan, checkpoint
+from colonnade.models.checkpointing import checkpoint
+from colonnade.models.recompute import FullRecompute, RecomputePlan
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
 from tests.recompute.harness import MODES, compare_modes, tiny_config, with_recompute
