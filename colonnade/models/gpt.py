@@ -113,6 +113,12 @@ class ModelChunk(nn.Module):
                 tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
 
     @property
+    def recomputes_layers(self) -> bool:
+        """Whether backward recomputes whole layer blocks (full recompute installed): a split
+        backward then takes its weight gradients in one pass, not one per layer boundary."""
+        return self.layer_runner is not None
+
+    @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RoPE tables (llama) or None."""
         if self.cfg.arch != "llama":

@@ -240,8 +240,8 @@ class StageExecutor:
         x, y = self.stash.pop((k, c))
         v = self._virtual(c)
         if self.splits_w:
-            full = self.chunks[c].layer_runner is not None  # full recompute: one W pass
-            dx, pending = backward_input(y, dy, x, self.params[c], full_pass=full)
+            dx, pending = backward_input(y, dy, x, self.params[c],
+                                         full_pass=self.chunks[c].recomputes_layers)
             self.pending_w[(k, c)] = pending
             self.result.peak_pending_w = max(self.result.peak_pending_w, len(self.pending_w))
         else:
