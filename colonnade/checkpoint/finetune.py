@@ -40,6 +40,7 @@ from colonnade.checkpoint.commit import METADATA, resolve_checkpoint
 from colonnade.checkpoint.format import CheckpointError, CheckpointReader
 from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, model_config_from_hf
 from colonnade.checkpoint.sharded import load_model, load_optimizer
+from colonnade.checkpoint.state import TrainState
 from colonnade.config.load import ConfigError, config_from_dict, load_config, parse_overrides
 from colonnade.config.sections import Config, ModelConfig
 
@@ -214,7 +215,7 @@ def check_tokenizers(config: Config, data_tokenizer: Path | None = None) -> None
                 "--data.input=... --data.prepared_dir=<new dir>`) and train on that dir.")
 
 
-def init_weights(trainer: Any, path: str | Path) -> str:
+def init_weights(trainer: TrainState, path: str | Path) -> str:
     """Load only the weights of ``path`` into ``trainer`` (any layout): step 0, a fresh
     optimizer, the sampler and RNG untouched. Returns a line for the log."""
     ddp = getattr(trainer, "ddp", None)

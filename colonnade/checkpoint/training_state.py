@@ -41,6 +41,7 @@ from colonnade.checkpoint.format import (
 )
 from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
 from colonnade.checkpoint.staging import HostStager, Staged
+from colonnade.checkpoint.state import TrainState
 from colonnade.config.load import config_to_dict, config_to_toml
 from colonnade.optim.lr import SCHEDULE_FIELDS, lr_at, schedule_of, with_schedule
 
@@ -63,20 +64,20 @@ class PendingSave:
         return self.path
 
 
-def _scaler(trainer: Any) -> Any:
+def _scaler(trainer: TrainState) -> Any:
     """The loss scaler (the trainer's or its optimizer's), if any."""
     scaler = getattr(trainer, "scaler", None)
     return scaler if scaler is not None else getattr(trainer.optimizer, "scaler", None)
 
 
-def _finish_gathers(trainer: Any) -> None:
+def _finish_gathers(trainer: TrainState) -> None:
     """ZeRO-1 with overlapped param gathers: wait so parameters are complete."""
     ddp = getattr(trainer, "ddp", None)
     if ddp is not None and hasattr(ddp, "finish_param_gather"):
         ddp.finish_param_gather()
 
 
-def _metadata(trainer: Any) -> dict[str, Any]:
+def _metadata(trainer: TrainState) -> dict[str, Any]:
     cfg, groups, opt = trainer.config, trainer.groups, trainer.optimizer
     data = getattr(trainer, "data", None)
     sampler = data.sampler.state_dict() if data is not None else None
@@ -101,7 +102,7 @@ def _metadata(trainer: Any) -> dict[str, Any]:
     }
 
 
-def stager_of(trainer: Any) -> HostStager:
+def stager_of(trainer: TrainState) -> HostStager:
     """The trainer's :class:`HostStager` (made at its first async save; its pinned buffers are
     reused by every later save), kept as ``trainer.checkpoint_stager``."""
     stager = getattr(trainer, "checkpoint_stager", None)
@@ -111,7 +112,7 @@ def stager_of(trainer: Any) -> HostStager:
     return stager
 
 
-def save_training(trainer: Any, root: str | Path, *, keep_last: int = 3,
+def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
                   async_save: bool = False, tokenizer: str | Path | None = None,
                   on_phase: PhaseHook | None = None, timeout_s: float = 600.0) -> PendingSave:
     """Write a checkpoint of ``trainer`` after ``trainer.step`` steps (collective: all ranks).
@@ -171,7 +172,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads((ckpt / METADATA).read_text())
 
 
-def load_training(trainer: Any, path: str | Path, *, load_optimizer_state: bool = True,
+def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state: bool = True,
                   verify: bool = True) -> dict[str, Any]:
     """Restore ``trainer`` from a checkpoint written under any layout; returns its metadata.
 
@@ -211,7 +212,7 @@ def load_training(trainer: Any, path: str | Path, *, load_optimizer_state: bool 
     return meta
 
 
-def start_from(trainer: Any, path: str | Path) -> str:
+def start_from(trainer: TrainState, path: str | Path) -> str:
     """``checkpoint.load``: resume a Colonnade checkpoint exactly (an HF directory or a
     weights-only checkpoint is refused, pointing at ``--init-from``). Returns a log line."""
     from colonnade.checkpoint.finetune import hf_load_error

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from colonnade.checkpoint.state import TrainState
 from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.groups import ProcessGroups
 
@@ -104,7 +104,7 @@ def is_bad_step(metrics: dict[str, float], precision: str, at_min_scale: bool) -
     return None
 
 
-def check_step(trainer: Any, metrics: dict[str, float]) -> None:
+def check_step(trainer: TrainState, metrics: dict[str, float]) -> None:
     """Apply ``training.on_nan`` to the step just taken (``trainer.step`` already advanced).
 
     Collective when the step is bad (every rank decides alike: loss and norm are global).
