@@ -293,7 +293,8 @@ class PipeComm:
         self.group, self.stage = group, stage
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
         self.nccl = group.pg is not None and dist.get_backend(group.pg) == "nccl"
-        self.stream = _InOrderStream(group) if in_order and not self.nccl else None
+        self.in_order = in_order and not self.nccl
+        self.stream: _InOrderStream | None = None  # started by the first post (in order)
         self.inbox: dict[Message, tuple[torch.Tensor, _Posted]] = {}
         self.pending: deque[_Posted] = deque()  # posted, not yet retired, in posting order
         self.peak_buffers = 0
@@ -305,7 +306,7 @@ class PipeComm:
         """Post one group: its sends carry ``tensors`` (in the order of its send ops)."""
         sends = [op for op in ops if op.kind == "send"]
         posted = _Posted([(t, self._rank(op.peer)) for op, t in zip(sends, tensors, strict=True)])
-        free = self.stream is None and not self.nccl
+        free = not self.in_order and not self.nccl
         if free and posted.sends:
             posted.handles.append(self.group.p2p(posted.sends, [], name="pp_send"))
         for op in ops:
@@ -320,7 +321,9 @@ class PipeComm:
                     posted.handles.append(handle)
                     posted.recv_handles[op.msg] = handle
         self.pending.append(posted)
-        if self.stream is not None:
+        if self.in_order:
+            if self.stream is None:
+                self.stream = _InOrderStream(self.group)
             self.stream.put(posted)
         elif self.nccl:
             posted.handles.append(self.group.p2p(posted.sends, posted.recvs, name="pp"))
@@ -353,7 +356,7 @@ class PipeComm:
         while self.pending:
             head = self.pending[0]
             if not head.done.is_set():
-                if self.stream is not None or not all(h.is_completed() for h in head.handles):
+                if self.in_order or not all(h.is_completed() for h in head.handles):
                     return
                 self._complete(head)
             self.pending.popleft()

@@ -20,11 +20,7 @@ from colonnade.models.blocks import DocReset
 from colonnade.models.gpt import ModelChunk, valid_tokens
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.executor import run_pipeline, run_pipeline_forward
-from colonnade.pipeline.plan import (
-    Batch,
-    StepPlan,
-    with_tokens,
-)
+from colonnade.pipeline.plan import Batch, StepPlan
 
 
 def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
@@ -38,7 +34,7 @@ def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
     each micro-batch's mean over its valid tokens, known only on the last pipeline stage
     (others return an empty list).
     """
-    return run_pipeline(chunks, batches, with_tokens(plan, batches))
+    return run_pipeline(chunks, batches, plan)
 
 
 @torch.no_grad()
