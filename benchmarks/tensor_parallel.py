@@ -51,7 +51,7 @@ from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import spawn_ranks
 from colonnade.parallel.rng import RNGTracker
-from colonnade.tensor_parallel.layers import TPContext
+from colonnade.tensor_parallel.context import ParallelContext
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
 TP = 2
@@ -188,7 +188,7 @@ def dtensor_plan(cfg: ModelConfig, prepared: bool) -> dict[str, Any]:
 class ColonnadeStack(nn.Module):
     """Colonnade's TransformerLayers on [s, b, h] ([s/tp, b, h] under sp)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.ctx = ctx
         self.layers = nn.ModuleList(TransformerLayer(cfg, ctx, i) for i in range(cfg.num_layers))
@@ -244,7 +244,7 @@ def _build(shape: dict[str, int], groups: ProcessGroups) -> dict[str, Any]:
     cfg = model_config(shape)
     models: dict[str, Any] = {}
     for sp in (False, True):
-        ctx = TPContext(group=groups.tp, sp=sp, seed=SEED, rng=RNGTracker(SEED))
+        ctx = ParallelContext(group=groups.tp, sp=sp, seed=SEED, rng=RNGTracker(SEED))
         models["colonnade_sp" if sp else "colonnade"] = ColonnadeStack(cfg, ctx)
     full = {p.sharding.key: gather_full(p, p.sharding, groups.tp)
             for p in models["colonnade"].parameters()}

@@ -22,10 +22,10 @@ from torch import nn
 from colonnade.config.sections import ModelConfig
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
+from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TPContext,
     column_parallel,
 )
 from colonnade.tensor_parallel.sharding import Sharding, output_std
@@ -38,7 +38,7 @@ class Norm(nn.Module):
     so their gradients are partial sums (``sp_partial_grad``) all-reduced across tp later.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> None:
         super().__init__()
         self.rms, self.eps, h = cfg.arch == "llama", cfg.norm_eps, cfg.hidden_size
         self.weight = ctx.param(Sharding(f"{key}.weight", (h,), sp_partial_grad=ctx.sp), 0.0,
@@ -123,7 +123,7 @@ class Attention(nn.Module):
     direct_children = ("q", "k", "v")
     """Children whose weights ``column_parallel`` may read directly (see there)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str, layer: int) -> None:
         super().__init__()
         self.cfg, self.ctx, self.site = cfg, ctx, key
         tp, d, h = ctx.tp, cfg.head_dim, cfg.hidden_size
@@ -218,7 +218,7 @@ class MLP(nn.Module):
     direct_children = ("gate", "up")
     """Children whose weights ``column_parallel`` may read directly (see there)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, key: str) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> None:
         super().__init__()
         h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
         self.ctx, self.swiglu = ctx, cfg.arch == "llama"
@@ -239,7 +239,7 @@ class MLP(nn.Module):
         return self.down(y)
 
 
-def hidden_dropout(x: torch.Tensor, p: float, ctx: TPContext, site: str,
+def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,
                    training: bool) -> torch.Tensor:
     """Dropout on [s(/tp), b, h] activations: a slice of the full [s, b, h] mask.
 
@@ -261,7 +261,7 @@ def hidden_dropout(x: torch.Tensor, p: float, ctx: TPContext, site: str,
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int) -> None:
         super().__init__()
         key = f"layers.{index}"
         self.cfg, self.ctx, self.key = cfg, ctx, key

@@ -11,7 +11,7 @@ from colonnade.models.recompute import install as install_recompute
 from colonnade.models.stages import stage_chunks
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
-from colonnade.tensor_parallel.layers import TPContext
+from colonnade.tensor_parallel.context import ParallelContext
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
@@ -24,13 +24,13 @@ def param_dtype(precision: str) -> torch.dtype:
 
 
 def make_context(config: Config, groups: ProcessGroups, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> TPContext:
-    """The TPContext every layer of this rank shares."""
+                 dtype: torch.dtype | None = None) -> ParallelContext:
+    """The ParallelContext every layer of this rank shares."""
     par = config.parallel
-    return TPContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
-                     rng=RNGTracker(config.training.seed),
-                     dtype=dtype or param_dtype(config.training.precision), device=device,
-                     comm_chunks=par.tp_comm_chunks)
+    return ParallelContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
+                           rng=RNGTracker(config.training.seed),
+                           dtype=dtype or param_dtype(config.training.precision),
+                           device=device, comm_chunks=par.tp_comm_chunks)
 
 
 def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | None = None,

@@ -30,10 +30,10 @@ from colonnade.models.blocks import (
     rope_tables,
 )
 from colonnade.tensor_parallel import mappings as mp
+from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
-    TPContext,
     VocabParallelEmbedding,
     padded_vocab,
 )
@@ -52,7 +52,7 @@ def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
 class Embedding(nn.Module):
     """Word embedding (vocab-parallel) plus learned positions for gpt2, then dropout."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, "embedding.word",
@@ -84,7 +84,7 @@ class Embedding(nn.Module):
 class ModelChunk(nn.Module):
     """One virtual pipeline stage: optional embedding, layers ``layer_ids``, optional head."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, layer_ids: list[int], *, first: bool,
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer_ids: list[int], *, first: bool,
                  last: bool, label_smoothing: float = 0.0,
                  tied_weight: nn.Parameter | None = None) -> None:
         super().__init__()

@@ -33,7 +33,7 @@ from colonnade.models.checkpointing import checkpoint
 if TYPE_CHECKING:
     from colonnade.config.sections import TrainingConfig
     from colonnade.models.gpt import LayerFn, ModelChunk
-    from colonnade.tensor_parallel.layers import TPContext
+    from colonnade.tensor_parallel.context import ParallelContext
 
 MODES = ("none", "full", "selective")
 METHODS = ("uniform", "block")
@@ -92,7 +92,7 @@ class FullRecompute:
     The tracker is read from ``ctx`` at every call, so swapping ``ctx.rng`` later is honoured.
     """
 
-    def __init__(self, plan: RecomputePlan, ctx: TPContext) -> None:
+    def __init__(self, plan: RecomputePlan, ctx: ParallelContext) -> None:
         self.plan, self.ctx = plan, ctx
 
     def __call__(self, fns: list[LayerFn], x: torch.Tensor) -> torch.Tensor:

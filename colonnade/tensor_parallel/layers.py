@@ -14,53 +14,16 @@ With tp = 1 every operator is the identity, so the same classes form the referen
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colonnade.parallel.comm import CommGroup
-from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel import mappings as mp
-from colonnade.tensor_parallel.sharding import Sharding, make_param
+from colonnade.tensor_parallel.context import ParallelContext
+from colonnade.tensor_parallel.sharding import Sharding
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TPContext:
-    """What a tensor-parallel layer needs to know about its surroundings."""
-
-    group: CommGroup
-    """The tp group."""
-    sp: bool
-    """Sequence parallelism on: activations between tp regions are [s/tp, b, h]."""
-    seed: int
-    """Run seed (initialisation and dropout)."""
-    rng: RNGTracker
-    """Dropout mask source."""
-    dtype: torch.dtype = torch.float32
-    """Parameter dtype."""
-    device: torch.device | None = None
-    """Parameter device."""
-    comm_chunks: int = 1
-    """Chunks for overlapping sp collectives with matmuls (1: off)."""
-
-    @property
-    def tp(self) -> int:
-        """tp degree."""
-        return self.group.size
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank's index in tp."""
-        return self.group.rank
-
-    def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
-        """A parameter holding this rank's shard of its seeded full initial value."""
-        return make_param(sharding, self.tp_rank, self.tp, self.seed, std, kind, self.dtype,
-                          self.device)
 
 
 def column_parallel(x: torch.Tensor, layers: list[ColumnParallelLinear]) -> list[torch.Tensor]:
@@ -93,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output``.
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx: TPContext, key: str, *,
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, key: str, *,
                  bias: bool, std: float, gather_output: bool = False, padded_rows: int = 0,
                  tied_to: str | None = None, shared_weight: nn.Parameter | None = None) -> None:
         super().__init__()
@@ -125,7 +88,7 @@ class RowParallelLinear(nn.Module):
     chunk (``sp_partial_grad``).
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx: TPContext, key: str, *,
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, key: str, *,
                  bias: bool, std: float, input_is_parallel: bool = True) -> None:
         super().__init__()
         self.ctx, self.input_is_parallel = ctx, input_is_parallel
@@ -164,7 +127,8 @@ class VocabParallelEmbedding(nn.Module):
     (reduce-scattered) under sp.
     """
 
-    def __init__(self, vocab: int, hidden: int, ctx: TPContext, key: str, *, std: float) -> None:
+    def __init__(self, vocab: int, hidden: int, ctx: ParallelContext, key: str, *,
+                 std: float) -> None:
         super().__init__()
         self.ctx, self.vocab = ctx, vocab
         pad = padded_vocab(vocab, ctx.tp) - vocab

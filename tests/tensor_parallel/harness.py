@@ -178,7 +178,7 @@ class RecordingTracker(RNGTracker):
 
 
 def install_recorder(chunks: list[ModelChunk], seed: int) -> RecordingTracker:
-    """Swap the shared TPContext's tracker for a recording one (same seed, same masks)."""
+    """Swap the shared ParallelContext's tracker for a recording one (same seed, same masks)."""
     recorder = RecordingTracker(seed)
     chunks[0].ctx.rng = recorder
     return recorder

@@ -23,11 +23,11 @@ from colonnade.config.load import ConfigError
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
+from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TPContext,
     VocabParallelEmbedding,
     padded_vocab,
 )
@@ -84,8 +84,8 @@ def test_vocab_parallel_cross_entropy_matches_torch(run_ranks: Callable[..., lis
     assert rel_err(smooth, results[0][0]["loss"]) > 1e-3, "smoothing changed nothing"
 
 
-def _context(group: CommGroup) -> TPContext:
-    return TPContext(group=group, sp=False, seed=5, rng=RNGTracker(5), dtype=torch.float64)
+def _context(group: CommGroup) -> ParallelContext:
+    return ParallelContext(group=group, sp=False, seed=5, rng=RNGTracker(5), dtype=torch.float64)
 
 
 def _linear_run(group: CommGroup) -> dict[str, torch.Tensor]:

@@ -1,0 +1,52 @@
+"""The parallel context shared by every layer of a rank's model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from colonnade.parallel.comm import CommGroup
+from colonnade.parallel.rng import RNGTracker
+from colonnade.tensor_parallel.sharding import Sharding, make_param
+
+
+@dataclass
+class ParallelContext:
+    """What every model layer needs to know about its surroundings: the groups of the axes it
+    spans, sequence parallelism, the seed and dropout RNG, parameter dtype and device.
+
+    One value is built per rank (``models.build.parallel_context``) and shared by all layers;
+    with every degree 1 the layers are ordinary layers.
+    """
+
+    group: CommGroup
+    """The tp group."""
+    sp: bool
+    """Sequence parallelism on: activations between tp regions are [s/tp, b, h]."""
+    seed: int
+    """Run seed (initialisation and dropout)."""
+    rng: RNGTracker
+    """Dropout mask source."""
+    dtype: torch.dtype = torch.float32
+    """Parameter dtype."""
+    device: torch.device | None = None
+    """Parameter device."""
+    comm_chunks: int = 1
+    """Chunks for overlapping sp collectives with matmuls (1: off)."""
+
+    @property
+    def tp(self) -> int:
+        """tp degree."""
+        return self.group.size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in tp."""
+        return self.group.rank
+
+    def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
+        """A parameter holding this rank's shard of its seeded full initial value."""
+        return make_param(sharding, self.tp_rank, self.tp, self.seed, std, kind, self.dtype,
+                          self.device)
