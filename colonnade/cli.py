@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import sys
 
+from colonnade.config.choices import DEVICES
 from colonnade.config.load import ConfigError, config_to_toml, field_docs, load_config
 from colonnade.config.sections import SECTIONS, Config
 from colonnade.config.validate import resolve, validate
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (default) = cuda when a GPU is visible, "
                    "else cpu")
     c = sub.add_parser("convert", help="Hugging Face <-> Colonnade checkpoint conversion",

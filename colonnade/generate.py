@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
+from colonnade.config.choices import DEVICES
 from colonnade.device import has_gpu, pick_device
 from colonnade.models.gpt import ModelChunk
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 """``colonnade generate --device``: auto = cuda when a GPU is visible, else cpu."""
 
 
@@ -21,8 +21,8 @@ def generation_device_type(choice: str, gpu_visible: bool) -> str:
     """
     from colonnade.config.load import ConfigError
 
-    if choice not in DEVICE_CHOICES:
-        raise ConfigError(f"--device={choice!r} is not one of {DEVICE_CHOICES}")
+    if choice not in DEVICES:
+        raise ConfigError(f"--device={choice!r} is not one of {DEVICES}")
     if choice == "auto":
         return "cuda" if gpu_visible else "cpu"
     if choice == "cuda" and not gpu_visible:

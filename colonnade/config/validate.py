@@ -12,22 +12,25 @@ import glob
 from collections.abc import Callable
 from pathlib import Path
 
+from colonnade.config.choices import (
+    ARCHS,
+    AXES,
+    BACKENDS,
+    DATA_FORMATS,
+    DEVICES,
+    ERROR_POLICIES,
+    LR_DECAYS,
+    LR_SCHEDULE_POLICIES,
+    NAN_POLICIES,
+    ON_EXISTING,
+    PRECISIONS,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    WSD_SHAPES,
+)
 from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config
-
-ARCHS = ("llama", "gpt2")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
-AXES = ("tp", "cp", "ep", "dp", "pp")
-ERROR_POLICIES = ("strict", "skip")
-"""data.errors: fail listing every unreadable document, or leave them out (data/corpus.py)."""
-DATA_FORMATS = ("text", "sft")
-"""data.format: pretraining text, or prompt/response records with a loss mask (data/sft.py)."""
-ON_EXISTING = ("auto", "resume", "overwrite", "refuse")
-LR_DECAYS = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
-"""optim.decay values; colonnade.optim.lr implements each."""
-WSD_SHAPES = ("linear", "1-sqrt")
-"""optim.decay_shape values (the final decay of decay='wsd')."""
 
 
 def resolve(config: Config, world_size: int) -> Config:
@@ -111,14 +114,14 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("model.arch", c.model.arch, ARCHS),
         ("parallel.schedule", c.parallel.schedule, SCHEDULES),
         ("training.precision", c.training.precision, PRECISIONS),
-        ("training.recompute", c.training.recompute, ("none", "full", "selective")),
-        ("training.recompute_method", c.training.recompute_method, ("uniform", "block")),
-        ("training.on_nan", c.training.on_nan, ("stop", "skip")),
-        ("training.device", c.training.device, ("auto", "cpu", "cuda")),
+        ("training.recompute", c.training.recompute, RECOMPUTE_MODES),
+        ("training.recompute_method", c.training.recompute_method, RECOMPUTE_METHODS),
+        ("training.on_nan", c.training.on_nan, NAN_POLICIES),
+        ("training.device", c.training.device, DEVICES),
         ("optim.decay", c.optim.decay, LR_DECAYS),
         ("optim.decay_shape", c.optim.decay_shape, WSD_SHAPES),
-        ("parallel.backend", c.parallel.backend, ("auto", "gloo", "nccl")),
-        ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, ("check", "checkpoint", "config")),
+        ("parallel.backend", c.parallel.backend, BACKENDS),
+        ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, LR_SCHEDULE_POLICIES),
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
         ("data.errors", c.data.errors, ERROR_POLICIES),
         ("data.format", c.data.format, DATA_FORMATS),

@@ -22,9 +22,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from colonnade.config.validate import ERROR_POLICIES
+from colonnade.config.choices import ERROR_POLICIES
 from colonnade.data.errors import CorpusError
 from colonnade.data.readers import Source, read_source, resolve_input
 
@@ -41,7 +40,8 @@ hold generated tables and text, not Python people write)."""
 MAX_FILE_BYTES = 300_000
 """Larger stdlib files (generated tables) are left out of the built-in corpus."""
 
-ErrorPolicy = Literal["strict", "skip"]
+ErrorPolicy = str
+"""One of config.choices.ERROR_POLICIES."""
 
 MAX_RECORDED = 10_000
 """Unreadable documents recorded by name in `DocumentStats.skipped` (all are counted)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from colonnade.config.choices import PRECISIONS
 from colonnade.config.sections import Config
 from colonnade.models.gpt import ModelChunk
 from colonnade.models.recompute import RecomputePlan
@@ -16,6 +17,8 @@ from colonnade.tensor_parallel.context import ParallelContext
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
 }
+if tuple(DTYPES) != PRECISIONS:
+    raise AssertionError("models.build.DTYPES must map exactly config.choices.PRECISIONS")
 
 
 def param_dtype(precision: str) -> torch.dtype:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from colonnade.config.choices import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from colonnade.models.checkpointing import checkpoint
 
 if TYPE_CHECKING:
@@ -35,25 +36,24 @@ if TYPE_CHECKING:
     from colonnade.models.gpt import LayerFn, ModelChunk
     from colonnade.tensor_parallel.context import ParallelContext
 
-MODES = ("none", "full", "selective")
-METHODS = ("uniform", "block")
 
 
 @dataclass(frozen=True)
 class RecomputePlan:
-    """What to recompute: ``mode`` in MODES, ``method`` in METHODS, ``num_layers`` >= 1."""
+    """What to recompute: ``mode`` in RECOMPUTE_MODES, ``method`` in RECOMPUTE_METHODS,
+    ``num_layers`` >= 1."""
 
     mode: str = "none"
     method: str = "uniform"
     num_layers: int = 1
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
+        if self.mode not in RECOMPUTE_MODES:
             raise ValueError(f"training.recompute='{self.mode}' is unknown; use one of "
-                             f"{', '.join(MODES)}.")
-        if self.method not in METHODS:
+                             f"{', '.join(RECOMPUTE_MODES)}.")
+        if self.method not in RECOMPUTE_METHODS:
             raise ValueError(f"training.recompute_method='{self.method}' is unknown; use one of "
-                             f"{', '.join(METHODS)}.")
+                             f"{', '.join(RECOMPUTE_METHODS)}.")
         if self.num_layers < 1:
             raise ValueError(f"training.recompute_num_layers={self.num_layers} must be >= 1.")
 

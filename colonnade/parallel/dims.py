@@ -14,9 +14,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from colonnade.config.choices import AXES
 from colonnade.config.sections import ParallelConfig
-
-AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 
 
 @dataclass(frozen=True)

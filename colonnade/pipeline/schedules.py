@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from colonnade.config.choices import SCHEDULES as SCHEDULE_NAMES
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, comm, compute, virtual_stage
 
 ScheduleFn = Callable[[int, int, int, int], list[Action]]
@@ -192,6 +193,8 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
 }
+if tuple(SCHEDULES) != SCHEDULE_NAMES:
+    raise AssertionError("pipeline.schedules must build exactly config.choices.SCHEDULES")
 
 
 def build_schedule(name: str, pp: int, vp: int, m: int) -> list[list[Action]]:

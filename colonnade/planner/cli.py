@@ -11,6 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from colonnade.config.choices import PRECISIONS
 from colonnade.config.load import ConfigError, load_config
 from colonnade.config.sections import Config
 from colonnade.planner.hardware import ALIASES, PRESETS, get_cluster
@@ -77,7 +78,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="any other config override (repeatable)")
     g.add_argument("--global-batch", type=int, help="samples per step (default: the config's)")
     g.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's)")
-    g.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp64"),
+    g.add_argument("--precision", choices=PRECISIONS,
                    help="default: the config's training.precision")
     g.add_argument("--attention", choices=("auto", "flash", "eager"), default="auto",
                    help="attention kernel: fused SDPA ('flash') or materialised scores "

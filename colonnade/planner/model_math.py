@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from colonnade.config.choices import ARCHS
 from colonnade.config.sections import ModelConfig
 
 
@@ -50,9 +51,9 @@ class LayerShape:
     @classmethod
     def of(cls, model: ModelConfig) -> LayerShape:
         """Resolve defaults (kv heads, ffn width) of ``model``."""
-        if model.arch not in ("gpt2", "llama"):
-            raise ValueError(f"model.arch='{model.arch}' is unknown to the planner; use "
-                             "'gpt2' or 'llama'.")
+        if model.arch not in ARCHS:
+            raise ValueError(f"model.arch='{model.arch}' is unknown to the planner; use one of "
+                             f"{', '.join(ARCHS)}.")
         return cls(
             arch=model.arch, layers=model.num_layers, hidden=model.hidden_size,
             heads=model.num_heads, kv_hidden=model.kv_heads * model.head_dim,

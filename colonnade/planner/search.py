@@ -13,14 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from colonnade.config.choices import RECOMPUTE_MODES
+from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
 from colonnade.planner.estimate import Estimate, estimate
 from colonnade.planner.hardware import GIB, Cluster
 from colonnade.planner.layout import Layout, Workload
 from colonnade.planner.memory import memory_per_device
 from colonnade.planner.model_math import total_params
 
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
+RECOMPUTE = RECOMPUTE_MODES
+"""Recompute modes searched, least recomputation first."""
+SCHEDULES = tuple(s for s in ALL_SCHEDULES if s != "gpipe")
+"""Schedules searched: every one but GPipe, whose m in-flight micro-batches 1F1B beats."""
 
 
 class PlanError(ValueError):

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from colonnade.checkpoint.finetune import with_init_from
+from colonnade.config.choices import DATA_FORMATS
 from colonnade.config.sections import Config
-from colonnade.config.validate import DATA_FORMATS, resolve, validate
+from colonnade.config.validate import resolve, validate
 from colonnade.data import (
     BatchSampler,
     BlendedDataset,

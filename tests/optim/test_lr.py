@@ -14,9 +14,10 @@ import pytest
 from colonnade.checkpoint.format import CheckpointError
 from colonnade.checkpoint.training_state import schedule_change
 from colonnade.cli import main
+from colonnade.config.choices import LR_DECAYS, WSD_SHAPES
 from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config, OptimConfig, TrainingConfig
-from colonnade.config.validate import LR_DECAYS, WSD_SHAPES, resolve, validate
+from colonnade.config.validate import resolve, validate
 from colonnade.optim.lr import lr_at, schedule_of
 
 WSD = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay="wsd", decay_fraction=0.3)

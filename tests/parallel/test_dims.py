@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
+from colonnade.config.choices import AXES
 from colonnade.config.sections import ParallelConfig
-from colonnade.parallel.dims import AXES, ParallelDims
+from colonnade.parallel.dims import ParallelDims
 
 ORDERS = ["tp-cp-ep-dp-pp", "dp-tp-pp-cp-ep", "pp-dp-tp-cp-ep", "tp-pp-dp-cp-ep",
           "ep-cp-pp-dp-tp"]

@@ -9,7 +9,8 @@ created axis, the same number at 4096 ranks as at 8 (O(axes), not O(ranks)). Wit
 
 from __future__ import annotations
 
-from colonnade.parallel.dims import AXES, ParallelDims
+from colonnade.config.choices import AXES
+from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import GROUP_NAMES, plan_groups
 
 BIG = ParallelDims(tp=8, pp=8, dp=64)

@@ -1,0 +1,39 @@
+"""The allowed values of every configuration field that takes one of a fixed set of names.
+
+Each list has exactly this one owner: the validator checks fields against it, and the code that
+implements the values imports it (and, where it keeps its own table, such as the pipeline's
+schedule functions or the parameter dtypes, checks at import that the table covers this list).
+"""
+
+from __future__ import annotations
+
+ARCHS: tuple[str, ...] = ("llama", "gpt2")
+"""model.arch: decoder architectures (colonnade.models.spec declares each)."""
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+"""parallel.schedule: pipeline schedules (colonnade.pipeline.schedules builds each)."""
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp64")
+"""training.precision: parameter / compute dtypes (colonnade.models.build maps each)."""
+AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+"""Parallel axes; parallel.order is a '-'-joined permutation of them (fastest first)."""
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+"""training.recompute (colonnade.models.recompute), least recomputation first."""
+RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
+"""training.recompute_method: how full recompute groups layers."""
+NAN_POLICIES: tuple[str, ...] = ("stop", "skip")
+"""training.on_nan: stop with an error or skip the step."""
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+"""training.device and `colonnade generate --device`."""
+BACKENDS: tuple[str, ...] = ("auto", "gloo", "nccl")
+"""parallel.backend: torch.distributed backend ('auto': nccl on GPUs, gloo on CPU)."""
+LR_DECAYS: tuple[str, ...] = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
+"""optim.decay values; colonnade.optim.lr implements each."""
+WSD_SHAPES: tuple[str, ...] = ("linear", "1-sqrt")
+"""optim.decay_shape values (the final decay of decay='wsd')."""
+LR_SCHEDULE_POLICIES: tuple[str, ...] = ("check", "checkpoint", "config")
+"""checkpoint.lr_schedule: what a resume does when the run's LR schedule differs."""
+ON_EXISTING: tuple[str, ...] = ("auto", "resume", "overwrite", "refuse")
+"""checkpoint.on_existing: what a run does with a checkpoint directory that already exists."""
+ERROR_POLICIES: tuple[str, ...] = ("strict", "skip")
+"""data.errors: fail listing every unreadable document, or leave them out (data/corpus.py)."""
+DATA_FORMATS: tuple[str, ...] = ("text", "sft")
+"""data.format: pretraining text, or prompt/response records with a loss mask (data/sft.py)."""
