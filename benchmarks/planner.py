@@ -25,8 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colonnade.config.sections import ModelConfig
-from colonnade.planner.efficiency import layer_gemm_s, layer_gemms
-from colonnade.planner.fit import (
+from colonnade.analysis.efficiency import layer_gemm_s, layer_gemms
+from colonnade.analysis.fit import (
     MEGATRON_2021,
     fit_efficiency,
     fit_gemm_curve,
@@ -34,11 +34,11 @@ from colonnade.planner.fit import (
     predict_row,
     relative_errors,
 )
-from colonnade.planner.hardware import A100_EFFICIENCY, PRESETS
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import zero_paper_bytes
-from colonnade.planner.published import HELD_OUT_H100, MPT_H100_FIT, TABLE1, ZERO_EXAMPLE
-from colonnade.planner.search import Constraints, explain, plan
+from colonnade.analysis.hardware import A100_EFFICIENCY, PRESETS
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import zero_paper_bytes
+from colonnade.analysis.published import HELD_OUT_H100, MPT_H100_FIT, TABLE1, ZERO_EXAMPLE
+from colonnade.analysis.search import Constraints, explain, plan
 
 
 def table1(features: dict[str, Any], label: str) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/planner_cpu.py [--rounds 6] [--steps 3] [--warmup 2] [--json PATH]
         [--save-cluster configs/clusters/cpu-local.toml] [--extended]
 
-1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.planner.
+1. Calibrate, at the start of every round (the machine's load changes): ``colonnade.analysis.
    calibrate`` measures one-thread matmul GFLOP/s, memory GB/s, host time per op, one
    decoder layer's fwd+bwd and the output layer + loss's (-> ``efficiency`` and
    ``head_efficiency``) in this process, gloo send/recv latency / bandwidth, all-reduce
@@ -50,16 +50,16 @@ from colonnade.config.sections import Config, OptimConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.data.synthetic import random_batches
 from colonnade.parallel.pool import RankPool
-from colonnade.planner.calibrate import (
+from colonnade.analysis.calibrate import (
     MORE_TINY_LAYOUTS,
     TINY_LAYOUTS,
     calibrate_cpu,
     calibrated_cluster,
     tiny_workload,
 )
-from colonnade.planner.estimate import estimate
-from colonnade.planner.hardware import Cluster, cluster_to_toml
-from colonnade.planner.layout import Layout, Workload
+from colonnade.analysis.estimate import estimate
+from colonnade.analysis.hardware import Cluster, cluster_to_toml
+from colonnade.analysis.layout import Layout, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_cpu.json"
 EXTENDED = RESULTS.with_name("planner_cpu_extended.json")

@@ -33,9 +33,9 @@ from colonnade.data.synthetic import random_batches
 from colonnade.device import memory_stats, peak_tflops, pick_device, synchronize
 from colonnade.models.build import param_dtype
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.planner.estimate import estimate
-from colonnade.planner.hardware import get_cluster
-from colonnade.planner.layout import Layout, Workload
+from colonnade.analysis.estimate import estimate
+from colonnade.analysis.hardware import get_cluster
+from colonnade.analysis.layout import Layout, Workload
 from colonnade.training.loop import Trainer
 from colonnade.training.metrics import flops_per_token
 from colonnade.training.setup import Runtime

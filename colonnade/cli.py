@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", nargs="?", help="benchmark to run, e.g. planner_cpu")
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the script")
     try:
-        from colonnade.planner.cli import add_plan_parser
+        from colonnade.analysis.cli import add_plan_parser
 
         add_plan_parser(sub)
     except ImportError:  # pragma: no cover - planner is part of the package
@@ -169,7 +169,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     if args.dry_run:
-        from colonnade.planner.dry_run import dry_run
+        from colonnade.analysis.dry_run import dry_run
 
         print(dry_run(resolved, world))
         return 0
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args.name, args.args + rest)
         if args.command == "plan":
-            from colonnade.planner.cli import run_plan
+            from colonnade.analysis.cli import run_plan
 
             return run_plan(args)
     except ConfigError as err:

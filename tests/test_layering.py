@@ -3,7 +3,7 @@
 The order enforced (bottom first; a module may import its own layer or any layer below it):
 
     device < config < parallel < tensor_parallel < context_parallel < moe < models < pipeline
-    < data_parallel < optim < checkpoint < reliability < data < training < planner, analysis
+    < data_parallel < optim < checkpoint < reliability < data < training < analysis
     < top-level modules (cli, bench, generate, hf_export, launch, plot, train)
 
 ``device.py`` is the one module that may touch ``torch.cuda`` and sits at the bottom (``parallel``
@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("reliability",),
     ("data",),
     ("training",),
-    ("planner", "analysis"),
+    ("analysis",),
     ("cli", "bench", "generate", "hf_export", "launch", "plot", "train", "__init__"),
 )
 
@@ -118,7 +118,7 @@ def test_no_package_cycle() -> None:
     """The unit graph without ALLOWED edges has no cycle (depth-first search: no back edge).
 
     Across layers the order already rules a cycle out; this catches one inside a layer (the
-    top-level modules, planner/analysis).
+    top-level modules, analysis).
     """
     graph: dict[str, set[str]] = {}
     for a, b in _edges():

@@ -13,8 +13,8 @@ import transformers
 from colonnade.checkpoint.hf import hf_config_from_model
 from colonnade.cli import main
 from colonnade.config.load import load_config
-from colonnade.planner.cli import configs_dir, model_presets
-from colonnade.planner.model_math import LayerShape, total_params
+from colonnade.analysis.cli import configs_dir, model_presets
+from colonnade.analysis.model_math import LayerShape, total_params
 
 PRESETS = {  # name: (published size, exact count of the HF model of that name)
     "gpt2-124m": (124e6, 124_439_808),

@@ -3,7 +3,7 @@
 Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp degree t):
   compute  = sum over GEMMs FLOPs / (eff(I) * peak) + elementwise bytes / (eff * HBM bandwidth)
              eff(I) the GEMM's achieved fraction at its arithmetic intensity I
-             (:mod:`colonnade.planner.efficiency`; = eff for every GEMM without a knee),
+             (:mod:`colonnade.analysis.efficiency`; = eff for every GEMM without a knee),
              forward FLOPs T (2 * matrix params + 4 s h) / t (Narayanan et al.), backward
              ``backward_ratio`` x (2 by FLOPs; measured on CPUs),
              full recompute +1 forward, selective +the core attention (4 s h T / t).
@@ -51,11 +51,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from colonnade.planner.efficiency import head_gemm_s, layer_gemm_s
-from colonnade.planner.hardware import Cluster
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import stage_params, state_bytes_per_param
-from colonnade.planner.model_math import (
+from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
+from colonnade.analysis.hardware import Cluster
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import stage_params, state_bytes_per_param
+from colonnade.analysis.model_math import (
     LayerShape,
 )
 

@@ -8,10 +8,10 @@ import pytest
 
 from colonnade.config.sections import Config
 from colonnade.config.validate import problems
-from colonnade.planner.fit import MEGATRON_2021, fit_efficiency, predict_row, relative_errors
-from colonnade.planner.hardware import A100_EFFICIENCY, PRESETS
-from colonnade.planner.published import TABLE1
-from colonnade.planner.search import Constraints, explain, plan
+from colonnade.analysis.fit import MEGATRON_2021, fit_efficiency, predict_row, relative_errors
+from colonnade.analysis.hardware import A100_EFFICIENCY, PRESETS
+from colonnade.analysis.published import TABLE1
+from colonnade.analysis.search import Constraints, explain, plan
 
 A100 = PRESETS["a100-80gb"]
 

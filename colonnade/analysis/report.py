@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from colonnade.planner.estimate import Estimate
-from colonnade.planner.hardware import GIB
-from colonnade.planner.model_math import total_params
-from colonnade.planner.search import Plan
+from colonnade.analysis.estimate import Estimate
+from colonnade.analysis.hardware import GIB
+from colonnade.analysis.model_math import total_params
+from colonnade.analysis.search import Plan
 
 COLUMNS = ("#", "tp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero1",
            "mem GiB", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble", "comm")

@@ -9,14 +9,14 @@ Calibration (:func:`fit_efficiency`): the cluster's ``efficiency`` is the single
 It is chosen by golden-section search to minimise the largest relative error over all ten rows
 (minimax, so no row is sacrificed for the others); every other constant is a spec-sheet value.
 Table 1 does not identify a size dependence of the A100's GEMMs (its rows are flat, 135-163
-TFLOP/s, and every one is large-GEMM bound): a knee (:mod:`colonnade.planner.efficiency`) of up
+TFLOP/s, and every one is large-GEMM bound): a knee (:mod:`colonnade.analysis.efficiency`) of up
 to 0.1 x the A100's balance leaves the minimax error at 5.2%, larger knees raise it
 (``benchmarks/planner.py --fit`` scans it), so the A100 keeps ``gemm_knee_balance = 0``.
 
 H100 (:func:`fit_gemm_curve`): ``efficiency`` and ``gemm_knee_balance`` minimise the largest
-relative error of the predicted tokens/s per GPU over :data:`~colonnade.planner.published.
+relative error of the predicted tokens/s per GPU over :data:`~colonnade.analysis.published.
 MPT_H100_FIT` (golden-section search over the knee, the efficiency fitted at each knee); the
-rows of :data:`~colonnade.planner.published.HELD_OUT_H100` are the check.
+rows of :data:`~colonnade.analysis.published.HELD_OUT_H100` are the check.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from colonnade.planner.estimate import Estimate, estimate
-from colonnade.planner.hardware import Cluster
-from colonnade.planner.published import MPT_H100_FIT, TABLE1, H100Row, Table1Row
-from colonnade.planner.search import Constraints, plan
+from colonnade.analysis.estimate import Estimate, estimate
+from colonnade.analysis.hardware import Cluster
+from colonnade.analysis.published import MPT_H100_FIT, TABLE1, H100Row, Table1Row
+from colonnade.analysis.search import Constraints, plan
 
 MEGATRON_2021 = {"recompute": ("full",), "sp": (False,), "zero1": (False,),
                  "schedules": ("1f1b", "interleaved_1f1b")}

@@ -14,9 +14,9 @@ from pathlib import Path
 from colonnade.config.choices import PRECISIONS
 from colonnade.config.load import ConfigError, load_config
 from colonnade.config.sections import Config
-from colonnade.planner.hardware import ALIASES, PRESETS, get_cluster
-from colonnade.planner.layout import Workload
-from colonnade.planner.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
+from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
+from colonnade.analysis.layout import Workload
+from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
 
 MODEL_FLAGS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size",
                "heads": "num_heads", "kv_heads": "num_kv_heads", "ffn": "ffn_hidden_size",
@@ -158,11 +158,11 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run `colonnade plan`; 0 on success, 2 on bad input (message on stderr)."""
-    from colonnade.planner.report import print_table, write_json, write_plot
+    from colonnade.analysis.report import print_table, write_json, write_plot
 
     try:
         if args.calibrate:
-            from colonnade.planner.calibrate import run_calibrate
+            from colonnade.analysis.calibrate import run_calibrate
 
             return run_calibrate(args)
         if args.gpus is None:
@@ -185,7 +185,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m colonnade.planner.cli ...``."""
+    """Stand-alone entry point: ``python -m colonnade.analysis.cli ...``."""
     parser = argparse.ArgumentParser(prog="colonnade plan", description=__doc__)
     add_plan_arguments(parser)
     return run_plan(parser.parse_args(argv))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colonnade.config.sections import ModelConfig
-from colonnade.planner.layout import Layout, Workload
+from colonnade.analysis.layout import Layout, Workload
 
 
 @dataclass(frozen=True)

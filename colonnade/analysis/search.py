@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 from colonnade.config.choices import RECOMPUTE_MODES
 from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
-from colonnade.planner.estimate import Estimate, estimate
-from colonnade.planner.hardware import GIB, Cluster
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import memory_per_device
-from colonnade.planner.model_math import total_params
+from colonnade.analysis.estimate import Estimate, estimate
+from colonnade.analysis.hardware import GIB, Cluster
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import memory_per_device
+from colonnade.analysis.model_math import total_params
 
 RECOMPUTE = RECOMPUTE_MODES
 """Recompute modes searched, least recomputation first."""

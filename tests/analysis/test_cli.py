@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from colonnade.planner.calibrate import (
+from colonnade.analysis.calibrate import (
     TINY_LAYOUTS,
     calibrated_cluster,
     measure_gloo,
@@ -13,10 +13,10 @@ from colonnade.planner.calibrate import (
     predict_tiny,
     tiny_workload,
 )
-from colonnade.planner.cli import add_plan_parser, main, run_plan
-from colonnade.planner.hardware import PRESETS
-from colonnade.planner.report import format_table
-from colonnade.planner.search import plan
+from colonnade.analysis.cli import add_plan_parser, main, run_plan
+from colonnade.analysis.hardware import PRESETS
+from colonnade.analysis.report import format_table
+from colonnade.analysis.search import plan
 
 
 def test_plan_writes_table_json_and_plot(tmp_path, capsys) -> None:
@@ -53,7 +53,7 @@ def test_dimension_overrides_and_plain_table() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     add_plan_parser(sub)
-    from colonnade.planner.cli import build
+    from colonnade.analysis.cli import build
 
     args = parser.parse_args(["plan", "--model", "llama2-7b", "--layers", "8", "--hidden",
                               "1024", "--heads", "8", "--ffn", "2816", "--global-batch", "64",

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from colonnade.config.sections import Config, ModelConfig
-from colonnade.planner.model_math import LayerShape
+from colonnade.analysis.model_math import LayerShape
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 

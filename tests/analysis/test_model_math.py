@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from colonnade.config.load import load_config
-from colonnade.planner.model_math import (
+from colonnade.analysis.model_math import (
     LayerShape,
     narayanan_flops,
     narayanan_params,
     step_flops,
     total_params,
 )
-from colonnade.planner.published import TABLE1
+from colonnade.analysis.published import TABLE1
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,6 +1,6 @@
 """Analytic planner: memory and step time of any layout on any cluster, and the best layout.
 
-    from colonnade.planner import Workload, get_cluster, plan
+    from colonnade.analysis import Workload, get_cluster, plan
     result = plan(workload, get_cluster("a100-80gb"), gpus=64)
     result.best.layout, result.best.step_s, result.best.memory.gib()
 
@@ -11,12 +11,12 @@ fraction of peak against its arithmetic intensity), ``search`` (enumeration, ran
 (table, JSON, plot), ``calibrate`` (this machine), ``cli`` (`colonnade plan`).
 """
 
-from colonnade.planner.estimate import Estimate, estimate
-from colonnade.planner.hardware import PRESETS, Cluster, get_cluster
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import Memory, memory_per_device, zero_paper_bytes
-from colonnade.planner.search import Constraints, Plan, PlanError, explain, plan
-from colonnade.planner.timing import Timing, step_time
+from colonnade.analysis.estimate import Estimate, estimate
+from colonnade.analysis.hardware import PRESETS, Cluster, get_cluster
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import Memory, memory_per_device, zero_paper_bytes
+from colonnade.analysis.search import Constraints, Plan, PlanError, explain, plan
+from colonnade.analysis.timing import Timing, step_time
 
 __all__ = [
     "PRESETS", "Cluster", "Constraints", "Estimate", "Layout", "Memory", "Plan", "PlanError",

@@ -3,12 +3,12 @@
 A :class:`Cluster` is spec-sheet numbers plus two achieved-efficiency constants: ``efficiency``,
 the fraction of the peak memory bandwidth and the large-GEMM fraction of the peak matmul rate
 that real kernels reach, and ``gemm_knee_balance``, which makes a GEMM's fraction fall with its
-arithmetic intensity (:mod:`colonnade.planner.efficiency`: eff(I) = efficiency I / (I + knee),
+arithmetic intensity (:mod:`colonnade.analysis.efficiency`: eff(I) = efficiency I / (I + knee),
 knee = gemm_knee_balance x the device's FLOP/byte balance).  Both are fitted once on Narayanan et
-al. 2021 Table 1 (A100, :func:`colonnade.planner.fit.fit_gemm_curve`, minimax over the ten
+al. 2021 Table 1 (A100, :func:`colonnade.analysis.fit.fit_gemm_curve`, minimax over the ten
 rows); the H100 / H200 presets carry them over through their own spec sheets (peak / HBM
 bandwidth), not through any H100 figure: benchmarks/planner.py checks them on published H100
-throughputs that no fit has seen (:data:`colonnade.planner.published.HELD_OUT_H100`).
+throughputs that no fit has seen (:data:`colonnade.analysis.published.HELD_OUT_H100`).
 Communication uses the spec link rates as they are, with no fitted factor.
 
 Collective times (ring algorithms, n ranks, message of S bytes, link rate W, latency alpha):
@@ -76,7 +76,7 @@ class Cluster:
     gemm_knee_balance: float = 0.0
     """The GEMM curve's knee in units of the device's balance (bf16 peak FLOP/s / HBM bytes/s):
     a GEMM of intensity I FLOP/byte reaches efficiency x I / (I + knee) of peak, knee =
-    gemm_knee_balance x balance (:mod:`colonnade.planner.efficiency`). 0: size-independent
+    gemm_knee_balance x balance (:mod:`colonnade.analysis.efficiency`). 0: size-independent
     (CPUs, whose calibration measures the rate at the workload's own sizes)."""
     backward_ratio: float = 2.0
     """Backward / forward time of a decoder layer: 2 by FLOPs (each GEMM has two backward
@@ -104,7 +104,7 @@ class Cluster:
     """GPU only: host time to issue one tensor operation (Python, dispatcher, kernel launch).
     Kernels run asynchronously, so it costs nothing while they are longer than their launches;
     a step is at least its operations x ``launch_us`` (tiny models such as the demo are
-    launch-bound: :func:`colonnade.planner.timing.launch_floor_s`).  0: no floor (CPUs pay
+    launch-bound: :func:`colonnade.analysis.timing.launch_floor_s`).  0: no floor (CPUs pay
     ``op_overhead_us`` on top instead)."""
     sync_skew_2: float = 0.0
     """Measured (``calibrate.measure_skew``): extra wall time, as a fraction of the compute
@@ -133,7 +133,7 @@ class Cluster:
 
     def flops_per_s(self, precision: str) -> float:
         """Achieved matmul FLOP/s of one device for ``precision`` at the curve's asymptote
-        (GEMM sizes: :func:`colonnade.planner.efficiency.gemm_s`)."""
+        (GEMM sizes: :func:`colonnade.analysis.efficiency.gemm_s`)."""
         return self.peak_flops_per_s(precision) * self.efficiency
 
     @property
@@ -194,16 +194,16 @@ class Cluster:
         return nbytes / (bw * 1e9) + lat * 1e-6
 
 
-# A100 efficiency: fitted by colonnade.planner.fit.fit_efficiency on Narayanan et al. Table 1
-# (minimax relative error over the ten rows); tests/planner re-runs the fit and checks this value.
+# A100 efficiency: fitted by colonnade.analysis.fit.fit_efficiency on Narayanan et al. Table 1
+# (minimax relative error over the ten rows); tests/analysis re-runs the fit and checks this value.
 A100_EFFICIENCY = 0.70
 # Eager PyTorch's per-operation host cost on a current server CPU (~10 us: dispatcher, autograd,
 # launch); not fitted to a published figure: benchmarks/gpu_check.py's demo stage measures a
 # launch-bound run.
 GPU_LAUNCH_US = 10.0
-# H100 GEMM curve: fitted by colonnade.planner.fit.fit_gemm_curve on published.MPT_H100_FIT
+# H100 GEMM curve: fitted by colonnade.analysis.fit.fit_gemm_curve on published.MPT_H100_FIT
 # (llm-foundry's H100 BF16 table, 4 rows; minimax 5.3%), checked on published.HELD_OUT_H100;
-# tests/planner re-runs the fit.  The knee is 0.67 x 295 = 197 FLOP/byte on an H100 SXM.  The
+# tests/analysis re-runs the fit.  The knee is 0.67 x 295 = 197 FLOP/byte on an H100 SXM.  The
 # H200 (same compute die, 4.8 TB/s) takes the same two constants through its own balance
 # (knee 138 FLOP/byte): no published H200 figure has been checked.
 H100_EFFICIENCY = 0.555

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from colonnade.planner.hardware import GIB, Cluster
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import Memory, memory_per_device
-from colonnade.planner.model_math import step_flops
-from colonnade.planner.timing import Timing, step_time
+from colonnade.analysis.hardware import GIB, Cluster
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import Memory, memory_per_device
+from colonnade.analysis.model_math import step_flops
+from colonnade.analysis.timing import Timing, step_time
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,18 @@ import itertools
 import pytest
 
 from colonnade.config.sections import ModelConfig
-from colonnade.planner.efficiency import gemm_efficiency, gemm_intensity, layer_gemm_s, layer_gemms
-from colonnade.planner.fit import fit_gemm_curve, h100_errors
-from colonnade.planner.hardware import (
+from colonnade.analysis.efficiency import gemm_efficiency, gemm_intensity, layer_gemm_s, layer_gemms
+from colonnade.analysis.fit import fit_gemm_curve, h100_errors
+from colonnade.analysis.hardware import (
     A100_EFFICIENCY,
     H100_EFFICIENCY,
     H100_KNEE_BALANCE,
     PRESETS,
     Cluster,
 )
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.published import HELD_OUT_H100, MPT_H100_FIT
-from colonnade.planner.timing import step_time
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.published import HELD_OUT_H100, MPT_H100_FIT
+from colonnade.analysis.timing import step_time
 
 A100, H100, H200 = PRESETS["a100-80gb"], PRESETS["h100-sxm"], PRESETS["h200"]
 OLD_H100 = dataclasses.replace(H100, efficiency=A100_EFFICIENCY, gemm_knee_balance=0.0)
@@ -117,7 +117,7 @@ def test_tiny_models_are_launch_bound_on_gpus() -> None:
     """A demo-sized model's kernels are shorter than their launches: its predicted step is the
     host's launch floor (ops x launch_us), not the microseconds of its FLOPs; a 1.3B model's
     step is its kernels'; the CPU has no floor (it pays op_overhead_us on top)."""
-    from colonnade.planner.timing import OPS_PER_LAYER, launch_floor_s
+    from colonnade.analysis.timing import OPS_PER_LAYER, launch_floor_s
 
     tiny = Workload(model=ModelConfig(arch="llama", num_layers=4, hidden_size=96, num_heads=4,
                                       num_kv_heads=2, vocab_size=2048, max_seq_len=256),

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from colonnade.config.sections import ModelConfig
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import (
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import (
     in_flight,
     korthikanti_layer_bytes,
     layer_activation_bytes,
@@ -16,8 +16,8 @@ from colonnade.planner.memory import (
     state_bytes_per_param,
     zero_paper_bytes,
 )
-from colonnade.planner.model_math import LayerShape
-from colonnade.planner.published import TABLE1, ZERO_EXAMPLE
+from colonnade.analysis.model_math import LayerShape
+from colonnade.analysis.published import TABLE1, ZERO_EXAMPLE
 
 
 def test_zero_paper_figures_exactly() -> None:
@@ -102,7 +102,7 @@ def test_params_split_by_tp_and_pp() -> None:
     w = Workload(model=ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_heads=8,
                                    vocab_size=1000), seq_len=64, global_batch=8)
     whole = memory_per_device(w, Layout()).params / 2
-    from colonnade.planner.model_math import total_params
+    from colonnade.analysis.model_math import total_params
 
     assert whole == total_params(LayerShape.of(w.model))
     split = memory_per_device(w, Layout(tp=2, pp=2)).params / 2

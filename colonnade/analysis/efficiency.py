@@ -13,9 +13,9 @@ planner models the achieved fraction of peak as the saturating curve
     eff(I) = efficiency * I / (I + knee),      knee = gemm_knee_balance * P / W,
 
 ``efficiency`` the large-GEMM asymptote and ``knee`` the intensity where half of it is reached
-(:class:`~colonnade.planner.hardware.Cluster`).  The knee is a fixed multiple of the device's
+(:class:`~colonnade.analysis.hardware.Cluster`).  The knee is a fixed multiple of the device's
 balance: one dimensionless constant, fitted with ``efficiency`` on Narayanan et al. Table 1
-(A100) by :func:`colonnade.planner.fit.fit_gemm_curve`, carries the curve to H100 / H200 by
+(A100) by :func:`colonnade.analysis.fit.fit_gemm_curve`, carries the curve to H100 / H200 by
 their spec sheets.  A device twice as compute-rich per byte needs twice the intensity for the
 same fraction of its peak: why models of hidden <= 4096 (and tp-sharded layers) reach a lower
 fraction of an H100's peak than of an A100's.  With ``knee = 0`` (CPUs; calibrated
@@ -33,8 +33,8 @@ The output head is [T, h] x [h, V/t].  Backward GEMMs have the same shapes, tran
 
 from __future__ import annotations
 
-from colonnade.planner.hardware import Cluster
-from colonnade.planner.layout import Layout, Workload
+from colonnade.analysis.hardware import Cluster
+from colonnade.analysis.layout import Layout, Workload
 
 
 def gemm_intensity(m: float, k: float, n: float, elem: float, write_out: bool = True) -> float:

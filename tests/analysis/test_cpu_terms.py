@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from colonnade.planner.calibrate import fit_cpu_efficiency, fit_cpu_head_efficiency, tiny_workload
-from colonnade.planner.estimate import estimate
-from colonnade.planner.hardware import PRESETS
-from colonnade.planner.layout import Layout
-from colonnade.planner.timing import (
+from colonnade.analysis.calibrate import fit_cpu_efficiency, fit_cpu_head_efficiency, tiny_workload
+from colonnade.analysis.estimate import estimate
+from colonnade.analysis.hardware import PRESETS
+from colonnade.analysis.layout import Layout
+from colonnade.analysis.timing import (
     head_fwd_bwd_s,
     layer_forward_s,
     step_collectives_s,

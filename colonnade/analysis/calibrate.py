@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from colonnade.config.sections import ModelConfig
-from colonnade.planner.estimate import Estimate, estimate
-from colonnade.planner.hardware import PRESETS, Cluster, cluster_to_toml
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.timing import OPS_PER_LAYER, head_fwd_bwd_s, layer_forward_s
+from colonnade.analysis.estimate import Estimate, estimate
+from colonnade.analysis.hardware import PRESETS, Cluster, cluster_to_toml
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.timing import OPS_PER_LAYER, head_fwd_bwd_s, layer_forward_s
 
 TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(),

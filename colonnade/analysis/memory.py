@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from colonnade.planner.hardware import GIB
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.model_math import (
+from colonnade.analysis.hardware import GIB
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.model_math import (
     LayerShape,
     embedding_params,
     head_params,

@@ -2,7 +2,7 @@
 
 The config is already validated by the CLI. Here the model is built on the meta device (shapes
 only, no weights allocated, so a 70B preset takes a moment), and the report shows its parameter
-count, the layout, tokens per step, the planner's per-rank memory (colonnade/planner/memory.py:
+count, the layout, tokens per step, the planner's per-rank memory (colonnade/analysis/memory.py:
 parameters, gradients, optimizer states, activations and buffers of the fullest pipeline stage)
 and, when ``data.prepared_dir`` holds a prepared dataset, its documents, tokens, samples per
 epoch and the epochs this run covers. Nothing is written, prepared or launched. (It lives in
@@ -16,8 +16,8 @@ import torch
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
 from colonnade.parallel.dims import ParallelDims
-from colonnade.planner.layout import Layout, Workload
-from colonnade.planner.memory import memory_per_device, stage_params
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import memory_per_device, stage_params
 
 
 def meta_param_count(config: Config) -> int:
