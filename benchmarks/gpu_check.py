@@ -189,10 +189,10 @@ def train(ctx: Context, name: str, config: str, steps: int, extra: list[str],
 
 def predict(config_toml: Path, cluster_name: str) -> dict[str, float]:
     """The planner's tokens/s, model TFLOP/s, MFU and memory for the run's resolved config."""
-    from colonnade.config.load import load_config
     from colonnade.analysis.estimate import estimate
     from colonnade.analysis.hardware import get_cluster
     from colonnade.analysis.layout import Layout, Workload
+    from colonnade.config.load import load_config
 
     cfg = load_config(config_toml)
     w = Workload.from_config(cfg)

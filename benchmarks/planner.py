@@ -24,7 +24,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from colonnade.config.sections import ModelConfig
 from colonnade.analysis.efficiency import layer_gemm_s, layer_gemms
 from colonnade.analysis.fit import (
     MEGATRON_2021,
@@ -39,6 +38,7 @@ from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import zero_paper_bytes
 from colonnade.analysis.published import HELD_OUT_H100, MPT_H100_FIT, TABLE1, ZERO_EXAMPLE
 from colonnade.analysis.search import Constraints, explain, plan
+from colonnade.config.sections import ModelConfig
 
 
 def table1(features: dict[str, Any], label: str) -> list[dict[str, Any]]:

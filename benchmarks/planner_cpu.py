@@ -46,10 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 
-from colonnade.config.sections import Config, OptimConfig, TrainingConfig
-from colonnade.config.validate import resolve, validate
-from colonnade.data.synthetic import random_batches
-from colonnade.parallel.pool import RankPool
 from colonnade.analysis.calibrate import (
     MORE_TINY_LAYOUTS,
     TINY_LAYOUTS,
@@ -60,6 +56,10 @@ from colonnade.analysis.calibrate import (
 from colonnade.analysis.estimate import estimate
 from colonnade.analysis.hardware import Cluster, cluster_to_toml
 from colonnade.analysis.layout import Layout, Workload
+from colonnade.config.sections import Config, OptimConfig, TrainingConfig
+from colonnade.config.validate import resolve, validate
+from colonnade.data.synthetic import random_batches
+from colonnade.parallel.pool import RankPool
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_cpu.json"
 EXTENDED = RESULTS.with_name("planner_cpu_extended.json")

@@ -27,15 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from colonnade.analysis.estimate import estimate
+from colonnade.analysis.hardware import get_cluster
+from colonnade.analysis.layout import Layout, Workload
 from colonnade.config.load import load_config
 from colonnade.config.validate import resolve, validate
 from colonnade.data.synthetic import random_batches
 from colonnade.device import memory_stats, peak_tflops, pick_device, synchronize
 from colonnade.models.build import param_dtype
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.analysis.estimate import estimate
-from colonnade.analysis.hardware import get_cluster
-from colonnade.analysis.layout import Layout, Workload
 from colonnade.training.loop import Trainer
 from colonnade.training.metrics import flops_per_token
 from colonnade.training.setup import Runtime

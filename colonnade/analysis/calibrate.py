@@ -38,11 +38,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from colonnade.config.sections import ModelConfig
 from colonnade.analysis.estimate import Estimate, estimate
 from colonnade.analysis.hardware import PRESETS, Cluster, cluster_to_toml
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.timing import OPS_PER_LAYER, head_fwd_bwd_s, layer_forward_s
+from colonnade.config.sections import ModelConfig
 
 TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(),

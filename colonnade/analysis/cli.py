@@ -11,12 +11,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from colonnade.config.choices import PRECISIONS
-from colonnade.config.load import ConfigError, load_config
-from colonnade.config.sections import Config
 from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
 from colonnade.analysis.layout import Workload
 from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
+from colonnade.config.choices import PRECISIONS
+from colonnade.config.load import ConfigError, load_config
+from colonnade.config.sections import Config
 
 MODEL_FLAGS = {"arch": "arch", "layers": "num_layers", "hidden": "hidden_size",
                "heads": "num_heads", "kv_heads": "num_kv_heads", "ffn": "ffn_hidden_size",

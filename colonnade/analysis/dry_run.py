@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import memory_per_device, stage_params
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
 from colonnade.parallel.dims import ParallelDims
-from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import memory_per_device, stage_params
 
 
 def meta_param_count(config: Config) -> int:

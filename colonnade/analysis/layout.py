@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from colonnade.config.sections import Config, ModelConfig
 from colonnade.analysis.model_math import LayerShape
+from colonnade.config.sections import Config, ModelConfig
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colonnade.config.sections import ModelConfig
 from colonnade.analysis.layout import Layout, Workload
+from colonnade.config.sections import ModelConfig
 
 
 @dataclass(frozen=True)

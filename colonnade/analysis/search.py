@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from colonnade.config.choices import RECOMPUTE_MODES
-from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
 from colonnade.analysis.estimate import Estimate, estimate
 from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import memory_per_device
 from colonnade.analysis.model_math import total_params
+from colonnade.config.choices import RECOMPUTE_MODES
+from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
 
 RECOMPUTE = RECOMPUTE_MODES
 """Recompute modes searched, least recomputation first."""

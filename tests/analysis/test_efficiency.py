@@ -8,7 +8,6 @@ import itertools
 
 import pytest
 
-from colonnade.config.sections import ModelConfig
 from colonnade.analysis.efficiency import gemm_efficiency, gemm_intensity, layer_gemm_s, layer_gemms
 from colonnade.analysis.fit import fit_gemm_curve, h100_errors
 from colonnade.analysis.hardware import (
@@ -21,6 +20,7 @@ from colonnade.analysis.hardware import (
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.published import HELD_OUT_H100, MPT_H100_FIT
 from colonnade.analysis.timing import step_time
+from colonnade.config.sections import ModelConfig
 
 A100, H100, H200 = PRESETS["a100-80gb"], PRESETS["h100-sxm"], PRESETS["h200"]
 OLD_H100 = dataclasses.replace(H100, efficiency=A100_EFFICIENCY, gemm_knee_balance=0.0)

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from colonnade.config.sections import ModelConfig
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import (
     in_flight,
@@ -18,6 +17,7 @@ from colonnade.analysis.memory import (
 )
 from colonnade.analysis.model_math import LayerShape
 from colonnade.analysis.published import TABLE1, ZERO_EXAMPLE
+from colonnade.config.sections import ModelConfig
 
 
 def test_zero_paper_figures_exactly() -> None:

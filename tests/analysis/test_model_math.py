@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from colonnade.config.load import load_config
 from colonnade.analysis.model_math import (
     LayerShape,
     narayanan_flops,
@@ -15,6 +14,7 @@ from colonnade.analysis.model_math import (
     total_params,
 )
 from colonnade.analysis.published import TABLE1
+from colonnade.config.load import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

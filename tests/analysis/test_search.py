@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from colonnade.config.load import load_config
-from colonnade.config.sections import Config, ModelConfig
-from colonnade.config.validate import problems
 from colonnade.analysis.hardware import PRESETS, cluster_from_toml, get_cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.search import Constraints, PlanError, layouts, plan
 from colonnade.analysis.timing import _pipeline, _Stage, step_time
+from colonnade.config.load import load_config
+from colonnade.config.sections import Config, ModelConfig
+from colonnade.config.validate import problems
 
 A100 = PRESETS["a100-80gb"]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from colonnade.config.sections import Config
-from colonnade.config.validate import problems
 from colonnade.analysis.fit import MEGATRON_2021, fit_efficiency, predict_row, relative_errors
 from colonnade.analysis.hardware import A100_EFFICIENCY, PRESETS
 from colonnade.analysis.published import TABLE1
 from colonnade.analysis.search import Constraints, explain, plan
+from colonnade.config.sections import Config
+from colonnade.config.validate import problems
 
 A100 = PRESETS["a100-80gb"]
 
