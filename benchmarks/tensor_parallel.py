@@ -46,7 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from colonnade.checkpoint.export import gather_full
 from colonnade.config.sections import ModelConfig
-from colonnade.models.blocks import TransformerLayer, rope_tables
+from colonnade.models.blocks import rope_tables
+from colonnade.models.layer import TransformerLayer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import spawn_ranks

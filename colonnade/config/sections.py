@@ -10,6 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class ArchTraits:
+    """The facts about an architecture that configuration needs before any model exists
+    (validation, the default MLP width). :mod:`colonnade.models.spec` declares each
+    architecture's classes and checks at import that its spec agrees with these."""
+
+    rope: bool
+    """Rotary positions (the head dim must be even); False: a learned position table."""
+    gated_mlp: bool
+    """A gated MLP (3 matrices, e.g. SwiGLU): default width round_up(8h/3, 64), else 4h."""
+
+
+ARCH_TRAITS: dict[str, ArchTraits] = {
+    "llama": ArchTraits(rope=True, gated_mlp=True),
+    "gpt2": ArchTraits(rope=False, gated_mlp=False),
+}
+"""model.arch -> its traits; keys equal config.choices.ARCHS (checked by models.spec)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape of the decoder-only transformer."""
@@ -26,7 +45,8 @@ class ModelConfig:
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means num_heads (plain multi-head)."""
     ffn_hidden_size: int | None = None
-    """MLP width; None means 4h for gpt2 and the SwiGLU rule round_up(8h/3, 64) for llama."""
+    """MLP width; None means the SwiGLU rule round_up(8h/3, 64) for a gated MLP (llama), else
+    4h (gpt2)."""
     vocab_size: int = 2048
     """Tokenizer vocabulary size V (the embedding is padded to a multiple of tp if needed)."""
     max_seq_len: int = 256
@@ -61,9 +81,15 @@ class ModelConfig:
         """MLP width with the None default resolved."""
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.arch == "gpt2":
+        traits = self.traits
+        if traits is not None and not traits.gated_mlp:
             return 4 * self.hidden_size
         return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+    @property
+    def traits(self) -> ArchTraits | None:
+        """What configuration knows of ``arch`` (None for a name the validator rejects)."""
+        return ARCH_TRAITS.get(self.arch)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -158,7 +158,7 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
     if tp >= 1 and m.ffn_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}; "
                    "set ffn_hidden_size to a multiple of tp.")
-    if m.arch == "llama" and m.head_dim % 2:
+    if m.traits is not None and m.traits.rope and m.head_dim % 2:
         out.append(f"head dim {m.head_dim} (model.hidden_size / model.num_heads) must be even "
                    "for RoPE.")
     if c.training.seq_len > m.max_seq_len:

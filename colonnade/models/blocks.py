@@ -1,4 +1,7 @@
-"""Building blocks of the decoder: norms, rotary embeddings, attention, MLPs.
+"""Building blocks of the decoder: rotary embeddings, document resets, attention, dropout.
+
+Norms live in :mod:`colonnade.models.norms`, MLPs in :mod:`colonnade.models.mlps`, the layer
+that combines them by a spec in :mod:`colonnade.models.layer`.
 
 Activations are [s, b, h] (sequence first), [s/tp, b, h] between tp regions under sp.
 Heads are split across tp: a rank holds a/tp query heads and kv/tp key/value heads.
@@ -28,30 +31,7 @@ from colonnade.tensor_parallel.layers import (
     RowParallelLinear,
     column_parallel,
 )
-from colonnade.tensor_parallel.sharding import Sharding, output_std
-
-
-class Norm(nn.Module):
-    """RMSNorm (llama) x / rms(x) * w, or LayerNorm (gpt2) (x - mean) / std * w + b.
-
-    Parameters are replicated across tp; under sp each rank normalises only its sequence chunk,
-    so their gradients are partial sums (``sp_partial_grad``) all-reduced across tp later.
-    """
-
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> None:
-        super().__init__()
-        self.rms, self.eps, h = cfg.arch == "llama", cfg.norm_eps, cfg.hidden_size
-        self.weight = ctx.param(Sharding(f"{key}.weight", (h,), sp_partial_grad=ctx.sp), 0.0,
-                                "ones")
-        self.bias = (None if self.rms else
-                     ctx.param(Sharding(f"{key}.bias", (h,), sp_partial_grad=ctx.sp), 0.0, "zeros"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms:
-            x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-            out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [s, b, h]
-            return out.to(x.dtype) * self.weight
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+from colonnade.tensor_parallel.sharding import output_std
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | None,
@@ -212,33 +192,6 @@ def causal_mask(s: int, total: int, device: torch.device) -> torch.Tensor:
     return torch.ones(s, total, dtype=torch.bool, device=device).tril(total - s)
 
 
-class MLP(nn.Module):
-    """SwiGLU down(silu(gate x) * up x) for llama, proj(gelu(fc x)) for gpt2; column-then-row."""
-
-    direct_children = ("gate", "up")
-    """Children whose weights ``column_parallel`` may read directly (see there)."""
-
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> None:
-        super().__init__()
-        h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
-        self.ctx, self.swiglu = ctx, cfg.arch == "llama"
-        self.up = ColumnParallelLinear(h, f, ctx, f"{key}.up", bias=cfg.bias, std=std)
-        self.gate = (ColumnParallelLinear(h, f, ctx, f"{key}.gate", bias=cfg.bias, std=std)
-                     if self.swiglu else None)
-        self.down = RowParallelLinear(f, h, ctx, f"{key}.down", bias=cfg.bias,
-                                      std=output_std(std, cfg.num_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
-        if self.gate is not None:
-            gate, up = column_parallel(x, [self.gate, self.up])  # one tp entry for both
-            y = F.silu(gate) * up  # [s, b, f/tp]
-        else:
-            (up,) = column_parallel(x, [self.up])
-            y = F.gelu(up, approximate="tanh")  # [s, b, f/tp]
-        return self.down(y)
-
-
 def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,
                    training: bool) -> torch.Tensor:
     """Dropout on [s(/tp), b, h] activations: a slice of the full [s, b, h] mask.
@@ -256,25 +209,3 @@ def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,
     else:
         full, index = tuple(x.shape), (slice(None),)
     return ctx.rng.dropout(x, p, site, full, index)
-
-
-class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
-
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int) -> None:
-        super().__init__()
-        key = f"layers.{index}"
-        self.cfg, self.ctx, self.key = cfg, ctx, key
-        self.attn_norm = Norm(cfg, ctx, f"{key}.attn_norm")
-        self.attn = Attention(cfg, ctx, f"{key}.attn", index)
-        self.mlp_norm = Norm(cfg, ctx, f"{key}.mlp_norm")
-        self.mlp = MLP(cfg, ctx, f"{key}.mlp")
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
-        p = self.cfg.hidden_dropout
-        a = self.attn(self.attn_norm(x), rope, cache, doc)
-        x = x + hidden_dropout(a, p, self.ctx, f"{self.key}.attn_out", self.training)
-        m = self.mlp(self.mlp_norm(x))
-        return x + hidden_dropout(m, p, self.ctx, f"{self.key}.mlp_out", self.training)

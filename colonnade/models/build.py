@@ -9,6 +9,7 @@ from colonnade.config.sections import Config
 from colonnade.models.gpt import ModelChunk
 from colonnade.models.recompute import RecomputePlan
 from colonnade.models.recompute import install as install_recompute
+from colonnade.models.spec import ArchSpec, arch_spec
 from colonnade.models.stages import stage_chunks
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
@@ -37,8 +38,12 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
 
 
 def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> list[ModelChunk]:
+                 dtype: torch.dtype | None = None, spec: ArchSpec | None = None
+                 ) -> list[ModelChunk]:
     """The vp model chunks of this pipeline rank (one chunk when vp = 1).
+
+    ``spec`` chooses the architecture's classes (default: the registered
+    :func:`~colonnade.models.spec.arch_spec` of ``config.model.arch``).
 
     Initial weights are bit-identical to the single-process model's in every layout: each
     rank builds only its shard, from blocks drawn from (seed, global name, block index)
@@ -47,24 +52,26 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     """
     par = config.parallel
     ctx = make_context(config, groups, device, dtype)
+    spec = spec if spec is not None else arch_spec(config.model)
     specs = stage_chunks(config.model.num_layers, par.pp, par.vp, groups.pp_rank,
                          par.pipeline_layout)
     chunks: list[ModelChunk] = []
     for layers, first, last in specs:
         chunk = ModelChunk(config.model, ctx, layers, first=first, last=last,
-                           label_smoothing=config.training.label_smoothing)
+                           label_smoothing=config.training.label_smoothing, spec=spec)
         chunks.append(chunk.to(device) if device is not None else chunk)
     install_recompute(chunks, RecomputePlan.from_config(config.training))
     return chunks
 
 
 def build_reference(config: Config, dtype: torch.dtype | None = None,
-                    device: torch.device | None = None) -> ModelChunk:
-    """The single-process model (tp = pp = 1, no sp) of the same config and seed."""
+                    device: torch.device | None = None, spec: ArchSpec | None = None
+                    ) -> ModelChunk:
+    """The single-process model (tp = pp = 1, no sp) of the same config, seed and spec."""
     import dataclasses
 
     single = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, tp=1, pp=1, vp=1, dp=1, sp=False,
                                              tp_comm_chunks=1, pipeline_layout=None))
-    (chunk,) = build_chunks(single, ProcessGroups.single(), device, dtype)
+    (chunk,) = build_chunks(single, ProcessGroups.single(), device, dtype, spec)
     return chunk

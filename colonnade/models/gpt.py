@@ -23,12 +23,12 @@ from colonnade.models.blocks import (
     DocContext,
     DocReset,
     KVCache,
-    Norm,
-    TransformerLayer,
     doc_context,
     hidden_dropout,
     rope_tables,
 )
+from colonnade.models.layer import TransformerLayer
+from colonnade.models.spec import ArchSpec, arch_spec
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -50,15 +50,16 @@ def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 class Embedding(nn.Module):
-    """Word embedding (vocab-parallel) plus learned positions for gpt2, then dropout."""
+    """Word embedding (vocab-parallel), plus a learned position table [S, h] when
+    ``learned_positions`` (gpt2), then dropout."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, learned_positions: bool) -> None:
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, "embedding.word",
                                            std=cfg.init_std)
         self.position = None
-        if cfg.arch == "gpt2":
+        if learned_positions:
             spec = Sharding("embedding.position.weight", (cfg.max_seq_len, cfg.hidden_size),
                             sp_partial_grad=ctx.sp)
             self.position = ctx.param(spec, cfg.init_std)
@@ -82,25 +83,32 @@ class Embedding(nn.Module):
 
 
 class ModelChunk(nn.Module):
-    """One virtual pipeline stage: optional embedding, layers ``layer_ids``, optional head."""
+    """One virtual pipeline stage: optional embedding, layers ``layer_ids``, optional head.
+
+    ``spec`` (default: the registered spec of ``cfg.arch``) chooses the classes: each layer's
+    :class:`~colonnade.models.spec.LayerSpec`, the final norm, and the position encoding
+    (RoPE tables [S, d/2] held as buffers, or the embedding's learned table).
+    """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer_ids: list[int], *, first: bool,
                  last: bool, label_smoothing: float = 0.0,
-                 tied_weight: nn.Parameter | None = None) -> None:
+                 tied_weight: nn.Parameter | None = None, spec: ArchSpec | None = None) -> None:
         super().__init__()
-        self.cfg, self.ctx, self.first, self.last = cfg, ctx, first, last
+        spec = spec if spec is not None else arch_spec(cfg)
+        self.cfg, self.ctx, self.first, self.last, self.spec = cfg, ctx, first, last, spec
         self.label_smoothing = label_smoothing
-        self.embedding = Embedding(cfg, ctx) if first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i) for i in layer_ids})
+        self.embedding = Embedding(cfg, ctx, not spec.rope) if first else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, ctx, i, spec.layer(i))
+                                     for i in layer_ids})
         self.layer_runner: LayerRunner | None = None
         self.doc_reset: DocReset | None = None
         """Document-boundary resets (set by the trainer from data.reset_*; None: off)."""
-        if cfg.arch == "llama":
+        if spec.rope:
             cos, sin = rope_tables(cfg, ctx.device, ctx.dtype)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         if last:
-            self.final_norm = Norm(cfg, ctx, "final_norm")
+            self.final_norm = spec.final_norm(cfg, ctx, "final_norm")
             pad = padded_vocab(cfg.vocab_size, ctx.tp) - cfg.vocab_size
             shared = None
             if cfg.tie_embeddings and self.embedding is not None:
@@ -120,8 +128,8 @@ class ModelChunk(nn.Module):
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """RoPE tables (llama) or None."""
-        if self.cfg.arch != "llama":
+        """RoPE tables cos, sin [S, d/2] (``spec.positions == 'rope'``) or None."""
+        if not self.spec.rope:
             return None
         return self.rope_cos, self.rope_sin
 

@@ -76,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from colonnade.config.sections import ModelConfig
-from colonnade.models.blocks import TransformerLayer
+from colonnade.models.layer import TransformerLayer
 from colonnade.models.recompute import RecomputePlan
 
 # ----------------------------------------------------------------------------- measurement
@@ -105,7 +105,7 @@ class SavedTensorMeter:
     """Record the storages saved for backward inside ``with meter:``, once each.
 
     ``modules`` are the models (chunks) that run: their parameters and buffers are excluded,
-    and their :class:`~colonnade.models.blocks.TransformerLayer` s get forward hooks that
+    and their :class:`~colonnade.models.layer.TransformerLayer` s get forward hooks that
     attribute what is saved while they run (to the layer's ``key``, ``layers.<i>``).
     """
 

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
-from colonnade.models.blocks import TransformerLayer, rope_tables
+from colonnade.models.blocks import rope_tables
 from colonnade.models.build import build_chunks, make_context
+from colonnade.models.layer import TransformerLayer
 from tests.tensor_parallel.harness import make_batches, rank_groups, tiny_config
 
 FP64 = 8

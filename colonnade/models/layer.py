@@ -1,0 +1,40 @@
+"""The transformer layer, built from a :class:`~colonnade.models.spec.LayerSpec`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colonnade.config.sections import ModelConfig
+from colonnade.models.blocks import DocContext, KVCache, hidden_dropout
+from colonnade.models.spec import LayerSpec, arch_spec
+from colonnade.tensor_parallel.context import ParallelContext
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+    Parameters ``layers.{index}.attn_norm``, ``.attn``, ``.mlp_norm``, ``.mlp`` (global
+    index), made by ``spec``'s classes; without ``spec``, the registered spec of
+    ``cfg.arch`` for this layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int,
+                 spec: LayerSpec | None = None) -> None:
+        super().__init__()
+        spec = spec if spec is not None else arch_spec(cfg).layer(index)
+        key = f"layers.{index}"
+        self.cfg, self.ctx, self.key = cfg, ctx, key
+        self.attn_norm = spec.norm(cfg, ctx, f"{key}.attn_norm")
+        self.attn = spec.attention(cfg, ctx, f"{key}.attn", index)
+        self.mlp_norm = spec.norm(cfg, ctx, f"{key}.mlp_norm")
+        self.mlp = spec.mlp(cfg, ctx, f"{key}.mlp", index)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]; ``rope``: cos, sin [S, d/2] or None."""
+        p = self.cfg.hidden_dropout
+        a = self.attn(self.attn_norm(x), rope, cache, doc)
+        x = x + hidden_dropout(a, p, self.ctx, f"{self.key}.attn_out", self.training)
+        m = self.mlp(self.mlp_norm(x))
+        return x + hidden_dropout(m, p, self.ctx, f"{self.key}.mlp_out", self.training)
