@@ -11,20 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from colonnade.checkpoint.export import gather_full
-from colonnade.config.sections import (
-    Config,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
-from colonnade.config.validate import resolve, validate
+from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
-from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks
 from colonnade.models.gpt import ModelChunk
 from colonnade.models.params import unique_params
@@ -32,13 +23,10 @@ from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
-from colonnade.pipeline.plan import Batch, StepPlan
-from colonnade.training.step import forward_backward, set_train_mode
-
-TOL = 1e-10
-"""Largest relative error ||a - b|| / ||b|| accepted in float64 parity."""
-VOCAB = 101
-"""Prime vocabulary: never divisible by tp, so every parity run pads the vocab."""
+from colonnade.pipeline.plan import Batch
+from colonnade.training.step import set_train_mode
+from tests.parity import TOL, VOCAB, random_steps, rel_err, resolved, tiny_model, train_step
+from tests.parity import rank_groups as shared_rank_groups
 
 
 def tiny_config(arch: str, tp: int, sp: bool, *, dropout: float = 0.0, layers: int = 2,
@@ -50,15 +38,11 @@ def tiny_config(arch: str, tp: int, sp: bool, *, dropout: float = 0.0, layers: i
     gpt2: h=32, 4 heads, GELU 128, biases, learned positions, tied embeddings.
     """
     if arch == "llama":
-        model = ModelConfig(arch="llama", num_layers=layers, hidden_size=64, num_heads=8,
-                            num_kv_heads=4, vocab_size=vocab, max_seq_len=seq, init_std=0.05,
-                            hidden_dropout=dropout, attention_dropout=dropout)
-    elif arch == "gpt2":
-        model = ModelConfig(arch="gpt2", num_layers=layers, hidden_size=32, num_heads=4,
-                            vocab_size=vocab, max_seq_len=seq, tie_embeddings=True, bias=True,
-                            init_std=0.05, hidden_dropout=dropout, attention_dropout=dropout)
+        model = tiny_model("llama", layers=layers, hidden=64, heads=8, kv_heads=4, vocab=vocab,
+                           seq=seq, dropout=dropout)
     else:
-        raise ValueError(f"arch must be 'llama' or 'gpt2', got {arch!r}")
+        model = tiny_model(arch, layers=layers, hidden=32, heads=4, vocab=vocab, seq=seq,
+                           dropout=dropout)
     config = Config(
         model=model,
         parallel=ParallelConfig(tp=tp, sp=sp),
@@ -68,22 +52,15 @@ def tiny_config(arch: str, tp: int, sp: bool, *, dropout: float = 0.0, layers: i
         optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1,
                           clip_grad=1.0),
     )
-    return validate(resolve(config, tp), tp)
+    return resolved(config, tp)
 
 
 def make_batches(config: Config, seed: int = 3) -> list[list[Batch]]:
-    """Per step, the micro-batches (tokens [b, s], labels [b, s]) of the global batch."""
-    tr, vocab = config.training, config.model.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    steps: list[list[Batch]] = []
-    for _ in range(tr.steps):
-        batches = []
-        for _ in range(tr.microbatches or 1):
-            ids = torch.randint(0, vocab, (tr.micro_batch_size, tr.seq_len + 1), generator=gen)
-            ids[0, 0] = vocab - 1  # the last real token id always occurs (next to the padding)
-            batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-        steps.append(batches)
-    return steps
+    """Per step, the micro-batches (tokens [b, s], labels [b, s]) of the global batch; token
+    [0, 0] of each is the last real id (next to the padding)."""
+    tr = config.training
+    return random_steps(tr.steps, tr.microbatches or 1, tr.micro_batch_size, tr.seq_len,
+                        config.model.vocab_size, seed=seed, mark_last_id=True)
 
 
 def full_tensors(chunks: list[nn.Module], groups: ProcessGroups,
@@ -116,23 +93,15 @@ def run_training(chunks: list[ModelChunk], groups: ProcessGroups, config: Config
     grads: dict[str, torch.Tensor] = {}
     for step, batches in enumerate(step_batches):
         set_train_mode(chunks, True)
-        opt.zero_grad()
-        plan = StepPlan(groups, step, grad_sync=ddp.grad_sync_hook(len(batches)))
-        losses.append(forward_backward(chunks, batches, plan))
-        ddp.finish_grad_sync()
-        reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
-        if step == 0:
-            grads = full_tensors(chunks, groups, grads=True)
-        opt.step()
+
+        def keep_grads(step: int = step) -> None:
+            if step == 0:
+                grads.update(full_tensors(chunks, groups, grads=True))
+
+        losses.append(train_step(chunks, ddp, opt, groups, config, step, batches,
+                                 before_optim=keep_grads)[0])
     return {"logits": logits, "losses": losses, "grads": grads,
             "params": full_tensors(chunks, groups)}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| (0 when both are zero)."""
-    diff = float((a.double() - b.double()).norm())
-    ref = float(b.double().norm())
-    return diff / ref if ref > 0 else diff
 
 
 def assert_close_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
@@ -186,10 +155,7 @@ def install_recorder(chunks: list[ModelChunk], seed: int) -> RecordingTracker:
 
 def rank_groups(tp: int) -> ProcessGroups:
     """Groups of a pure-tp layout on the pool's world (one thread per rank)."""
-    torch.set_num_threads(1)
-    if dist.get_world_size() != tp:
-        raise AssertionError(f"pool has {dist.get_world_size()} ranks, layout needs tp={tp}")
-    return ProcessGroups.build(ParallelDims(tp=tp))
+    return shared_rank_groups(ParallelDims(tp=tp))
 
 
 def parallel_run(config: Config, step_batches: list[list[Batch]],
