@@ -13,29 +13,20 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from colonnade.checkpoint.export import full_state
-from colonnade.config.sections import (
-    Config,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
-from colonnade.config.validate import resolve, validate
+from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
-from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.pipeline.plan import Batch, StepPlan
-from colonnade.training.step import forward_backward
-
-VOCAB = 101
+from colonnade.pipeline.plan import Batch
+from tests.parity import VOCAB, random_steps, resolved, tiny_model, train_step
+from tests.parity import rank_groups as shared_rank_groups
+from tests.parity import rel_err as rel_err  # re-exported: test_parity imports it from here
 
 
 def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,
@@ -49,9 +40,7 @@ def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, v
 
     gpt2 ties embeddings and has biases (tied + sp-partial paths); llama has neither.
     """
-    model = ModelConfig(arch=arch, num_layers=max(2, pp * vp), hidden_size=32, num_heads=4,
-                        vocab_size=VOCAB, max_seq_len=16, init_std=0.05,
-                        tie_embeddings=arch == "gpt2", bias=arch == "gpt2")
+    model = tiny_model(arch, layers=max(2, pp * vp), hidden=32, heads=4, vocab=VOCAB, seq=16)
     parallel = ParallelConfig(tp=tp, pp=pp, vp=vp, schedule=schedule, dp=dp, sp=sp,
                               use_distributed_optimizer=zero, overlap_grad_reduce=overlap,
                               overlap_param_gather=overlap, bucket_size=bucket,
@@ -65,23 +54,14 @@ def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, v
                           clip_grad=clip, initial_loss_scale=loss_scale,
                           loss_scale_window=scale_window),
     )
-    world = dp * tp * pp
-    return validate(resolve(config, world), world)
+    return resolved(config)
 
 
 def make_batches(config: Config, seed: int = 5) -> list[list[Batch]]:
     """Per step, every micro-batch of the global batch (microbatches x dp of them)."""
     tr = config.training
-    dp = config.parallel.dp or 1
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(tr.steps):
-        step = []
-        for _ in range((tr.microbatches or 1) * dp):
-            ids = torch.randint(0, VOCAB, (tr.micro_batch_size, tr.seq_len + 1), generator=gen)
-            step.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-        out.append(step)
-    return out
+    count = (tr.microbatches or 1) * (config.parallel.dp or 1)
+    return random_steps(tr.steps, count, tr.micro_batch_size, tr.seq_len, VOCAB, seed=seed)
 
 
 _REFERENCE: dict[str, dict[str, Any]] = {}
@@ -131,13 +111,8 @@ def _reference(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any
 
 def rank_groups(config: Config) -> ProcessGroups:
     """This pool rank's groups for the config's layout (one thread per rank)."""
-    torch.set_num_threads(1)
     par = config.parallel
-    dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1)
-    if dist.get_world_size() != dims.world_size:
-        raise AssertionError(f"pool has {dist.get_world_size()} ranks, layout needs "
-                             f"{dims.world_size}")
-    return ProcessGroups.build(dims)
+    return shared_rank_groups(ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1))
 
 
 def rank_train(config: Config, step_batches: list[list[Batch]],
@@ -164,17 +139,20 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         if step == len(step_batches) - 1:
             groups.stats.reset()
         mine = batches[r * m:(r + 1) * m]
-        opt.zero_grad()
-        plan = StepPlan(groups, step, config.parallel.schedule, loss_scale=opt.loss_scale,
-                        grad_sync=ddp.grad_sync_hook(m))
-        losses.append(forward_backward(chunks, mine, plan))
-        pending_after_fb.append(ddp.pending_gathers)
-        launched.append(ddp.launched_in_backward)
-        ddp.finish_grad_sync()
-        reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
-        if inject is not None and inject["step"] == step and inject["rank"] == groups.rank:
-            opt.grads[0][0] = inject["value"]
-        infos.append(opt.step())
+
+        def inject_overflow(step: int = step) -> None:
+            if inject is not None and inject["step"] == step and inject["rank"] == groups.rank:
+                opt.grads[0][0] = inject["value"]
+
+        def overlap_evidence() -> None:
+            pending_after_fb.append(ddp.pending_gathers)
+            launched.append(ddp.launched_in_backward)
+
+        step_losses, info = train_step(chunks, ddp, opt, groups, config, step, mine,
+                                       after_backward=overlap_evidence,
+                                       before_optim=inject_overflow)
+        losses.append(step_losses)
+        infos.append(info)
         pending_after_step.append(ddp.pending_gathers)
     stats = groups.stats.snapshot()
     ddp.finish_param_gather()
@@ -212,16 +190,8 @@ def merged_params(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """||a - b|| / max(||b||, floor)."""
-    ref = max(float(b.double().norm()), floor)
-    diff = float((a.double() - b.double()).norm())
-    return diff / ref if ref > 0 else diff
-
-
 def with_parallel(config: Config, **changes: Any) -> Config:
     """The config with parallel fields replaced (re-validated)."""
     par = dataclasses.replace(config.parallel, **changes)
     new = dataclasses.replace(config, parallel=par)
-    world = (par.dp or 1) * par.tp * par.pp
-    return validate(resolve(new, world), world)
+    return resolved(new)
