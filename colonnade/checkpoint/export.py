@@ -19,19 +19,20 @@ from colonnade.tensor_parallel.sharding import Sharding
 
 
 def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup) -> torch.Tensor:
-    """All-gather a tp-sharded tensor and undo padding: the logical full tensor."""
+    """All-gather the tp shards of a tensor and undo padding: the logical full tensor (a
+    parameter split over no other axis, or one whose other axes have degree 1)."""
     if sharding.dim is None or group.size == 1:
-        return sharding.unshard([t.detach()])
+        return sharding.unshard([t.detach()], {})
     moved = t.detach().movedim(sharding.dim, 0).contiguous()  # [n/tp, ...]
     out = moved.new_empty((moved.shape[0] * group.size, *moved.shape[1:]))
     group.all_gather_into(out, moved, name="gather_full")
     shards = [c.movedim(0, sharding.dim) for c in out.chunk(group.size, dim=0)]
-    return sharding.unshard(shards)
+    return sharding.unshard(shards, {"tp": group.size})
 
 
 def full_state(chunks: list[nn.Module], groups: ProcessGroups) -> dict[str, torch.Tensor]:
-    """Full tensors of this pipeline rank's parameters, keyed by global name (tied head omitted
-    when it duplicates the embedding on the same rank)."""
+    """Full tensors of this pipeline rank's parameters, keyed by global name (a tied head is
+    the embedding's Parameter, or on a later stage its copy under the embedding's key)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for chunk in chunks:
@@ -67,12 +68,11 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a single-process model, naming any missing or misshapen tensor."""
     for p in model.parameters():
         sharding: Sharding = p.sharding  # type: ignore[attr-defined]
-        key = sharding.key if sharding.key in state else sharding.tied_to
-        if key not in state:
+        if sharding.key not in state:
             raise KeyError(f"tensor '{sharding.key}' missing from the checkpoint")
-        value = state[key]
+        value = state[sharding.key]
         if tuple(value.shape) != sharding.full_shape:
             raise ValueError(f"tensor '{sharding.key}': checkpoint shape {tuple(value.shape)} "
                              f"!= model shape {sharding.full_shape}")
         with torch.no_grad():
-            p.copy_(sharding.shard(value.to(p.dtype), 0, 1))
+            p.copy_(sharding.shard(value.to(p.dtype), {}))

@@ -33,11 +33,11 @@ from safetensors import safe_open
 from torch import nn
 
 from colonnade.checkpoint.format import CheckpointError
-from colonnade.checkpoint.optim_state import read_key
-from colonnade.checkpoint.pieces import Box, pad_to_local, shard_box
+from colonnade.checkpoint.pieces import Box, pad_to_local
 from colonnade.config.sections import ModelConfig
 from colonnade.models.params import unique_params
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.tensor_parallel.sharding import tp_coords
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
@@ -331,10 +331,10 @@ def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
     """
     reader = HFReader(directory)
     refs = hf_refs(reader.config)
-    tp_rank, tp = groups.tp.rank, groups.tp.size
+    coords = tp_coords(groups.tp.rank, groups.tp.size)
     for p in unique_params(chunks):
         s = p.sharding  # type: ignore[attr-defined]
-        key = read_key(s)
+        key = s.key
         if key not in refs:
             raise CheckpointError(f"{directory}: tensor '{key}' missing")
         ref = refs[key]
@@ -343,11 +343,12 @@ def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
             raise CheckpointError(f"{directory}: tensor '{key}' has shape {theirs} but the "
                                   f"model expects {s.full_shape}; the [model] config does not "
                                   "match the checkpoint")
-        box = shard_box(s, tp_rank, tp)
+        box = s.box(coords)
         if 0 in box[1]:
-            value = torch.zeros(s.local_shape(tp), dtype=p.dtype)
+            value = torch.zeros(s.local_shape(coords), dtype=p.dtype)
         else:
-            value = pad_to_local(take_box(reader.read, reader.shape, ref, box).to(p.dtype), s, tp)
+            value = pad_to_local(take_box(reader.read, reader.shape, ref, box).to(p.dtype), s,
+                                 coords)
         with torch.no_grad():
             p.copy_(value.to(p.device))
     reader.close()

@@ -15,8 +15,8 @@ The checkpoint never sees an optimizer's buffers. An optimizer exposes two metho
 plus the attributes ``step_count: int`` and ``dp_sharded: bool`` (True when every dp rank owns
 a disjoint part, as with ZeRO-1; False when dp ranks hold replicas, so dp rank 0 alone writes).
 
-Parameters tied to another (the last stage's copy of a tied embedding) are left out by
-:func:`writes_param` and read under the key they are tied to.
+The last stage's copy of a tied embedding has the embedding's key (``Sharding.tied_copy``): it
+reads the embedding's state and the checkpoint writer leaves it out (``Sharding.owns``).
 
 :func:`logical_state` / :func:`load_logical_state` call those methods, and adapt
 :class:`~colonnade.optim.distributed.DistributedOptimizer` (its ``shard_state()`` ranges of the
@@ -46,16 +46,6 @@ class OptimSlice:
 
 
 StateReader = Callable[[str, str, tuple[int, int] | None], torch.Tensor | None]
-
-
-def read_key(sharding: Sharding) -> str:
-    """The key a parameter's values are stored under (its tie target if tied)."""
-    return sharding.tied_to or sharding.key
-
-
-def writes_param(sharding: Sharding) -> bool:
-    """False for a duplicate of a tied parameter (stored once, under the tie target)."""
-    return sharding.tied_to is None or sharding.tied_to == sharding.key
 
 
 def logical_state(optimizer: Any) -> dict[str, dict[str, OptimSlice]]:
@@ -93,7 +83,7 @@ def _flat_logical_state(opt: Any) -> dict[str, dict[str, OptimSlice]]:
     out: dict[str, dict[str, OptimSlice]] = {}
     for key, lo, hi, views in opt.shard_state():
         sharding: Sharding = params[key].sharding
-        if not writes_param(sharding) or hi <= lo:
+        if hi <= lo:
             continue
         if key in out:
             raise AssertionError(f"{key}: two owned ranges on one rank")
@@ -107,11 +97,10 @@ def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
     with torch.no_grad():
         for key, lo, hi, views in opt.shard_state():
             p = params[key]
-            rk = read_key(p.sharding)
             for name in STATE_NAMES:
                 if name not in views or (name == "master" and not opt.own_masters):
                     continue
-                value = read(rk, name, (lo, hi))
+                value = read(key, name, (lo, hi))
                 if value is None:
                     value = (p.detach().reshape(-1)[lo:hi] if name == "master"
                              else torch.zeros_like(views[name]))

@@ -1,10 +1,11 @@
 """Logical pieces: which part of a full (unsharded, unpadded) tensor a rank holds.
 
 Every saved tensor is addressed in *logical* coordinates, independent of the layout that wrote
-it. A :class:`Piece` is a box of the full tensor (``offsets`` + ``shape``; a tp shard is a box
-along the sharded dim), optionally restricted to a flat range ``[start, end)`` of the box's
-row-major flattening (a ZeRO-1 dp rank owns such a range of its tp shard). Vocabulary padding
-rows never appear: a padded shard's box is cut at the logical size.
+it. A :class:`Piece` is a box of the full tensor (``offsets`` + ``shape``; a rank's shard is the
+box :meth:`~colonnade.tensor_parallel.sharding.Sharding.box` of its coordinates), optionally
+restricted to a flat range ``[start, end)`` of the box's row-major flattening (a ZeRO-1 dp
+rank owns such a range of its shard). Vocabulary padding rows never appear:
+a padded shard's box is cut at the logical size.
 
 Resharding is then set algebra: a reader asked for a box intersects it with every stored box.
 """
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from colonnade.tensor_parallel.sharding import Sharding
+from colonnade.tensor_parallel.sharding import Box, Coords, Sharding
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
+__all__ = ["Box", "Piece", "box_slices", "flat_piece", "intersect", "pad_to_local",
+           "valid_part"]
 
 
 @dataclass(frozen=True)
@@ -42,59 +44,42 @@ class Piece:
                 "flat": list(self.flat) if self.flat is not None else None}
 
 
-def shard_box(sharding: Sharding, tp_rank: int, tp: int) -> Box:
-    """The box of the full tensor held by tp rank ``tp_rank`` (padding rows cut off).
-
-    A shard made only of padding has an empty box (a zero in its shape).
-    """
-    full = sharding.full_shape
-    if sharding.dim is None or tp == 1:
-        return (0,) * len(full), full
-    d = sharding.dim
-    local = sharding.local_shape(tp)[d]
-    start = min(tp_rank * local, full[d])
-    end = min(start + local, full[d])
-    offsets = tuple(start if i == d else 0 for i in range(len(full)))
-    shape = tuple(end - start if i == d else n for i, n in enumerate(full))
-    return offsets, shape
+def valid_part(local: torch.Tensor, sharding: Sharding, coords: Coords) -> torch.Tensor:
+    """The local shard [local_shape] without its padding rows: the values of its box."""
+    _, shape = sharding.box(coords)
+    for d, n in enumerate(shape):
+        if local.shape[d] != n:
+            local = local.narrow(d, 0, n)
+    return local
 
 
-def valid_part(local: torch.Tensor, sharding: Sharding, tp_rank: int, tp: int) -> torch.Tensor:
-    """The local shard [local_shape] without its padding rows: the box's values."""
-    _, shape = shard_box(sharding, tp_rank, tp)
-    if sharding.dim is None or tuple(local.shape) == shape:
-        return local
-    return local.narrow(sharding.dim, 0, shape[sharding.dim])
-
-
-def pad_to_local(valid: torch.Tensor, sharding: Sharding, tp: int) -> torch.Tensor:
-    """Append zero padding rows so ``valid`` (the box) takes the local shard's shape."""
-    local = sharding.local_shape(tp)
+def pad_to_local(valid: torch.Tensor, sharding: Sharding, coords: Coords) -> torch.Tensor:
+    """Append zero padding rows so ``valid`` (the box's values) takes the local shard's shape."""
+    local = sharding.local_shape(coords)
     if tuple(valid.shape) == local:
         return valid
-    d = sharding.dim
-    assert d is not None
-    pad = list(valid.shape)
-    pad[d] = local[d] - valid.shape[d]
-    return torch.cat([valid, valid.new_zeros(pad)], dim=d)
+    out = valid.new_zeros(local)
+    out[tuple(slice(0, n) for n in valid.shape)] = valid
+    return out
 
 
-def flat_piece(sharding: Sharding, tp_rank: int, tp: int,
+def flat_piece(sharding: Sharding, coords: Coords,
                flat: tuple[int, int] | None) -> tuple[Piece, tuple[int, int] | None]:
     """Logical piece of a flat range of the *padded* local shard, and the range kept.
 
-    Padding rows lie at the end of dim 0 (vocabulary), so the valid elements are a prefix of
-    the local shard's flattening: the range is clipped to that prefix. Returns the piece and
+    Padding rows lie at the end of the local shard's dim 0 (vocabulary), so the valid elements
+    are a prefix of its flattening: the range is clipped to that prefix. Returns the piece and
     the sub-range [a, b) of ``flat`` (relative to its start) that holds valid elements, or
     ``None`` when nothing valid remains.
     """
-    offsets, shape = shard_box(sharding, tp_rank, tp)
+    offsets, shape = sharding.box(coords)
     valid_numel = math.prod(shape)
     if flat is None:
         return Piece(offsets, shape), (0, valid_numel) if valid_numel else None
-    if sharding.padded_rows and sharding.dim not in (0, None):
-        raise NotImplementedError(f"{sharding.key}: flat ranges over padding along dim "
-                                  f"{sharding.dim} are not supported")
+    local = sharding.local_shape(coords)
+    if valid_numel and tuple(shape[1:]) != tuple(local[1:]):
+        raise NotImplementedError(f"{sharding.key}: flat ranges over padding along a dim "
+                                  f"other than 0 are not supported")
     start, end = flat[0], min(flat[1], valid_numel)
     if end <= start:
         return Piece(offsets, shape, (start, start)), None

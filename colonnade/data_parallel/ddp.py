@@ -39,8 +39,9 @@ from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
 
-TIED_KEYS = frozenset({"embedding.word.weight", "head.weight"})
-"""The tied embedding and head: a bucket each when pp > 1 (identical layout on both ends)."""
+TIED_KEYS = frozenset({"embedding.word.weight"})
+"""The tied word embedding, and the last stage's copy of it (the output head, same key:
+``Sharding.tied_copy``): a bucket of its own when pp > 1 (identical layout on both ends)."""
 
 
 def chunk_parameters(chunks: Sequence[nn.Module]) -> list[list[nn.Parameter]]:

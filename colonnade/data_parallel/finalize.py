@@ -5,8 +5,9 @@ The data-parallel reduction (bucketed, overlapped with backward) lives in
 :mod:`colonnade.data_parallel.ddp`. After it two partial-sum cases remain:
 * sequence parallelism: tp-replicated parameters (norms, row-parallel biases, gpt2 positions)
   saw only this rank's sequence chunk, so their gradients are summed across tp;
-* tied embeddings with pp > 1: the first stage's embedding and the last stage's head hold the
-  same logical weight; their gradients are summed across the embedding group.
+* tied embeddings with pp > 1: the first stage's embedding and the last stage's head (its
+  ``tied_copy``, under the same key) hold the same logical weight; their gradients are summed
+  across the embedding group.
 Both are sums over disjoint groups, so their order does not matter.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from colonnade.data_parallel.ddp import TIED_KEYS
 from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.groups import ProcessGroups
 
@@ -27,8 +29,8 @@ def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: boo
                    if getattr(getattr(p, "sharding", None), "sp_partial_grad", False)]
         _all_reduce_flat([g for g in partial if g is not None], groups.tp.all_reduce, "sp_grads")
     if tied and groups.pp.size > 1 and groups.embedding.size > 1:
-        keys = {"embedding.word.weight", "head.weight"}
-        grads = [grad_of(p) for p in params if p.sharding.key in keys]  # type: ignore[attr-defined]
+        grads = [grad_of(p) for p in params
+                 if p.sharding.key in TIED_KEYS]  # type: ignore[attr-defined]
         _all_reduce_flat([g for g in grads if g is not None], groups.embedding.all_reduce,
                          "tied_embedding")
 

@@ -14,16 +14,14 @@ from collections.abc import Iterable
 import torch
 
 from colonnade.parallel.comm import CommGroup
+from colonnade.tensor_parallel.sharding import Coords
 
 
-def owns_grad(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank counts ``param`` in the global norm."""
+def owns_grad(param: torch.nn.Parameter, coords: Coords) -> bool:
+    """Whether this rank (``coords``, e.g. ``{"tp": (rank, tp)}``) counts ``param`` in the
+    global norm: ``Sharding.owns`` (index 0 of every axis replicating it, never a tied copy)."""
     sharding = getattr(param, "sharding", None)
-    if sharding is None:
-        return True
-    if sharding.tied_to is not None and sharding.key != sharding.tied_to:
-        return False
-    return sharding.dim is not None or tp_rank == 0
+    return sharding is None or sharding.owns(coords)
 
 
 def global_norm(local_sq: torch.Tensor, groups: Iterable[CommGroup]) -> torch.Tensor:

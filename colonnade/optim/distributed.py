@@ -32,6 +32,7 @@ from colonnade.optim.clip import clip_coefficient, global_norm, owns_grad
 from colonnade.optim.lr import lr_at
 from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.tensor_parallel.sharding import Coords, tp_coords
 
 Interval = tuple[int, int, int]  # (range index, lo, hi) relative to the range start
 
@@ -88,12 +89,12 @@ class DistributedOptimizer:
             self.masters.append(master)
             self.grads.append(buffers.grad_data[lo:hi])
             offset += n
-        self._index_segments(groups.tp.rank)
+        self._index_segments(tp_coords(groups.tp.rank, groups.tp.size))
         self.scaler: LossScaler = make_scaler(precision, cfg)
         self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
         self.step_count = 0
 
-    def _index_segments(self, tp_rank: int) -> None:
+    def _index_segments(self, coords: Coords) -> None:
         """Views for weight decay (matrices), the norm (owned grads) and the inf check (rest)."""
         decayed: list[Interval] = []
         counted: list[Interval] = []
@@ -103,7 +104,7 @@ class DistributedOptimizer:
                 interval = (i, a - lo, b - lo)
                 if p.ndim > 1:
                     decayed.append(interval)
-                (counted if owns_grad(p, tp_rank) else rest).append(interval)
+                (counted if owns_grad(p, coords) else rest).append(interval)
         self.decayed = [self.masters[i][a:b] for i, a, b in _merge(decayed)]
         self.counted = [self.grads[i][a:b] for i, a, b in _merge(counted)]
         self.uncounted = [self.grads[i][a:b] for i, a, b in _merge(rest)]

@@ -9,7 +9,7 @@ from torch import nn
 
 from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.rng import RNGTracker
-from colonnade.tensor_parallel.sharding import Sharding, make_param
+from colonnade.tensor_parallel.sharding import Sharding, make_param, tp_coords
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ParallelContext:
         return self.group.rank
 
     def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
-        """A parameter holding this rank's shard of its seeded full initial value."""
-        return make_param(sharding, self.tp_rank, self.tp, self.seed, std, kind, self.dtype,
-                          self.device)
+        """A parameter holding this rank's shard (its coordinates on the axes that split
+        parameters: tp today) of its seeded full initial value."""
+        return make_param(sharding, tp_coords(self.tp_rank, self.tp), self.seed, std, kind,
+                          self.dtype, self.device)

@@ -13,6 +13,7 @@ With tp = 1 every operator is the identity, so the same classes form the referen
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -54,28 +55,65 @@ class ColumnParallelLinear(nn.Module):
 
     Input [s, b, in] (or [s/tp, b, in] under sp); output [s, b, out/tp], or [s, b, out] with
     ``gather_output``.
+
+    ``tied_to`` names another parameter (the word embedding, for a tied output head) whose
+    values this weight shares: the layer makes no weight of its own until
+    :func:`tie_weights` resolves the tie over the modules of a rank.
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, key: str, *,
                  bias: bool, std: float, gather_output: bool = False, padded_rows: int = 0,
-                 tied_to: str | None = None, shared_weight: nn.Parameter | None = None) -> None:
+                 tied_to: str | None = None) -> None:
         super().__init__()
-        self.ctx, self.gather_output = ctx, gather_output
-        if shared_weight is not None:
-            self.weight = shared_weight
-        else:
-            spec = Sharding(f"{key}.weight", (out_features, in_features), dim=0,
-                            padded_rows=padded_rows, tied_to=tied_to)
+        self.ctx, self.gather_output, self.tied_to = ctx, gather_output, tied_to
+        spec = Sharding(tied_to or f"{key}.weight", (out_features, in_features), dim=0,
+                        padded_rows=padded_rows)
+        self.pending_tie: tuple[Sharding, float] | None = None
+        """(declaration, std) of a tied weight not resolved yet (:func:`tie_weights`)."""
+        if tied_to is None:
             self.weight = ctx.param(spec, std)
+        else:
+            self.register_parameter("weight", None)
+            self.pending_tie = (spec, std)
         self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), dim=0), 0.0, "zeros")
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, in] (or [s/tp, b, in] under sp) -> [s, b, out/tp] (or gathered)."""
+        if self.pending_tie is not None:
+            raise RuntimeError(f"weight tied to '{self.tied_to}' not resolved: call "
+                               "tensor_parallel.layers.tie_weights on the model chunk")
         (y,) = column_parallel(x, [self])  # [s, b, o/tp]
         if self.gather_output:
             y = mp.gather_last(y, self.ctx.group)  # [s, b, o]
         return y
+
+
+def tie_weights(root: nn.Module) -> None:
+    """Resolve every ``tied_to`` declaration under ``root`` (one rank's model chunk).
+
+    When ``root`` holds the parameter of that key (the embedding is on this pipeline stage)
+    the layer shares that very Parameter: one tensor, one gradient. Otherwise the layer gets
+    its own copy: a parameter with the *same* key (hence the same seeded initial value and
+    checkpoint name) marked ``tied_copy``; the embedding-group all-reduce of
+    :mod:`colonnade.data_parallel.finalize` keeps it equal to the first stage's, and only the
+    original is saved and counted in the gradient norm. Declarations must match exactly.
+    """
+    owners = {p.sharding.key: p for p in root.parameters()  # type: ignore[attr-defined]
+              if hasattr(p, "sharding")}
+    for module in root.modules():
+        if not isinstance(module, ColumnParallelLinear) or module.pending_tie is None:
+            continue
+        spec, std = module.pending_tie
+        target = owners.get(spec.key)
+        if target is None:
+            module.weight = module.ctx.param(dataclasses.replace(spec, tied_copy=True), std)
+        elif target.sharding != spec:  # type: ignore[attr-defined]
+            raise ValueError(f"tied weight '{spec.key}': declared as {spec}, but the parameter "
+                             f"is {target.sharding}")  # type: ignore[attr-defined]
+        else:
+            module.weight = target
+        module.pending_tie = None
 
 
 class RowParallelLinear(nn.Module):

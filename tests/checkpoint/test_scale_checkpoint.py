@@ -28,7 +28,7 @@ from colonnade.checkpoint.format import (
     rank_files,
 )
 from colonnade.checkpoint.optim_state import logical_state
-from colonnade.checkpoint.pieces import flat_piece, shard_box
+from colonnade.checkpoint.pieces import flat_piece
 from colonnade.checkpoint.reads import PieceRead, stored_numel
 from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
 from colonnade.config.sections import Config, ModelConfig, ParallelConfig, TrainingConfig
@@ -39,6 +39,7 @@ from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups, plan_groups
+from colonnade.tensor_parallel.sharding import tp_coords
 
 BIG = ParallelDims(tp=8, pp=8, dp=64)
 COMMIT_FILES = 3  # index.json, metadata.json, config.toml
@@ -99,7 +100,8 @@ class PlanReader(CheckpointReader):
 
 def _model_bytes(state: RankState) -> int:
     g = state.groups
-    return sum(math.prod(shard_box(p.sharding, g.tp.rank, g.tp.size)[1]) * p.element_size()
+    coords = tp_coords(g.tp.rank, g.tp.size)
+    return sum(math.prod(p.sharding.box(coords)[1]) * p.element_size()
                for p in unique_params(state.chunks))
 
 
@@ -109,7 +111,7 @@ def _held_optim_bytes(state: RankState) -> int:
     g, out = state.groups, 0
     for states in logical_state(state.optimizer).values():
         for sl in states.values():
-            _, keep = flat_piece(sl.sharding, g.tp.rank, g.tp.size, sl.flat)
+            _, keep = flat_piece(sl.sharding, tp_coords(g.tp.rank, g.tp.size), sl.flat)
             if keep is not None:
                 out += (keep[1] - keep[0]) * sl.tensor.element_size()
     return out

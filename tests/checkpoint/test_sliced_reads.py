@@ -24,11 +24,11 @@ from tests.checkpoint.test_hf import _hf_model, _save
 
 def _param_bytes(trainer: Any) -> int:
     """Bytes of the boxes of this rank's parameters (its pp stage, its tp shard, no padding)."""
-    from colonnade.checkpoint.pieces import shard_box
     from colonnade.models.params import unique_params
+    from colonnade.tensor_parallel.sharding import tp_coords
 
-    g = trainer.groups
-    return sum(math.prod(shard_box(p.sharding, g.tp.rank, g.tp.size)[1]) * p.element_size()
+    coords = tp_coords(trainer.groups.tp.rank, trainer.groups.tp.size)
+    return sum(math.prod(p.sharding.box(coords)[1]) * p.element_size()
                for p in unique_params(trainer.chunks))
 
 
@@ -36,8 +36,8 @@ def _hf_init(hf_dir: str) -> dict[str, Any]:
     """Rank side: init a tp2 x pp2 fp32 trainer from the HF dir, counting the bytes read."""
     from colonnade.checkpoint import hf
     from colonnade.checkpoint.finetune import init_weights
-    from colonnade.checkpoint.optim_state import read_key
     from colonnade.models.params import unique_params
+    from colonnade.tensor_parallel.sharding import tp_coords
 
     trainer = make_trainer(Layout(tp=2, pp=2), precision="fp32")
     counter = CountingOpen()
@@ -48,8 +48,8 @@ def _hf_init(hf_dir: str) -> dict[str, Any]:
         hf.safe_open = counter._open
     _, full = hf.read_hf(hf_dir)
     g = trainer.groups
-    err = max(float((p.detach() - p.sharding.shard(full[read_key(p.sharding)], g.tp.rank,
-                                                  g.tp.size)).abs().max())
+    coords = tp_coords(g.tp.rank, g.tp.size)
+    err = max(float((p.detach() - p.sharding.shard(full[p.sharding.key], coords)).abs().max())
               for p in unique_params(trainer.chunks))
     copies = sum(p.numel() * 4 for p in unique_params(trainer.chunks)
                  if p.sharding.dim is None and g.tp.rank > 0)  # tp-replicated: every tp rank

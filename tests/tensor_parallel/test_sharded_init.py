@@ -1,6 +1,6 @@
 """Initialisation builds only the local shard, with the same global values in every layout.
 
-* Layout independence: for column (dim 0), row (dim 1), padded-vocab, replicated and tied
+* Layout independence: for column (dim 0), row (dim 1), padded-vocab and replicated
   parameters, the shards of tp 1..4 concatenate to the same full value (bit for bit), with
   blocks small enough that shard boundaries fall inside blocks; padding rows are zeros.
 * Memory: a GPT-3 1.3B-shaped model (hidden 2048, 16 heads, vocab 50257, context 2048; one
@@ -20,7 +20,13 @@ import pytest
 import torch
 
 from colonnade.tensor_parallel import sharding as sh
-from colonnade.tensor_parallel.sharding import Sharding, init_full, init_shard, make_param
+from colonnade.tensor_parallel.sharding import (
+    Sharding,
+    init_full,
+    init_shard,
+    make_param,
+    tp_coords,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = {
@@ -28,13 +34,12 @@ CASES = {
     "row": Sharding("l.o.weight", (5, 12), dim=1),
     "vocab": Sharding("emb.weight", (11, 6), dim=0),  # padded per tp below
     "replicated": Sharding("pos.weight", (9, 4)),
-    "tied": Sharding("head.weight", (11, 6), dim=0, tied_to="emb.weight"),
 }
 
 
 def _padded(spec: Sharding, tp: int) -> Sharding:
     pad = -spec.full_shape[0] % tp if spec.dim == 0 and spec.full_shape[0] % tp else 0
-    return Sharding(spec.key, spec.full_shape, spec.dim, pad, tied_to=spec.tied_to)
+    return Sharding(spec.key, spec.full_shape, spec.dim, pad)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -48,24 +53,24 @@ def test_shards_of_every_tp_make_the_same_full_value(monkeypatch: pytest.MonkeyP
         spec = _padded(base, tp)
         if spec.dim is not None and (spec.full_shape[spec.dim] + spec.padded_rows) % tp:
             continue
-        shards = [init_shard(spec, r, tp, 5, 0.5, dtype=torch.float64) for r in range(tp)]
+        shards = [init_shard(spec, tp_coords(r, tp), 5, 0.5, dtype=torch.float64)
+                  for r in range(tp)]
         torch.testing.assert_close(spec.unshard(shards), full, rtol=0, atol=0)
         if spec.padded_rows:
             assert shards[-1][-spec.padded_rows:].abs().sum() == 0  # zero padding rows
         for r in range(tp):  # the parameter (any dtype) is the cast shard
-            p = make_param(spec, r, tp, 5, 0.5, dtype=torch.bfloat16)
+            p = make_param(spec, tp_coords(r, tp), 5, 0.5, dtype=torch.bfloat16)
             torch.testing.assert_close(p.data, shards[r].to(torch.bfloat16), rtol=0, atol=0)
-    if base.tied_to:  # the tied head starts as the embedding it is tied to
-        torch.testing.assert_close(full, init_full(CASES["vocab"], 5, 0.5, dtype=torch.float64))
 
 
 def test_block_tiling_depends_on_the_full_shape_only() -> None:
     spec = Sharding("mlp.fc.weight", (8192, 2048), dim=0)
     assert sh.block_len(spec) == (1 << 18) // 2048
     assert sh.block_len(Sharding("mlp.proj.weight", (2048, 8192), dim=1)) == (1 << 18) // 2048
-    assert init_shard(Sharding("n.weight", (4,)), 0, 1, 1, 0.0, "ones").tolist() == [1.0] * 4
+    one = tp_coords(0, 1)
+    assert init_shard(Sharding("n.weight", (4,)), one, 1, 0.0, "ones").tolist() == [1.0] * 4
     with pytest.raises(ValueError, match="unknown init kind 'uniform'"):
-        init_shard(Sharding("n.weight", (4,)), 0, 1, 1, 0.0, "uniform")
+        init_shard(Sharding("n.weight", (4,)), one, 1, 0.0, "uniform")
 
 
 _BUILD = """
