@@ -131,11 +131,9 @@ def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 def rank_groups(dims: ParallelDims) -> ProcessGroups:
     """This pool rank's groups of ``dims`` (one thread per rank); outside any process group
-    (a world of 1 in the test process itself) the single-process groups."""
+    a world of 1 gets the single-process groups (``ProcessGroups.build`` does that)."""
     torch.set_num_threads(1)
-    if dims.world_size == 1 and not dist.is_initialized():
-        return ProcessGroups.single()
-    if dist.get_world_size() != dims.world_size:
+    if dist.is_initialized() and dist.get_world_size() != dims.world_size:
         raise AssertionError(f"pool has {dist.get_world_size()} ranks, layout needs "
                              f"{dims.world_size}")
     return ProcessGroups.build(dims)

@@ -15,16 +15,10 @@ from colonnade.checkpoint.export import full_state
 from colonnade.checkpoint.optim_state import dp_sharded
 from colonnade.checkpoint.sharded import optim_entries
 from colonnade.checkpoint.training_state import load_training, save_training
-from colonnade.config.sections import (
-    Config,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
+from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.parallel.dims import ParallelDims
-from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.setup import Runtime
+from tests.parity import rank_groups, rel_err, split_micro, step_global_batch, tiny_model
 
 GLOBAL_BATCH, MICRO, SEQ, VOCAB = 8, 2, 8, 101
 
@@ -53,10 +47,8 @@ class Layout:
 def make_config(layout: Layout, precision: str = "fp64", arch: str = "llama",
                 tie: bool = False) -> Config:
     """A tiny model whose global batch is the same in every layout."""
-    model = ModelConfig(arch=arch, num_layers=4, hidden_size=32, num_heads=8,
-                        num_kv_heads=4 if arch == "llama" else None, ffn_hidden_size=64,
-                        vocab_size=VOCAB, max_seq_len=16, bias=arch == "gpt2",
-                        tie_embeddings=tie)
+    model = tiny_model(arch, layers=4, hidden=32, heads=8, kv_heads=4, ffn=64, vocab=VOCAB,
+                       seq=16, init_std=0.02, tie=tie)
     par = ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp, dp=layout.dp, sp=layout.sp,
                          use_distributed_optimizer=layout.zero, bucket_size=1000,
                          schedule="interleaved_1f1b" if layout.vp > 1 else "1f1b")
@@ -69,12 +61,9 @@ def make_config(layout: Layout, precision: str = "fp64", arch: str = "llama",
 
 def batches_for(step: int, dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's micro-batches of the synthetic global batch of ``step``."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)  # [g, s + 1]
-    per = GLOBAL_BATCH // dp
-    mine = data[dp_rank * per:(dp_rank + 1) * per]
-    return [(mine[i:i + MICRO, :-1].contiguous(), mine[i:i + MICRO, 1:].contiguous())
-            for i in range(0, per, MICRO)]
+    _, data = step_global_batch(step, GLOBAL_BATCH // MICRO, MICRO, SEQ, VOCAB)  # [g/b, b, s+1]
+    m = GLOBAL_BATCH // (MICRO * dp)
+    return split_micro(data[dp_rank * m:(dp_rank + 1) * m])
 
 
 def make_trainer(layout: Layout, precision: str = "fp64", arch: str = "llama",
@@ -84,8 +73,7 @@ def make_trainer(layout: Layout, precision: str = "fp64", arch: str = "llama",
 
     torch.set_num_threads(1)
     cfg = make_config(layout, precision, arch, tie)
-    groups = ProcessGroups.build(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp,
-                                              vp=layout.vp))
+    groups = rank_groups(ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, vp=layout.vp))
     return Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
 
 
@@ -141,13 +129,6 @@ def merge(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     for r in results:
         out.update(r.get("params", {}))
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| (0 when both are zero)."""
-    denom = float(b.double().norm())
-    diff = float((a.double() - b.double()).norm())
-    return diff / denom if denom else diff
 
 
 def assert_same_run(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float,

@@ -15,13 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as tc
 
-from colonnade.config.sections import (
-    Config,
-    ModelConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
-from colonnade.config.validate import resolve, validate
+from colonnade.config.sections import Config, ParallelConfig, TrainingConfig
 from colonnade.data.synthetic import random_batches
 from colonnade.models.build import build_chunks
 from colonnade.models.gpt import LayerFn, ModelChunk
@@ -31,6 +25,8 @@ from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch, StepPlan, set_rng_context
 from colonnade.training.step import forward_backward
+from tests.parity import max_rel_err, resolved, tiny_model
+from tests.parity import rank_groups as shared_rank_groups
 
 Grads = dict[str, torch.Tensor]
 MODES: list[tuple[str, str, int]] = [
@@ -47,22 +43,15 @@ def tiny_config(arch: str = "llama", *, tp: int = 1, sp: bool = False, pp: int =
                 vp: int = 1, layers: int = 4, dropout: float = 0.1, seq: int = 16,
                 micro: int = 2, microbatches: int = 4, schedule: str = "1f1b") -> Config:
     """A resolved, validated fp64 config (llama: h 32, 4 heads, 2 kv heads, SwiGLU 64)."""
-    if arch == "llama":
-        model = ModelConfig(arch="llama", num_layers=layers, hidden_size=32, num_heads=4,
-                            num_kv_heads=2, ffn_hidden_size=64, vocab_size=67,
-                            max_seq_len=seq, init_std=0.05, hidden_dropout=dropout,
-                            attention_dropout=dropout)
-    else:
-        model = ModelConfig(arch="gpt2", num_layers=layers, hidden_size=32, num_heads=4,
-                            vocab_size=67, max_seq_len=seq, bias=True, init_std=0.05,
-                            hidden_dropout=dropout, attention_dropout=dropout)
-    world = tp * pp
+    llama = arch == "llama"  # gpt2: biases, an untied head, its own 4h GELU MLP
+    model = tiny_model(arch, layers=layers, hidden=32, heads=4, kv_heads=2 if llama else None,
+                       ffn=64 if llama else None, vocab=67, seq=seq, dropout=dropout, tie=False)
     config = Config(model=model,
                     parallel=ParallelConfig(tp=tp, sp=sp, pp=pp, vp=vp, schedule=schedule),
                     training=TrainingConfig(seq_len=seq, micro_batch_size=micro,
                                             microbatches=microbatches, precision="fp64",
                                             seed=11, eval_interval=0))
-    return validate(resolve(config, world), world)
+    return resolved(config)
 
 
 def with_recompute(config: Config, mode: str, method: str = "uniform", n: int = 1) -> Config:
@@ -80,10 +69,10 @@ def make_batches(config: Config, seed: int = 5) -> list[Batch]:
 def rank_groups(config: Config) -> ProcessGroups:
     """The process groups of ``config``'s layout (single-process when the world is 1)."""
     torch.set_num_threads(1)
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        return ProcessGroups.single()  # the 1-rank pool runs the single-process model
     par = config.parallel
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ProcessGroups.single()
-    return ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp))
+    return shared_rank_groups(ParallelDims(tp=par.tp, pp=par.pp))
 
 
 def gpipe_grads(chunks: list[ModelChunk], groups: ProcessGroups,
@@ -118,16 +107,6 @@ def local_grads(chunks: list[ModelChunk]) -> Grads:
         assert p.grad is not None, f"{p.sharding.key} has no gradient"  # type: ignore[attr-defined]
         out[p.sharding.key] = p.grad.detach().clone()  # type: ignore[attr-defined]
     return out
-
-
-def max_rel_err(got: Grads, want: Grads) -> float:
-    """Largest ||a - b|| / ||b|| over the parameters (absolute where b is zero)."""
-    assert sorted(got) == sorted(want), "gradient names differ"
-    worst = 0.0
-    for key, ref in want.items():
-        diff, size = float((got[key] - ref).norm()), float(ref.norm())
-        worst = max(worst, diff / size if size > 0 else diff)
-    return worst
 
 
 def count_calls(chunks: list[ModelChunk]) -> dict[str, int]:
