@@ -43,6 +43,7 @@ from colonnade.checkpoint.sharded import load_model, load_optimizer
 from colonnade.checkpoint.state import TrainState
 from colonnade.config.load import ConfigError, config_from_dict, load_config, parse_overrides
 from colonnade.config.sections import Config, ModelConfig
+from colonnade.models.spec import ARCH_SPECS
 
 RUN_FIELDS = ("hidden_dropout", "attention_dropout", "init_std")
 """[model] fields that belong to the run, not to the weights: never taken from a checkpoint."""
@@ -162,14 +163,21 @@ def with_init_from(config: Config, explicit: Collection[str] | None = None) -> C
 TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                  "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias")
 """[model] fields that decide which tensors a model has and their shapes (and max_seq_len for
-gpt2's position table): a checkpoint loads only into a model equal in all of them."""
+a learned position table, gpt2's): a checkpoint loads only into a model equal in all of them."""
+
+
+def _position_table(model: ModelConfig) -> bool:
+    """Whether the model holds a learned [max_seq_len, h] position table (by its spec)."""
+    spec = ARCH_SPECS.get(model.arch)
+    return spec is not None and spec.positions == "learned"
 
 
 def model_mismatch(saved: dict[str, Any], model: ModelConfig) -> list[str]:
     """Every tensor-deciding field whose value in a checkpoint's metadata ``model`` differs from
     ``model``'s, as 'model.field=ours (checkpoint: theirs)'."""
     theirs = config_from_dict({"model": saved}).model
-    names = TENSOR_FIELDS + (("max_seq_len",) if "gpt2" in (model.arch, theirs.arch) else ())
+    table = _position_table(model) or _position_table(theirs)
+    names = TENSOR_FIELDS + (("max_seq_len",) if table else ())
     return [f"model.{n}={_comparable(model, n)} (checkpoint: {_comparable(theirs, n)})"
             for n in names if _comparable(model, n) != _comparable(theirs, n)]
 

@@ -1,17 +1,15 @@
 """Hugging Face interop: ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` directories.
 
 An HF directory holds ``config.json``, ``model.safetensors`` (or an index + shards) and
-tokenizer files. The mapping to Colonnade's global names is pure renaming, except:
-
-* GPT-2 uses ``Conv1D`` layers whose weights are stored [in, out], the transpose of
-  ``nn.Linear``'s [out, in]: every c_attn / c_proj / c_fc weight is transposed, and the fused
-  ``c_attn`` [h, 3h] (bias [3h]) is split into q, k, v along its output columns;
-* Llama in HF rotates with ``rotate_half`` (pairs (x_i, x_{i+d/2})), the same half-split
-  convention as :func:`colonnade.models.blocks.apply_rope`, so q / k need no permutation (the
-  interleaved-to-half permutation only applies to Meta's original checkpoints, which HF's own
-  conversion script already undid);
-* a tied head (``tie_word_embeddings``) is not stored in HF files; Colonnade stores it once as
-  ``embedding.word.weight`` too.
+tokenizer files. Each architecture's HF form (class name, config.json fields, where each of
+Colonnade's global names lies in the HF tensors) is one :class:`~colonnade.checkpoint.
+hf_archs.HFFormat` of :data:`~colonnade.checkpoint.hf_archs.HF_FORMATS`: pure renames for
+Llama (HF's ``rotate_half`` is the half-split convention of
+:func:`colonnade.models.blocks.apply_rope`; the interleaved-to-half permutation only applies to
+Meta's original checkpoints, which HF's own conversion script already undid), transposed
+``Conv1D`` weights and a split fused ``c_attn`` for GPT-2. A tied head
+(``tie_word_embeddings``) is not stored in HF files; Colonnade stores it once as
+``embedding.word.weight`` too.
 
 Loading an HF directory into any parallel layout: :func:`load_hf_into_chunks` reads, for each
 of this rank's parameters, only the box of its tp shard (:class:`HFRef` says where that box
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from colonnade.checkpoint.format import CheckpointError
+from colonnade.checkpoint.hf_archs import HF_FORMATS, HFRef, hf_format
 from colonnade.checkpoint.pieces import Box, pad_to_local
 from colonnade.config.sections import ModelConfig
 from colonnade.models.params import unique_params
@@ -52,129 +50,25 @@ def is_hf_dir(path: str | Path) -> bool:
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of an HF config.json (Llama or GPT-2); rejects what Colonnade cannot run."""
     arch = (hf.get("architectures") or [""])[0]
-    if arch == "LlamaForCausalLM":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json: rope_type={rope.get('rope_type')!r} is not "
-                             "supported (only default RoPE)")
-        if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-            raise ValueError("config.json: attention_bias != mlp_bias; Colonnade has one "
-                             "model.bias switch for every linear layer")
-        h, a = hf["hidden_size"], hf["num_attention_heads"]
-        if hf.get("head_dim") not in (None, h // a):
-            raise ValueError(f"config.json: head_dim={hf['head_dim']} != hidden_size / heads")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; llama needs silu")
-        return ModelConfig(
-            arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=a,
-            num_kv_heads=hf.get("num_key_value_heads") or a,
-            ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-            max_seq_len=hf["max_position_embeddings"],
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
-            bias=bool(hf.get("attention_bias", False)), init_std=hf.get("initializer_range",
-                                                                        0.02))
-    if arch == "GPT2LMHeadModel":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"config.json: activation_function="
-                             f"{hf['activation_function']!r}; Colonnade's gpt2 uses tanh GELU")
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
-            raise ValueError("config.json: non-standard GPT-2 attention scaling")
-        h = hf["n_embd"]
-        return ModelConfig(
-            arch="gpt2", num_layers=hf["n_layer"], hidden_size=h, num_heads=hf["n_head"],
-            ffn_hidden_size=hf.get("n_inner") or 4 * h, vocab_size=hf["vocab_size"],
-            max_seq_len=hf["n_positions"], norm_eps=hf["layer_norm_epsilon"],
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True,
-            init_std=hf.get("initializer_range", 0.02))
-    raise ValueError(f"config.json: architecture {arch!r} is not supported (LlamaForCausalLM "
-                     "or GPT2LMHeadModel)")
+    for fmt in HF_FORMATS.values():
+        if fmt.hf_class == arch:
+            return fmt.read_config(hf)
+    known = " or ".join(fmt.hf_class for fmt in HF_FORMATS.values())
+    raise ValueError(f"config.json: architecture {arch!r} is not supported ({known})")
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """config.json contents for a ModelConfig; ``dtype`` (e.g. 'bfloat16') is written as
     ``dtype`` and as ``torch_dtype``, the key older transformers releases read."""
+    fmt = hf_format(cfg)
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "dtype": dtype, "torch_dtype": dtype}
-    if cfg.arch == "llama":
-        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-                "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-                "hidden_act": "silu", "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
-                "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
-                "rope_theta": cfg.rope_theta}
-    if not cfg.bias:
-        raise ValueError("gpt2 export needs model.bias=true (GPT2LMHeadModel has biases)")
-    return {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
-            "n_inner": cfg.ffn_size, "n_positions": cfg.max_seq_len,
-            "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
-            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}
-
-
-def _llama_names(cfg: ModelConfig) -> dict[str, str]:
-    """Colonnade key -> HF name for Llama (pure renames)."""
-    out = {"embedding.word.weight": "model.embed_tokens.weight",
-           "final_norm.weight": "model.norm.weight"}
-    if not cfg.tie_embeddings:
-        out["head.weight"] = "lm_head.weight"
-    lin = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
-           "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
-           "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}", f"model.layers.{i}"
-        out[f"{ours}.attn_norm.weight"] = f"{theirs}.input_layernorm.weight"
-        out[f"{ours}.mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
-        for a, b in lin.items():
-            out[f"{ours}.{a}.weight"] = f"{theirs}.{b}.weight"
-            if cfg.bias:
-                out[f"{ours}.{a}.bias"] = f"{theirs}.{b}.bias"
-    return out
-
-
-@dataclass(frozen=True)
-class HFRef:
-    """Where a Colonnade tensor lives in an HF file: tensor ``name``, stored transposed
-    (GPT-2's Conv1D [in, out]), as block ``block`` of ``blocks`` equal blocks along the stored
-    last dim (q, k, v of GPT-2's fused c_attn [h, 3h] and its bias [3h])."""
-
-    name: str
-    transpose: bool = False
-    block: int = 0
-    blocks: int = 1
-
-    def our_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
-        """Our full shape for the HF tensor's shape ``stored``."""
-        shape = list(stored)
-        shape[-1] //= self.blocks
-        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+    return {**common, "architectures": [fmt.hf_class], **fmt.write_config(cfg)}
 
 
 def hf_refs(cfg: ModelConfig) -> dict[str, HFRef]:
     """Colonnade key -> where its values are in the HF checkpoint (see :class:`HFRef`)."""
-    if cfg.arch == "llama":
-        return {ours: HFRef(theirs) for ours, theirs in _llama_names(cfg).items()}
-    out = {"embedding.word.weight": HFRef("transformer.wte.weight"),
-           "embedding.position.weight": HFRef("transformer.wpe.weight"),
-           "final_norm.weight": HFRef("transformer.ln_f.weight"),
-           "final_norm.bias": HFRef("transformer.ln_f.bias")}
-    if not cfg.tie_embeddings:
-        out["head.weight"] = HFRef("lm_head.weight")
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
-        for o, t in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[f"{ours}.{o}.weight"] = HFRef(f"{theirs}.{t}.weight")
-            out[f"{ours}.{o}.bias"] = HFRef(f"{theirs}.{t}.bias")
-        for j, name in enumerate("qkv"):
-            out[f"{ours}.attn.{name}.weight"] = HFRef(f"{theirs}.attn.c_attn.weight", True, j, 3)
-            out[f"{ours}.attn.{name}.bias"] = HFRef(f"{theirs}.attn.c_attn.bias", False, j, 3)
-        for o, t in (("attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
-                     ("mlp.down", "mlp.c_proj")):
-            out[f"{ours}.{o}.weight"] = HFRef(f"{theirs}.{t}.weight", True)
-            out[f"{ours}.{o}.bias"] = HFRef(f"{theirs}.{t}.bias")
-    return out
+    return hf_format(cfg).refs(cfg)
 
 
 def hf_slice(ref: HFRef, box: Box, stored: tuple[int, ...]) -> tuple[slice, ...]:
@@ -212,28 +106,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 
 def to_hf_state(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF state dict from full Colonnade tensors (inverse of :func:`from_hf_state`)."""
-    if cfg.arch == "llama":
-        return {theirs: full[ours].contiguous() for ours, theirs in _llama_names(cfg).items()}
-    out = {"transformer.wte.weight": full["embedding.word.weight"],
-           "transformer.wpe.weight": full["embedding.position.weight"],
-           "transformer.ln_f.weight": full["final_norm.weight"],
-           "transformer.ln_f.bias": full["final_norm.bias"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = full["head.weight"]
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
-        for o, t in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[f"{theirs}.{t}.weight"] = full[f"{ours}.{o}.weight"]
-            out[f"{theirs}.{t}.bias"] = full[f"{ours}.{o}.bias"]
-        out[f"{theirs}.attn.c_attn.weight"] = torch.cat(
-            [full[f"{ours}.attn.{n}.weight"].t() for n in "qkv"], dim=1)  # [h, 3h]
-        out[f"{theirs}.attn.c_attn.bias"] = torch.cat([full[f"{ours}.attn.{n}.bias"]
-                                                       for n in "qkv"])
-        for o, t in (("attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"),
-                     ("mlp.down", "mlp.c_proj")):
-            out[f"{theirs}.{t}.weight"] = full[f"{ours}.{o}.weight"].t()
-            out[f"{theirs}.{t}.bias"] = full[f"{ours}.{o}.bias"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return hf_format(cfg).to_hf(cfg, full)
 
 
 def _take(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:

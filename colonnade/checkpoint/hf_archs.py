@@ -1,0 +1,212 @@
+"""How each architecture is stored in Hugging Face form: one :class:`HFFormat` per ``model.arch``.
+
+A format names the HF class (``config.json``'s ``architectures``), reads and writes the
+config.json fields of that class, and maps every Colonnade key to where its values lie in the
+HF tensors (:class:`HFRef`). :mod:`colonnade.checkpoint.hf` dispatches through
+:data:`HF_FORMATS` and never looks at the architecture's name; a new architecture with an HF
+counterpart adds one entry here.
+
+* Llama: pure renames; HF rotates with ``rotate_half`` (pairs (x_i, x_{i+d/2})), the same
+  half-split convention as :func:`colonnade.models.blocks.apply_rope`, so q / k need no
+  permutation.
+* GPT-2: ``Conv1D`` weights are stored [in, out], the transpose of ``nn.Linear``'s [out, in]:
+  every c_attn / c_proj / c_fc weight is transposed, and the fused ``c_attn`` [h, 3h]
+  (bias [3h]) is split into q, k, v along its output columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from colonnade.config.sections import ModelConfig
+
+
+@dataclass(frozen=True)
+class HFRef:
+    """Where a Colonnade tensor lives in an HF file: tensor ``name``, stored transposed
+    (GPT-2's Conv1D [in, out]), as block ``block`` of ``blocks`` equal blocks along the stored
+    last dim (q, k, v of GPT-2's fused c_attn [h, 3h] and its bias [3h])."""
+
+    name: str
+    transpose: bool = False
+    block: int = 0
+    blocks: int = 1
+
+    def our_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """Our full shape for the HF tensor's shape ``stored``."""
+        shape = list(stored)
+        shape[-1] //= self.blocks
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """One architecture's HF form."""
+
+    hf_class: str
+    """``architectures[0]`` of config.json, e.g. 'LlamaForCausalLM'."""
+    read_config: Callable[[dict[str, Any]], ModelConfig]
+    """config.json -> ModelConfig (rejects what Colonnade cannot run)."""
+    write_config: Callable[[ModelConfig], dict[str, Any]]
+    """ModelConfig -> the class-specific config.json fields."""
+    refs: Callable[[ModelConfig], dict[str, HFRef]]
+    """Colonnade key -> where its values are in the HF tensors."""
+    to_hf: Callable[[ModelConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    """Full Colonnade tensors -> the HF state dict (inverse of reading through ``refs``)."""
+
+
+# ----------------------------------------------------------------------------- llama
+
+
+def _llama_read(hf: dict[str, Any]) -> ModelConfig:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json: rope_type={rope.get('rope_type')!r} is not "
+                         "supported (only default RoPE)")
+    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
+        raise ValueError("config.json: attention_bias != mlp_bias; Colonnade has one "
+                         "model.bias switch for every linear layer")
+    h, a = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, h // a):
+        raise ValueError(f"config.json: head_dim={hf['head_dim']} != hidden_size / heads")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; llama needs silu")
+    return ModelConfig(
+        arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=a,
+        num_kv_heads=hf.get("num_key_value_heads") or a,
+        ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
+        bias=bool(hf.get("attention_bias", False)), init_std=hf.get("initializer_range", 0.02))
+
+
+def _llama_write(cfg: ModelConfig) -> dict[str, Any]:
+    return {"model_type": "llama", "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": cfg.bias,
+            "mlp_bias": cfg.bias,
+            "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+            "rope_theta": cfg.rope_theta}
+
+
+def _llama_names(cfg: ModelConfig) -> dict[str, str]:
+    """Colonnade key -> HF name for Llama (pure renames)."""
+    out = {"embedding.word.weight": "model.embed_tokens.weight",
+           "final_norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        out["head.weight"] = "lm_head.weight"
+    lin = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
+           "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
+           "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}", f"model.layers.{i}"
+        out[f"{ours}.attn_norm.weight"] = f"{theirs}.input_layernorm.weight"
+        out[f"{ours}.mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
+        for a, b in lin.items():
+            out[f"{ours}.{a}.weight"] = f"{theirs}.{b}.weight"
+            if cfg.bias:
+                out[f"{ours}.{a}.bias"] = f"{theirs}.{b}.bias"
+    return out
+
+
+def _llama_refs(cfg: ModelConfig) -> dict[str, HFRef]:
+    return {ours: HFRef(theirs) for ours, theirs in _llama_names(cfg).items()}
+
+
+def _llama_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {theirs: full[ours].contiguous() for ours, theirs in _llama_names(cfg).items()}
+
+
+# ----------------------------------------------------------------------------- gpt2
+
+_GPT2_NORMS = (("attn_norm", "ln_1"), ("mlp_norm", "ln_2"))
+_GPT2_CONV1D = (("attn.o", "attn.c_proj"), ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj"))
+
+
+def _gpt2_read(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"config.json: activation_function="
+                         f"{hf['activation_function']!r}; Colonnade's gpt2 uses tanh GELU")
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
+        raise ValueError("config.json: non-standard GPT-2 attention scaling")
+    h = hf["n_embd"]
+    return ModelConfig(
+        arch="gpt2", num_layers=hf["n_layer"], hidden_size=h, num_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * h, vocab_size=hf["vocab_size"],
+        max_seq_len=hf["n_positions"], norm_eps=hf["layer_norm_epsilon"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), bias=True,
+        init_std=hf.get("initializer_range", 0.02))
+
+
+def _gpt2_write(cfg: ModelConfig) -> dict[str, Any]:
+    if not cfg.bias:
+        raise ValueError("gpt2 export needs model.bias=true (GPT2LMHeadModel has biases)")
+    return {"model_type": "gpt2", "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads, "n_inner": cfg.ffn_size, "n_positions": cfg.max_seq_len,
+            "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
+            "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0}
+
+
+def _gpt2_refs(cfg: ModelConfig) -> dict[str, HFRef]:
+    out = {"embedding.word.weight": HFRef("transformer.wte.weight"),
+           "embedding.position.weight": HFRef("transformer.wpe.weight"),
+           "final_norm.weight": HFRef("transformer.ln_f.weight"),
+           "final_norm.bias": HFRef("transformer.ln_f.bias")}
+    if not cfg.tie_embeddings:
+        out["head.weight"] = HFRef("lm_head.weight")
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
+        for o, t in _GPT2_NORMS:
+            out[f"{ours}.{o}.weight"] = HFRef(f"{theirs}.{t}.weight")
+            out[f"{ours}.{o}.bias"] = HFRef(f"{theirs}.{t}.bias")
+        for j, name in enumerate("qkv"):
+            out[f"{ours}.attn.{name}.weight"] = HFRef(f"{theirs}.attn.c_attn.weight", True, j, 3)
+            out[f"{ours}.attn.{name}.bias"] = HFRef(f"{theirs}.attn.c_attn.bias", False, j, 3)
+        for o, t in _GPT2_CONV1D:
+            out[f"{ours}.{o}.weight"] = HFRef(f"{theirs}.{t}.weight", True)
+            out[f"{ours}.{o}.bias"] = HFRef(f"{theirs}.{t}.bias")
+    return out
+
+
+def _gpt2_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {"transformer.wte.weight": full["embedding.word.weight"],
+           "transformer.wpe.weight": full["embedding.position.weight"],
+           "transformer.ln_f.weight": full["final_norm.weight"],
+           "transformer.ln_f.bias": full["final_norm.bias"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = full["head.weight"]
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}", f"transformer.h.{i}"
+        for o, t in _GPT2_NORMS:
+            out[f"{theirs}.{t}.weight"] = full[f"{ours}.{o}.weight"]
+            out[f"{theirs}.{t}.bias"] = full[f"{ours}.{o}.bias"]
+        out[f"{theirs}.attn.c_attn.weight"] = torch.cat(
+            [full[f"{ours}.attn.{n}.weight"].t() for n in "qkv"], dim=1)  # [h, 3h]
+        out[f"{theirs}.attn.c_attn.bias"] = torch.cat([full[f"{ours}.attn.{n}.bias"]
+                                                       for n in "qkv"])  # [3h]
+        for o, t in _GPT2_CONV1D:
+            out[f"{theirs}.{t}.weight"] = full[f"{ours}.{o}.weight"].t()  # [in, out]
+            out[f"{theirs}.{t}.bias"] = full[f"{ours}.{o}.bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+HF_FORMATS: dict[str, HFFormat] = {
+    "llama": HFFormat("LlamaForCausalLM", _llama_read, _llama_write, _llama_refs, _llama_to_hf),
+    "gpt2": HFFormat("GPT2LMHeadModel", _gpt2_read, _gpt2_write, _gpt2_refs, _gpt2_to_hf),
+}
+"""model.arch -> its HF form (an architecture without one cannot be imported or exported)."""
+
+
+def hf_format(cfg: ModelConfig) -> HFFormat:
+    """The HF form of ``cfg.arch``."""
+    if cfg.arch not in HF_FORMATS:
+        raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face form (one of "
+                         f"{list(HF_FORMATS)})")
+    return HF_FORMATS[cfg.arch]
