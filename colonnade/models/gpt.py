@@ -36,6 +36,7 @@ from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     padded_vocab,
+    tie_weights,
 )
 from colonnade.tensor_parallel.sharding import Sharding
 
@@ -92,7 +93,7 @@ class ModelChunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer_ids: list[int], *, first: bool,
                  last: bool, label_smoothing: float = 0.0,
-                 tied_weight: nn.Parameter | None = None, spec: ArchSpec | None = None) -> None:
+                 spec: ArchSpec | None = None) -> None:
         super().__init__()
         spec = spec if spec is not None else arch_spec(cfg)
         self.cfg, self.ctx, self.first, self.last, self.spec = cfg, ctx, first, last, spec
@@ -110,15 +111,10 @@ class ModelChunk(nn.Module):
         if last:
             self.final_norm = spec.final_norm(cfg, ctx, "final_norm")
             pad = padded_vocab(cfg.vocab_size, ctx.tp) - cfg.vocab_size
-            shared = None
-            if cfg.tie_embeddings and self.embedding is not None:
-                shared = self.embedding.word.weight
-            elif cfg.tie_embeddings and tied_weight is not None:
-                shared = tied_weight
             self.head = ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, ctx, "head", bias=False, std=cfg.init_std,
-                padded_rows=pad, shared_weight=shared,
-                tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
+                padded_rows=pad, tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
+            tie_weights(self)  # the embedding's Parameter here, else a tied copy (pp > 1)
 
     @property
     def recomputes_layers(self) -> bool:
