@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from colonnade.analysis.measure import PeakTensorBytes
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
 from colonnade.parallel.rng import RNGTracker
-from colonnade.training.memory import PeakTensorBytes
 
 P = 0.1
 

@@ -5,7 +5,7 @@
 Part 1 measures, with saved-tensor hooks, the bytes each transformer layer keeps for backward
 for one micro-batch (bf16, the paper's 16-bit) over several (arch, s, b, h, a, kv, tp, sp,
 dropout, recompute) settings, on 1 and on 2 gloo ranks, next to the formula derived for this
-code (:mod:`colonnade.training.memory`, target: within 10%) and Korthikanti et al. 2022's
+code (:mod:`colonnade.analysis.activations`, target: within 10%) and Korthikanti et al. 2022's
 closed form (their GPT; scaled to the element size).
 Part 2 trains the tiny model (configs/tiny-llama.toml, fp32, 2 micro-batches) one step per
 recompute mode and reports the peak of live tensor bytes during forward + backward and the
@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from colonnade.analysis.activations import ActivationShape, chunk_layer_bytes, paper_layer_bytes
+from colonnade.analysis.measure import PeakTensorBytes, measure_layers, relative_error
 from colonnade.config import Config, load_config, resolve, validate
 from colonnade.config.sections import ModelConfig, ParallelConfig, TrainingConfig
 from colonnade.data.synthetic import random_batches
@@ -34,14 +36,6 @@ from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import StepPlan
-from colonnade.training.memory import (
-    ActivationShape,
-    PeakTensorBytes,
-    chunk_layer_bytes,
-    measure_layers,
-    paper_layer_bytes,
-    relative_error,
-)
 from colonnade.training.step import forward_backward
 
 ROOT = Path(__file__).resolve().parents[1]

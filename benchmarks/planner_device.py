@@ -35,9 +35,9 @@ from colonnade.config.validate import resolve, validate
 from colonnade.data.synthetic import random_batches
 from colonnade.device import memory_stats, peak_tflops, pick_device, synchronize
 from colonnade.models.build import param_dtype
+from colonnade.models.counts import flops_per_token
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.loop import Trainer
-from colonnade.training.metrics import flops_per_token
 from colonnade.training.setup import Runtime
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_device.json"

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
 from colonnade.analysis.layout import Workload
 from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
@@ -80,9 +81,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int, help="tokens per sample (default: the config's)")
     g.add_argument("--precision", choices=PRECISIONS,
                    help="default: the config's training.precision")
-    g.add_argument("--attention", choices=("auto", "flash", "eager"), default="auto",
-                   help="attention kernel: fused SDPA ('flash') or materialised scores "
-                   "('eager'); auto = eager only with attention dropout, as colonnade runs")
+    g.add_argument("--attention", choices=("auto", *ATTENTION_KERNELS), default="auto",
+                   help="attention kernel: fused SDPA ('flash'), blockwise with dropout "
+                   "('blockwise': no scores kept) or materialised scores ('eager', Megatron "
+                   "2021); auto = blockwise with attention dropout, else flash, as colonnade "
+                   "runs")
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="a100-80gb",
                    help=f"{', '.join(sorted(PRESETS))} (aliases {', '.join(sorted(ALIASES))}) "

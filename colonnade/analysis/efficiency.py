@@ -26,8 +26,8 @@ h_kv the key/value width, f the MLP width, d the head dim):
     QKV     [T, h] x [h, (h + 2 h_kv)/t]       out   [T, h/t] x [h/t, h]
     MLP in  [T, h] x [h, g f/t] (g = 2 SwiGLU) MLP out [T, f/t] x [f/t, h]
     core attention 4 s h T / t FLOPs, per head [s, d] x [d, s] and [s, s] x [s, d]: fused
-    (flash) it streams Q, K, V, O once: I = s / E; eager it also writes and reads the s x s
-    scores: I of the [s, d] x [d, s] GEMM.
+    (flash) it streams Q, K, V, O once: I = s / E; eager (and blockwise, block by block) it
+    also writes and reads the s x s scores: I of the [s, d] x [d, s] GEMM.
 The output head is [T, h] x [h, V/t].  Backward GEMMs have the same shapes, transposed.
 """
 
@@ -67,11 +67,11 @@ def layer_gemms(w: Workload, layout: Layout) -> tuple[list[tuple[float, float]],
     m, t, e, s = w.shape, layout.tp, float(w.elem), w.seq_len
     tokens = float(layout.micro_batch) * s
     h, f = m.hidden, m.ffn
-    gate = 2 if m.swiglu else 1
+    gate = m.mlp_matrices - 1  # column matrices of the MLP (gate and up, or fc)
     shapes = [(h, (h + 2 * m.kv_hidden) / t), (h / t, h), (h, gate * f / t), (f / t, h)]
     mats = [(2 * tokens * k * n, gemm_intensity(tokens, k, n, e)) for k, n in shapes]
     d = h / m.heads
-    core = gemm_intensity(s, d, s, e, write_out=w.attention == "eager")
+    core = gemm_intensity(s, d, s, e, write_out=w.attention != "flash")
     return mats, (4.0 * s * h * tokens / t, core)
 
 

@@ -8,8 +8,8 @@ from typing import Any
 from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import Memory, memory_per_device
-from colonnade.analysis.model_math import step_flops
 from colonnade.analysis.timing import Timing, step_time
+from colonnade.models.counts import step_flops
 
 
 @dataclass(frozen=True)

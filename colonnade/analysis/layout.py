@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from colonnade.analysis.model_math import LayerShape
+from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.config.sections import Config, ModelConfig
+from colonnade.models.counts import LayerShape
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
@@ -25,8 +26,9 @@ class Workload:
     global_batch: int
     precision: str = "bf16"
     attention: str = "flash"
-    """'flash' (fused SDPA: no s x s scores kept) or 'eager' (scores materialised, as in Megatron
-    2021; the Korthikanti et al. activation formulas assume it)."""
+    """'flash' (fused SDPA: no s x s scores kept), 'blockwise' (colonnade's attention with
+    dropout: scores computed block by block, none kept) or 'eager' (scores materialised, as in
+    Megatron 2021; the Korthikanti et al. activation formulas assume it)."""
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     overlap_p2p: bool = True
@@ -36,8 +38,9 @@ class Workload:
         if self.precision not in ELEMENT_BYTES:
             raise ValueError(f"training.precision='{self.precision}' is unknown; use one of "
                              f"{sorted(ELEMENT_BYTES)}.")
-        if self.attention not in ("flash", "eager"):
-            raise ValueError(f"attention='{self.attention}' must be 'flash' or 'eager'.")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention='{self.attention}' must be one of "
+                             f"{', '.join(ATTENTION_KERNELS)}.")
         if self.seq_len < 1 or self.global_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
                              "be >= 1.")
@@ -62,12 +65,12 @@ class Workload:
                     seq_len: int | None = None, attention: str = "auto") -> Workload:
         """Workload of a colonnade config (global batch must be known or given).
 
-        ``attention='auto'`` follows colonnade's models: fused SDPA unless attention dropout
-        is on, in which case the scores are materialised ('eager').
+        ``attention='auto'`` follows colonnade's models: fused SDPA ('flash') unless attention
+        dropout is on, in which case the blockwise kernel runs ('blockwise').
         """
         tr, par = cfg.training, cfg.parallel
         if attention == "auto":
-            attention = "eager" if cfg.model.attention_dropout > 0 else "flash"
+            attention = "blockwise" if cfg.model.attention_dropout > 0 else "flash"
         batch = global_batch if global_batch is not None else tr.global_batch_size
         if batch is None:
             raise ValueError("the global batch is unknown: give --global-batch or set "

@@ -6,18 +6,11 @@ Model states, bytes per parameter held by the device (P_dev = the stage's parame
     fp32 / fp64 (element E):      weights E + gradients E + Adam m, v 2E; ZeRO-1: 2E + 2E/dp.
 The ZeRO paper's own accounting (fp16 gradients, K = 12) is :func:`zero_paper_bytes`.
 
-Activations of one layer for one micro-batch of b samples (Korthikanti et al. 2022, eq. 1-2,
-written per term so that it also covers llama; E = element bytes, masks 1 byte):
-    kept on every tp rank unless sp:  two norm inputs 2E sbh, QKV input E sbh, MLP input E sbh,
-                                      two hidden-dropout masks 2 sbh (if dropout)
-    sharded by tp:                    Q, K, V  E sb (h + 2 h_kv), out-proj input E sbh,
-                                      MLP: gpt2 GeLU in/out 2E sbf; llama gate, up, product 3E sbf
-    core attention (sharded):         eager: softmax E as^2b (+ dropout output E as^2b and mask
-                                      as^2b if attention dropout); flash: output E sbh + lse 4 sba
-For gpt2, f = 4h, E = 2, eager, dropout: sbh (10 + 24/t + 5as/(ht)) without sp and
-sbh/t (34 + 5as/h) with sp, exactly the paper.  Selective recompute drops the core-attention
-s^2 terms; full recompute keeps only each layer's input E sbh (/t with sp) plus one layer's
-full activations while it is recomputed.
+Activations of one layer for one micro-batch: :mod:`colonnade.analysis.activations` (the one
+model, Korthikanti et al. 2022 per term for this code's layers, checked against measurement;
+``Workload.attention='eager'`` gives the paper's GPT exactly, plus LayerNorm statistics and,
+under sp, the full column inputs).  Full recompute keeps each layer's input E sbh (/t with sp)
+plus one layer's full activations while it is recomputed.
 
 Micro-batches in flight on the first stage (which holds the most): 1 without pp, m for GPipe,
 min(p, m) for 1F1B and ZB-H1 (layers per stage x p = all l layers), and for the interleaved
@@ -30,13 +23,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from colonnade.analysis.activations import ActivationShape, layer_bytes
 from colonnade.analysis.hardware import GIB
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.model_math import (
+from colonnade.models.counts import (
     LayerShape,
     embedding_params,
     head_params,
+    layer_norm_params,
     layer_params,
+    position_params,
 )
 
 
@@ -70,12 +66,11 @@ def state_bytes_per_param(w: Workload, layout: Layout) -> tuple[float, float, fl
 def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
     """Parameters held by one device of ``stage`` ('first', 'last' or 'only')."""
     h, t = m.hidden, layout.tp
-    norms = 2 * (2 * h if m.arch == "gpt2" else h)
-    replicated = norms + (2 * h if m.bias else 0)  # norms, row-parallel biases
+    replicated = layer_norm_params(m) + (2 * h if m.bias else 0)  # norms, row-parallel biases
     sharded = layer_params(m) - replicated
     per_layer = sharded / t + replicated
     total = per_layer * m.layers / layout.pp
-    positions = m.max_seq_len * h if m.arch == "gpt2" else 0
+    positions = position_params(m)
     embed = (embedding_params(m) - positions) / t + positions
     norm = head_params(m) - (0 if m.tied else m.vocab * h)
     head_local = norm + (0 if m.tied else m.vocab * h / t)
@@ -88,30 +83,10 @@ def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
     return total
 
 
-def layer_activation_bytes(m: LayerShape, w: Workload, layout: Layout, micro: int,
-                           keep_core: bool) -> float:
-    """Stored activations of one layer and one micro-batch without full recompute (bytes).
-
-    ``keep_core=False`` drops the core-attention terms (selective recompute).
-    """
-    s, b, h, t, e = w.seq_len, micro, m.hidden, layout.tp, w.elem
-    sbh = float(s) * b * h
-    rep = 2 * e * sbh + 2 * e * sbh  # two norm inputs, QKV input and MLP input
-    if m.hidden_dropout:
-        rep += 2 * sbh
-    shard = e * float(s) * b * (h + 2 * m.kv_hidden) + e * sbh
-    shard += (3 if m.swiglu else 2) * e * float(s) * b * m.ffn
-    core = 0.0
-    if w.attention == "eager":
-        scores = float(m.heads) * s * s * b
-        core = e * scores
-        if m.attention_dropout:
-            core += (e + 1) * scores
-    else:
-        core = e * sbh + 4.0 * s * b * m.heads
-    if not keep_core and w.attention == "eager":
-        core = 0.0
-    return rep / (t if layout.sp else 1) + (shard + core) / t
+def activation_shape(w: Workload, layout: Layout) -> ActivationShape:
+    """The activation model's shape of ``w``'s layers for one micro-batch on one device."""
+    return ActivationShape.of(w.shape, w.seq_len, layout.micro_batch, tp=layout.tp,
+                              sp=layout.sp, elem=w.elem, attention=w.attention)
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -156,14 +131,13 @@ def _stage_memory(m: LayerShape, w: Workload, layout: Layout, stage: str) -> Mem
     mbs = layout.microbatches(w.global_batch)
     layers = m.layers // layout.pp
     sbh = float(s) * micro * m.hidden
-    full_layer = layer_activation_bytes(m, w, layout, micro, layout.recompute == "none")
+    shape = activation_shape(w, layout)
     flight = in_flight(layout, mbs) if stage in ("first", "only") else (
         float(mbs) if layout.schedule == "gpipe" and layout.pp > 1 else 1.0)
     if layout.recompute == "full":
-        per_layer = e * sbh / (t if layout.sp else 1)
-        act = flight * layers * per_layer + layer_activation_bytes(m, w, layout, micro, True)
+        act = flight * layers * layer_bytes(shape, "full") + layer_bytes(shape, "none")
     else:
-        act = flight * layers * full_layer
+        act = flight * layers * layer_bytes(shape, layout.recompute)
     if stage in ("first", "only") and m.hidden_dropout:
         act += flight * sbh / (t if layout.sp else 1)  # embedding dropout mask
     if stage in ("last", "only"):
@@ -181,15 +155,3 @@ def memory_per_device(w: Workload, layout: Layout) -> Memory:
     first = _stage_memory(m, w, layout, "first")
     last = _stage_memory(m, w, layout, "last")
     return first if first.total >= last.total else last
-
-
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int, sp: bool,
-                            recompute: str) -> float:
-    """The paper's closed forms per layer (GPT, 16-bit, eager attention, dropout)."""
-    if recompute == "full":
-        return 2.0 * s * b * h / (t if sp else 1)
-    core = 0.0 if recompute == "selective" else 5.0 * a * s / h
-    if sp:
-        return s * b * h / t * (34 + core)
-    return s * b * h * (10 + 24 / t + core / t)
-

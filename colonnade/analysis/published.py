@@ -143,3 +143,19 @@ HELD_OUT_H100: tuple[H100Row, ...] = (
 )
 """Rows of the same table that no fit uses: other sizes (3b, 30b, 70b), two nodes and more,
 longer sequences, activation checkpointing. benchmarks/planner.py reports their errors."""
+
+
+def narayanan_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+                    recompute: bool = True) -> float:
+    """Narayanan et al. 2021 eq. (3): 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) with full
+    recompute, else 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
+    b, s, l, h, v = float(batch), float(seq_len), float(layers), float(hidden), float(vocab)
+    if recompute:
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def narayanan_params(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
+    """Narayanan et al. 2021: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h))."""
+    l, h = float(layers), float(hidden)
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))

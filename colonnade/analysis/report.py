@@ -9,8 +9,8 @@ from typing import Any
 
 from colonnade.analysis.estimate import Estimate
 from colonnade.analysis.hardware import GIB
-from colonnade.analysis.model_math import total_params
 from colonnade.analysis.search import Plan
+from colonnade.models.counts import total_params
 
 COLUMNS = ("#", "tp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero1",
            "mem GiB", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble", "comm")

@@ -17,9 +17,9 @@ from colonnade.analysis.estimate import Estimate, estimate
 from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import memory_per_device
-from colonnade.analysis.model_math import total_params
 from colonnade.config.choices import RECOMPUTE_MODES
 from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
+from colonnade.models.counts import total_params
 
 RECOMPUTE = RECOMPUTE_MODES
 """Recompute modes searched, least recomputation first."""

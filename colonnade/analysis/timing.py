@@ -8,10 +8,10 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
              ``backward_ratio`` x (2 by FLOPs; measured on CPUs),
              full recompute +1 forward, selective +the core attention (4 s h T / t).
              Elementwise bytes per token (norms 4E h, residual add (+dropout) 2 (3E + 1) h,
-             GeLU 2E f or SwiGLU 3E f, RoPE 2E (h + h_kv), eager softmax 2E a s (+ dropout
-             (2E + 1) a s)); backward 2x.  Norms and residual adds run on every tp rank
-             unless sp; the rest is split by t.  This memory-bound part is what makes small
-             models reach a lower fraction of peak than large ones.
+             GeLU 2E f or SwiGLU 3E f, RoPE 2E (h + h_kv), eager or blockwise softmax
+             2E a s (+ dropout (2E + 1) a s)); backward 2x.  Norms and residual adds run on
+             every tp rank unless sp; the rest is split by t.  This memory-bound part is what
+             makes small models reach a lower fraction of peak than large ones.
   tp comm  = per layer 2 all-reduces (or all-gather + reduce-scatter pairs with sp) of T h E
              bytes forward, 2 backward, +2 with full recompute: 8 T h E (t-1)/t bytes per
              device without recompute (the issue's term), exposed (not overlapped).
@@ -55,7 +55,7 @@ from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import stage_params, state_bytes_per_param
-from colonnade.analysis.model_math import (
+from colonnade.models.counts import (
     LayerShape,
 )
 
@@ -101,11 +101,11 @@ def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> 
     """(forward bytes per token of one layer on one device, of which core attention)."""
     e, h, t = w.elem, m.hidden, layout.tp
     rep = 4 * e * h + 2 * (3 * e + (1 if m.hidden_dropout else 0)) * h
-    shard = (3 if m.swiglu else 2) * e * m.ffn
-    if m.arch == "llama":
+    shard = m.mlp_matrices * e * m.ffn
+    if m.rope:
         shard += 2 * e * (h + m.kv_hidden)
     core = 0.0
-    if w.attention == "eager":
+    if w.attention != "flash":  # eager or blockwise: the softmax runs over s x s scores
         core = 2 * e * m.heads * w.seq_len
         if m.attention_dropout:
             core += (2 * e + 1) * m.heads * w.seq_len

@@ -15,6 +15,7 @@ from colonnade.data_parallel import build_data_parallel
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.device import memory_stats, peak_tflops, synchronize
 from colonnade.models.build import build_chunks, param_dtype
+from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
@@ -25,7 +26,6 @@ from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
     RunClock,
-    flops_per_token,
     format_line,
     perplexity,
 )

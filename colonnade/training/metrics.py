@@ -1,4 +1,7 @@
-"""Throughput arithmetic and the metrics writers (JSONL, TensorBoard, W&B, console).
+"""The metrics writers (JSONL, TensorBoard, W&B, console) and the run clock.
+
+Parameter and FLOP counts (``tflops_per_device``, ``mfu``) come from
+:mod:`colonnade.models.counts`, the one counter.
 
 A log record (one line of ``metrics.jsonl``) holds ``step``, ``loss``, ``lr``, ``grad_norm``,
 ``step_time_s``, ``tokens_per_s``, ``tflops_per_device``, ``tokens`` (consumed since step 0),
@@ -20,42 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colonnade.config.sections import LoggingConfig, ModelConfig
+from colonnade.config.sections import LoggingConfig
 
 TB_MISSING = ("logging.tensorboard=true but the tensorboard package is not installed; writing "
               "metrics.jsonl only (install it with `pip install -e '.[tb]'`, or set "
               "--logging.tensorboard=false)")
-
-
-def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters of the model: embedding, per-layer total, head (0 when tied)."""
-    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
-    attn = h * (cfg.num_heads * d) * 2 + h * (cfg.kv_heads * d) * 2
-    mlp = (3 if cfg.arch == "llama" else 2) * h * f
-    norms = (2 if cfg.arch == "llama" else 4) * h
-    biases = 0
-    if cfg.bias:
-        biases = (cfg.num_heads + 2 * cfg.kv_heads) * d + h + (f * (2 if cfg.arch == "llama"
-                                                                     else 1)) + h
-    layer = attn + mlp + norms + biases
-    emb = cfg.vocab_size * h + (cfg.max_seq_len * h if cfg.arch == "gpt2" else 0)
-    head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
-    final = h if cfg.arch == "llama" else 2 * h
-    return {"embedding": emb, "layers": layer * cfg.num_layers, "head": head + final,
-            "total": emb + layer * cfg.num_layers + head + final}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs per trained token (forward + backward = 3x forward, no recompute counted).
-
-    Forward: 2 x (matmul params per layer x layers + head V h) + attention 2 x 2 s h per layer
-    (q k^T and p v, causal mask not discounted) -> x3 for backward.
-    """
-    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
-    attn_params = h * cfg.num_heads * d * 2 + h * cfg.kv_heads * d * 2
-    mlp_params = (3 if cfg.arch == "llama" else 2) * h * f
-    per_layer = 2 * (attn_params + mlp_params) + 4 * seq_len * h
-    return 3.0 * (cfg.num_layers * per_layer + 2 * cfg.vocab_size * h)
 
 
 def logging_problems(log: LoggingConfig) -> list[str]:

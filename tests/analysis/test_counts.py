@@ -6,15 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from colonnade.analysis.model_math import (
-    LayerShape,
-    narayanan_flops,
-    narayanan_params,
-    step_flops,
-    total_params,
-)
-from colonnade.analysis.published import TABLE1
+from colonnade.analysis.published import TABLE1, narayanan_flops, narayanan_params
 from colonnade.config.load import load_config
+from colonnade.models.counts import LayerShape, step_flops, total_params
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -12,11 +12,11 @@ import pytest
 from colonnade.analysis.dry_run import meta_param_count
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import memory_per_device
-from colonnade.analysis.model_math import LayerShape, total_params
 from colonnade.cli import main
 from colonnade.config import load_config, resolve
 from colonnade.data.dataset import WindowDataset
 from colonnade.data.indexed import IndexedDataset
+from colonnade.models.counts import LayerShape, total_params
 from colonnade.training.setup import prepare_data
 from tests.reliability.jobs import REPO, tiny_args, write_corpus
 from tests.workflow.cli import hashes

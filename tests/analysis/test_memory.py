@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 
+from colonnade.analysis.activations import layer_bytes, paper_layer_bytes
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import (
+    activation_shape,
     in_flight,
-    korthikanti_layer_bytes,
-    layer_activation_bytes,
     memory_per_device,
     state_bytes_per_param,
     zero_paper_bytes,
 )
-from colonnade.analysis.model_math import LayerShape
 from colonnade.analysis.published import TABLE1, ZERO_EXAMPLE
 from colonnade.config.sections import ModelConfig
+from colonnade.models.counts import LayerShape
 
 
 def test_zero_paper_figures_exactly() -> None:
@@ -42,26 +42,35 @@ def test_colonnade_state_bytes() -> None:
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_activations_reduce_to_korthikanti(tp: int, sp: bool, recompute: str) -> None:
-    """GPT, 16-bit, eager attention with dropout: sbh(10 + 24/t + 5as/(ht)) and variants."""
+    """GPT, 16-bit, eager attention with dropout: sbh(10 + 24/t + 5as/(ht)) and variants, plus
+    what this code keeps beyond the paper: LayerNorm's mean and 1/std (2 norms x 2 x E r b)
+    and, under sp, the all-gathered [s, b, h] column inputs (2 E s b h (1 - 1/t))."""
     if sp and tp == 1:
         return
     row = TABLE1[4]
     w = row.workload()
-    lay = Layout(tp=tp, sp=sp, recompute=recompute)
-    got = layer_activation_bytes(w.shape, w, lay, 2, keep_core=recompute == "none")
-    want = korthikanti_layer_bytes(2048, 2, row.hidden, row.heads, tp, sp, recompute)
-    assert got == pytest.approx(want, rel=1e-12)
+    lay = Layout(tp=tp, sp=sp, recompute=recompute, micro_batch=2)
+    got = layer_bytes(activation_shape(w, lay), recompute)
+    s, b, h = 2048, 2, row.hidden
+    want = paper_layer_bytes(s, b, h, row.heads, tp=tp, sp=sp, recompute=recompute)
+    stats = 2 * 2 * 2 * (s // tp if sp else s) * b
+    gathered = 2 * 2 * s * b * h * (1 - 1 / tp) if sp else 0
+    assert got == pytest.approx(want + stats + gathered, rel=1e-12)
 
 
 def test_flash_attention_drops_the_s_squared_term() -> None:
     w = dataclasses.replace(TABLE1[0].workload(), attention="flash")
     eager = TABLE1[0].workload()
+    blockwise = dataclasses.replace(eager, attention="blockwise")
     lay = Layout()
-    flash_b = layer_activation_bytes(w.shape, w, lay, 1, True)
-    eager_b = layer_activation_bytes(eager.shape, eager, lay, 1, True)
-    s, h, a = 2048, 2304, 24
-    # eager keeps 5 a s^2 b; flash keeps the output (2 sbh) and the fp32 log-sum-exp (4 a s b)
-    assert eager_b - flash_b == pytest.approx(5 * a * s * s - 2 * s * h - 4 * a * s)
+    flash_b = layer_bytes(activation_shape(w, lay))
+    eager_b = layer_bytes(activation_shape(eager, lay))
+    blockwise_b = layer_bytes(activation_shape(blockwise, lay))
+    s, a = 2048, 24
+    # eager keeps 5 a s^2 b; flash and blockwise keep the fp32 log-sum-exp (4 a s b); flash's
+    # output is a view of the out-proj input without RoPE (gpt2), so it adds nothing
+    assert eager_b - flash_b == pytest.approx(5 * a * s * s - 4 * a * s)
+    assert blockwise_b == flash_b
 
 
 def test_in_flight_micro_batches() -> None:
@@ -77,7 +86,7 @@ def test_first_stage_memory_is_the_whole_model_activation_for_1f1b() -> None:
     row = TABLE1[5]
     w = row.workload()
     m = w.shape
-    one = layer_activation_bytes(m, w, Layout(tp=8, pp=4), 1, True)
+    one = layer_bytes(activation_shape(w, Layout(tp=8, pp=4)))
     mem = memory_per_device(w, Layout(tp=8, pp=4, dp=32, micro_batch=1))
     embed_mask = 4 * 2048 * m.hidden  # dropout mask of the embedding, p micro-batches
     assert mem.stage == "first"
@@ -92,7 +101,7 @@ def test_full_recompute_keeps_layer_inputs() -> None:
     lay = Layout(tp=8, dp=32, micro_batch=4, recompute="full", sp=True)
     mem = memory_per_device(w, lay)
     inputs = m.layers * 2 * 2048 * 4 * m.hidden / 8
-    working = layer_activation_bytes(m, w, lay, 4, True)
+    working = layer_bytes(activation_shape(w, lay))
     logits = 6 * 2048 * 4 * 51200 / 8
     mask = 2048 * 4 * m.hidden / 8
     assert mem.activations == pytest.approx(inputs + working + logits + mask, rel=1e-12)
@@ -102,7 +111,7 @@ def test_params_split_by_tp_and_pp() -> None:
     w = Workload(model=ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_heads=8,
                                    vocab_size=1000), seq_len=64, global_batch=8)
     whole = memory_per_device(w, Layout()).params / 2
-    from colonnade.analysis.model_math import total_params
+    from colonnade.models.counts import total_params
 
     assert whole == total_params(LayerShape.of(w.model))
     split = memory_per_device(w, Layout(tp=2, pp=2)).params / 2

@@ -11,10 +11,10 @@ import torch
 import transformers
 
 from colonnade.analysis.cli import configs_dir, model_presets
-from colonnade.analysis.model_math import LayerShape, total_params
 from colonnade.checkpoint.hf import hf_config_from_model
 from colonnade.cli import main
 from colonnade.config.load import load_config
+from colonnade.models.counts import LayerShape, total_params
 
 PRESETS = {  # name: (published size, exact count of the HF model of that name)
     "gpt2-124m": (124e6, 124_439_808),

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from colonnade.analysis.measure import PeakTensorBytes
 from colonnade.models import blocks
 from colonnade.models.build import build_reference
 from colonnade.models.dropout_attention import DropoutSpec, block_rows, dropout_attention
 from colonnade.parallel.rng import MaskStream, RNGTracker
-from colonnade.training.memory import PeakTensorBytes
 from tests.models.test_model import tiny
 
 P = 0.3

@@ -16,9 +16,9 @@ import torch
 
 from colonnade.config import Config, load_config
 from colonnade.models.build import build_chunks, build_reference
+from colonnade.models.counts import param_count
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.training.metrics import param_count
 
 ARCHS = {
     "llama": ["--model.arch=llama", "--model.num_kv_heads=2"],

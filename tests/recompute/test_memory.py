@@ -1,30 +1,34 @@
 """Measured bytes saved for backward per layer against the documented analytic model.
 
 Every (arch, dtype, dropout, recompute) case must be within 10% of
-:func:`colonnade.training.memory.layer_bytes` (in practice the two agree to the byte), on one
+:func:`colonnade.analysis.activations.layer_bytes` (in practice the two agree to the byte), on one
 rank and on tp = 2 ranks with and without sp.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from colonnade.models.build import build_chunks
-from colonnade.models.recompute import RecomputePlan, install
-from colonnade.training.memory import (
+from colonnade.analysis.activations import (
     ActivationShape,
-    PeakTensorBytes,
-    SavedTensorMeter,
     chunk_layer_bytes,
     layer_bytes,
-    measure_layers,
     paper_layer_bytes,
+)
+from colonnade.analysis.measure import (
+    PeakTensorBytes,
+    SavedTensorMeter,
+    measure_layers,
     relative_error,
 )
+from colonnade.models.build import build_chunks
+from colonnade.models.counts import ArchFacts
+from colonnade.models.recompute import RecomputePlan, install
 from tests.recompute.harness import rank_groups, tiny_config
 
 TOL = 0.10
@@ -101,12 +105,20 @@ def test_paper_formulas() -> None:
 
 def test_gpt2_formula_differs_from_paper_only_by_documented_terms() -> None:
     """bf16 gpt2 with dropout: the paper + LayerNorm stats, and the blockwise attention's
-    fp32 log-sum-exp in place of the paper's 5 a s^2 b bytes of scores, masks, probabilities."""
+    fp32 log-sum-exp in place of the paper's 5 a s^2 b bytes of scores, masks, probabilities;
+    with the paper's eager attention, only the LayerNorm stats."""
     s, b, h, a = 64, 2, 64, 4
+    gpt2 = ArchFacts(mlp_matrices=2, norm_has_bias=True, positions="learned")
     shape = ActivationShape(seq=s, batch=b, hidden=h, heads=a, kv_heads=a, ffn=4 * h, elem=2,
-                            arch="gpt2", hidden_dropout=True, attention_dropout=True)
-    extra = 2 * 2 * 2 * s * b - 5 * a * s * s * b + 4 * a * s * b
+                            facts=gpt2, hidden_dropout=True, attention_dropout=True)
+    stats = 2 * 2 * 2 * s * b
+    assert shape.kernel == "blockwise"
+    extra = stats - 5 * a * s * s * b + 4 * a * s * b
     assert layer_bytes(shape) == paper_layer_bytes(s, b, h, a) + extra
+    eager = dataclasses.replace(shape, attention="eager")
+    assert layer_bytes(eager) == paper_layer_bytes(s, b, h, a) + stats
+    assert layer_bytes(eager, "selective") == paper_layer_bytes(
+        s, b, h, a, recompute="selective") + stats
 
 
 def test_meter_counts_storages_once_and_skips_parameters() -> None:

@@ -13,8 +13,18 @@ import pytest
 
 from colonnade.config.sections import Config, ModelConfig, OptimConfig, TrainingConfig
 from colonnade.models.build import build_reference
+from colonnade.models.counts import (
+    ArchFacts,
+    LayerShape,
+    arch_facts,
+    embedding_params,
+    flops_per_token,
+    head_params,
+    layer_params,
+    param_count,
+    step_flops,
+)
 from colonnade.optim.lr import lr_at
-from colonnade.training.metrics import flops_per_token, param_count
 
 TOTAL = 110
 """training.steps: optimizer steps 0..109."""
@@ -122,3 +132,33 @@ def test_param_count_hand_count_and_model(cfg: ModelConfig, expected: dict[str, 
     assert param_count(cfg) == expected
     model = build_reference(Config(model=cfg, training=TrainingConfig(precision="fp32")))
     assert sum(p.numel() for p in model.parameters()) == expected["total"]
+
+
+def test_facts_come_from_the_layer_spec() -> None:
+    """llama: SwiGLU (3 matrices), RMSNorm (no bias), RoPE; gpt2: GELU (2), LayerNorm, learned."""
+    assert arch_facts(LLAMA) == ArchFacts(mlp_matrices=3, norm_has_bias=False, positions="rope")
+    assert arch_facts(GPT2) == ArchFacts(mlp_matrices=2, norm_has_bias=True,
+                                         positions="learned")
+
+
+def test_counts_follow_the_facts_of_a_mixed_architecture() -> None:
+    """Rope + LayerNorm + a gated MLP (a mix no preset has), biases, untied head.
+
+    h = 32, a = 4, kv = 2, d = 8, h_kv = 16, f = 64, L = 2, V = 50, s = 16:
+      matrices q 32 x 32 = 1024, k, v 32 x 16 = 512 each, o 1024; MLP 3 x 32 x 64 = 6144
+        -> 9216 per layer
+      biases q, k, v 32 + 16 + 16 = 64, o 32, gate and up 2 x 64 = 128, down 32 -> 256
+      two LayerNorms 2 x (32 + 32) = 128 -> layer 9600, layers 19200
+      embedding 50 x 32 = 1600 (RoPE: no position table); head 1600 + final LayerNorm 64
+      total 1600 + 19200 + 1664 = 22464
+      FLOPs per token: layer forward 2 x 9216 + 4 x 16 x 32 = 20480, layers 40960, head
+      2 x 32 x 50 = 3200 -> forward 44160, training 3 x 44160 = 132480
+    """
+    facts = ArchFacts(mlp_matrices=3, norm_has_bias=True, positions="rope")
+    m = LayerShape(facts=facts, layers=2, hidden=32, heads=4, kv_hidden=16, ffn=64, vocab=50,
+                   max_seq_len=16, tied=False, bias=True, hidden_dropout=False,
+                   attention_dropout=False)
+    assert layer_params(m) == 9600
+    assert embedding_params(m) == 1600 and head_params(m) == 1664
+    assert 2 * layer_params(m) + embedding_params(m) + head_params(m) == 22464
+    assert step_flops(m, 16, 1, "none") == 132480 * 16

@@ -1,0 +1,225 @@
+"""The activation-memory model: bytes one layer keeps for backward (the planner's and the tests').
+
+Korthikanti et al. 2022 ("Reducing activation recomputation in large transformer models",
+Sec. 4), derived for *this* code's layers and checked against measurement
+(:mod:`colonnade.analysis.measure`, tests/recompute/test_memory.py: to the byte).  The layer's
+kind comes from its architecture facts (:func:`colonnade.models.counts.arch_facts`): the norm
+(LayerNorm with a bias, RMSNorm without), the MLP's matrix count k (3 gated, 2 plain) and the
+positions (RoPE or learned).
+
+Notation: E bytes per activation element (8 fp64, 4 fp32, 2 bf16/fp16), A = max(E, 4) (what
+16-bit runs keep in fp32: RMSNorm's up-cast input and 1/rms, attention's log-sum-exp),
+s sequence, b micro-batch, h hidden, a heads, g kv heads, d = h/a, h_kv = g d, f ffn width,
+t tp, r = s/t with sp else s (rows of the residual stream a rank holds).  Per layer:
+
+    norms (x2)     RMSNorm (x32 * rsqrt(mean x32^2) then .to(E) * w): input A r b h (the input
+                   itself when E >= 4), 1/rms A r b, normalised x E r b h.
+                   LayerNorm (F.layer_norm): input E r b h, mean and 1/std 2 E r b (the CPU
+                   kernel keeps them in the input dtype; CUDA in fp32, +4 r b bytes at E = 2).
+    column inputs  2 E s b h: attention's q/k/v and the MLP's gate/up (or fc) each read one
+                   [s, b, h] input (``column_parallel``): the replicated norm output, or under
+                   sp its all-gathered copy, which F.linear keeps in full (with
+                   parallel.tp_comm_chunks = 1; the chunked path is not modelled here).
+    attention, split over t (heads), by kernel (:class:`ActivationShape` ``attention``):
+      'flash' (colonnade's fused SDPA, attention dropout off): q E s b h/t, k and v
+                   E s b h_kv/t each, the log-sum-exp A s b a/t and, with RoPE, the output
+                   E s b h/t; no s^2 scores (flash kernel).  The output follows q's memory
+                   order: without RoPE q is a view of the [s, b, h/t] projection, so the
+                   out-proj input below is a view of the output and they share one storage.
+      'blockwise' (colonnade, attention dropout on, :mod:`colonnade.models.dropout_attention`):
+                   q E s b h/t, k and v E s b h_kv/t each and the log-sum-exp A s b a/t; no
+                   s^2 term (probabilities and keep-masks are recomputed in backward); its
+                   output is written in [s, b, a/t d] order, so the out-proj input is a view.
+      'eager' (scores materialised: Megatron 2021, the paper): q E s b h/t, k and v
+                   E s b h_kv/t each, the softmax output E a s^2 b/t and, with attention
+                   dropout, its 1-byte mask a s^2 b/t and output E a s^2 b/t.
+    out-proj input E s b h/t (the [s, b, a/t d] copy of the attention output).
+    MLP, split over t: 2 (k - 1) E s b f/t: gated (k = 3, SwiGLU silu(gate x) * up x) keeps
+                   gate, up, silu(gate) and the product; plain (k = 2, GELU) its input and
+                   output.
+    hidden dropout (if on): two bool keep-masks 2 r b h bytes.
+    selective      core attention is checkpointed: its inputs q E s b h/t, k, v E s b h_kv/t
+                   replace the kernel's terms above.
+    full           a checkpointed block keeps only its input E r b h; a chunk of L layers holds
+                   ceil(L/N) of them (uniform N) or min(N, L) + full layers (block N).
+
+The paper's GPT (4h GELU MLP, LayerNorm, eager attention, dropout, masks of 1 byte) gives at
+E = 2: sbh (34 + 5as/h), tp: sbh (10 + 24/t + 5as/(ht)), tp+sp: sbh (34/t + 5as/(ht)),
+selective: without the 5as/h terms, full: 2 sbh (/t with sp); :func:`paper_layer_bytes`
+scales its 16-bit terms by E/2 and keeps the masks at 1 byte.  This model with the paper's
+settings ('eager') differs from it only in (i) LayerNorm statistics 4 E r b and (ii) under sp
+the two all-gathered column inputs kept in full (+ 2 E (1 - 1/t) s b h): Megatron keeps the
+[s/t, b, h] shard and all-gathers it again in backward.  Colonnade's own gpt2 layer with
+attention dropout ('blockwise') keeps no s^2 term: -5 a s^2 b + 4 a s b against 'eager'.
+The llama layer adds RMSNorm's up-cast input and normalised copy (2 (A + E) s b h instead of
+2 E s b h), SwiGLU's four s b f tensors (f ~ 8h/3: ~ 10.7 E sbh vs GELU's 8 E sbh at f = 4h),
+GQA's smaller k, v, and SDPA's flash kernel that keeps the output and log-sum-exp instead of
+s^2 scores.
+
+Kernel caveats: the terms are those of PyTorch's CPU flash kernel; CUDA kernels keep the same
+output and fp32 log-sum-exp (the memory-efficient kernel pads it to a multiple of 32 positions,
+plus two 8-byte RNG words) - a fraction of a percent at realistic sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from colonnade.config.sections import ModelConfig
+from colonnade.models.counts import ArchFacts, LayerShape
+
+if TYPE_CHECKING:  # the planner imports this module: keep torch out of `colonnade plan`
+    import torch
+
+    from colonnade.models.recompute import RecomputePlan
+
+ATTENTION_KERNELS: tuple[str, ...] = ("flash", "blockwise", "eager")
+"""How core attention runs and what it keeps for backward (see the module docstring); the
+planner's ``Workload.attention`` and ``colonnade plan --attention`` take these too."""
+
+LLAMA_FACTS = ArchFacts(mlp_matrices=3, norm_has_bias=False, positions="rope")
+"""Default facts of an :class:`ActivationShape` (RMSNorm, SwiGLU, RoPE)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationShape:
+    """Everything the per-layer activation formula depends on."""
+
+    seq: int
+    """s, tokens per sample."""
+    batch: int
+    """b, samples per micro-batch."""
+    hidden: int
+    """h."""
+    heads: int
+    """a, query heads (all of them; the formula divides by tp)."""
+    kv_heads: int
+    """g, key/value heads."""
+    ffn: int
+    """f, the MLP width."""
+    tp: int = 1
+    """t, tensor-parallel degree."""
+    sp: bool = False
+    """Sequence parallelism (the residual stream holds s/t rows)."""
+    elem: int = 2
+    """Bytes per activation element E."""
+    facts: ArchFacts = LLAMA_FACTS
+    """Norm, MLP and position kinds of the layer."""
+    hidden_dropout: bool = False
+    """Dropout on the residual branches (two keep-masks per layer)."""
+    attention_dropout: bool = False
+    """Dropout on the attention probabilities."""
+    attention: str = "auto"
+    """'flash', 'blockwise' or 'eager' (:data:`ATTENTION_KERNELS`); 'auto': what colonnade
+    runs, 'blockwise' with attention dropout, else 'flash'."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("auto", *ATTENTION_KERNELS):
+            raise ValueError(f"attention='{self.attention}' must be 'auto' or one of "
+                             f"{', '.join(ATTENTION_KERNELS)}.")
+
+    @property
+    def kernel(self) -> str:
+        """The attention kernel with 'auto' resolved."""
+        if self.attention != "auto":
+            return self.attention
+        return "blockwise" if self.attention_dropout else "flash"
+
+    @classmethod
+    def of(cls, m: LayerShape, seq: int, batch: int, *, tp: int = 1, sp: bool = False,
+           elem: int = 2, attention: str = "auto") -> ActivationShape:
+        """The shape of ``m``'s layers for micro-batch [b, s] on a tp (+sp) rank."""
+        return cls(seq=seq, batch=batch, hidden=m.hidden, heads=m.heads,
+                   kv_heads=m.kv_hidden * m.heads // m.hidden, ffn=m.ffn, tp=tp, sp=sp,
+                   elem=elem, facts=m.facts, hidden_dropout=m.hidden_dropout,
+                   attention_dropout=m.attention_dropout, attention=attention)
+
+    @classmethod
+    def from_model(cls, model: ModelConfig, seq: int, batch: int, *, tp: int = 1,
+                   sp: bool = False, dtype: torch.dtype | None = None) -> ActivationShape:
+        """The shape of ``model``'s layers, as colonnade runs them, in ``dtype`` (None:
+        a 16-bit type, E = 2)."""
+        elem = 2 if dtype is None else dtype.itemsize
+        return cls.of(LayerShape.of(model), seq, batch, tp=tp, sp=sp, elem=elem)
+
+
+def _norm_bytes(x: ActivationShape, rows: int) -> float:
+    """Both norms of a layer: LayerNorm input + mean, 1/std; RMSNorm up-cast input, 1/rms and
+    the normalised copy."""
+    e, b, h, acc = x.elem, x.batch, x.hidden, max(x.elem, 4)
+    if x.facts.norm_has_bias:
+        return 2.0 * (e * rows * b * h + 2 * e * rows * b)
+    return 2.0 * (acc * rows * b * h + acc * rows * b + e * rows * b * h)
+
+
+def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
+    """(term name, bytes) of the core attention without recompute, by kernel."""
+    s, b, a, t, e = x.seq, x.batch, x.heads, x.tp, x.elem
+    lse = max(e, 4) * s * b * a / t  # fp32 log-sum-exp [b, a/t, s]
+    if x.kernel == "eager":
+        scores = float(a) * s * s * b / t  # [b, a/t, s, s]
+        kept = e * scores + ((1 + e) * scores if x.attention_dropout else 0.0)
+        return "core_eager", q + kv + kept
+    if x.kernel == "blockwise":
+        return "core_blockwise", q + kv + lse
+    # SDPA's output takes q's memory order: with RoPE q is a fresh [b, a/t, s, d] tensor, so the
+    # [s, b, a/t d] out-proj input is a copy and the output is kept too; without RoPE q is a view
+    # of the projection and the out-proj input a view of the output: one storage.
+    out = e * float(s) * b * x.hidden / t if x.facts.rope else 0.0
+    return "core_flash", q + kv + out + lse
+
+
+def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]:
+    """Bytes one layer keeps for backward, by term (see the module docstring).
+
+    ``recompute`` 'none' | 'selective' | 'full' (one checkpointed layer: its input only).
+    """
+    s, b, h, t, e = x.seq, x.batch, x.hidden, x.tp, x.elem
+    rows = s // t if x.sp else s
+    if recompute == "full":
+        return {"block_input": float(e * rows * b * h)}
+    sbh, h_kv = float(s * b * h), x.kv_heads * (h // x.heads)
+    terms = {"norms": _norm_bytes(x, rows),
+             "column_inputs": 2.0 * e * sbh}  # attention's and the MLP's, [s, b, h] with sp
+    q, kv = e * sbh / t, 2.0 * e * s * b * h_kv / t
+    if recompute == "selective":
+        terms["core_inputs"] = q + kv
+    else:
+        name, value = _core_bytes(x, q, kv)
+        terms[name] = value
+    terms["out_proj_input"] = e * sbh / t
+    terms["mlp"] = 2.0 * (x.facts.mlp_matrices - 1) * e * s * b * x.ffn / t
+    if x.hidden_dropout:
+        terms["dropout_masks"] = 2.0 * rows * b * h  # bool
+    return terms
+
+
+def layer_bytes(x: ActivationShape, recompute: str = "none") -> float:
+    """Sum of :func:`layer_terms`."""
+    return sum(layer_terms(x, recompute).values())
+
+
+def chunk_layer_bytes(x: ActivationShape, plan: RecomputePlan, num_layers: int) -> float:
+    """Bytes a chunk of ``num_layers`` layers keeps for one micro-batch under ``plan``."""
+    if plan.mode != "full":
+        return num_layers * layer_bytes(x, plan.mode)
+    stored = plan.checkpointed_blocks(num_layers)
+    plain = 0 if plan.method == "uniform" else num_layers - stored
+    return stored * layer_bytes(x, "full") + plain * layer_bytes(x, "none")
+
+
+def paper_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: bool = False,
+                      recompute: str = "none", elem: int = 2) -> float:
+    """Korthikanti et al. 2022 per layer (their GPT), 16-bit terms scaled to ``elem`` bytes.
+
+    At elem = 2: sbh (10 + 24/t + 5as/(ht)), with sp sbh (34/t + 5as/(ht)), selective drops
+    the 5as/h terms, full 2 sbh (/t with sp).  Dropout masks stay 1 byte per element.
+    """
+    k, sbh = elem / 2.0, float(s) * b * h
+    if recompute == "full":
+        return 2.0 * k * sbh / (tp if sp else 1)
+    core = 0.0 if recompute == "selective" else (4.0 * k + 1.0) * a * s * s * b
+    replicated = (8.0 * k + 2.0) * sbh  # norm, QKV and MLP inputs; two dropout masks
+    sharded = 24.0 * k * sbh + core
+    return (replicated + sharded) / tp if sp else replicated + sharded / tp

@@ -1,0 +1,225 @@
+"""Parameter and FLOP counts of the decoder: the one counter (training's MFU, the planner).
+
+Every count derives from a small set of architecture facts resolved in ONE function,
+:func:`arch_facts` (the MLP's weight-matrix count, whether the norm has a bias, the kind of
+positions); nothing here or above asks ``cfg.arch`` itself.
+
+Notation: l layers, h hidden size, a query heads, d = h/a head dim, h_kv = kv_heads * d,
+f MLP width, V vocabulary, s sequence length, B samples per step, k the MLP's h x f weight
+matrices (3 gated, e.g. SwiGLU; 2 plain, e.g. GELU).
+
+Parameters of one layer
+    attention h^2 + 2 h h_kv + h^2 (Q, K, V, out), MLP k h f, two norms 2h each with a bias
+    (LayerNorm), h each without (RMSNorm); with ``bias``: h + 2 h_kv (QKV) + h (out) +
+    (k - 1) f (the MLP's column matrices) + h (its row matrix).
+    gpt2 (k = 2, LayerNorm, biases, f = 4h): 12h^2 + 13h.  llama (k = 3, RMSNorm): 2h^2 +
+    2 h h_kv + 3hf + 2h.
+Outside the layers: token embedding Vh, learned positions max_seq_len * h (none with RoPE),
+final norm (2h or h), output head Vh unless tied.  For gpt2 with f = 4h, biases, tied head and
+max_seq_len = s this is Narayanan et al.'s P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh)) plus the
+final LayerNorm's 2h.
+
+FLOPs (a multiply-add counts 2) per token of one layer's forward pass:
+    matmuls 2 * (weight-matrix parameters of the layer) + core attention 4 s h
+    (QK^T: 2 s h, scores x V: 2 s h; the full s x s square, causal mask not discounted, as
+    Megatron counts it).  Logits 2hV per token.  Backward = 2 x forward.  Full recompute
+    repeats each layer's forward once (not the logits); selective recompute repeats the core
+    attention (4 s h).  Model FLOPs per token (MFU): 3 (l (2 matrix params + 4 s h) + 2 h V).
+For gpt2 with f = 4h: per iteration with full recompute
+    F = 4 * B s l (24h^2 + 4sh) + 3 * B s 2hV = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)),
+exactly Narayanan et al. 2021 eq. (3); without recompute 72 B s l h^2 (1 + s/(6h) + V/(12 l h)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colonnade.config.sections import ModelConfig
+from colonnade.models.spec import arch_spec
+
+
+@dataclass(frozen=True)
+class ArchFacts:
+    """What the counts and the activation-memory model need to know of an architecture."""
+
+    mlp_matrices: int
+    """h x f weight matrices of the MLP: 3 for a gated MLP (SwiGLU), 2 for a plain one
+    (GELU)."""
+    norm_has_bias: bool
+    """The norm has a bias: LayerNorm (weight and bias; keeps mean and 1/std for backward);
+    False: RMSNorm (weight only; keeps its fp32 input and 1/rms)."""
+    positions: str
+    """'rope' (rotary, no parameters) or 'learned' (a max_seq_len x h table)."""
+
+    @property
+    def rope(self) -> bool:
+        """Rotary positions."""
+        return self.positions == "rope"
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm per unit of width: 2 (weight, bias) or 1 (weight)."""
+        return 2 if self.norm_has_bias else 1
+
+
+def arch_facts(model: ModelConfig) -> ArchFacts:
+    """The facts of ``model``'s architecture, read from its layer spec
+    (:func:`colonnade.models.spec.arch_spec`: ``layer(i).mlp.matrices``,
+    ``layer(i).norm.has_bias``, ``positions``); the one place they are resolved.
+
+    Every layer must agree: the counts and the activation model assume identical layers.
+    """
+    spec = arch_spec(model)
+    facts = {ArchFacts(mlp_matrices=int(layer.mlp.matrices),
+                       norm_has_bias=bool(layer.norm.has_bias), positions=str(spec.positions))
+             for layer in (spec.layer(i) for i in range(model.num_layers))}
+    if len(facts) != 1:
+        raise ValueError(f"model.arch='{model.arch}': its layers differ ({sorted(map(str, facts))})"
+                         "; the parameter/FLOP counts assume identical layers.")
+    return facts.pop()
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The numbers every count (and the planner's formulas) needs, resolved from a ModelConfig."""
+
+    facts: ArchFacts
+    """Architecture facts (:func:`arch_facts`)."""
+    layers: int
+    """l, transformer layers."""
+    hidden: int
+    """h."""
+    heads: int
+    """a, query heads."""
+    kv_hidden: int
+    """h_kv = kv_heads * d."""
+    ffn: int
+    """f, the MLP width."""
+    vocab: int
+    """V."""
+    max_seq_len: int
+    """Length of the learned position table (unused with RoPE)."""
+    tied: bool
+    """The output head shares the embedding."""
+    bias: bool
+    """Biases in the linear layers."""
+    hidden_dropout: bool
+    """Dropout on the residual branches (and embedding output)."""
+    attention_dropout: bool
+    """Dropout on the attention probabilities."""
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> LayerShape:
+        """Resolve the defaults (kv heads, ffn width) and the facts of ``model``."""
+        return cls(
+            facts=arch_facts(model), layers=model.num_layers, hidden=model.hidden_size,
+            heads=model.num_heads, kv_hidden=model.kv_heads * model.head_dim,
+            ffn=model.ffn_size, vocab=model.vocab_size, max_seq_len=model.max_seq_len,
+            tied=model.tie_embeddings, bias=model.bias,
+            hidden_dropout=model.hidden_dropout > 0,
+            attention_dropout=model.attention_dropout > 0,
+        )
+
+    @property
+    def mlp_matrices(self) -> int:
+        """k, the MLP's h x f weight matrices."""
+        return self.facts.mlp_matrices
+
+    @property
+    def rope(self) -> bool:
+        """Rotary positions (no position table)."""
+        return self.facts.rope
+
+
+def layer_matrix_params(m: LayerShape) -> int:
+    """Weight-matrix parameters of one layer (the ones that cost 2 FLOPs per token each)."""
+    h = m.hidden
+    return 2 * h * h + 2 * h * m.kv_hidden + m.mlp_matrices * h * m.ffn
+
+
+def layer_norm_params(m: LayerShape) -> int:
+    """Parameters of one layer's two norms (replicated on every tp rank)."""
+    return 2 * m.facts.norm_params * m.hidden
+
+
+def layer_params(m: LayerShape) -> int:
+    """All parameters of one layer: matrices, biases and norms (see module docstring)."""
+    h = m.hidden
+    biases = 0
+    if m.bias:
+        biases = (h + 2 * m.kv_hidden) + h + (m.mlp_matrices - 1) * m.ffn + h
+    return layer_matrix_params(m) + biases + layer_norm_params(m)
+
+
+def position_params(m: LayerShape) -> int:
+    """Learned position table max_seq_len x h (0 with RoPE)."""
+    return 0 if m.rope else m.max_seq_len * m.hidden
+
+
+def embedding_params(m: LayerShape) -> int:
+    """Token embedding (+ learned positions) on the first stage."""
+    return m.vocab * m.hidden + position_params(m)
+
+
+def head_params(m: LayerShape) -> int:
+    """Final norm and (untied) output head on the last stage."""
+    return m.facts.norm_params * m.hidden + (0 if m.tied else m.vocab * m.hidden)
+
+
+def total_params(m: LayerShape) -> int:
+    """All parameters of the model (a tied head counted once)."""
+    return m.layers * layer_params(m) + embedding_params(m) + head_params(m)
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of ``cfg``'s model: ``embedding`` (+ positions), ``layers`` (all of them),
+    ``head`` (final norm + untied head), ``total``."""
+    m = LayerShape.of(cfg)
+    out = {"embedding": embedding_params(m), "layers": m.layers * layer_params(m),
+           "head": head_params(m)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def layer_forward_flops_per_token(m: LayerShape, seq_len: int) -> float:
+    """One layer's forward FLOPs per token: 2 * matrix params + 4 s h."""
+    return 2.0 * layer_matrix_params(m) + attention_core_flops_per_token(m, seq_len)
+
+
+def attention_core_flops_per_token(m: LayerShape, seq_len: int) -> float:
+    """Core attention forward FLOPs per token: QK^T and scores x V, 4 s h."""
+    return 4.0 * seq_len * m.hidden
+
+
+def logits_forward_flops_per_token(m: LayerShape) -> float:
+    """Output head forward FLOPs per token: 2 h V."""
+    return 2.0 * m.hidden * m.vocab
+
+
+def recompute_flops_per_token(m: LayerShape, seq_len: int, recompute: str) -> float:
+    """Extra forward FLOPs per token and layer that recomputation adds during backward."""
+    if recompute == "full":
+        return layer_forward_flops_per_token(m, seq_len)
+    if recompute == "selective":
+        return attention_core_flops_per_token(m, seq_len)
+    return 0.0
+
+
+def step_flops(m: LayerShape, seq_len: int, global_batch: int, recompute: str) -> float:
+    """FLOPs of one optimizer step over all devices, recomputation included ("hardware" FLOPs).
+
+    = B s [ l (3 * fwd_layer + recompute) + 3 * logits ].  ``recompute='none'`` gives the
+    model FLOPs used for MFU.
+    """
+    tokens = float(global_batch) * seq_len
+    per_layer = 3.0 * layer_forward_flops_per_token(m, seq_len)
+    per_layer += recompute_flops_per_token(m, seq_len, recompute)
+    return tokens * (m.layers * per_layer + 3.0 * logits_forward_flops_per_token(m))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward = 3 x forward, no recompute):
+    3 (l (2 matrix params + 4 s h) + 2 h V); what MFU divides by."""
+    m = LayerShape.of(cfg)
+    per_layer = 3.0 * layer_forward_flops_per_token(m, seq_len)
+    return m.layers * per_layer + 3.0 * logits_forward_flops_per_token(m)
