@@ -61,10 +61,18 @@ def rank_complete(which: str, in_order: bool) -> list[str]:
 
 
 def stall_main(rank: int, store: str) -> None:
-    """A throw-away rank: post the legacy groups in order, report after 1.5 s whether they
-    all completed, then exit without waiting for the stuck stream."""
+    """A throw-away rank: post the legacy groups in order, report how many completed, then
+    exit without waiting for the stuck stream.
+
+    Rank 1 reports once its first group ({recv F0}) is done (up to 60 s on a loaded machine)
+    and 1.5 s more passed for a wrong second completion to show; rank 0 reports after 1.5 s
+    (its first group can never complete: waiting longer only makes a wrong completion show).
+    """
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     comm = _posted_comm("legacy", True, ProcessGroups.build(ParallelDims(pp=2)))
+    deadline = time.monotonic() + 60.0
+    while rank == 1 and not comm.pending[0].done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(1.5)
     done = sum(p.done.is_set() for p in comm.pending)
     print(json.dumps({"rank": rank, "done": done, "groups": len(comm.pending)}), flush=True)

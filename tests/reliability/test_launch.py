@@ -145,15 +145,18 @@ def test_hung_rank_is_reported_before_the_collective_timeout(corpus: tuple[Path,
     took = time.monotonic() - hung_at
     out = job.output()
     assert status == 1, out
-    # ~timeout_s + 1 s unloaded; the margin absorbs a 2-core machine running other jobs
-    assert took < timeout_s + 8, (took, out)
+    # ~timeout_s + 1 s unloaded; the margin absorbs a 2-core machine running other jobs and
+    # still fails a job left to the launcher's own 30 s stop timeout after the hang
+    assert took < timeout_s + 20, (took, out)
     cause = next(line for line in out.splitlines() if "likely cause:" in line)
     assert "rank 1: STUCK outside any collective at step 3" in cause, cause
     waiting = next(line for line in out.splitlines() if line.strip().startswith("rank 0:"))
     assert "HUNG at step 3 while in all_reduce(" in waiting, waiting
     assert "on group 'tp'" in waiting and "parallel.watchdog_s=6.4" in waiting, waiting
     rec = json.loads((tmp_path / "failures" / "rank0-a0.json").read_text())
-    assert rec["kind"] == "hang" and 0.8 * timeout_s <= rec["idle_s"] < timeout_s, rec
+    # recorded at watchdog_s = 0.8 x timeout_s of no progress, before the timeout: the record
+    # is a hang, not the timed-out collective's exception (event order, not a stopwatch)
+    assert rec["kind"] == "hang" and 0.8 * timeout_s <= rec["idle_s"], rec
     assert "timed out (parallel.timeout_s)" not in waiting  # the record came first
     stuck = (tmp_path / "failures" / "rank1-a0.txt").read_text()
     assert "time.sleep(3600)" in stuck and "in train_step" in stuck, stuck
@@ -188,7 +191,7 @@ def test_frozen_rank_is_a_hang_and_the_job_ends_within_the_timeout(corpus: tuple
     out = job.output()
     assert status == 1, out
     # ~7 s unloaded (before the fix: 54 s); the margin absorbs a loaded 2-core machine
-    assert took < timeout_s + 8, (took, out)
+    assert took < timeout_s + 20, (took, out)
     assert len(pids) == 2 and not [p for p in pids if alive(p)], "ranks survived the job"
     cause = next(line for line in out.splitlines() if "likely cause:" in line)
     assert "likely cause: rank 1: FROZEN at step 3: no heartbeat for " in cause, cause
@@ -224,7 +227,9 @@ def test_sigterm_to_the_launcher_with_a_frozen_rank_stops_at_once(corpus: tuple[
     took = time.monotonic() - sent
     out = job.output()
     assert status == 143, out
-    assert took < 20, (took, out)  # rank 0's stop grace (5 s) + the watch, not the agent's 30 s
+    # rank 0's stop grace (5 s) + the watch, ~7 s unloaded; the agent's own SIGKILL came after
+    # 30 s, so anything under that proves the watch ended it (margin for a loaded machine)
+    assert took < 28, (took, out)
     assert "colonnade: the job was stopped by SIGTERM" in out, out
     assert "rank 1 was frozen and could not stop: no heartbeat for" in out, out
     assert "failed before training" not in out, out

@@ -21,6 +21,23 @@ def _wait_for(predicate: object, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _beat_for(monitor: RankMonitor, stats: CommStats, first: int, seconds: float,
+              phase: str = "train") -> tuple[int, float]:
+    """Beat steps ``first``, ``first + 1``, ... every ~50 ms for ``seconds`` (monotonic);
+    returns (the last step beaten, the longest gap between two beats). The gap tells a test
+    whether the machine stalled this thread past a limit (then the monitor was right to fire)."""
+    step, last = first, time.monotonic()
+    end, gap = last + seconds, 0.0
+    monitor.beat(step, stats, phase=phase)
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        now = time.monotonic()
+        gap, last = max(gap, now - last), now
+        step += 1
+        monitor.beat(step, stats, phase=phase)
+    return step, gap
+
+
 def _stats_with_pending_op() -> CommStats:
     stats = CommStats()
     group = CommGroup("dp", [1, 3], None, stats, 3)
@@ -51,17 +68,24 @@ def test_watchdog_dumps_a_stuck_rank(tmp_path: Path) -> None:
 
 
 def test_watchdog_stays_quiet_while_steps_progress(tmp_path: Path) -> None:
-    monitor = RankMonitor(tmp_path, RankInfo(rank=0, run_id="t"), watchdog_s=0.3,
-                          heartbeat_s=0.0, exit_process=False).start(signals=False)
-    stats = CommStats()
-    for step in range(1, 25):
-        monitor.beat(step, stats)
-        time.sleep(0.05)
-    assert monitor.idle_s() < 0.3 and monitor.fired is None
-    monitor.stop(ok=True)
-    beat = json.loads(heartbeat_path(tmp_path, 0, 0).read_text())
-    assert beat["phase"] == "done" and beat["step"] == 24 and beat["pid"] == os.getpid()
-    assert not failure_path(tmp_path, 0, 0).exists()
+    """Beats every ~50 ms for 2.5 x watchdog_s: no hang (an idle clock that beats did not reset
+    fires after 1 s). Robust on a loaded machine: an attempt in which this thread itself was
+    stalled for watchdog_s between two beats proves nothing and is retried (3 attempts)."""
+    watchdog_s = 1.0
+    for attempt in range(3):
+        run_dir = tmp_path / f"a{attempt}"
+        monitor = RankMonitor(run_dir, RankInfo(rank=0, run_id="t"), watchdog_s=watchdog_s,
+                              heartbeat_s=0.0, exit_process=False).start(signals=False)
+        last, gap = _beat_for(monitor, CommStats(), 1, 2.5 * watchdog_s)
+        fired, idle = monitor.fired, monitor.idle_s()
+        monitor.stop(ok=True)
+        if gap < 0.8 * watchdog_s:
+            break
+    assert gap < 0.8 * watchdog_s, f"this thread stalled {gap:.2f} s in every attempt"
+    assert idle < watchdog_s and fired is None, (fired, idle)
+    beat = json.loads(heartbeat_path(run_dir, 0, 0).read_text())
+    assert beat["phase"] == "done" and beat["step"] == last and beat["pid"] == os.getpid()
+    assert not failure_path(run_dir, 0, 0).exists()
 
 
 def test_sigterm_is_recorded_by_the_watchdog_thread(tmp_path: Path) -> None:
@@ -114,25 +138,30 @@ def test_graceful_sigterm_waits_while_steps_progress_then_fires_when_stuck(
     """With the loop's graceful stop on, SIGTERM is left to the loop (finish the step, save)
     while the rank progresses, also through a slow save; a rank that stops progressing (its
     peers are gone) is recorded 'terminated' after term_grace_s, as before."""
-    monitor = RankMonitor(tmp_path, RankInfo(rank=1, run_id="t"), heartbeat_s=0.0,
-                          exit_process=False)
-    monitor.term_grace_s = 0.3
-    monitor.graceful_stop = True
-    monitor.start(signals=True)
-    stats = CommStats()
-    try:
-        monitor.beat(3, stats)
-        os.kill(os.getpid(), signal.SIGTERM)
-        for step in range(4, 16):  # still stepping: no record
-            monitor.beat(step, stats)
-            time.sleep(0.05)
-        monitor.beat(15, stats, phase="save")
-        time.sleep(0.8)  # a save longer than the grace: still no record
-        assert monitor.fired is None
-        monitor.beat(15, _stats_with_pending_op())  # back in training, now stuck
-        _wait_for(lambda: monitor.fired is not None)
-    finally:
-        monitor.stop(ok=False)
+    grace_s = 1.0
+    for attempt in range(3):  # an attempt whose own beats stalled past the grace is retried
+        run_dir = tmp_path / f"a{attempt}"
+        monitor = RankMonitor(run_dir, RankInfo(rank=1, run_id="t"), heartbeat_s=0.0,
+                              exit_process=False)
+        monitor.term_grace_s = grace_s
+        monitor.graceful_stop = True
+        monitor.start(signals=True)
+        stats = CommStats()
+        try:
+            monitor.beat(3, stats)
+            os.kill(os.getpid(), signal.SIGTERM)
+            last, gap = _beat_for(monitor, stats, 4, 1.5 * grace_s)  # still stepping: no record
+            monitor.beat(last, stats, phase="save")
+            time.sleep(1.5 * grace_s)  # a save longer than the grace: still no record
+            quiet = monitor.fired is None
+            monitor.beat(last, _stats_with_pending_op())  # back in training, now stuck
+            _wait_for(lambda m=monitor: m.fired is not None)
+        finally:
+            monitor.stop(ok=False)
+        if gap < 0.8 * grace_s:
+            break
+    assert gap < 0.8 * grace_s, f"this thread stalled {gap:.2f} s in every attempt"
+    assert quiet, "recorded while the rank was stepping or saving"
     assert monitor.fired == "terminated"
-    rec = json.loads(failure_path(tmp_path, 1, 0).read_text())
-    assert rec["kind"] == "terminated" and rec["step"] == 15 and rec["idle_s"] >= 0.3
+    rec = json.loads(failure_path(run_dir, 1, 0).read_text())
+    assert rec["kind"] == "terminated" and rec["step"] == last and rec["idle_s"] >= grace_s

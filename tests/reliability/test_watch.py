@@ -67,17 +67,21 @@ def test_watch_records_and_kills_a_frozen_rank(tmp_path: Path,
     and last collective from the heartbeat) and SIGKILLed; the report calls it a hang."""
     os.kill(sleeper.pid, signal.SIGSTOP)
     _wait_state(sleeper.pid, "T")
+    # Every clock reading is passed in (``now``) relative to t0, taken before the beat is
+    # written: the beat's age at ``t0 + x`` is within [x + 2 - (t1 - t0), x + 2], however
+    # slowly this loaded machine runs the lines between.
+    t0 = time.time()
     _beat(tmp_path, 1, sleeper.pid, age=2.0)
-    watch = HeartbeatWatch(tmp_path, "r", time.time() - 60, limit_s=4.0, ranks=range(2),
-                           host="h")
-    assert watch.check() == [] and sleeper.poll() is None  # younger than the limit: alive
-    assert watch.check(now=time.time() + 3.0) == []  # within the slack: its peers report first
-    assert watch.check(now=time.time() + 5.0) == [1]
+    watch = HeartbeatWatch(tmp_path, "r", t0 - 60, limit_s=4.0, ranks=range(2), host="h")
+    assert watch.check(now=t0) == [] and sleeper.poll() is None  # younger than the limit
+    assert watch.check(now=t0 + 3.0) == []  # within the slack: its peers report first
+    assert watch.check(now=t0 + 5.0) == [1]
+    t1 = time.time()
     assert sleeper.wait(timeout=5) == -signal.SIGKILL
     rec = json.loads(failure_path(tmp_path, 1, 0).read_text())
     assert rec["kind"] == "frozen" and rec["step"] == 3 and rec["state"] == "T"
     assert "stopped by a signal (SIGSTOP / SIGTSTP)" in rec["summary"]
-    assert rec["idle_s"] == pytest.approx(7.0, abs=0.5)
+    assert 7.0 - (t1 - t0) - 0.01 <= rec["idle_s"] <= 7.0 + 0.01, (rec["idle_s"], t1 - t0)
     report = failure_report(tmp_path, run_id="r")
     assert "likely cause: rank 1: FROZEN at step 3: no heartbeat for " in report, report
     assert "(SIGKILL); last collective all_reduce(stop_flag) on group 'world'" in report, report
@@ -116,15 +120,19 @@ def test_watchdog_fires_on_a_collective_waited_too_long(tmp_path: Path) -> None:
     """Other collectives keep completing (no idle time), but one the rank waits for was posted
     longer ago than the limit: NCCL's timeout counts from posting, so the watchdog fires now,
     naming it."""
+    watchdog_s = 3.0  # far above any stall of this loop on a loaded machine
     stats = CommStats()
     group = CommGroup("dp", [0, 1], None, stats, 0)
     late = stats.begin(group, "all_reduce(grads)", 64)
-    stats.in_flight[late].started -= 10.0  # posted 10 s ago
-    monitor = RankMonitor(tmp_path, RankInfo(rank=0, run_id="t"), watchdog_s=1.0,
+    stats.in_flight[late].started -= 30.0  # posted 30 s ago
+    monitor = RankMonitor(tmp_path, RankInfo(rank=0, run_id="t"), watchdog_s=watchdog_s,
                           exit_process=False).start(signals=False)
     monitor.beat(4, stats)
     try:
-        for _ in range(6):  # progress continues: no hang while nobody waits for it
+        # progress continues for 3 of the watchdog's polls (every 0.5 s): no hang while nobody
+        # waits for the late collective (a rule that counted it would fire in the first poll)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
             stats.finish(stats.begin(group, "all_reduce(x)", 8))
             time.sleep(0.1)
         assert monitor.fired is None
@@ -138,7 +146,7 @@ def test_watchdog_fires_on_a_collective_waited_too_long(tmp_path: Path) -> None:
         monitor.stop(ok=False)
     rec = json.loads(failure_path(tmp_path, 0, 0).read_text())
     assert rec["kind"] == "hang" and rec["step"] == 4
-    assert rec["summary"].startswith("all_reduce(grads) on group 'dp' waited for over 1")
+    assert rec["summary"].startswith("all_reduce(grads) on group 'dp' waited for over 3")
     assert "before the collective timeout parallel.timeout_s" in rec["summary"]
 
 
@@ -231,15 +239,20 @@ def test_hung_rank_is_left_to_the_backend_timeout_then_exits(tmp_path: Path) -> 
     monitor = RankMonitor(tmp_path, RankInfo(rank=0, run_id="t"), watchdog_s=0.3,
                           heartbeat_s=0.05, exit_process=False, timeout_s=0.5)
     monitor.start(signals=False)
+    beaten = time.monotonic()
     monitor.beat(2, CommStats())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while monitor.exit_at is None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     recorded = time.monotonic()
     assert monitor.fired == "hang"
-    assert monitor.exit_at - recorded == pytest.approx(0.2 + HANG_EXIT_GRACE_S, abs=0.3)
+    # exit_at = (when the hang was recorded, between beat + watchdog_s and now) + the rest of
+    # the backend timeout + the grace: bounds by event order, not by how fast this runs
+    late = (0.5 - 0.3) + HANG_EXIT_GRACE_S
+    assert beaten + 0.3 + late <= monitor.exit_at <= recorded + late
     first = json.loads(heartbeat_path(tmp_path, 0, 0).read_text())["time"]
-    time.sleep(0.3)
-    assert json.loads(heartbeat_path(tmp_path, 0, 0).read_text())["time"] > first
+    while json.loads(heartbeat_path(tmp_path, 0, 0).read_text())["time"] <= first:
+        assert time.monotonic() < deadline, "the heartbeat was not refreshed"
+        time.sleep(0.05)
     monitor.stop(ok=False)
