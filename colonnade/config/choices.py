@@ -13,8 +13,12 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 """parallel.schedule: pipeline schedules (colonnade.pipeline.schedules builds each)."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp64")
 """training.precision: parameter / compute dtypes (colonnade.models.build maps each)."""
-AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
-"""Parallel axes; parallel.order is a '-'-joined permutation of them (fastest first)."""
+AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+"""Dense parallel axes (world = tp x cp x dp x pp); parallel.order is a '-'-joined permutation
+of them, fastest first. ep is not among them: the expert view (etp, ep, edp) is derived inside
+each pipeline stage (colonnade.parallel.dims). An order naming 'ep' ('tp-cp-ep-dp-pp', the
+spelling before the expert view) still loads while parallel.ep = 1, where its place meant
+nothing."""
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 """training.recompute (colonnade.models.recompute), least recomputation first."""
 RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")

@@ -103,15 +103,25 @@ class ParallelConfig:
     vp: int = 1
     """Virtual pipeline chunks per pp rank (interleaved schedule when > 1)."""
     dp: int | None = None
-    """Data-parallel degree; None derives it as world_size / (tp * pp * cp)."""
+    """Data-parallel degree; None derives it as world_size / (tp * pp * cp) (ep does not
+    count: it is folded inside tp x cp x dp)."""
     cp: int = 1
     """Context-parallel degree (reserved: only 1 is supported)."""
     ep: int = 1
-    """Expert-parallel degree (reserved: only 1 is supported)."""
+    """Expert-parallel degree: the experts of a mixture-of-experts layer split across ep ranks.
+    It does not multiply the world size: ep x expert_tp ranks are folded inside the
+    tp x cp x dp ranks of each pipeline stage, the rest being expert data parallelism
+    (edp = tp x cp x dp / (ep x expert_tp)); ep x expert_tp must divide tp x cp x dp. Dense
+    weights are unaffected (a model without expert layers trains exactly as with ep = 1)."""
+    expert_tp: int | None = None
+    """Expert tensor-parallel degree: each expert's matrices split across this many ranks;
+    None means equal to tp (then the expert-tp groups are the tp groups)."""
     sp: bool = False
     """Sequence parallelism: norms/dropout on sequence shards between tp regions (needs tp > 1)."""
-    order: str = "tp-cp-ep-dp-pp"
-    """Rank order, fastest-varying axis first: consecutive ranks share a tp group by default."""
+    order: str = "tp-cp-dp-pp"
+    """Dense rank order, fastest-varying axis first: consecutive ranks share a tp group by
+    default. The expert axes are derived inside each stage (etp fastest, then ep, then edp);
+    the older spelling with 'ep' (e.g. 'tp-cp-ep-dp-pp') is accepted only while ep = 1."""
     schedule: str = "1f1b"
     """Pipeline schedule: 'gpipe', '1f1b', 'interleaved_1f1b' (needs vp > 1) or 'zb_h1'."""
     pipeline_layout: tuple[int, ...] | None = None

@@ -36,11 +36,12 @@ from colonnade.config.sections import Config
 def resolve(config: Config, world_size: int) -> Config:
     """Fill dp, microbatches and global_batch_size from the world size; never overrides a value.
 
-    dp = world / (tp * pp * cp * ep); global batch = micro_batch_size * microbatches * dp.
+    dp = world / (tp * pp * cp) (ep is folded inside tp * cp * dp, it does not divide the
+    world); global batch = micro_batch_size * microbatches * dp.
     Inconsistent explicit values are left for :func:`validate` to report.
     """
     par, tr = config.parallel, config.training
-    model_ranks = par.tp * par.pp * par.cp * par.ep
+    model_ranks = par.tp * par.pp * par.cp
     dp = par.dp
     if dp is None and model_ranks > 0 and world_size % model_ranks == 0:
         dp = world_size // model_ranks
@@ -102,6 +103,8 @@ def _positive(c: Config, _: int | None) -> list[str]:
         names["model.num_kv_heads"] = c.model.num_kv_heads
     if c.parallel.dp is not None:
         names["parallel.dp"] = c.parallel.dp
+    if c.parallel.expert_tp is not None:
+        names["parallel.expert_tp"] = c.parallel.expert_tp
     for name, value in names.items():
         if value < 1:
             out.append(f"{name}={value} must be >= 1.")
@@ -129,13 +132,23 @@ def _choices(c: Config, _: int | None) -> list[str]:
     for name, value, allowed in checks:
         if value not in allowed:
             out.append(f"{name}='{value}' is unknown; use one of {', '.join(allowed)}.")
-    axes = c.parallel.order.split("-")
-    if sorted(axes) != sorted(AXES):
-        out.append(
-            f"parallel.order='{c.parallel.order}' must name each axis of {', '.join(AXES)} once, "
-            "joined by '-', e.g. 'tp-cp-ep-dp-pp'."
-        )
+    out.extend(_order(c.parallel.order, c.parallel.ep))
     return out
+
+
+def _order(order: str, ep: int) -> list[str]:
+    """parallel.order: a permutation of the dense axes; 'ep' in it (the spelling before the
+    expert view) is accepted while ep = 1, where its place never changed a rank."""
+    axes = order.split("-")
+    dense = [a for a in axes if a != "ep"]
+    if sorted(dense) != sorted(AXES) or axes.count("ep") > 1:
+        return [f"parallel.order='{order}' must name each axis of {', '.join(AXES)} once, "
+                f"joined by '-', e.g. '{'-'.join(AXES)}'."]
+    if "ep" in axes and ep > 1:
+        return [f"parallel.order='{order}' names ep, but ep is no longer a dense axis: "
+                f"parallel.ep={ep} is folded inside tp x cp x dp of each stage (etp fastest, "
+                f"then ep, then edp); drop 'ep' from the order, e.g. '{'-'.join(dense)}'."]
+    return []
 
 
 def _model_shape(c: Config, _: int | None) -> list[str]:
@@ -176,8 +189,6 @@ def _degrees(c: Config, world: int | None) -> list[str]:
     p, out = c.parallel, []
     if p.cp != 1:
         out.append(f"parallel.cp={p.cp}: context parallelism is not implemented; set cp=1.")
-    if p.ep != 1:
-        out.append(f"parallel.ep={p.ep}: expert parallelism is not implemented; set ep=1.")
     if p.sp and p.tp == 1:
         out.append("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits the "
                    "tp regions); set sp=false or tp >= 2.")
@@ -191,15 +202,37 @@ def _degrees(c: Config, world: int | None) -> list[str]:
         out.append(f"training.seq_len={c.training.seq_len} is not divisible by parallel.tp="
                    f"{p.tp} x tp_comm_chunks={p.tp_comm_chunks} (each rank's sequence block is "
                    "cut into tp_comm_chunks pieces); change seq_len or tp_comm_chunks.")
+    out.extend(_expert_degrees(p.tp, p.cp, p.dp, p.ep, p.expert_tp))
     if world is not None:
-        model_ranks = p.tp * p.pp * p.cp * p.ep
+        model_ranks = p.tp * p.pp * p.cp
         if p.dp is None or p.dp * model_ranks != world:
             dp = p.dp if p.dp is not None else "?"
             out.append(f"world size {world} != parallel.tp={p.tp} x pp={p.pp} x cp={p.cp} x "
-                       f"ep={p.ep} x dp={dp}; change the degrees or the number of ranks (--nproc).")
+                       f"dp={dp} (ep does not multiply it); change the degrees or the number "
+                       "of ranks (--nproc).")
     if c.training.device == "cpu" and p.backend == "nccl":
         out.append("parallel.backend='nccl' needs GPUs; use 'gloo' or training.device='cuda'.")
     return out
+
+
+def _expert_degrees(tp: int, cp: int, dp: int | None, ep: int,
+                    expert_tp: int | None) -> list[str]:
+    """The expert view folds ep x expert_tp inside the tp x cp x dp ranks of a stage:
+    ep x expert_tp must divide them (edp = tp x cp x dp / (ep x expert_tp))."""
+    etp = expert_tp if expert_tp is not None else tp
+    if dp is None or min(tp, cp, dp, ep, etp) < 1:
+        return []  # dp unknown (no world size) or a degree < 1 (reported by _positive)
+    stage, folded = tp * cp * dp, ep * etp
+    if stage % folded == 0:
+        return []
+    fits = [e for e in range(1, stage + 1) if stage % (e * etp) == 0]
+    hint = (f"e.g. ep in {fits}" if fits else
+            f"expert_tp={etp} alone does not divide {stage}: lower expert_tp (1 always fits)")
+    return [f"parallel.ep={ep} x parallel.expert_tp={etp}"
+            f"{'' if expert_tp is not None else ' (= tp)'} = {folded} does not divide "
+            f"parallel.tp={tp} x cp={cp} x dp={dp} = {stage}, the ranks of a pipeline stage "
+            f"that the expert layout folds ep and expert_tp into (expert dp = the rest); "
+            f"choose ep and expert_tp whose product divides {stage}, {hint}."]
 
 
 def _pipeline(c: Config, _: int | None) -> list[str]:

@@ -34,7 +34,8 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
     return ParallelContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
                            rng=RNGTracker(config.training.seed),
                            dtype=dtype or param_dtype(config.training.precision),
-                           device=device, comm_chunks=par.tp_comm_chunks)
+                           device=device, comm_chunks=par.tp_comm_chunks, cp=groups.cp,
+                           ep=groups.ep)
 
 
 def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | None = None,

@@ -6,7 +6,8 @@ timed (time in flight and time the caller actually waited: the *exposed* time), 
 re-raised as :class:`CommError` naming the group, its ranks and the operation.
 
 Wire bytes per rank for a payload of B bytes on n ranks (ring algorithms):
-all-reduce 2(n-1)/n B, all-gather (n-1)/n B_out, reduce-scatter (n-1)/n B_in, send/recv B.
+all-reduce 2(n-1)/n B, all-gather (n-1)/n B_out, reduce-scatter (n-1)/n B_in, send/recv B,
+all-to-all the bytes sent to the other ranks ((n-1)/n B_in for equal splits).
 A group of size 1 performs no communication and counts nothing.
 
 Timing on both backends (:func:`clock_for`, the one place that tells them apart):
@@ -474,6 +475,27 @@ class CommGroup:
         return self._run("reduce_scatter", name, b, (n - 1) / n * b,
                          lambda a: dist.reduce_scatter_single(out, t.contiguous(), op=red,
                                                               group=self.pg, async_op=a), async_op)
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, *,
+                   in_splits: list[int] | None = None, out_splits: list[int] | None = None,
+                   name: str = "", async_op: bool = False) -> Handle | None:
+        """Rank i sends rows ``in_splits[j]`` of ``t`` (dim 0, consecutive blocks in rank
+        order) to rank j and receives ``out_splits[j]`` rows from rank j into ``out``.
+
+        Splits None: equal blocks, ``t.shape[0] / n`` rows each way. Wire bytes: what leaves
+        this rank, ``(B_in - B_in[own block])``, i.e. ``(n-1)/n B_in`` for equal splits.
+        """
+        if self.size == 1:
+            out.copy_(t)
+            return Handle(None, self, "all_to_all", OpStats()) if async_op else None
+        rows = max(t.shape[0], 1)
+        own = (in_splits[self.rank] if in_splits is not None else t.shape[0] // self.size)
+        b = _nbytes(t)
+        wire = float(b - own * (b // rows))
+        return self._run("all_to_all", name, b, wire,
+                         lambda a: dist.all_to_all_single(out, t.contiguous(), out_splits,
+                                                          in_splits, group=self.pg,
+                                                          async_op=a), async_op)
 
     def broadcast(self, t: torch.Tensor, *, src: int = 0, name: str = "") -> None:
         """Broadcast ``t`` from the group's local rank ``src``."""

@@ -13,6 +13,13 @@ Groups (each a CommGroup sharing one :class:`CommStats`) and who communicates on
               equal to pp at pp = 2 (shares its pg); a group of one rank without tied embeddings
   world       all ranks (the default group)
 
+Expert groups (the expert view of :class:`ParallelDims`; made only with ``experts=True``, for a
+model with mixture-of-experts layers, else None):
+  ep          token all-to-all of the expert layers (experts split across its ranks)
+  expert_tp   tensor parallelism inside each expert; equals tp (shares its pg) when etp = tp
+  expert_dp   gradient reduction of expert weights (replicated across it); equals dp_cp
+              (shares its pg) when ep = 1 and etp = tp
+
 Only groups used for a collective are created, with one call per axis
 (:func:`plan_groups` decides, :func:`create_partition` creates), each with the collective
 timeout passed at creation. A group whose partition equals another's shares that one's
@@ -33,6 +40,10 @@ from colonnade.parallel.dims import ParallelDims
 GROUP_NAMES: tuple[str, ...] = ("tp", "pp", "dp_cp", "dp", "cp", "embedding")
 """Groups :meth:`ProcessGroups.build` makes besides world, in creation order (the same on
 every rank: group creation is collective)."""
+EXPERT_GROUP_NAMES: tuple[str, ...] = ("ep", "expert_tp", "expert_dp")
+"""Groups of the expert view, made after :data:`GROUP_NAMES` when ``experts`` is asked for."""
+EXPERT_GROUP_AXES: dict[str, str] = {"ep": "ep", "expert_tp": "etp", "expert_dp": "edp"}
+"""The :class:`ParallelDims` expert axis each expert group spans."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +65,11 @@ class GroupSpec:
         return self.source == "create"
 
 
-def plan_groups(dims: ParallelDims, tied_embeddings: bool = True) -> dict[str, GroupSpec]:
+def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
+                experts: bool = False) -> dict[str, GroupSpec]:
     """Pure layout maths: the partition of every group and whether it is created, shared or
-    trivial. Needs no processes (a 4096-rank layout is planned in milliseconds)."""
+    trivial. Needs no processes (a 4096-rank layout is planned in a fraction of a second).
+    ``experts``: add the expert groups (:data:`EXPERT_GROUP_NAMES`)."""
     partitions: dict[str, list[list[int]]] = {
         "tp": dims.group_ranks("tp"),
         "pp": dims.group_ranks("pp"),
@@ -66,8 +79,13 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True) -> dict[str, G
         "embedding": (_embedding_groups(dims) if tied_embeddings
                       else [[r] for r in range(dims.world_size)]),
     }
+    names = GROUP_NAMES
+    if experts:
+        names = (*GROUP_NAMES, *EXPERT_GROUP_NAMES)
+        for name, axis in EXPERT_GROUP_AXES.items():
+            partitions[name] = dims.group_ranks(axis)
     out: dict[str, GroupSpec] = {}
-    for name in GROUP_NAMES:
+    for name in names:
         part = partitions[name]
         if all(len(ranks) == 1 for ranks in part):
             out[name] = GroupSpec(part, "single")
@@ -113,6 +131,12 @@ class ProcessGroups:
     embedding: CommGroup
     world: CommGroup
     stats: CommStats
+    ep: CommGroup | None = None
+    """Expert-parallel group (None unless built with ``experts=True``)."""
+    expert_tp: CommGroup | None = None
+    """Tensor parallelism inside each expert (None unless built with ``experts=True``)."""
+    expert_dp: CommGroup | None = None
+    """Expert weights' gradient reduction (None unless built with ``experts=True``)."""
 
     @property
     def tp_rank(self) -> int:
@@ -147,7 +171,8 @@ class ProcessGroups:
     def single(cls, dims: ParallelDims | None = None) -> ProcessGroups:
         """Groups of a single process: every group has size 1 and nothing communicates.
 
-        This is how the single-process reference model runs without torch.distributed.
+        This is how the single-process reference model runs without torch.distributed. The
+        expert groups are made too (trivial, like every group of one process).
         """
         dims = dims or ParallelDims()
         if dims.world_size != 1:
@@ -158,13 +183,15 @@ class ProcessGroups:
             return CommGroup(name, [0], None, stats, 0)
 
         return cls(dims, 0, one("tp"), one("pp"), one("dp"), one("cp"), one("dp_cp"),
-                   one("embedding"), one("world"), stats)
+                   one("embedding"), one("world"), stats, one("ep"), one("expert_tp"),
+                   one("expert_dp"))
 
     @classmethod
     def build(cls, dims: ParallelDims, timeout_s: float = 300.0,
-              tied_embeddings: bool = True) -> ProcessGroups:
+              tied_embeddings: bool = True, experts: bool = False) -> ProcessGroups:
         """Create the groups :func:`plan_groups` asks for; every rank calls it (same dims)
-        after init_process_group. ``tied_embeddings`` False: no embedding group is made."""
+        after init_process_group. ``tied_embeddings`` False: no embedding group is made;
+        ``experts`` True: the expert groups (ep, expert_tp, expert_dp) are made too."""
         if not dist.is_initialized():
             if dims.world_size == 1:
                 return cls.single(dims)
@@ -179,7 +206,7 @@ class ProcessGroups:
         timeout = timedelta(seconds=timeout_s)
         pgs: dict[str, Any] = {}
         made: dict[str, CommGroup] = {}
-        for name, spec in plan_groups(dims, tied_embeddings).items():
+        for name, spec in plan_groups(dims, tied_embeddings, experts).items():
             if spec.creates:
                 pgs[name] = create_partition(name, spec.partition, timeout)
             else:

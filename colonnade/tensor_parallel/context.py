@@ -35,6 +35,12 @@ class ParallelContext:
     """Parameter device."""
     comm_chunks: int = 1
     """Chunks for overlapping sp collectives with matmuls (1: off)."""
+    cp: CommGroup | None = None
+    """The cp group (context parallelism: the sequence split across its ranks; one rank while
+    cp = 1); None in a context made without process groups."""
+    ep: CommGroup | None = None
+    """The expert-parallel group (token all-to-all of mixture-of-experts layers, see
+    :class:`~colonnade.parallel.dims.ParallelDims`' expert view); None without expert groups."""
 
     @property
     def tp(self) -> int:

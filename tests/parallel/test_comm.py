@@ -156,7 +156,7 @@ def test_backend_error_names_group_and_op(run_ranks: Callable[..., list[Any]]) -
         assert "all_gather(bad) on group 'tp' (ranks [0, 1]" in text, text
 
 
-@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "pp-tp-dp-cp-ep"])
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "pp-tp-dp-cp"])
 def test_groups_match_dims(run_ranks: Callable[..., list[Any]], order: str) -> None:
     dims = ParallelDims(tp=2, pp=2, order=tuple(order.split("-")))
     results = run_ranks(4, _membership, order)

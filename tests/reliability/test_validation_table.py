@@ -76,7 +76,18 @@ TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
     ("context_parallel", 2, {"parallel": {"cp": 2}},
      ["parallel.cp=2: context parallelism is not implemented; set cp=1"]),
     ("bad_rank_order", 1, {"parallel": {"order": "tp-dp-pp"}},
-     ["parallel.order='tp-dp-pp' must name each axis", "e.g. 'tp-cp-ep-dp-pp'"]),
+     ["parallel.order='tp-dp-pp' must name each axis", "e.g. 'tp-cp-dp-pp'"]),
+    # the expert view: ep x expert_tp folded inside tp x cp x dp of a stage
+    ("ep_x_expert_tp_vs_stage", 4, {"parallel": {"tp": 2, "ep": 3}},
+     ["parallel.ep=3 x parallel.expert_tp=2 (= tp) = 6 does not divide parallel.tp=2 x cp=1 x "
+      "dp=2 = 4", "choose ep and expert_tp whose product divides 4, e.g. ep in [1, 2]"]),
+    ("expert_tp_vs_stage", 2, {"parallel": {"expert_tp": 4}},
+     ["parallel.ep=1 x parallel.expert_tp=4 = 4 does not divide", "lower expert_tp"]),
+    ("expert_tp_positive", 1, {"parallel": {"expert_tp": 0}},
+     ["parallel.expert_tp=0 must be >= 1"]),
+    ("order_names_ep_with_ep", 2, {"parallel": {"ep": 2, "order": "tp-cp-ep-dp-pp"}},
+     ["parallel.order='tp-cp-ep-dp-pp' names ep", "drop 'ep' from the order, e.g. "
+      "'tp-cp-dp-pp'"]),
     ("nccl_on_cpu", 1, {"parallel": {"backend": "nccl"}},
      ["parallel.backend='nccl' needs GPUs", "use 'gloo'"]),
     # batch arithmetic
