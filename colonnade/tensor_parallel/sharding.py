@@ -177,7 +177,8 @@ class Sharding:
                 degrees: Mapping[str, int] | None = None) -> torch.Tensor:
         """Inverse of :meth:`shard`: the logical full tensor from every shard, in
         :meth:`layout` order (``degrees`` default: ``{"tp": len(shards)}``); a parameter that
-        no axis of ``degrees`` splits is ``shards[0]`` (the others are its copies)."""
+        no axis of ``degrees`` splits is (a copy of) ``shards[0]`` (the others are its copies).
+        The result never aliases a shard."""
         places = self.layout({"tp": len(shards)} if degrees is None else degrees)
         if len(places) == 1:  # not split: every shard is the whole (padded) tensor
             full = shards[0]
@@ -190,7 +191,7 @@ class Sharding:
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))] = shard
         for d, n in enumerate(self.full_shape):
             full = full.narrow(d, 0, n)
-        return full
+        return full.clone() if len(places) == 1 else full
 
 
 def seed_for(seed: int, key: str) -> int:
