@@ -21,26 +21,27 @@ import pytest
 import torch
 
 from colonnade.checkpoint.export import gather_full
-from colonnade.config.sections import (
-    Config,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainingConfig,
-)
-from colonnade.config.validate import resolve, validate
-from colonnade.data_parallel.finalize import reduce_sp_and_tied
+from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.models.blocks import DocReset
 from colonnade.models.params import grad_of, unique_params
-from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.pipeline.plan import ExecOptions, StepPlan
+from colonnade.pipeline.plan import ExecOptions
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
-from colonnade.training.step import forward_backward, mean_loss
+from colonnade.training.step import mean_loss
+from tests.parity import (
+    TOL,
+    dims_of,
+    rank_groups,
+    rel_err,
+    resolved,
+    split_micro,
+    step_global_batch,
+    tiny_model,
+    train_step,
+)
 
 STEPS, SEQ, MICRO, VOCAB = 3, 16, 2, 96
 EOD = 5  # the end-of-document id of the document-reset cases
-TOL = 1e-10
 
 
 def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int = 1,
@@ -49,19 +50,16 @@ def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int
     """A tiny float64 model with one layer per virtual stage (embedding and head on top)."""
     gpt2 = arch == "gpt2"
     layers = sum(layout) if layout is not None else pp * vp
-    model = ModelConfig(arch=arch, num_layers=layers, hidden_size=32, num_heads=4,
-                        num_kv_heads=2 if not gpt2 else None, vocab_size=VOCAB, max_seq_len=SEQ,
-                        bias=gpt2, tie_embeddings=gpt2, hidden_dropout=0.1,
-                        attention_dropout=0.1 if gpt2 else 0.0)
+    model = tiny_model(arch, layers=layers, hidden=32, heads=4, kv_heads=2, vocab=VOCAB,
+                       seq=SEQ, init_std=0.02, dropout=0.1,
+                       attention_dropout=0.1 if gpt2 else 0.0)
     par = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule,
                          pipeline_layout=layout, use_distributed_optimizer=zero,
                          p2p_in_order=True)
     tr = TrainingConfig(steps=STEPS, seq_len=SEQ, micro_batch_size=MICRO, microbatches=m,
                         precision="fp64", seed=7, eval_interval=0)
     opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0, clip_grad=0.05, weight_decay=0.1)
-    cfg = Config(model=model, parallel=par, training=tr, optim=opt)
-    world = tp * pp * dp
-    return validate(resolve(cfg, world), world)
+    return resolved(Config(model=model, parallel=par, training=tr, optim=opt))
 
 
 def step_batches(cfg: Config, step: int, masked: bool = False, docs: bool = False
@@ -73,12 +71,11 @@ def step_batches(cfg: Config, step: int, masked: bool = False, docs: bool = Fals
     first holds none. ``docs``: about one token in six is EOD (several documents per sample).
     """
     tr = cfg.training
-    gen = torch.Generator().manual_seed(1000 + step)
     count = int(tr.microbatches or 1) * int(cfg.parallel.dp or 1)
-    data = torch.randint(0, VOCAB, (count, MICRO, SEQ + 1), generator=gen)
+    gen, data = step_global_batch(step, count, MICRO, SEQ, VOCAB)  # [count, b, s + 1]
     if docs:
         data[torch.rand(data.shape, generator=gen) < 1 / 6] = EOD
-    out = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    out = split_micro(data)
     if masked:
         keep = [torch.rand(MICRO, SEQ, generator=gen) < j / count for j in range(count)]
         out = [(t, lab.masked_fill(~k, IGNORE_INDEX)) for (t, lab), k in zip(out, keep,
@@ -110,13 +107,8 @@ def train_steps(cfg: Config, groups: ProcessGroups, options: ExecOptions | None 
         if options is None:
             losses.append(trainer.train_step(batches)["loss"])
         else:
-            trainer.optimizer.zero_grad()
-            plan = StepPlan(groups, step, cfg.parallel.schedule, options=options,
-                            grad_sync=trainer.ddp.grad_sync_hook(m))
-            out = forward_backward(trainer.chunks, batches, plan)
-            trainer.ddp.finish_grad_sync()
-            reduce_sp_and_tied(trainer.chunks, groups, cfg.model.tie_embeddings)
-            trainer.optimizer.step()
+            out, _ = train_step(trainer.chunks, trainer.ddp, trainer.optimizer, groups, cfg,
+                                step, batches, options=options)
             losses.append(mean_loss(out, groups, torch.device("cpu"), batches))
         grads.append({p.sharding.key: gather_full(grad_of(p), p.sharding, groups.tp)
                       for p in unique_params(trainer.chunks)})
@@ -135,7 +127,7 @@ def reference_run(cfg: Config, masked: bool = False, docs: bool = False) -> dict
                                           use_distributed_optimizer=False),
         training=dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * int(par.dp or 1),
                                      global_batch_size=None))
-    return _reference(validate(resolve(single, 1), 1), masked, docs)
+    return _reference(resolved(single, 1), masked, docs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -148,27 +140,21 @@ def _reference(single: Config, masked: bool = False, docs: bool = False) -> dict
 def rank_train(cfg: Config, options: ExecOptions | None = None,
                masked: bool = False, docs: bool = False) -> dict[str, Any] | None:
     """On each rank: the 3 steps; tp rank 0 returns its results."""
-    torch.set_num_threads(1)
-    par = cfg.parallel
-    groups = ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=int(par.dp or 1),
-                                              vp=par.vp))
+    groups = rank_groups(dims_of(cfg))
     out = train_steps(cfg, groups, options, masked, docs)
     return out if groups.tp_rank == 0 else None
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
-    """||a - b|| / max(||b||, floor). The floor only matters for key biases: their gradient is
-    mathematically zero (softmax is shift invariant), the computed one is rounding noise
-    ~1e-17, and Adam turns that noise into ~1e-11 parameter values; neither has a meaningful
-    relative error, so they are compared in absolute terms."""
-    return float((a - b).norm() / b.norm().clamp_min(floor))
 
 
 def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any],
                   grads: bool = True) -> None:
     """Every returned rank matches the reference; every reference parameter is covered.
-    ``grads=False`` (ZeRO-1: a rank's reduced gradient is only its own shard) compares losses
-    and parameters only."""
+
+    Relative errors take a floor on the reference norm (1e-6 for gradients, 1e-3 for
+    parameters) for the key biases only: their gradient is mathematically zero (softmax is
+    shift invariant), the computed one is rounding noise ~1e-17, and Adam turns that noise into
+    ~1e-11 parameter values; neither has a meaningful relative error. ``grads=False``
+    (ZeRO-1: a rank's reduced gradient is only its own shard) compares losses and parameters
+    only."""
     seen: set[str] = set()
     for r in results:
         if r is None:
@@ -177,10 +163,10 @@ def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any],
             assert abs(r["loss"][step] - ref["loss"][step]) <= TOL * abs(ref["loss"][step]), (
                 f"step {step} loss {r['loss'][step]} != reference {ref['loss'][step]}")
             for key, g in (r["grads"][step] if grads else {}).items():
-                err = _rel(g, ref["grads"][step][_ref_key(key, ref["params"])], 1e-6)
+                err = rel_err(g, ref["grads"][step][_ref_key(key, ref["params"])], 1e-6)
                 assert err <= TOL, f"stage {r['stage']} step {step} grad {key}: rel err {err:.2e}"
         for key, p in r["params"].items():
-            err = _rel(p, ref["params"][_ref_key(key, ref["params"])], 1e-3)
+            err = rel_err(p, ref["params"][_ref_key(key, ref["params"])], 1e-3)
             assert err <= TOL, f"stage {r['stage']} param {key} after {STEPS} steps: {err:.2e}"
             seen.add(_ref_key(key, ref["params"]))
     assert seen == set(ref["params"]), f"parameters never compared: {set(ref['params']) - seen}"
