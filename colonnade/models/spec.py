@@ -46,7 +46,7 @@ class NormClass(Protocol):
     def __call__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> nn.Module: ...
 
 
-class LayerPartClass(Protocol):
+class AttentionClass(Protocol):
     """An attention class: ``cls(cfg, ctx, key, layer)``."""
 
     def __call__(self, cfg: ModelConfig, ctx: ParallelContext, key: str,
@@ -68,7 +68,7 @@ class LayerSpec:
 
     norm: NormClass
     """Norm before attention and before the MLP (``attn_norm``, ``mlp_norm``)."""
-    attention: LayerPartClass
+    attention: AttentionClass
     """Self-attention (``attn``)."""
     mlp: MLPClass
     """Feed-forward block (``mlp``)."""
