@@ -1,5 +1,6 @@
 """Shared pieces of the independent-reference tests: tiny configs, Colonnade's randomised
-float64 model, batches (loss mask, documents) and the relative errors."""
+float64 model, batches (loss mask, documents) and the per-parameter gradient errors (the
+relative error itself is tests/parity.py's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from colonnade.config.sections import Config, ModelConfig, TrainingConfig
 from colonnade.models.build import build_reference
+from tests.parity import rel_err
 from tests.reference.plain_models import PlainSpec
 
 BATCH, SEQ, VOCAB = 2, 16, 61
@@ -73,11 +75,6 @@ def batch(masked: bool, seed: int = 1, docs: bool = False) -> tuple[torch.Tensor
     return tokens, labels
 
 
-def rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """||a - b|| / max(||b||, floor) (b the reference)."""
-    return ((a - b).norm() / b.norm().clamp(min=max(floor, 1e-300))).item()
-
-
 def grad_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     """Relative gradient error per parameter, each against max(||ref||, 1e-4 ||all ref||).
 
@@ -89,4 +86,4 @@ def grad_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
     """
     assert set(ours) == set(ref), set(ours) ^ set(ref)
     total = torch.stack([g.norm() for g in ref.values()]).norm().item()
-    return {n: rel(ours[n], ref[n], 1e-4 * total) for n in ref}
+    return {n: rel_err(ours[n], ref[n], 1e-4 * total) for n in ref}
