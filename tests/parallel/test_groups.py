@@ -19,7 +19,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from colonnade.parallel import groups as groups_mod
 from colonnade.parallel.dims import ParallelDims
-from colonnade.parallel.groups import ProcessGroups, plan_groups
+from colonnade.parallel.groups import EXPERT_GROUP_NAMES, ProcessGroups, plan_groups
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "tp2-pp2": {"tp": 2, "pp": 2},
@@ -36,7 +36,8 @@ EXPECTED: dict[str, tuple[list[str], int]] = {
 }
 
 
-def _count_creation(degrees: dict[str, int], tied: bool) -> dict[str, Any]:
+def _count_creation(degrees: dict[str, int], tied: bool,
+                    experts: bool = False) -> dict[str, Any]:
     """Build the groups with counting wrappers around the creation APIs; use every group."""
     calls: dict[str, list[Any]] = {"subgroups": [], "new_group": []}
     real_sub, real_new = dist.new_subgroups_by_enumeration, dist.new_group
@@ -53,12 +54,13 @@ def _count_creation(degrees: dict[str, int], tied: bool) -> dict[str, Any]:
     dist.new_subgroups_by_enumeration, dist.new_group, c10d.new_group = sub, new, new
     try:
         groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=42.0,
-                                     tied_embeddings=tied)
+                                     tied_embeddings=tied, experts=experts)
     finally:
         dist.new_subgroups_by_enumeration, dist.new_group = real_sub, real_new
         c10d.new_group = real_new
     sums = {}
-    for name in ("tp", "pp", "dp", "cp", "dp_cp", "embedding"):
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "embedding",
+                 *(EXPERT_GROUP_NAMES if experts else ())):
         g = getattr(groups, name)
         t = torch.tensor([float(dist.get_rank())])
         g.all_reduce(t)
@@ -89,6 +91,33 @@ def test_untied_embeddings_make_no_embedding_group(run_ranks: Callable[..., list
     for rank, res in enumerate(run_ranks(4, _count_creation, {"pp": 4}, False)):
         assert res["axes"] == ["pp"] and res["new_group"] == 1
         assert res["sums"]["embedding"] == ([rank], float(rank), False)
+
+
+# expert layouts: (creation calls, new_group calls) each rank makes
+EXPERT_LAYOUTS: dict[str, tuple[dict[str, int], list[str], int]] = {
+    # etp = tp, ep = 2 spans dp: ep shares dp_cp's pg, expert_tp tp's, edp = 1 is single
+    "tp2-dp2-pp2-ep2": ({"tp": 2, "dp": 2, "pp": 2, "ep": 2}, ["tp", "pp", "dp_cp"], 4 + 4 + 4),
+    # ep spans the whole stage (world): one new call; expert_tp and expert_dp single
+    "tp2-dp2-ep4-etp1": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1}, ["tp", "dp_cp", "ep"],
+                         2 + 2 + 1),
+    # ep over pairs, edp across them: two new calls
+    "dp4-ep2": ({"dp": 4, "ep": 2}, ["dp_cp", "ep", "expert_dp"], 1 + 2 + 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_expert_groups_one_call_per_new_partition(run_ranks: Callable[..., list[Any]],
+                                                  layout: str) -> None:
+    degrees, axes, new_groups = EXPERT_LAYOUTS[layout]
+    dims = ParallelDims(**degrees)  # type: ignore[arg-type]
+    results = run_ranks(dims.world_size, _count_creation, degrees, True, True)
+    for rank, res in enumerate(results):
+        assert res["axes"] == axes and res["new_group"] == new_groups, (layout, rank)
+        for name, axis in (("ep", "ep"), ("expert_tp", "etp"), ("expert_dp", "edp")):
+            ranks, total, has_pg = res["sums"][name]
+            assert ranks == dims.group_of(rank, axis), (layout, rank, name)
+            assert total == float(sum(ranks)) and has_pg == (len(ranks) > 1)
+    assert [n for n, s in plan_groups(dims, experts=True).items() if s.creates] == axes
 
 
 def test_plan_shares_equal_partitions() -> None:
