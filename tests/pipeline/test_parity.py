@@ -83,10 +83,6 @@ def step_batches(cfg: Config, step: int, masked: bool = False, docs: bool = Fals
     return out
 
 
-def _ref_key(key: str, ref: dict[str, torch.Tensor]) -> str:
-    return key if key in ref or key != "head.weight" else "embedding.word.weight"
-
-
 def train_steps(cfg: Config, groups: ProcessGroups, options: ExecOptions | None = None,
                 masked: bool = False, docs: bool = False) -> dict[str, Any]:
     """3 Trainer steps on this rank's micro-batches: losses, full grads per step, full params.
@@ -163,12 +159,12 @@ def assert_parity(results: list[dict[str, Any] | None], ref: dict[str, Any],
             assert abs(r["loss"][step] - ref["loss"][step]) <= TOL * abs(ref["loss"][step]), (
                 f"step {step} loss {r['loss'][step]} != reference {ref['loss'][step]}")
             for key, g in (r["grads"][step] if grads else {}).items():
-                err = rel_err(g, ref["grads"][step][_ref_key(key, ref["params"])], 1e-6)
+                err = rel_err(g, ref["grads"][step][key], 1e-6)
                 assert err <= TOL, f"stage {r['stage']} step {step} grad {key}: rel err {err:.2e}"
         for key, p in r["params"].items():
-            err = rel_err(p, ref["params"][_ref_key(key, ref["params"])], 1e-3)
+            err = rel_err(p, ref["params"][key], 1e-3)
             assert err <= TOL, f"stage {r['stage']} param {key} after {STEPS} steps: {err:.2e}"
-            seen.add(_ref_key(key, ref["params"]))
+            seen.add(key)
     assert seen == set(ref["params"]), f"parameters never compared: {set(ref['params']) - seen}"
 
 
