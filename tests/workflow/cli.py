@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,3 +49,16 @@ def wait_for_records(job: Job, run: Path, count: int) -> None:
         assert job.proc.poll() is None, job.output()
         assert time.monotonic() < deadline, job.output()
         time.sleep(0.05)
+
+
+def stopped_at(out: str, signame: str) -> int:
+    """The step of the job's "interrupted by SIGNAME at step N; " line (asserted present)."""
+    found = re.search(rf"interrupted by {signame} at step (\d+); ", out)
+    assert found, out
+    return int(found.group(1))
+
+
+def assert_clean(out: str) -> None:
+    """A stop that printed no traceback and no launcher-failure report."""
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "launcher failed" not in out and "likely cause" not in out, out

@@ -1,9 +1,11 @@
 """Issue 14's whole workflow through the real CLI, as a user runs it (tiny sizes).
 
 1. prepare a folder of .jsonl shards plus a .parquet file with a reused Hugging Face tokenizer;
-2. train tp2 x dp2 (4 ranks) into checkpoint.save, SIGTERM the launcher mid-run (exit 143, a
-   checkpoint on disk), re-run the same command: it resumes and every step's loss equals an
-   uninterrupted run's;
+2. train tp2 x dp2 (4 ranks) into checkpoint.save, SIGTERM the launcher mid-run (the agent
+   forwards it, every rank stops after the same step and saves it, exit 143 with no traceback
+   and one line naming the checkpoint), re-run the same command: it resumes from that
+   checkpoint and every step's loss equals an uninterrupted run's (this is also the test of
+   SIGTERM save-and-resume for multi-rank jobs: tests/workflow/test_interrupt.py relies on it);
 3. export to Hugging Face; transformers loads it and its greedy text equals `colonnade generate`'s
    on the export and on the checkpoint;
 4. fine-tune the export on new prompt/response data with the prompt masked from the loss
@@ -25,7 +27,14 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.reliability.jobs import WORDS, losses, start
-from tests.workflow.cli import JOB_TIMEOUT_S, run_cli, steps_logged, wait_for_records
+from tests.workflow.cli import (
+    JOB_TIMEOUT_S,
+    assert_clean,
+    run_cli,
+    steps_logged,
+    stopped_at,
+    wait_for_records,
+)
 
 STEPS = 40
 MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_heads=4",
@@ -79,18 +88,25 @@ def _interrupt_and_resume(tmp: Path) -> Path:
     job = start(argv, tmp / "job.log")
     wait_for_records(job, tmp / "run", 12)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher, as a scheduler's preemption would
-    assert job.wait(JOB_TIMEOUT_S) == 143, job.output()
+    status = job.wait(JOB_TIMEOUT_S)
+    out = job.output()
+    assert status == 143, out
+    assert_clean(out)
     ckpt = tmp / "run_ckpt"
-    stopped = int((ckpt / "latest").read_text().strip().removeprefix("step_"))
-    assert 12 <= stopped < STEPS, job.output()
-    assert "re-run the same command to resume" in job.output()
-    meta = json.loads((ckpt / f"step_{stopped:08d}" / "metadata.json").read_text())
+    stopped = stopped_at(out, "SIGTERM")
+    assert 12 <= stopped < STEPS, out
+    saved = ckpt / f"step_{stopped:08d}"
+    assert f"saved checkpoint {saved}; re-run the same command to resume" in out, out
+    assert f"stopped by SIGTERM; latest checkpoint {saved}" in out, out
+    assert (ckpt / "latest").read_text().strip() == saved.name
+    meta = json.loads((saved / "metadata.json").read_text())
     assert meta["step"] == stopped
     assert (meta["layout"]["tp"], meta["layout"]["dp"]) == (2, 2)
+    assert sorted(p.name for p in saved.glob("*.safetensors")) != []  # the ranks' shards
     assert steps_logged(tmp / "run")[-1] == stopped
     again = start(argv, tmp / "again.log")
     assert again.wait(JOB_TIMEOUT_S) == 0, again.output()
-    assert "resuming from" in again.output(), again.output()
+    assert f"resuming from {saved}" in again.output(), again.output()
     assert steps_logged(tmp / "run") == list(range(1, STEPS + 1))  # no step twice
     want, got = losses(tmp / "reference"), losses(tmp / "run")
     assert len(got) == STEPS and got[STEPS] < got[1] - 0.5
