@@ -116,3 +116,24 @@ def test_params_split_by_tp_and_pp() -> None:
     assert whole == total_params(LayerShape.of(w.model))
     split = memory_per_device(w, Layout(tp=2, pp=2)).params / 2
     assert split < whole / 3.5
+
+
+def test_colonnade_attention_dropout_is_blockwise_and_keeps_no_scores() -> None:
+    """A config with attention dropout runs the blockwise kernel (no s x s scores kept, as
+    tests/recompute/test_memory.py measures), so the planner predicts it, not 'eager'."""
+    from colonnade.config.sections import Config
+
+    model = ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_heads=4, vocab_size=100,
+                        max_seq_len=128, attention_dropout=0.1, bias=True)
+    w = Workload.from_config(Config(model=model), global_batch=4, seq_len=128)
+    assert w.attention == "blockwise"
+    eager = dataclasses.replace(w, attention="eager")
+    s, b, a = 128, 1, 4
+    blockwise_b = layer_bytes(activation_shape(w, Layout()))
+    eager_b = layer_bytes(activation_shape(eager, Layout()))
+    # eager: softmax output, 1-byte dropout mask and output (2E + 1) a s^2 b; blockwise: the
+    # fp32 log-sum-exp 4 a s b (E = 4: the default fp32 precision)
+    assert w.elem == 4
+    assert eager_b - blockwise_b == 9 * a * s * s * b - 4 * a * s * b
+    with pytest.raises(ValueError, match="attention='paged'"):
+        dataclasses.replace(w, attention="paged")
