@@ -9,6 +9,11 @@ takes the matching slice X_i (the column layer's output) and computes the partia
 leaving it, partials are summed (g) or, under sp, reduce-scattered along the sequence (g-bar).
 
 With tp = 1 every operator is the identity, so the same classes form the reference model.
+
+Every parameter is made from its :class:`~colonnade.tensor_parallel.sharding.Sharding`
+declaration. Tying has one mechanism: a layer declares ``tied_to=<key>`` and
+:func:`tie_weights` resolves it over a rank's chunk (share that Parameter, or make a copy under
+the same key on a later pipeline stage).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch import nn
 
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.context import ParallelContext
-from colonnade.tensor_parallel.sharding import Sharding
+from colonnade.tensor_parallel.sharding import Sharding, tp_coords
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +178,9 @@ class VocabParallelEmbedding(nn.Module):
         if pad and ctx.tp_rank == 0:
             log.info("%s: vocab %d padded to %d (+%d zero rows) for tp=%d; the padded logits are "
                      "masked out of the loss and the output", key, vocab, vocab + pad, pad, ctx.tp)
-        self.weight = ctx.param(Sharding(f"{key}.weight", (vocab, hidden), dim=0, padded_rows=pad),
-                                std)
-        self.rows = self.weight.shape[0]
-        self.start = ctx.tp_rank * self.rows
+        spec = Sharding(f"{key}.weight", (vocab, hidden), dim=0, padded_rows=pad)
+        self.weight = ctx.param(spec, std)
+        (self.start, _), (self.rows, _) = spec.slice(tp_coords(ctx.tp_rank, ctx.tp))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
