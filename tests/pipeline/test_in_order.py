@@ -64,17 +64,23 @@ def stall_main(rank: int, store: str) -> None:
     """A throw-away rank: post the legacy groups in order, report how many completed, then
     exit without waiting for the stuck stream.
 
-    Rank 1 reports once its first group ({recv F0}) is done (up to 60 s on a loaded machine)
-    and 1.5 s more passed for a wrong second completion to show; rank 0 reports after 1.5 s
-    (its first group can never complete: waiting longer only makes a wrong completion show).
+    Ordered by store keys, not by racing sleeps: rank 1 counts once its first group ({recv F0})
+    is done (up to 60 s on a loaded machine) and 1.5 s more passed for a wrong second completion
+    to show; rank 0 (whose first group can never complete) counts after rank 1 has; neither
+    exits before both have counted (an exiting peer would fail the other's pending groups).
     """
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    keys = dist.distributed_c10d._get_default_store()
     comm = _posted_comm("legacy", True, ProcessGroups.build(ParallelDims(pp=2)))
     deadline = time.monotonic() + 60.0
     while rank == 1 and not comm.pending[0].done.is_set() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.5)
+    if rank == 0:
+        keys.wait(["counted1"])
     done = sum(p.done.is_set() for p in comm.pending)
+    keys.set(f"counted{rank}", "1")
+    keys.wait(["counted0", "counted1"])
     print(json.dumps({"rank": rank, "done": done, "groups": len(comm.pending)}), flush=True)
     os._exit(0)
 
