@@ -8,6 +8,7 @@ colonnade :class:`~colonnade.config.sections.Config`, so a planned layout is a r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from colonnade.analysis.activations import ATTENTION_KERNELS
@@ -45,9 +46,9 @@ class Workload:
             raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
                              "be >= 1.")
 
-    @property
+    @functools.cached_property
     def shape(self) -> LayerShape:
-        """Resolved model shape."""
+        """Resolved model shape (computed once per workload)."""
         return LayerShape.of(self.model)
 
     @property

@@ -32,6 +32,7 @@ exactly Narayanan et al. 2021 eq. (3); without recompute 72 B s l h^2 (1 + s/(6h
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from colonnade.config.sections import ModelConfig
@@ -62,12 +63,14 @@ class ArchFacts:
         return 2 if self.norm_has_bias else 1
 
 
+@functools.lru_cache(maxsize=128)
 def arch_facts(model: ModelConfig) -> ArchFacts:
     """The facts of ``model``'s architecture, read from its layer spec
     (:func:`colonnade.models.spec.arch_spec`: ``layer(i).mlp.matrices``,
     ``layer(i).norm.has_bias``, ``positions``); the one place they are resolved.
 
     Every layer must agree: the counts and the activation model assume identical layers.
+    Cached per config (the planner asks it for every layout it scores).
     """
     spec = arch_spec(model)
     facts = {ArchFacts(mlp_matrices=int(layer.mlp.matrices),

@@ -52,25 +52,37 @@ def _accounting() -> dict[str, Any]:
             "tp_calls": groups.stats.total("tp/", "calls")}
 
 
-def _async_exposed(delay_s: float) -> dict[str, Any]:
-    """Rank 1 joins an async all-reduce late; rank 0 overlaps it with a sleep, then waits."""
+def _async_exposed(delay_s: float, key: str) -> dict[str, Any]:
+    """Rank 1 joins an async all-reduce late; rank 0 overlaps it with "compute", then waits.
+
+    Ordered by store keys, not by sleeps racing each other: rank 1 posts ``delay_s`` after it
+    saw rank 0 post; rank 0 "computes" until rank 1 reports its all-reduce done, so rank 0's
+    wait() finds it complete whatever the load. Then rank 0 enters a blocking all-reduce that
+    rank 1 joins ``delay_s`` after rank 0 announced it: all of that time is exposed.
+    """
     groups = ProcessGroups.build(ParallelDims(dp=2))
+    store = dist.distributed_c10d._get_default_store()
     g = groups.dp
     t = torch.full((1000,), float(groups.rank + 1))
     if groups.rank == 1:
+        store.wait([f"{key}/posted0"])
         time.sleep(delay_s)
     handle = g.all_reduce(t, name="grads", async_op=True)
     assert handle is not None
     if groups.rank == 0:
-        time.sleep(2 * delay_s)  # "compute" that hides the collective
+        store.set(f"{key}/posted0", "1")
+        store.wait([f"{key}/done1"])  # "compute" that hides the collective
     handle.wait()
     handle.wait()  # idempotent: counted once
     entry = groups.stats.ops["dp/all_reduce/grads"]
-    # a blocking call on a late peer: all of its time is exposed
     if groups.rank == 1:
-        time.sleep(2 * delay_s)  # arrives ~delay_s after rank 0
+        store.set(f"{key}/done1", "1")
+        store.wait([f"{key}/blocking0"])
+        time.sleep(delay_s)  # arrives >= delay_s after rank 0 announced its blocking call
+    else:
+        store.set(f"{key}/blocking0", "1")
     s = torch.ones(3)
-    g.all_reduce(s, name="blocking")
+    g.all_reduce(s, name="blocking")  # a blocking call on a late peer: all of it exposed
     blocking = groups.stats.ops["dp/all_reduce/blocking"]
     return {"t0": float(t[0]), "calls": entry.calls, "waited": entry.waited_s,
             "in_flight": entry.in_flight_s, "b_waited": blocking.waited_s,
@@ -136,16 +148,20 @@ def test_byte_accounting_two_ranks(run_ranks: Callable[..., list[Any]]) -> None:
 
 
 def test_async_handle_exposed_time(run_ranks: Callable[..., list[Any]]) -> None:
-    delay = 0.4  # margins of ~0.2 s below: this machine's 2 cores are often shared
-    r0, r1 = run_ranks(2, _async_exposed, delay)
+    """Bounds that event order guarantees on a loaded machine, each failing a wrong clock:
+    in flight >= delay (rank 1 posted delay after rank 0), waited ~0 (done before wait()),
+    the blocking call's exposed time >= delay/2 (rank 1 joined delay after rank 0 announced
+    it; rank 0 may be descheduled between the announcement and the call, hence the half)."""
+    delay = 0.4
+    r0, r1 = run_ranks(2, _async_exposed, delay, f"exposed-{time.monotonic_ns()}")
     for res in (r0, r1):
         assert res["t0"] == 3.0
         assert res["calls"] == 1
         assert res["waited"] <= res["in_flight"] + 1e-9
         assert res["exposed_total"] == pytest.approx(res["waited"] + res["b_waited"])
-    # rank 0 posted first and slept 2*delay: the collective finished behind its "compute"
-    assert r0["in_flight"] >= 0.8 * 2 * delay
-    assert r0["waited"] < 0.5 * delay
+    # rank 0 posted first and computed until rank 1 was done: hidden behind its "compute"
+    assert r0["in_flight"] >= delay
+    assert r0["waited"] < 0.5 * delay < 0.5 * r0["in_flight"]
     # rank 0 waits for the late rank 1 in the blocking call: exposed ~ delay
     assert r0["b_waited"] >= 0.5 * delay
     assert r0["b_waited"] == pytest.approx(r0["b_in_flight"], abs=1e-3)
