@@ -143,8 +143,6 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     ckpt = resolve_checkpoint(path)
     config, full = read_full_model(ckpt)
     model: ModelConfig = config.model
-    if model.tie_embeddings:
-        full.pop("head.weight", None)
     out = Path(out)
     if out.exists():  # an empty or unrelated directory: the files go in beside what is there
         return write_hf(out, model, full, ckpt, dtype)
