@@ -189,6 +189,9 @@ def _degrees(c: Config, world: int | None) -> list[str]:
     p, out = c.parallel, []
     if p.cp != 1:
         out.append(f"parallel.cp={p.cp}: context parallelism is not implemented; set cp=1.")
+    if p.ep != 1:
+        out.append(f"parallel.ep={p.ep}: no layer has experts yet (mixture of experts is not "
+                   "implemented), so ep would change nothing; set ep=1.")
     if p.sp and p.tp == 1:
         out.append("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits the "
                    "tp regions); set sp=false or tp >= 2.")
@@ -228,6 +231,8 @@ def _expert_degrees(tp: int, cp: int, dp: int | None, ep: int,
     fits = [e for e in range(1, stage + 1) if stage % (e * etp) == 0]
     hint = (f"e.g. ep in {fits}" if fits else
             f"expert_tp={etp} alone does not divide {stage}: lower expert_tp (1 always fits)")
+    if etp > 1 and stage % ep == 0:
+        hint += f", or parallel.expert_tp=1 to keep ep={ep}"
     return [f"parallel.ep={ep} x parallel.expert_tp={etp}"
             f"{'' if expert_tp is not None else ' (= tp)'} = {folded} does not divide "
             f"parallel.tp={tp} x cp={cp} x dp={dp} = {stage}, the ranks of a pipeline stage "
