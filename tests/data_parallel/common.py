@@ -26,7 +26,6 @@ from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch
 from tests.parity import VOCAB, random_steps, resolved, tiny_model, train_step
 from tests.parity import rank_groups as shared_rank_groups
-from tests.parity import rel_err as rel_err  # re-exported: test_parity imports it from here
 
 
 def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,

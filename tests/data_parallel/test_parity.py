@@ -23,10 +23,10 @@ from tests.data_parallel.common import (
     merged_params,
     rank_train,
     reference_run,
-    rel_err,
     tiny_config,
     with_parallel,
 )
+from tests.parity import rel_err
 
 TOL = 1e-10
 FLOOR = 1e-3
