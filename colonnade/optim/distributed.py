@@ -12,8 +12,9 @@ the parameter buffer in place (8 or 16 bytes of moments). With ZeRO-1 the owned 
 Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), unscaled by the
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
 otherwise AdamW updates the masters with the scheduled LR from the gradients times
-clip_coefficient / S (applied inside the update: the main gradients stay as reduced), masters
-are cast into the parameter buffer and (ZeRO-1) gathered.
+clip_coefficient / S (:class:`colonnade.optim.adamw.FlatAdamW`: with the fused kernel the main
+gradients are multiplied by that coefficient in place first when it is not 1), masters are
+cast into the parameter buffer and (ZeRO-1) gathered.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from colonnade.config.sections import OptimConfig
 from colonnade.data_parallel.buffer import param_key
 from colonnade.data_parallel.ddp import DataParallel
-from colonnade.optim.adamw import AdamWHyper, adamw_update
+from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW
 from colonnade.optim.clip import clip_coefficient, global_norm, owns_grad
 from colonnade.optim.lr import lr_at
 from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -90,6 +91,8 @@ class DistributedOptimizer:
             self.grads.append(buffers.grad_data[lo:hi])
             offset += n
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size))
+        self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
+                               self.decayed, self._decay_groups())
         self.scaler: LossScaler = make_scaler(precision, cfg)
         self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
         self.step_count = 0
@@ -105,9 +108,33 @@ class DistributedOptimizer:
                 if p.ndim > 1:
                     decayed.append(interval)
                 (counted if owns_grad(p, coords) else rest).append(interval)
-        self.decayed = [self.masters[i][a:b] for i, a, b in _merge(decayed)]
+        self.decayed_intervals = _merge(decayed)
+        self.decayed = [self.masters[i][a:b] for i, a, b in self.decayed_intervals]
         self.counted = [self.grads[i][a:b] for i, a, b in _merge(counted)]
         self.uncounted = [self.grads[i][a:b] for i, a, b in _merge(rest)]
+
+    def _decay_groups(self) -> list[AdamWGroup]:
+        """The owned ranges split into decayed pieces and the rest (padding included), as
+        aligned views of masters, gradients and moments: the fused kernel's two calls."""
+        rest: list[Interval] = []
+        for i, (lo, hi) in enumerate(self.ranges):
+            cut = 0
+            for j, a, b in self.decayed_intervals:
+                if j == i:
+                    if a > cut:
+                        rest.append((i, cut, a))
+                    cut = b
+            if cut < hi - lo:
+                rest.append((i, cut, hi - lo))
+
+        def group(intervals: list[Interval], decay: bool) -> AdamWGroup:
+            def views(lists: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [lists[i][a:b] for i, a, b in intervals]
+
+            return AdamWGroup(views(self.masters), views(self.grads), views(self.exp_avgs),
+                              views(self.exp_avg_sqs), decay)
+
+        return [group(self.decayed_intervals, True), group(rest, False)]
 
     @property
     def loss_scale(self) -> float:
@@ -153,8 +180,7 @@ class DistributedOptimizer:
             return info
         coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
-        adamw_update(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs, self.decayed,
-                     self.step_count + 1, hp, grad_scale=coef)
+        self.adamw.update(self.step_count + 1, hp, grad_scale=coef)
         if self.own_masters:
             data = self.ddp.buffers.param_data
             with torch.no_grad():
