@@ -44,7 +44,9 @@ def rope_tables(cfg: ModelConfig, device: torch.device | None,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+d/2}) of x [b, n, s, d] by position angles cos/sin [s, d/2]."""
+    """Rotate pairs (x_i, x_{i+d/2}) of x [..., d] by position angles cos/sin broadcastable to
+    [..., d/2] (attention passes x [s, b, n, d] with cos/sin [s, 1, 1, d/2], or [s, b, 1, d/2]
+    per-token positions); the result is contiguous in x's dim order."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -106,6 +108,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str, layer: int) -> None:
         super().__init__()
         self.cfg, self.ctx, self.site = cfg, ctx, key
+        self.dropout_site = f"{key}.attn_dropout"
+        """The attention dropout's site, formatted once (no per-layer constant in a compiled
+        layer's graph)."""
         tp, d, h = ctx.tp, cfg.head_dim, cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_heads // tp, cfg.kv_heads // tp
         std = cfg.init_std
@@ -122,17 +127,22 @@ class Attention(nn.Module):
         d = self.cfg.head_dim
         q, k, v = column_parallel(x, [self.q, self.k, self.v])  # one tp entry for all three
         s, b = q.shape[0], q.shape[1]
-        q = q.view(s, b, self.heads, d).permute(1, 2, 0, 3)  # [b, a/tp, s, d]
-        k = k.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
-        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        q = q.view(s, b, self.heads, d)  # [s, b, a/tp, d]
+        k = k.view(s, b, self.kv_heads, d)  # [s, b, kv/tp, d]
         start = cache.length if cache is not None else 0
-        if rope is not None:
+        if rope is not None:  # rotated in [s, b, n, d] order: SDPA's output then keeps it
             if doc is not None and doc.positions is not None:
-                pos = doc.positions  # [b, s]
-                cos, sin = rope[0][pos].unsqueeze(1), rope[1][pos].unsqueeze(1)  # [b, 1, s, d/2]
+                pos = doc.positions.t()  # [s, b]
+                cos, sin = rope[0][pos].unsqueeze(2), rope[1][pos].unsqueeze(2)  # [s, b, 1, d/2]
             else:
-                cos, sin = rope[0][start:start + s], rope[1][start:start + s]  # [s, d/2]
+                cos = rope[0][start:start + s].unsqueeze(1).unsqueeze(1)  # [s, 1, 1, d/2]
+                sin = rope[1][start:start + s].unsqueeze(1).unsqueeze(1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [b, n, s, d] views of [s, b, n, d] memory: no copy in, and SDPA's output follows q's
+        # layout, so the [s, b, a/tp d] view of core_attention's result is free as well
+        q = q.permute(1, 2, 0, 3)  # [b, a/tp, s, d]
+        k = k.permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
         if cache is not None:
             cache.k[:, :, start:start + s] = k
             cache.v[:, :, start:start + s] = v
@@ -171,7 +181,7 @@ class Attention(nn.Module):
         p = self.cfg.attention_dropout if self.training else 0.0
         s, total = q.shape[2], k.shape[2]
         if p > 0.0:
-            spec = DropoutSpec(self.ctx.rng, f"{self.site}.attn_dropout", p,
+            spec = DropoutSpec(self.ctx.rng, self.dropout_site, p,
                                self.heads * self.ctx.tp, self.ctx.tp_rank * self.heads)
             out = dropout_attention(q, k, v, spec, mask)  # [b, a/tp, s, d]
         else:
@@ -202,6 +212,14 @@ def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,
     """
     if not training or p == 0.0:
         return x
+    return _draw_dropout(x, p, ctx, site)
+
+
+@torch.compiler.disable
+def _draw_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str) -> torch.Tensor:
+    """:func:`hidden_dropout`'s draw, always eager: inside a compiled layer dynamo calls it
+    without tracing it, so the tracker's (step, micro-batch) is read at every call, never
+    guarded on (see :mod:`colonnade.models.compile`)."""
     s_local = x.shape[0]
     if ctx.sp:
         full = (s_local * ctx.tp, *x.shape[1:])

@@ -31,7 +31,7 @@ from colonnade.models.layer import TransformerLayer
 from colonnade.models.spec import ArchSpec, arch_spec
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.context import ParallelContext
-from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, cross_entropy
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -172,8 +172,8 @@ class ModelChunk(nn.Module):
         logits = self.logits(x)  # [s, b, V'/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group,
-                                            self.cfg.vocab_size, self.label_smoothing)  # [s, b]
+        loss = cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size,
+                             self.label_smoothing)  # [s, b]
         if reduction == "sum":
             return loss.sum()
         if reduction != "mean":

@@ -12,6 +12,13 @@ probability and zero gradient. With label smoothing eps the target distribution 
 Loss mask: a target equal to ``IGNORE_INDEX`` (-100, PyTorch's and Hugging Face's convention;
 padding and SFT prompt tokens) gets loss 0 and gradient 0, label smoothing included. The caller
 divides the sum by the number of valid targets (see :mod:`colonnade.training.step`).
+
+:func:`cross_entropy` is the one place that picks the path: with one tp rank and an unpadded
+vocabulary (V' = V) nothing needs to cross ranks, and PyTorch's fused
+``F.cross_entropy(reduction='none', ignore_index=IGNORE_INDEX, label_smoothing=eps)`` computes
+the same per-token loss (log-softmax + gather, the same formula with smoothing; equal to
+~1e-15 in float64) with fewer kernels and no custom autograd node; otherwise the vocab-parallel
+function above.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from colonnade.parallel.comm import CommGroup
 
@@ -95,3 +103,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     """Per-token loss [s, b] of vocab-split logits [s, b, V'/tp] against targets [s, b]
     (0 where the target is IGNORE_INDEX)."""
     return VocabParallelCrossEntropy.apply(logits, targets, group, vocab, smoothing)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: CommGroup, vocab: int,
+                  smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss [s, b] of vocab-split logits [s, b, V'/tp] against targets [s, b]
+    (0 where the target is IGNORE_INDEX); fp32 for bf16/fp16 logits, gradient in the logits'
+    dtype. One tp rank and V' = V: ``F.cross_entropy`` over the [s b, V] view (see the module
+    docstring); else :func:`vocab_parallel_cross_entropy`."""
+    if group.size > 1 or logits.shape[-1] != vocab:
+        return vocab_parallel_cross_entropy(logits, targets, group, vocab, smoothing)
+    work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    loss = F.cross_entropy(work.reshape(-1, vocab), targets.reshape(-1), reduction="none",
+                           ignore_index=IGNORE_INDEX, label_smoothing=smoothing)  # [s b]
+    return loss.view(targets.shape)  # [s, b]

@@ -140,7 +140,15 @@ class RowParallelLinear(nn.Module):
                                0.0, "zeros") if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, in/tp] (or [s, b, in], ``input_is_parallel=False``) -> [s, b, out]
+        ([s/tp, b, out] under sp).
+
+        With tp = 1 this is ``F.linear(x, w, b)``: the bias fused into the matmul (addmm), no
+        mapping entered. With tp > 1 the bias is added once, after the partials are summed.
+        """
         ctx = self.ctx
+        if ctx.tp == 1:
+            return F.linear(x, self.weight, self.bias)  # [s, b, o]
         if not self.input_is_parallel:
             x = mp.split_last(x, ctx.group)  # [s, b, in/tp]
         if ctx.sp:

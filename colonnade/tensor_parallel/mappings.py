@@ -13,6 +13,9 @@ Named after the operators of the papers (Shoeybi et al. 2019, Korthikanti et al.
 
 Activations are [s, b, h]; the sequence is dim 0 so the sp collectives work on contiguous
 blocks. Every collective goes through :class:`~colonnade.parallel.comm.CommGroup`.
+
+With one tp rank every operator is the identity, and the functions below return their input
+itself: no autograd node is made and no CommGroup method is called (degree 1 costs nothing).
 """
 
 from __future__ import annotations
@@ -169,35 +172,37 @@ class OpSplitLast(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """f."""
-    return OpF.apply(x, group)
+    """f (the identity, no autograd node, when tp = 1)."""
+    return x if group.size == 1 else OpF.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g."""
-    return OpG.apply(x, group)
+    """g (the identity, no autograd node, when tp = 1)."""
+    return x if group.size == 1 else OpG.apply(x, group)
 
 
 def gather_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g of sequence parallelism."""
-    return OpGSeq.apply(x, group)
+    """g of sequence parallelism (the identity when tp = 1)."""
+    return x if group.size == 1 else OpGSeq.apply(x, group)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g-bar of sequence parallelism."""
-    return OpGBarSeq.apply(x, group)
+    """g-bar of sequence parallelism (the identity when tp = 1)."""
+    return x if group.size == 1 else OpGBarSeq.apply(x, group)
 
 
 def split_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """Enter a sequence-parallel region from a replicated one."""
-    return OpSplitSeq.apply(x, group)
+    """Enter a sequence-parallel region from a replicated one (the identity when tp = 1)."""
+    return x if group.size == 1 else OpSplitSeq.apply(x, group)
 
 
 def gather_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """Leave a tp region along the last dim (e.g. gather_output of a column layer)."""
-    return OpGatherLast.apply(x, group)
+    """Leave a tp region along the last dim (e.g. gather_output of a column layer); the
+    identity when tp = 1."""
+    return x if group.size == 1 else OpGatherLast.apply(x, group)
 
 
 def split_last(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """Enter a tp region along the last dim (a row layer whose input is not yet parallel)."""
-    return OpSplitLast.apply(x, group)
+    """Enter a tp region along the last dim (a row layer whose input is not yet parallel);
+    the identity when tp = 1."""
+    return x if group.size == 1 else OpSplitLast.apply(x, group)
