@@ -297,6 +297,12 @@ class TrainingConfig:
     """On CUDA, run fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa
     inputs, fp32 accumulate); MFU of fp32 runs is then against the TF32 peak. False keeps
     IEEE fp32 (the much lower fp32 peak). No effect on CPU or on bf16/fp16/fp64 maths."""
+    compile: bool = False
+    """torch.compile each transformer layer (TorchInductor, dynamic=False; torchtitan's
+    recipe): one graph shared by every layer, fused kernels, the same results as eager up to
+    floating-point reassociation. The first step pays the compilation (tens of seconds; cached
+    on disk for the next run); a CPU run needs a C++ compiler. Embedding, head, loss,
+    collectives and dropout masks stay eager (see colonnade.models.compile)."""
 
 
 @dataclass(frozen=True, kw_only=True)

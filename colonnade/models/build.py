@@ -6,6 +6,7 @@ import torch
 
 from colonnade.config.choices import PRECISIONS
 from colonnade.config.sections import Config
+from colonnade.models.compile import compile_layers
 from colonnade.models.gpt import ModelChunk
 from colonnade.models.recompute import RecomputePlan
 from colonnade.models.recompute import install as install_recompute
@@ -49,7 +50,9 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     Initial weights are bit-identical to the single-process model's in every layout: each
     rank builds only its shard, from blocks drawn from (seed, global name, block index)
     (:func:`colonnade.tensor_parallel.sharding.init_shard`). The activation
-    recomputation plan of ``config.training`` is installed on every chunk.
+    recomputation plan of ``config.training`` is installed on every chunk, and with
+    ``training.compile`` every transformer layer is compiled
+    (:func:`colonnade.models.compile.compile_layers`; compilation happens at the first step).
     """
     par = config.parallel
     ctx = make_context(config, groups, device, dtype)
@@ -62,17 +65,25 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
                            label_smoothing=config.training.label_smoothing, spec=spec)
         chunks.append(chunk.to(device) if device is not None else chunk)
     install_recompute(chunks, RecomputePlan.from_config(config.training))
+    if config.training.compile:
+        compile_layers(chunks)
     return chunks
 
 
 def build_reference(config: Config, dtype: torch.dtype | None = None,
                     device: torch.device | None = None, spec: ArchSpec | None = None
                     ) -> ModelChunk:
-    """The single-process model (tp = pp = 1, no sp) of the same config, seed and spec."""
+    """The single-process model (tp = pp = 1, no sp) of the same config, seed and spec.
+
+    Never compiled (``training.compile`` is ignored): it serves generation with KV caches,
+    export and the analysis models, which run a forward or two; call
+    :func:`~colonnade.models.compile.compile_layers` on it to compile it.
+    """
     import dataclasses
 
     single = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, tp=1, pp=1, vp=1, dp=1, sp=False,
-                                             tp_comm_chunks=1, pipeline_layout=None))
+                                             tp_comm_chunks=1, pipeline_layout=None),
+        training=dataclasses.replace(config.training, compile=False))
     (chunk,) = build_chunks(single, ProcessGroups.single(), device, dtype, spec)
     return chunk

@@ -52,6 +52,7 @@ class _RestoreContext:
         self.rng.set_context(*self._before.pop())
 
 
+@torch.compiler.disable
 def checkpoint(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any) -> torch.Tensor:
     """``fn(*args)`` with its activations recomputed in backward instead of stored.
 
@@ -59,7 +60,9 @@ def checkpoint(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any) -> 
     The dropout context (``rng.step``, ``rng.microbatch``) current now is reinstated while
     ``fn`` is recomputed, so every mask is reproduced even if the context has moved on to
     another micro-batch by the time backward runs.  Without autograd (eval, ``no_grad``) this
-    is a plain call.
+    is a plain call. Never traced by torch.compile (dynamo cannot trace a custom
+    ``context_fn``): inside a compiled layer it is an eager island, and compiled layers called
+    by ``fn`` still run compiled (see :mod:`colonnade.models.compile`).
     """
     if not torch.is_grad_enabled():
         return fn(*args)

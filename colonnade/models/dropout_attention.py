@@ -139,13 +139,15 @@ class BlockwiseDropoutAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+@torch.compiler.disable
 def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: DropoutSpec,
                       mask: torch.Tensor | None = None,
                       budget: int = BLOCK_ELEMENTS) -> torch.Tensor:
     """Attention with dropout ``spec`` on the probabilities; q [b, a, s, d], k/v [b, kv, S, d],
     ``mask`` [b, 1, s, S] (True: may attend) or None for bottom-right causal. Returns
     [b, a, s, d] whose memory is [s, b, a, d] (so the [s, b, a d] view is free). Query blocks
-    hold <= ``budget`` score elements (:func:`block_rows`)."""
+    hold <= ``budget`` score elements (:func:`block_rows`). Always eager (a compiled layer
+    calls it without tracing it: its masks come from the tracker's context at call time)."""
     rows = block_rows(q.shape[0], q.shape[1], q.shape[2], k.shape[2], budget)
     out: torch.Tensor = BlockwiseDropoutAttention.apply(q, k, v, spec, mask, rows)
     return out

@@ -29,12 +29,15 @@ class TransformerLayer(nn.Module):
         self.attn = spec.attention(cfg, ctx, f"{key}.attn", index)
         self.mlp_norm = spec.norm(cfg, ctx, f"{key}.mlp_norm")
         self.mlp = spec.mlp(cfg, ctx, f"{key}.mlp", index)
+        self.attn_out_site, self.mlp_out_site = f"{key}.attn_out", f"{key}.mlp_out"
+        """Dropout site names, formatted once: forward passes them untouched, so a compiled
+        layer's graph holds no per-layer constant and every layer shares it."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]; ``rope``: cos, sin [S, d/2] or None."""
         p = self.cfg.hidden_dropout
         a = self.attn(self.attn_norm(x), rope, cache, doc)
-        x = x + hidden_dropout(a, p, self.ctx, f"{self.key}.attn_out", self.training)
+        x = x + hidden_dropout(a, p, self.ctx, self.attn_out_site, self.training)
         m = self.mlp(self.mlp_norm(x))
-        return x + hidden_dropout(m, p, self.ctx, f"{self.key}.mlp_out", self.training)
+        return x + hidden_dropout(m, p, self.ctx, self.mlp_out_site, self.training)
