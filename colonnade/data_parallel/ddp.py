@@ -4,9 +4,12 @@ bucketed parameter all-gather overlapped with the next forward.
 Gradient accumulation: every parameter's gradient lands in its ``main_grad`` view of the flat
 fp32 gradient buffer: directly (fp32 / fp64 models: ``param.grad`` is that view, autograd adds
 in place) or through a post-accumulate-grad hook that adds the bf16 / fp16 ``param.grad`` into
-it and frees it. Nothing is communicated until the step's last micro-batch: the training step
-calls the hook returned by :meth:`DataParallel.grad_sync_hook` before the backward of
-micro-batch k, which turns the sync on for k = m - 1 only. During that backward, each hook
+it and frees it. With a reduction group of one rank and the model in the gradient dtype there
+is nothing for a hook to do: none is registered, and the sync, launch and gather calls return
+at once (a degree-1 data parallelism costs nothing). Nothing is communicated until the step's
+last micro-batch: the training step calls the hook returned by
+:meth:`DataParallel.grad_sync_hook` before the backward of micro-batch k, which turns the sync
+on for k = m - 1 only. During that backward, each hook
 marks its parameter ready; when every parameter of a bucket is ready (and
 ``overlap_grad_reduce``) the bucket's reduction is launched asynchronously at once:
 
@@ -78,9 +81,15 @@ class DataParallel:
         self._sync = False
         self.launched_in_backward = 0
         """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
-        for p in self.buffers.params:  # hooks live as long as the parameters
-            p.register_post_accumulate_grad_hook(self._on_grad)
-        if self.sharded and cfg.overlap_param_gather:
+        self.alias = self.buffers.param_dtype == self.buffers.grad_dtype
+        """Whether ``param.grad`` is the ``main_grad`` view (autograd adds into the buffer)."""
+        self.hooked = group.size > 1 or not self.alias
+        """Whether post-accumulate hooks are registered (to reduce across ranks or to fold a
+        bf16 / fp16 gradient into main_grad); neither is needed for dp x cp = 1 in fp32/fp64."""
+        if self.hooked:
+            for p in self.buffers.params:  # hooks live as long as the parameters
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        if self.sharded and cfg.overlap_param_gather and group.size > 1:
             self._install_pre_forward_hooks(chunks)
         self.zero_grad()
 
@@ -106,11 +115,11 @@ class DataParallel:
         fp16) is folded into the fp32 ``main_grad`` by the hook and freed.
         """
         self.buffers.grad_data.zero_()
-        alias = self.buffers.param_dtype == self.buffers.grad_dtype
         for p in self.buffers.params:
-            p.grad = p.main_grad if alias else None  # type: ignore[attr-defined]
+            p.grad = p.main_grad if self.alias else None  # type: ignore[attr-defined]
         self.launched_in_backward = 0
-        self._reset()
+        if self.group.size > 1:
+            self._reset()
 
     def _reset(self) -> None:
         for ready in self._ready:
@@ -135,7 +144,7 @@ class DataParallel:
         if grad.data_ptr() != main.data_ptr():
             main.add_(grad)
             param.grad = main if grad.dtype == main.dtype else None
-        if not self._sync:
+        if not self._sync or self.group.size == 1:
             return
         index = self.buffers.slot(param).bucket  # type: ignore[arg-type]
         if self._grad_handles[index] is not None:
@@ -172,8 +181,11 @@ class DataParallel:
         """Launch every bucket not launched yet (overlap off, or unused params), wait for all.
 
         Afterwards main_grad holds the dp-averaged gradient: everywhere (DDP) or on this
-        rank's owned ranges (ZeRO-1; elsewhere the buffer holds stale local values).
+        rank's owned ranges (ZeRO-1; elsewhere the buffer holds stale local values). One rank:
+        the buffer already is the result, nothing is called.
         """
+        if self.group.size == 1:
+            return
         for index in range(len(self.buckets)):
             if self._grad_handles[index] is None:
                 self._launch_reduce(index)
@@ -185,8 +197,9 @@ class DataParallel:
     # ------------------------------------------------------------------ parameters (ZeRO-1)
 
     def start_param_gather(self) -> None:
-        """All-gather every bucket's updated shards into param_data, in forward order."""
-        if not self.sharded:
+        """All-gather every bucket's updated shards into param_data, in forward order (one
+        rank: its shard is the whole buffer, nothing to gather)."""
+        if not self.sharded or self.group.size == 1:
             return
         for bucket in reversed(self.buckets):
             lo, hi = self.buffers.shard(bucket, self.rank)

@@ -26,8 +26,11 @@ def owns_grad(param: torch.nn.Parameter, coords: Coords) -> bool:
 
 def global_norm(local_sq: torch.Tensor, groups: Iterable[CommGroup]) -> torch.Tensor:
     """sqrt of the sum over ``groups`` of per-rank sums of squares (float64 scalar)."""
+    live = [g for g in groups if g.size > 1]
+    if not live:  # one rank in every group: nothing to sum, no collective entered
+        return local_sq.detach().to(torch.float64).sqrt()
     total = local_sq.detach().to(torch.float64).reshape(1).clone()
-    for group in groups:
+    for group in live:
         group.all_reduce(total, name="grad_norm")
     return total.sqrt()[0]
 

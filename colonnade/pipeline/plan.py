@@ -78,12 +78,14 @@ class StepPlan:
 
 def count_tokens(batches: list[Batch], groups: ProcessGroups) -> int:
     """Valid tokens of the global batch: this rank's micro-batches, all-reduced over dp (the
-    dp x cp group that reduces gradients, so the count and the averaging agree)."""
+    dp x cp group that reduces gradients, so the count and the averaging agree; not entered
+    when that group is one rank)."""
     if not batches:
         raise ValueError("a step needs at least one micro-batch")
     labels = [lab for _, lab in batches]
     local = torch.stack([valid_tokens(lab) for lab in labels]).sum().reshape(1)  # [1] int64
-    groups.dp_cp.all_reduce(local, name="loss_tokens")  # the gradient reduction's group
+    if groups.dp_cp.size > 1:
+        groups.dp_cp.all_reduce(local, name="loss_tokens")  # the gradient reduction's group
     return int(local.item())
 
 

@@ -54,11 +54,13 @@ def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
     weights = [1.0] * len(losses)
     if batches is not None and losses:  # one device-to-host copy
         weights = torch.stack([valid_tokens(lab) for _, lab in batches]).double().tolist()
-    total = sum(w * v for w, v in zip(weights, losses, strict=True))
-    t = torch.tensor([total, sum(weights)], dtype=torch.float64, device=device)
-    groups.world.all_reduce(t, name="log_loss")
-    if t[1] > 0:
-        return float(t[0] / t[1])
+    total, count = sum(w * v for w, v in zip(weights, losses, strict=True)), sum(weights)
+    if groups.world.size > 1:  # one rank: the same float64 division, no tensor, no collective
+        t = torch.tensor([total, count], dtype=torch.float64, device=device)
+        groups.world.all_reduce(t, name="log_loss")
+        total, count = t.tolist()
+    if count > 0:
+        return total / count
     # every label of the global batch masked: nothing is trained on (zero gradients), loss 0
     return 0.0 if batches is not None else float("nan")
 

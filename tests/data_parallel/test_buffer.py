@@ -1,7 +1,11 @@
 """Flat buffers and buckets: backward order, bucket boundaries, padding, views, isolation,
-and the single-rank hook path (accumulation into main_grad, sync only on the last pass)."""
+and the hook path: none on one fp32/fp64 rank, bf16 folding into main_grad, and on two ranks
+the sync only in the last pass."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +14,9 @@ from torch import nn
 from colonnade.config.sections import ParallelConfig
 from colonnade.data_parallel import ALIGN, DataParallel, FlatBuffers
 from colonnade.parallel.comm import CommGroup, CommStats
+from colonnade.parallel.dims import ParallelDims
 from colonnade.tensor_parallel.sharding import Sharding
+from tests.parity import rank_groups
 
 
 def _params(*sizes: int, names: tuple[str, ...] = ()) -> list[nn.Parameter]:
@@ -85,11 +91,13 @@ def test_bad_input_is_named() -> None:
         FlatBuffers([mixed], bucket_size=10)
 
 
-def test_accumulation_and_sync_only_on_last_microbatch() -> None:
-    """One rank: grads add into main_grad over 3 passes; buckets launch only in the last."""
+def test_one_rank_fp64_has_no_hooks_and_accumulates_in_place() -> None:
+    """One rank, fp64: no hook, nothing launched; grads add into main_grad over 3 passes."""
     lin = nn.Linear(4, 3, dtype=torch.float64)
     group = CommGroup("dp_cp", [0], None, CommStats(), 0)
     ddp = DataParallel([lin], group, ParallelConfig(bucket_size=1))
+    assert not ddp.hooked
+    assert all(not p._post_accumulate_grad_hooks for p in lin.parameters())  # type: ignore
     x = torch.randn(5, 4, dtype=torch.float64)
     ddp.zero_grad()
     sync = ddp.grad_sync_hook(3)
@@ -98,12 +106,54 @@ def test_accumulation_and_sync_only_on_last_microbatch() -> None:
         lin(x).sum().backward()
         assert lin.weight.grad.data_ptr() == lin.weight.main_grad.data_ptr(), (  # type: ignore
             "fp64 model: autograd accumulates straight into the flat buffer")
-        assert ddp.launched_in_backward == (2 if k == 2 else 0)
+        assert ddp.launched_in_backward == 0
     ddp.finish_grad_sync()
     want = 3 * torch.ones(5, 3, dtype=torch.float64).t() @ x  # d/dW sum(xW^T+b), 3 passes
     torch.testing.assert_close(lin.weight.main_grad, want)  # type: ignore[attr-defined]
     torch.testing.assert_close(lin.bias.main_grad,  # type: ignore[attr-defined]
                                torch.full((3,), 15.0, dtype=torch.float64))
+    assert group.stats.snapshot() == {}, "no collective was entered"
+
+
+def _two_rank_accumulation() -> dict[str, Any]:
+    """Rank side: 3 passes with sync on the last; then one pass too many after a launch."""
+    groups = rank_groups(ParallelDims(dp=2))
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3, dtype=torch.float64)
+    ddp = DataParallel([lin], groups.dp_cp, ParallelConfig(bucket_size=1))
+    x = torch.full((5, 4), float(groups.dp_cp.rank + 1), dtype=torch.float64)
+    sync = ddp.grad_sync_hook(3)
+    launched = []
+    for k in range(3):
+        sync(k)
+        lin(x).sum().backward()
+        launched.append(ddp.launched_in_backward)
+    ddp.finish_grad_sync()
+    out: dict[str, Any] = {"hooked": ddp.hooked, "launched": launched,
+                           "weight": lin.weight.main_grad.clone()}  # type: ignore[attr-defined]
+    ddp.zero_grad()
+    ddp.grad_sync_hook(1)(0)
+    lin(x).sum().backward()
+    try:
+        lin(x).sum().backward()
+        out["error"] = ""
+    except RuntimeError as err:
+        out["error"] = str(err)
+    ddp.finish_grad_sync()
+    return out
+
+
+def test_two_ranks_launch_only_in_the_last_pass(run_ranks: Callable[..., list[Any]]) -> None:
+    """dp2, fp64: hooks mark readiness only in the last pass (2 buckets launched then), the
+    averaged gradient is 3 x mean over ranks; a second accumulation into a launched bucket
+    (it would race the reduction) is an error naming the fix."""
+    results = run_ranks(2, _two_rank_accumulation)
+    # d/dW sum(x W^T + b) over 5 rows of value c: 5c per entry; mean of c = 1, 2 is 1.5
+    want = torch.full((3, 4), 3 * 5 * 1.5, dtype=torch.float64)
+    for res in results:
+        assert res["hooked"] and res["launched"] == [0, 0, 2]
+        torch.testing.assert_close(res["weight"], want, rtol=0, atol=0)
+        assert "arrived after its bucket" in res["error"]
 
 
 def test_low_precision_grads_fold_into_fp32_main_grad() -> None:
@@ -119,16 +169,3 @@ def test_low_precision_grads_fold_into_fp32_main_grad() -> None:
     ddp.finish_grad_sync()
     torch.testing.assert_close(lin.weight.main_grad,  # type: ignore[attr-defined]
                                torch.full((3, 4), 4.0))
-
-
-def test_gradient_after_launch_is_an_error() -> None:
-    """A second accumulation into an already launched bucket would race the reduction."""
-    lin = nn.Linear(2, 2, dtype=torch.float64)
-    group = CommGroup("dp_cp", [0], None, CommStats(), 0)
-    ddp = DataParallel([lin], group, ParallelConfig(bucket_size=1))
-    ddp.grad_sync_hook(1)(0)
-    x = torch.ones(1, 2, dtype=torch.float64)
-    lin(x).sum().backward()
-    assert ddp.launched_in_backward == 2
-    with pytest.raises(RuntimeError, match="arrived after its bucket"):
-        lin(x).sum().backward()
