@@ -1,6 +1,13 @@
 """Colonnade tensor parallelism against PyTorch DTensor tensor parallelism, tp=2 on gloo CPUs.
 
     .venv/bin/python benchmarks/tensor_parallel.py [--rounds 15] [--steps 1] [--quick] [--json PATH]
+    .venv/bin/python benchmarks/tensor_parallel.py --workload gpt2-tiny|llama-tiny [--rounds 15]
+
+``--workload gpt2-tiny`` / ``llama-tiny`` (issue 19's workloads): FULL training steps of the
+whole model (embedding, blocks, head, loss, AdamW) against DTensor plans with and without
+SequenceParallel, in benchmarks/tensor_parallel_train.py (its docstring says how), written to
+benchmarks/results/tensor_parallel_<workload>.json with a top-level "rows" list. The default
+``--workload layers`` is the layer-stack comparison below.
 
 The same llama layer stack (RMSNorm, RoPE, GQA attention, SwiGLU; no embedding/head, so the
 comparison is about the tp layers) with bit-identical initial weights runs three ways on the
@@ -405,8 +412,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny shape, 2 rounds (smoke test)")
-    parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--workload", default="layers",
+                        choices=["layers", "gpt2-tiny", "llama-tiny"],
+                        help="layers: the layer stack (forward + backward); a workload name: "
+                             "full training steps of that model (tensor_parallel_train.py)")
     args = parser.parse_args()
+    if args.workload != "layers":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from tensor_parallel_train import run
+
+        run(args.workload, 2 if args.quick else args.rounds, args.steps, args.json)
+        return
+    args.json = args.json or RESULTS
     shape = QUICK if args.quick else FULL
     rounds = 3 if args.quick else args.rounds
     begin = time.perf_counter()

@@ -192,8 +192,8 @@ class PlainBlock(nn.Module):
             self.proj = nn.Linear(4 * h, h, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         y = self.attn_norm(x)  # [b, s, h]
+        b, s, _ = y.shape  # y's: under sequence parallelism x may hold s/tp rows, y all s
         q = self.q(y).view(b, s, -1, self.d).transpose(1, 2)  # [b, a, s, d]
         k = self.k(y).view(b, s, -1, self.d).transpose(1, 2)  # [b, kv, s, d]
         v = self.v(y).view(b, s, -1, self.d).transpose(1, 2)  # [b, kv, s, d]
