@@ -1,96 +1,106 @@
-"""Data parallelism side by side: Colonnade DDP / ZeRO-1 vs torch DDP and FSDP2, dp = 2.
+"""Data parallelism side by side, dp = 2: Colonnade DDP / ZeRO-1 against torch DDP, FSDP2 and
+DeepSpeed ZeRO-0/1/2, full training steps of the same model, weights and data.
 
-    .venv/bin/python benchmarks/data_parallel.py [--rounds 5] [--steps 4] [--json PATH] [--quick]
+    .venv/bin/python benchmarks/data_parallel.py [--workload gpt2-tiny] [--rounds 5] [--steps 4]
+        [--warmup 2] [--micro-batch 0] [--bucket N] [--variants ...] [--quick] [--json PATH]
 
-One pool of 2 gloo CPU ranks (one compute thread each) trains the same llama model (same seed,
-same data, fp32, AdamW, clipping at 1.0, 2 micro-batches of gradient accumulation) with:
+One pool of 2 gloo CPU ranks (one compute thread each) trains issue 19's workload
+(benchmarks/workloads.py: gpt2-tiny by default, or llama-tiny; fp32, AdamW at a constant lr,
+no clipping, global batch split over the ranks, ``global / (2 micro_batch)`` micro-batches of
+accumulation per rank) with:
 
-  baseline          the bare model and torch AdamW, no communication at all (compute floor)
-  colonnade_ddp     DataParallel all-reduce buckets + DistributedOptimizer, overlap on / off
-  colonnade_zero1   reduce-scatter buckets, sharded AdamW, bucketed param all-gather, on / off
-  torch_ddp         torch.nn.parallel.DistributedDataParallel (no_sync while accumulating)
-  torch_fsdp2       torch.distributed.fsdp.fully_shard per layer + root (reshard after forward,
-                    gradient sync only on the last micro-batch)
+  colonnade_ddp       ``Trainer.train_step`` (what ``colonnade train`` runs): all-reduce buckets
+                      overlapped with backward, AdamW on the flat buffer
+  colonnade_zero1     the same with parallel.use_distributed_optimizer (reduce-scatter buckets,
+                      AdamW on this rank's shard, bucketed parameter all-gather)
+  torch_ddp           DistributedDataParallel(plain model), no_sync while accumulating,
+                      torch.optim.AdamW (foreach)
+  torch_fsdp2         fully_shard per block + root, gradient sync on the last micro-batch only
+  deepspeed_zero0/1/2 deepspeed.initialize(plain model, torch AdamW, ZeRO stage 0/1/2, fp32,
+                      gradient_clipping 0): only when ``import deepspeed`` works (see below)
+  (optional, ``--variants``) colonnade_ddp_no_overlap, colonnade_zero1_no_overlap, and
+  baseline: the plain model and AdamW on each rank with no communication (compute floor)
 
-Every variant uses the same bucket size (parallel.bucket_size elements; torch DDP gets
-bucket_cap_mb = the same bytes; FSDP2 has no bucket size: its unit is one layer). Variants are
-interleaved round by round (order rotated), each run builds a fresh model, warms up, times
-``steps`` steps; the table shows medians over all measured steps.
+The plain model and AdamW groups are workloads.py's (Colonnade's initial weights, decay on
+matrices only). Every framework keeps its own default bucket sizes unless ``--bucket`` (elements)
+sets Colonnade's parallel.bucket_size, DDP's bucket_cap_mb and DeepSpeed's reduce / all-gather
+bucket sizes to the same bytes.
 
-Columns: step time (median, best), tokens/s, throughput ratio to torch DDP (median over rounds
-of the paired ratio: each run against torch DDP's run of the same round and rank; and "best",
-the ratio of the fastest steps, the least disturbed by other load on a shared machine), bytes
-on the wire per rank and step (Colonnade: counted by colonnade.parallel.comm; torch DDP:
-2(n-1)/n x grad bytes, exact since every gradient is all-reduced once; FSDP2: counted by
-wrapping dist.all_gather_single / reduce_scatter_single), peak RSS growth of the rank during
-the run (glibc mmap threshold pinned so freed tensors leave the RSS), model-state bytes
-(params + grads + optimizer state), and exposed communication: for Colonnade the time the
-caller blocked in Handle.wait on dp collectives (measured); for every variant step time minus
-the baseline's (an estimate).
-"Hidden" = 1 - exposed(overlap on) / exposed(overlap off) of the gradient reduction, from the
-median runs and ("_best") from the least-disturbed runs.
+Each run builds a variant fresh, runs ``warmup`` steps (the first two are the loss check: every
+variant's global mean loss must equal Colonnade DDP's to 1e-6, workloads.first_loss_check) and
+times ``steps`` steps. Variants are interleaved round by round (order rotated). Reported: per
+variant the median step time over rounds, steps and ranks, and tokens/s = global tokens per step
+/ step time; per issue row (dp2: Colonnade DDP vs torch DDP, DeepSpeed ZeRO-0; dp2 + ZeRO-1:
+Colonnade ZeRO-1 vs DeepSpeed ZeRO-1/2, FSDP2) the fastest peer by median tokens/s and the
+median and quartiles over rounds of the per-round ratio t_peer / t_colonnade (same round: drift
+between rounds cancels). Colonnade's wire bytes and the time blocked in dp waits come from
+colonnade.parallel.comm's counters.
 
-Writes benchmarks/results/data_parallel.json.
+DeepSpeed (../shared/PEERS.md): ``DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
+deepspeed`` then ``pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" tqdm
+packaging``; it runs with DS_ACCELERATOR=cpu (set here). Without it the DeepSpeed variants are
+left out and the script says how to install it.
+
+Writes benchmarks/results/data_parallel.json (top-level ``rows`` for benchmarks/peer_table.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-
-from colonnade.config.sections import (
-    Config,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainingConfig,
+from workloads import (
+    WORKLOADS,
+    Batch,
+    Workload,
+    batches,
+    colonnade_config,
+    first_loss_check,
+    plain_loss,
+    plain_model,
+    plain_optimizer,
 )
-from colonnade.config.validate import resolve, validate
-from colonnade.data.synthetic import random_steps
-from colonnade.data_parallel import build_data_parallel
-from colonnade.models.build import build_chunks, build_reference
-from colonnade.optim.distributed import DistributedOptimizer
+
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
-from colonnade.pipeline.plan import StepPlan
-from colonnade.training.step import forward_backward
+from colonnade.training.loop import Trainer
+from colonnade.training.setup import Runtime
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_parallel.json"
-VARIANTS = ("baseline", "colonnade_ddp", "colonnade_ddp_no_overlap", "colonnade_zero1",
-            "colonnade_zero1_no_overlap", "torch_ddp", "torch_fsdp2")
-
-
-def make_config(quick: bool, bucket: int) -> Config:
-    """The benchmark model: llama h=256 (h=128 quick), 4 layers, vocab 2048, seq 64, b 2."""
-    h = 128 if quick else 256
-    cfg = Config(
-        model=ModelConfig(arch="llama", num_layers=4, hidden_size=h, num_heads=8,
-                          vocab_size=2048, max_seq_len=64),
-        parallel=ParallelConfig(dp=2, bucket_size=bucket),
-        training=TrainingConfig(steps=1000, seq_len=64, micro_batch_size=2, microbatches=2,
-                                precision="fp32", seed=1, eval_interval=0),
-        optim=OptimConfig(lr=1e-4, warmup_steps=0, clip_grad=1.0),
-    )
-    return validate(resolve(cfg, 2), 2)
+DP = 2
+CORE = ("colonnade_ddp", "colonnade_zero1", "torch_ddp", "torch_fsdp2")
+DEEPSPEED = ("deepspeed_zero0", "deepspeed_zero1", "deepspeed_zero2")
+OPTIONAL = ("colonnade_ddp_no_overlap", "colonnade_zero1_no_overlap", "baseline")
+ROWS = {  # issue 19's rows: layout -> (Colonnade variant, its peers)
+    "dp2": ("colonnade_ddp", ("torch_ddp", "deepspeed_zero0")),
+    "dp2 + ZeRO-1": ("colonnade_zero1", ("deepspeed_zero1", "deepspeed_zero2", "torch_fsdp2")),
+}
+INSTALL = ('DS_BUILD_OPS=0 .venv/bin/pip install --no-deps --no-build-isolation deepspeed && '
+           '.venv/bin/pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" '
+           'tqdm packaging')
+StepFn = Callable[[list[Batch]], float]
 
 
 class RssPeak:
-    """Samples this process's resident set every millisecond; ``peak`` minus ``start``."""
+    """Samples this process's resident set every millisecond; ``stop`` gives peak - start."""
 
     def __init__(self) -> None:
         self.start = self.peak = self._rss()
@@ -111,223 +121,180 @@ class RssPeak:
         """Stop sampling; returns the peak growth in bytes."""
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        return self.peak - self.start
-
-
-def _batches(cfg: Config, rank: int, count: int) -> list[list[tuple[torch.Tensor, ...]]]:
-    return random_steps(cfg, count, seed=100 + rank)
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def _torch_state(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> int:
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    grads = [g.to_local() if hasattr(g, "to_local") else g
-             for g in (p.grad for p in params) if g is not None]
-    states = [v for s in opt.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.numel() > 1]
-    states = [v.to_local() if hasattr(v, "to_local") else v for v in states]
-    return _storage_bytes([t.detach() for t in local]) + _storage_bytes(grads) + \
-        _storage_bytes(states)
+        return max(self.peak, self._rss()) - self.start
 
 
 # ----------------------------------------------------------------------------- variants
 
 
-def _colonnade(cfg: Config, zero: bool, overlap: bool, data: list[Any]) -> tuple[Any, Any]:
-    import dataclasses
-
-    par = dataclasses.replace(cfg.parallel, use_distributed_optimizer=zero,
-                              overlap_grad_reduce=overlap, overlap_param_gather=overlap)
-    cfg = dataclasses.replace(cfg, parallel=par)
-    groups = ProcessGroups.build(ParallelDims(dp=2))
-    chunks = build_chunks(cfg, groups)
-    ddp = build_data_parallel(chunks, cfg, groups)
-    opt = DistributedOptimizer(ddp, cfg.optim, groups, cfg.training.steps, "fp32")
-    m = cfg.training.microbatches or 1
-
-    def step(batches: list[Any]) -> None:
-        opt.zero_grad()
-        plan = StepPlan(groups, 0, grad_sync=ddp.grad_sync_hook(m))
-        forward_backward(chunks, batches, plan)
-        ddp.finish_grad_sync()
-        opt.step()
-
-    def facts() -> dict[str, Any]:
-        params = list(ddp.buffers.params)
-        return {"state_bytes": ddp.buffers.param_data.nbytes + ddp.buffers.grad_data.nbytes
-                + opt.state_bytes(), "buckets": len(ddp.buckets),
-                "num_params": sum(p.numel() for p in params)}
-
-    return step, (groups, facts)
+def _colonnade(w: Workload, micro: int, name: str, bucket: int | None
+               ) -> tuple[StepFn, ProcessGroups]:
+    """Colonnade's Trainer on dp = 2; ZeRO-1 and overlap from the variant's name."""
+    overlap = str(not name.endswith("no_overlap")).lower()
+    extra = [f"--parallel.use_distributed_optimizer={str('zero1' in name).lower()}",
+             f"--parallel.overlap_grad_reduce={overlap}",
+             f"--parallel.overlap_param_gather={overlap}"]
+    if bucket:
+        extra.append(f"--parallel.bucket_size={bucket}")
+    cfg = colonnade_config(w, micro, DP, extra)
+    groups = ProcessGroups.build(ParallelDims(dp=DP))
+    trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
+    return (lambda step: trainer.train_step(step)["loss"]), groups
 
 
-def _torch_ddp(cfg: Config, data: list[Any]) -> tuple[Any, Any]:
+def _accumulate(model: Callable[[torch.Tensor], torch.Tensor], step: list[Batch],
+                before: Callable[[int], Any] | None = None) -> torch.Tensor:
+    """Forward, mean loss / m, backward per micro-batch; ``before(k)`` gives a context (or
+    None) entered around micro-batch k. Returns the local mean loss (detached)."""
+    total = torch.zeros(())
+    m = len(step)
+    for k, (tokens, labels) in enumerate(step):
+        ctx = before(k) if before is not None else None
+        if ctx is None:
+            loss = plain_loss(model(tokens), labels) / m
+            loss.backward()
+        else:
+            with ctx:
+                loss = plain_loss(model(tokens), labels) / m
+                loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _torch_ddp(w: Workload, bucket: int | None) -> StepFn:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = build_reference(cfg)
-    cap_mb = cfg.parallel.bucket_size * 4 / 2**20
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
-    params = list(model.parameters())
-    opt = _adamw(cfg, params)
-    n = sum(p.numel() for p in params)
+    model = plain_model(w)
+    kwargs = {"bucket_cap_mb": bucket * 4 / 2**20} if bucket else {}
+    wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True, **kwargs)
+    opt = plain_optimizer(model, w)
 
-    def step(batches: list[Any]) -> None:
-        opt.zero_grad(set_to_none=False)
-        m = len(batches)
-        for k, (tokens, labels) in enumerate(batches):
-            if k < m - 1:
-                with wrapped.no_sync():
-                    (wrapped(tokens, labels) / m).backward()
-            else:
-                (wrapped(tokens, labels) / m).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad, foreach=True)
+    def step(micro_batches: list[Batch]) -> float:
+        last = len(micro_batches) - 1
+        total = _accumulate(wrapped, micro_batches,
+                            lambda k: wrapped.no_sync() if k < last else None)
         opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total)
 
-    def facts() -> dict[str, Any]:
-        return {"state_bytes": _torch_state(params, opt), "num_params": n,
-                "wire_bytes_theory": 2 * (2 - 1) / 2 * n * 4}
-
-    return step, (None, facts)
+    return step
 
 
-class _FsdpCounter:
-    """Counts FSDP2's all-gather / reduce-scatter wire bytes (ring formula) while installed."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.wire = n, 0.0
-        self._ag, self._rs = dist.all_gather_single, dist.reduce_scatter_single
-
-    def __enter__(self) -> _FsdpCounter:
-        def ag(output: torch.Tensor, input: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            self.wire += (self.n - 1) / self.n * output.numel() * output.element_size()
-            return self._ag(output, input, *a, **kw)
-
-        def rs(*a: Any, **kw: Any) -> Any:
-            t = kw.get("input", a[1] if len(a) > 1 else None)
-            self.wire += (self.n - 1) / self.n * t.numel() * t.element_size()
-            return self._rs(*a, **kw)
-
-        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
-
-
-def _torch_fsdp2(cfg: Config, data: list[Any]) -> tuple[Any, Any]:
+def _torch_fsdp2(w: Workload) -> StepFn:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2,))
-    model = build_reference(cfg)
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh)
+    mesh = init_device_mesh("cpu", (DP,))
+    model = plain_model(w)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    params = list(model.parameters())
-    opt = _adamw(cfg, params)
-    n = sum(p.numel() for p in params)
+    opt = plain_optimizer(model, w)
 
-    def step(batches: list[Any]) -> None:
-        opt.zero_grad()
-        m = len(batches)
-        for k, (tokens, labels) in enumerate(batches):
-            model.set_requires_gradient_sync(k == m - 1)
-            (model(tokens, labels) / m).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad, foreach=True)
+    def step(micro_batches: list[Batch]) -> float:
+        last = len(micro_batches) - 1
+
+        def before(k: int) -> None:
+            model.set_requires_gradient_sync(k == last)
+
+        total = _accumulate(model, micro_batches, before)
         opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total)
 
-    def facts() -> dict[str, Any]:
-        return {"state_bytes": _torch_state(params, opt), "num_params": n}
-
-    return step, (None, facts)
+    return step
 
 
-def _baseline(cfg: Config, data: list[Any]) -> tuple[Any, Any]:
-    model = build_reference(cfg)
-    params = list(model.parameters())
-    opt = _adamw(cfg, params)
+def _deepspeed(w: Workload, micro: int, stage: int, bucket: int | None) -> StepFn:
+    import deepspeed
 
-    def step(batches: list[Any]) -> None:
-        opt.zero_grad()
-        for tokens, labels in batches:
-            (model(tokens, labels) / len(batches)).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad, foreach=True)
+    from deepspeed.utils import groups as ds_groups
+
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asserts it is set
+    # the rank pool re-creates the default group between runs: drop DeepSpeed's cached groups
+    ds_groups._release_process_group_references(None)
+    model = plain_model(w)
+    opt = plain_optimizer(model, w)
+    zero: dict[str, Any] = {"stage": stage}
+    if bucket:
+        zero |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    config = {"train_micro_batch_size_per_gpu": micro,
+              "gradient_accumulation_steps": w.global_batch // (DP * micro),
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": zero, "steps_per_print": 10**9,
+              "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(micro_batches: list[Batch]) -> float:
+        total = torch.zeros(())
+        for tokens, labels in micro_batches:
+            loss = plain_loss(engine(tokens), labels)  # DeepSpeed scales by 1/m in backward
+            engine.backward(loss)
+            engine.step()  # applies the update at the accumulation boundary only
+            total += loss.detach() / len(micro_batches)
+        return float(total)
+
+    return step
+
+
+def _baseline(w: Workload) -> StepFn:
+    model = plain_model(w)
+    opt = plain_optimizer(model, w)
+
+    def step(micro_batches: list[Batch]) -> float:
+        total = _accumulate(model, micro_batches)
         opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total)
 
-    def facts() -> dict[str, Any]:
-        return {"state_bytes": _torch_state(params, opt)}
-
-    return step, (None, facts)
-
-
-def _adamw(cfg: Config, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    o = cfg.optim
-    return torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+    return step
 
 
-def _build(name: str, cfg: Config, data: list[Any]) -> tuple[Any, Any]:
-    if name == "baseline":
-        return _baseline(cfg, data)
+def _build(name: str, w: Workload, micro: int, bucket: int | None
+           ) -> tuple[StepFn, ProcessGroups | None, bool]:
+    """(step, Colonnade's groups or None, whether the step's loss is already global)."""
     if name.startswith("colonnade"):
-        return _colonnade(cfg, "zero1" in name, not name.endswith("no_overlap"), data)
+        step, groups = _colonnade(w, micro, name, bucket)
+        return step, groups, True
     if name == "torch_ddp":
-        return _torch_ddp(cfg, data)
-    return _torch_fsdp2(cfg, data)
+        return _torch_ddp(w, bucket), None, False
+    if name == "torch_fsdp2":
+        return _torch_fsdp2(w), None, False
+    if name.startswith("deepspeed_zero"):
+        return _deepspeed(w, micro, int(name[-1]), bucket), None, False
+    if name == "baseline":
+        return _baseline(w), None, False
+    raise ValueError(f"unknown variant {name!r}")
 
 
-def run_variant(name: str, cfg: Config, warmup: int, steps: int) -> dict[str, Any]:
-    """Rank function: build variant ``name`` fresh, warm up, time ``steps`` steps."""
+def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
+                bucket: int | None) -> dict[str, Any]:
+    """Rank function: build ``name`` fresh, run ``warmup`` steps (the first two give the
+    global losses of the check), then time ``steps`` steps."""
     torch.set_num_threads(1)
     gc.collect()
     rank = dist.get_rank()
-    data = _batches(cfg, rank, warmup + steps)
+    data = batches(w, warmup + steps, micro, dp=DP, rank=rank)
     rss = RssPeak()
-    step, (groups, facts) = _build(name, cfg, data)
-    counter = _FsdpCounter(2) if name == "torch_fsdp2" else None
-    if counter is not None:
-        counter.__enter__()
-    try:
-        for batches in data[:warmup]:
-            step(batches)
-        dist.barrier()
-        if groups is not None:
-            groups.stats.reset()
-        if counter is not None:
-            counter.wire = 0.0
-        times = []
-        for batches in data[warmup:]:
-            start = time.perf_counter()
-            step(batches)
-            times.append(time.perf_counter() - start)
-    finally:
-        if counter is not None:
-            counter.__exit__()
+    step, groups, is_global = _build(name, w, micro, bucket)
+    losses = torch.tensor([step(b) for b in data[:warmup]], dtype=torch.float64)
+    if not is_global:  # local means of equal token counts: the global mean is their average
+        dist.all_reduce(losses)
+        losses /= DP
+    dist.barrier()
+    if groups is not None:
+        groups.stats.reset()
+    times = []
+    for b in data[warmup:]:
+        start = time.perf_counter()
+        step(b)
+        times.append(time.perf_counter() - start)
     out: dict[str, Any] = {"name": name, "rank": rank, "times": times,
-                           "rss_peak_bytes": rss.stop(), **facts()}
+                           "losses": losses.tolist(), "rss_peak_bytes": rss.stop()}
     if groups is not None:
         dp = {k: v for k, v in groups.stats.snapshot().items() if k.startswith("dp_cp/")}
         out["wire_bytes"] = sum(v["wire_bytes"] for v in dp.values()) / steps
-        grad = [v for k, v in dp.items() if "grad_bucket" in k]
-        gather = [v for k, v in dp.items() if "param_bucket" in k]
-        out["grad_exposed_s"] = sum(v["waited_s"] for v in grad) / steps
-        out["grad_in_flight_s"] = sum(v["in_flight_s"] for v in grad) / steps
-        out["gather_exposed_s"] = sum(v["waited_s"] for v in gather) / steps
         out["exposed_s"] = sum(v["waited_s"] for v in dp.values()) / steps
-    elif counter is not None:
-        out["wire_bytes"] = counter.wire / steps
-    elif "wire_bytes_theory" in out:
-        out["wire_bytes"] = out.pop("wire_bytes_theory")
     dist.barrier()
     return out
 
@@ -335,108 +302,138 @@ def run_variant(name: str, cfg: Config, warmup: int, steps: int) -> dict[str, An
 # ----------------------------------------------------------------------------- driver
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], cfg: Config) -> dict[str, Any]:
-    """Medians per variant (over rounds, steps and ranks) and the derived ratios."""
-    tr = cfg.training
-    tokens = tr.micro_batch_size * (tr.microbatches or 1) * tr.seq_len * 2  # both dp ranks
-    rows: dict[str, dict[str, Any]] = {}
+def check_losses(runs: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Every variant's first-step global losses against Colonnade DDP's (1e-6)."""
+    first = {name: results[0]["losses"][:2] for name, results in runs.items()}
+    ref = first.get("colonnade_ddp") or next(iter(first.values()))
+    for name, losses in first.items():
+        for ours, theirs in zip(ref, losses, strict=True):
+            try:
+                first_loss_check(ours, theirs)
+            except AssertionError as err:
+                raise AssertionError(f"{name}: {err}") from None
+    return first
+
+
+def _round_medians(results: list[dict[str, Any]]) -> list[float]:
+    """Median step time of each round (both ranks' timed steps; results are rank-ordered)."""
+    return [statistics.median(t for r in results[i:i + DP] for t in r["times"])
+            for i in range(0, len(results), DP)]
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3); all three the median for fewer than two values."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, Any]:
+    """Per variant medians; per issue row the fastest peer and the per-round ratios."""
+    variants: dict[str, dict[str, Any]] = {}
     for name, results in runs.items():
         times = [t for r in results for t in r["times"]]
         med = statistics.median(times)
-        row: dict[str, Any] = {"step_s": med, "tokens_per_s": tokens / med,
-                               "step_s_min": min(times), "samples": len(times)}
-        for key in ("wire_bytes", "state_bytes", "rss_peak_bytes", "exposed_s",
-                    "grad_exposed_s", "grad_in_flight_s", "gather_exposed_s", "buckets"):
+        row: dict[str, Any] = {"step_s": med, "tokens_per_s": w.tokens_per_step / med,
+                               "step_s_min": min(times), "samples": len(times),
+                               "round_step_s": _round_medians(results)}
+        for key in ("wire_bytes", "exposed_s", "rss_peak_bytes"):
             values = [r[key] for r in results if key in r]
             if values:
                 row[key] = statistics.median(values)
-        rows[name] = row
-    base = rows["baseline"]["step_s"]
-    for row in rows.values():
-        row["exposed_est_s"] = row["step_s"] - base
-    best_ref = rows["torch_ddp"]["step_s_min"]
-    for name, row in rows.items():
-        row["vs_torch_ddp"] = _paired_ratio(runs["torch_ddp"], runs[name])
-        row["vs_torch_ddp_best"] = best_ref / row["step_s_min"]
-    hidden = {}
-    for kind in ("colonnade_ddp", "colonnade_zero1"):
-        on, off = rows[kind]["grad_exposed_s"], rows[f"{kind}_no_overlap"]["grad_exposed_s"]
-        hidden[kind] = 1.0 - on / off if off > 0 else 0.0
-        best_on = min(r["grad_exposed_s"] for r in runs[kind])
-        best_off = min(r["grad_exposed_s"] for r in runs[f"{kind}_no_overlap"])
-        hidden[f"{kind}_best"] = 1.0 - best_on / best_off if best_off > 0 else 0.0
-    zero_gather_on = rows["colonnade_zero1"]["gather_exposed_s"]
-    zero_gather_off = rows["colonnade_zero1_no_overlap"]["gather_exposed_s"]
-    hidden["colonnade_zero1_param_gather"] = (1.0 - zero_gather_on / zero_gather_off
-                                              if zero_gather_off > 0 else 0.0)
-    return {"rows": rows, "grad_comm_hidden_fraction": hidden}
-
-
-def _paired_ratio(ref: list[dict[str, Any]], other: list[dict[str, Any]]) -> float:
-    """Median over rounds of t_ref / t_other (same round, same rank): throughput ratio.
-
-    The machine is shared and its load drifts between rounds; pairing each round's run with
-    the reference run of the same round cancels most of that drift."""
-    ratios = []
-    for a, b in zip(ref, other, strict=True):
-        ratios.append(statistics.median(a["times"]) / statistics.median(b["times"]))
-    return statistics.median(ratios)
+        variants[name] = row
+    rows = []
+    for layout, (ours, peers) in ROWS.items():
+        present = [p for p in peers if p in variants]
+        if ours not in variants or not present:
+            continue
+        best = max(present, key=lambda p: variants[p]["tokens_per_s"])
+        ratios = [tp / tc for tc, tp in zip(variants[ours]["round_step_s"],
+                                              variants[best]["round_step_s"], strict=True)]
+        q1, med, q3 = quartiles(ratios)
+        rows.append({"layout": layout, "workload": w.name, "colonnade_variant": ours,
+                     "colonnade": variants[ours]["tokens_per_s"], "peer": best,
+                     "peer_tokens_per_s": variants[best]["tokens_per_s"], "ratio": med,
+                     "ratio_q1": q1, "ratio_q3": q3,
+                     "others": {p: variants[p]["tokens_per_s"] for p in present if p != best}})
+    return {"variants": variants, "rows": rows}
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    rows = summary["rows"]
-    head = (f"{'variant':<28}{'step ms':>9}{'best ms':>9}{'tok/s':>9}{'vs DDP':>8}{'best':>6}"
-            f"{'MB wire':>9}"
-            f"{'state MB':>9}{'RSS+ MB':>9}{'exp ms':>8}{'est ms':>8}")
+    head = (f"{'variant':<28}{'step ms':>9}{'best ms':>9}{'tok/s':>9}{'MB wire':>9}"
+            f"{'RSS+ MB':>9}{'exposed ms':>11}")
     print(head)
     print("-" * len(head))
-    for name, r in rows.items():
-        def mb(key: str, r: dict[str, Any] = r) -> str:
-            return f"{r[key] / 2**20:9.2f}" if key in r else f"{'-':>9}"
-
-        exp = f"{1e3 * r['exposed_s']:8.1f}" if "exposed_s" in r else f"{'-':>8}"
+    for name, r in summary["variants"].items():
+        wire = f"{r['wire_bytes'] / 2**20:9.2f}" if "wire_bytes" in r else f"{'-':>9}"
+        exp = f"{1e3 * r['exposed_s']:11.1f}" if "exposed_s" in r else f"{'-':>11}"
         print(f"{name:<28}{1e3 * r['step_s']:9.1f}{1e3 * r['step_s_min']:9.1f}"
-              f"{r['tokens_per_s']:9.0f}{r['vs_torch_ddp']:8.2f}{r['vs_torch_ddp_best']:6.2f}"
-              f"{mb('wire_bytes')}{mb('state_bytes')}"
-              f"{mb('rss_peak_bytes')}{exp}{1e3 * r['exposed_est_s']:8.1f}")
-    print("gradient communication hidden by overlap:",
-          ", ".join(f"{k} {100 * v:.0f}%" for k, v in summary["grad_comm_hidden_fraction"]
-                    .items()))
+              f"{r['tokens_per_s']:9.0f}{wire}{r['rss_peak_bytes'] / 2**20:9.1f}{exp}")
+    for row in summary["rows"]:
+        print(f"{row['layout']:<14} colonnade {row['colonnade']:8.0f} tok/s | fastest peer "
+              f"{row['peer']} {row['peer_tokens_per_s']:8.0f} | ratio {row['ratio']:.3f} "
+              f"[{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}]")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def select_variants(requested: str | None) -> list[str]:
+    """The variants to run: the default set (DeepSpeed ones when importable) or ``requested``."""
+    have_ds = importlib.util.find_spec("deepspeed") is not None
+    if not have_ds:
+        print(f"DeepSpeed is not installed: its rows are left out. To include them:\n  {INSTALL}")
+    if requested:
+        names = requested.split(",")
+        unknown = set(names) - {*CORE, *DEEPSPEED, *OPTIONAL}
+        if unknown:
+            raise SystemExit(f"unknown variants {sorted(unknown)}")
+        if not have_ds and set(names) & set(DEEPSPEED):
+            raise SystemExit("DeepSpeed variants requested but deepspeed is not installed")
+        return names
+    return [*CORE, *(DEEPSPEED if have_ds else ())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="gpt2-tiny", choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help=">= 2 (the loss check)")
+    parser.add_argument("--micro-batch", type=int, default=0, help="0: global batch / dp")
+    parser.add_argument("--bucket", type=int, default=None,
+                        help="elements per bucket for every framework (default: their own)")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated subset of {CORE + DEEPSPEED + OPTIONAL}")
     parser.add_argument("--json", type=Path, default=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="small model, 1 round, 2 steps")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="1 round, 2 warm-up, 1 timed step")
+    args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 2, 1
-    cfg = make_config(args.quick, args.bucket)
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    with RankPool(2, timeout_s=1800.0) as pool:
+        args.rounds, args.steps, args.warmup = 1, 1, 2
+    args.warmup = max(args.warmup, 2)
+    w = WORKLOADS[args.workload]
+    micro = args.micro_batch or w.global_batch // DP
+    names = select_variants(args.variants)
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
+    with RankPool(DP, timeout_s=1800.0) as pool:
         for rnd in range(args.rounds):
-            order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
             for name in order:
-                runs[name] += pool.run(run_variant, name, cfg, args.warmup, args.steps)
+                runs[name] += pool.run(run_variant, name, w, micro, args.warmup, args.steps,
+                                       args.bucket)
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
-    summary = summarize(runs, cfg)
+    first = check_losses(runs)
+    summary = summarize(runs, w)
     print_table(summary)
-    payload = {"config": {"hidden": cfg.model.hidden_size, "layers": cfg.model.num_layers,
-                          "vocab": cfg.model.vocab_size, "seq": cfg.training.seq_len,
-                          "micro_batch": cfg.training.micro_batch_size,
-                          "microbatches": cfg.training.microbatches, "dp": 2,
-                          "bucket_elements": args.bucket, "rounds": args.rounds,
-                          "steps": args.steps, "device": "cpu (gloo, 1 thread per rank)",
-                          "torch": torch.__version__},
-               **summary, "runs": runs}
+    payload = {"config": {"workload": w.name, "dp": DP, "micro_batch": micro,
+                          "tokens_per_step": w.tokens_per_step, "bucket_elements": args.bucket,
+                          "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+                          "device": "cpu (gloo, 1 thread per rank)", "torch": torch.__version__},
+               "first_losses": first, **summary, "runs": runs}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(payload, indent=1))
+    args.json.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
