@@ -31,13 +31,21 @@ in-flight count (1F1B: min(p - s, m)), plus, for ZB-H1, up to s + 1 pending W gr
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
 from colonnade.models.gpt import ModelChunk
 from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
-from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
+from colonnade.pipeline.p2p import (
+    Message,
+    PipeComm,
+    StageProgram,
+    message_shape,
+    stage_program,
+)
 from colonnade.pipeline.plan import (
     Batch,
     ExecOptions,
@@ -47,7 +55,7 @@ from colonnade.pipeline.plan import (
     set_rng_context,
     with_tokens,
 )
-from colonnade.pipeline.schedules import add_comm, build_schedule, interleaved_items
+from colonnade.pipeline.schedules import add_comm, interleaved_items, schedule_lists
 from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
 
 Item = tuple[int, int]  # (microbatch, local chunk)
@@ -94,8 +102,70 @@ def forward_only_lists(pp: int, vp: int, m: int) -> list[list[Action]]:
     Items run in Megatron's interleaved order (chunk-major within micro-batch groups), the same
     on every stage, so each item's input comes from an item earlier in that order.
     """
+    return [list(actions) for actions in _forward_only(pp, vp, m)]
+
+
+@lru_cache(maxsize=32)
+def _forward_only(pp: int, vp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """:func:`forward_only_lists` computed once per (pp, vp, m), immutable."""
     items = interleaved_items(pp, vp, m, backward=False)
-    return [add_comm([compute(Kind.F, mb, c) for mb, c in items], s, pp, vp) for s in range(pp)]
+    return tuple(tuple(add_comm([compute(Kind.F, mb, c) for mb, c in items], s, pp, vp))
+                 for s in range(pp))
+
+
+@dataclass(frozen=True)
+class StageSteps:
+    """Everything the executor derives from (action lists, stage, overlap): pure data,
+    computed once per key (:func:`stage_steps`) instead of once per step."""
+
+    program: StageProgram
+    """Which p2p groups to post before each compute (:func:`~colonnade.pipeline.p2p
+    .p2p_program`)."""
+    computes: tuple[Action, ...]
+    """The stage's compute actions (F, B, W) in order."""
+    inputs: tuple[Message | None, ...]
+    """Per compute, the message it consumes: the activation for F of a non-first virtual stage,
+    the gradient for B of a non-last one, else None."""
+    splits_w: bool
+    """The schedule defers weight gradients to W actions (zero bubble)."""
+    has_p2p: bool
+    """The stage posts at least one p2p group (False at pp = 1: no communicator is made)."""
+    accumulate: bool
+    """The computes are exactly F0 B0 F1 B1 ... on one chunk with no p2p (pp = vp = 1): the
+    executor runs them as a plain gradient-accumulation loop."""
+
+
+def _consumed(a: Action, stage: int, pp: int, vp: int) -> Message | None:
+    """The message compute ``a`` waits for (None if it takes none)."""
+    v = virtual_stage(stage, a.chunk, pp)
+    if a.kind == Kind.F and v > 0:
+        return Message("F", a.microbatch, a.chunk)
+    if a.kind == Kind.B and v < pp * vp - 1:
+        return Message("B", a.microbatch, a.chunk)
+    return None
+
+
+def build_stage_steps(lists: Sequence[Sequence[Action]], stage: int, vp: int,
+                      overlap: bool) -> StageSteps:
+    """:class:`StageSteps` of ``stage`` for any action lists (uncached)."""
+    pp = len(lists)
+    computes = tuple(a for a in lists[stage] if a.is_compute)
+    program = stage_program(lists, stage, overlap)
+    pairs = tuple(a for k in range(len(computes) // 2)
+                  for a in (compute(Kind.F, k), compute(Kind.B, k)))
+    has_p2p = any(point for point in program.posts)
+    return StageSteps(program, computes, tuple(_consumed(a, stage, pp, vp) for a in computes),
+                      any(a.kind == Kind.W for a in computes), has_p2p,
+                      vp == 1 and not has_p2p and computes == pairs)
+
+
+@lru_cache(maxsize=128)
+def stage_steps(schedule: str, pp: int, vp: int, m: int, stage: int, overlap: bool,
+                train: bool) -> StageSteps:
+    """:class:`StageSteps` of a named schedule (``train``) or the forward-only pass, computed
+    once per key: the same object for the same arguments."""
+    lists = schedule_lists(schedule, pp, vp, m) if train else _forward_only(pp, vp, m)
+    return build_stage_steps(lists, stage, vp, overlap)
 
 
 def release_output(y: torch.Tensor) -> torch.Tensor:
@@ -116,24 +186,26 @@ class StageExecutor:
     """Executes one stage's action list for one step (see the module docstring)."""
 
     def __init__(self, chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
-                 lists: list[list[Action]], *, train: bool, options: ExecOptions) -> None:
+                 steps: StageSteps, *, train: bool, options: ExecOptions) -> None:
         groups = plan.groups
         self.chunks, self.batches, self.plan = chunks, batches, plan
-        self.train, self.options = train, options
+        self.train, self.options, self.steps = train, options, steps
         self.pp, self.vp, self.m = groups.pp.size, len(chunks), len(batches)
         self.stage = groups.pp_rank
-        self.actions = lists[self.stage]
-        self.splits_w = any(a.kind == Kind.W for a in self.actions)
-        self.params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+        self.splits_w = steps.splits_w
+        self.multiplier = plan.loss_multiplier() if train else 1.0
+        self.params = ([[p for p in c.parameters() if p.requires_grad] for c in chunks]
+                       if steps.splits_w else [])
         ctx = chunks[0].ctx
-        hidden = chunks[0].cfg.hidden_size
-        device = next((p.device for c in chunks for p in c.parameters()),
-                      ctx.device or torch.device("cpu"))  # a chunk may hold no layers
-        self.program = stage_program(lists, self.stage, options.overlap)
-        self.comm = PipeComm(groups.pp, self.stage,
-                             lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp),
-                             ctx.dtype, device, in_order=options.in_order)
-        self.device = device
+        self.device = next((p.device for c in chunks for p in c.parameters()),
+                           ctx.device or torch.device("cpu"))  # a chunk may hold no layers
+        self.comm: PipeComm | None = None  # none at all without p2p (pp = 1)
+        if steps.has_p2p:
+            hidden = chunks[0].cfg.hidden_size
+            self.comm = PipeComm(
+                groups.pp, self.stage,
+                lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp),
+                ctx.dtype, self.device, in_order=options.in_order)
         self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
         self.pending_w: dict[Item, PendingWeightGrad] = {}
@@ -145,27 +217,53 @@ class StageExecutor:
 
     def run(self) -> ExecResult:
         """Execute every action; returns losses, timings and memory peaks."""
-        computes = [a for a in self.actions if a.is_compute]
+        if (self.train and self.steps.accumulate and not self.options.record
+                and self.chunks[0].first and self.chunks[0].last):
+            return self._accumulate()
+        computes, comm = self.steps.computes, self.comm
         self._sync()
         self.result.start = time.perf_counter()
         try:
-            for i, groups in enumerate(self.program.posts):
-                for ops in groups:
-                    self.comm.post(ops, [self._outgoing(op.action) for op in ops
-                                         if op.kind == "send"])
-                self.comm.reap()
+            for i, groups in enumerate(self.steps.program.posts):
+                if comm is not None:
+                    for ops in groups:
+                        comm.post(ops, [self._outgoing(op.action) for op in ops
+                                        if op.kind == "send"])
+                    comm.reap()
                 if i < len(computes):
-                    self._compute(computes[i])
+                    self._compute(i)
         except BaseException:
-            self.comm.abandon()
+            if comm is not None:
+                comm.abandon()
             raise
-        self.comm.finish()
+        if comm is not None:
+            comm.finish()
         self._sync()
         self.result.end = time.perf_counter()
         if self.stash or self.pending_w or self.outbox:
             raise RuntimeError(f"stage {self.stage}: schedule left work undone: stashes "
                                f"{sorted(self.stash)}, pending W {sorted(self.pending_w)}")
         self.result.losses = host_losses([self.losses[k] for k in sorted(self.losses)])
+        return self.result
+
+    def _accumulate(self) -> ExecResult:
+        """pp = vp = 1 training (F0 B0 F1 B1 ...): plain gradient accumulation, the same
+        operations as :meth:`_forward` and :meth:`_backward` in the same order, without
+        stashes, messages or per-action bookkeeping."""
+        (chunk,) = self.chunks
+        sync, losses = self.plan.grad_sync, []
+        self.result.start = time.perf_counter()
+        for k, (tokens, labels) in enumerate(self.batches):
+            set_rng_context(self.chunks, self.plan, k, self.m)
+            loss = chunk(tokens, labels, reduction="sum", tokens=tokens)
+            losses.append(micro_batch_mean(loss.detach(), labels))
+            y = loss * self.multiplier
+            if sync is not None:
+                sync(k)
+            torch.autograd.backward(y)
+        self.result.peak_stashed = 1 if self.batches else 0
+        self.result.end = time.perf_counter()
+        self.result.losses = host_losses(losses)
         return self.result
 
     def _sync(self) -> None:
@@ -185,24 +283,17 @@ class StageExecutor:
             return release_output(t)
         return t.detach()
 
-    def _input(self, a: Action) -> torch.Tensor | None:
-        """Wait for the message compute ``a`` consumes (None if it takes none)."""
-        v = self._virtual(a.chunk)
-        if a.kind == Kind.F and v > 0:
-            return self.comm.wait(Message("F", a.microbatch, a.chunk))
-        if a.kind == Kind.B and v < self.pp * self.vp - 1:
-            return self.comm.wait(Message("B", a.microbatch, a.chunk))
-        return None
-
-    def _compute(self, a: Action) -> None:
-        """Wait for the input message (idle time), then run ``a`` (busy time)."""
+    def _compute(self, i: int) -> None:
+        """Wait for the input message of compute ``i`` (idle time), then run it (busy time)."""
+        a, msg = self.steps.computes[i], self.steps.inputs[i]
         if self.options.record:
             begin = time.perf_counter()
-            received = self._input(a)
+            received = None if msg is None or self.comm is None else self.comm.wait(msg)
             start = time.perf_counter()
             self.result.recv_wait += start - begin
         else:
-            received, start = self._input(a), 0.0
+            received = None if msg is None or self.comm is None else self.comm.wait(msg)
+            start = 0.0
         if a.kind == Kind.F:
             self._forward(a.microbatch, a.chunk, received)
         elif a.kind == Kind.B:
@@ -228,7 +319,7 @@ class StageExecutor:
         if chunk.last:
             loss = chunk(inputs, labels, reduction="sum", tokens=tokens)
             self.losses[k] = micro_batch_mean(loss.detach(), labels)
-            y = loss * self.plan.loss_multiplier() if self.train else loss
+            y = loss * self.multiplier if self.train else loss
         else:
             y = chunk(inputs, tokens=tokens)  # tokens: document boundaries (doc_reset)
             self.outbox[(Kind.F, (k, c))] = y
@@ -262,21 +353,25 @@ class StageExecutor:
 
 
 def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
-            lists: list[list[Action]] | None = None, *, train: bool = True,
+            lists: Sequence[Sequence[Action]] | None = None, *, train: bool = True,
             options: ExecOptions | None = None) -> ExecResult:
     """Run this stage's list of ``lists`` (default: ``plan.schedule`` for pp, vp = len(chunks),
     m = len(batches); with pp = vp = 1 always 1f1b, i.e. gradient accumulation) with
-    ``options`` (default ``plan.options``); the full result with timings and memory peaks."""
+    ``options`` (default ``plan.options``); the full result with timings and memory peaks.
+    Without ``lists`` the stage's steps come from the :func:`stage_steps` cache."""
     pp, vp, m = plan.groups.pp.size, len(chunks), len(batches)
+    opts = options or plan.options
+    stage = plan.groups.pp_rank
     if lists is None:  # pp = vp = 1: the degenerate 1f1b (F0 B0 F1 B1 ...: plain accumulation)
         name = "1f1b" if pp == vp == 1 else plan.schedule
-        lists = build_schedule(name, pp, vp, m) if train else forward_only_lists(pp, vp, m)
-    if len(lists) != pp:
+        steps = stage_steps(name, pp, vp, m, stage, opts.overlap, train)
+    elif len(lists) != pp:
         raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
-    opts = options or plan.options
+    else:
+        steps = build_stage_steps(lists, stage, vp, opts.overlap)
     if train:
         plan = with_tokens(plan, batches)  # the loss divisor N, counted over dp when unset
-    return StageExecutor(chunks, batches, plan, lists, train=train, options=opts).run()
+    return StageExecutor(chunks, batches, plan, steps, train=train, options=opts).run()
 
 
 def run_pipeline(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan) -> list[float]:

@@ -44,9 +44,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -98,8 +99,8 @@ class StageProgram:
 
     stage: int
     posts: tuple[tuple[Group, ...], ...]
-    consumers: dict[Message, int] = field(default_factory=dict, compare=False)
-    """Received message -> index of the compute that consumes it."""
+    consumers: Mapping[Message, int] = field(default_factory=dict, compare=False)
+    """Received message -> index of the compute that consumes it (read-only)."""
 
     @property
     def groups(self) -> list[Group]:
@@ -216,21 +217,41 @@ def p2p_program(lists: tuple[tuple[Action, ...], ...], overlap: bool) -> tuple[S
         for g, p in zip(groups, points, strict=True):
             posts[min(p, n)].append(tuple(e[1] for e in g))
         consumers = {e[1].msg: e[3] for e in ops if e[1].kind == "recv"}
-        out.append(StageProgram(stage, tuple(tuple(p) for p in posts), consumers))
+        out.append(StageProgram(stage, tuple(tuple(p) for p in posts),
+                                MappingProxyType(consumers)))
     return tuple(out)
+
+
+class _Flag:
+    """``threading.Event``'s ``is_set`` / ``set`` without its lock and condition: the done
+    flag of a group that no other thread completes (free gloo and NCCL modes)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def is_set(self) -> bool:
+        return self.value
+
+    def set(self) -> None:
+        self.value = True
 
 
 class _Posted:
     """One posted group: the tensors it sends and receives, its backend handles once issued
     (one for the whole group on NCCL and in-order mode; on free gloo one for the sends and one
-    per receive, so a compute waits only for its own message), whether it is done."""
+    per receive, so a compute waits only for its own message), whether it is done (an Event
+    only when the in-order stream thread completes it)."""
 
-    def __init__(self, sends: list[tuple[torch.Tensor, int]]) -> None:
+    __slots__ = ("done", "handles", "recv_handles", "recvs", "sends")
+
+    def __init__(self, sends: list[tuple[torch.Tensor, int]], threaded: bool) -> None:
         self.sends = sends
         self.recvs: list[tuple[torch.Tensor, int]] = []
         self.handles: list[Handle] = []
         self.recv_handles: dict[Message, Handle] = {}
-        self.done = threading.Event()
+        self.done: threading.Event | _Flag = threading.Event() if threaded else _Flag()
 
 
 class _InOrderStream:
@@ -305,7 +326,8 @@ class PipeComm:
     def post(self, ops: Group, tensors: Sequence[torch.Tensor]) -> None:
         """Post one group: its sends carry ``tensors`` (in the order of its send ops)."""
         sends = [op for op in ops if op.kind == "send"]
-        posted = _Posted([(t, self._rank(op.peer)) for op, t in zip(sends, tensors, strict=True)])
+        posted = _Posted([(t, self._rank(op.peer)) for op, t in zip(sends, tensors, strict=True)],
+                         threaded=self.in_order)
         free = not self.in_order and not self.nccl
         if free and posted.sends:
             posted.handles.append(self.group.p2p(posted.sends, [], name="pp_send"))

@@ -21,6 +21,7 @@ largest micro-batch group (g = p when m % p == 0, see `interleaved_groups`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 from colonnade.config.choices import SCHEDULES as SCHEDULE_NAMES
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, comm, compute, virtual_stage
@@ -197,11 +198,23 @@ if tuple(SCHEDULES) != SCHEDULE_NAMES:
     raise AssertionError("pipeline.schedules must build exactly config.choices.SCHEDULES")
 
 
-def build_schedule(name: str, pp: int, vp: int, m: int) -> list[list[Action]]:
-    """The action lists of all pp stages of schedule `name` (a key of `SCHEDULES`)."""
+Lists = tuple[tuple[Action, ...], ...]  # one immutable action list per stage
+
+
+@lru_cache(maxsize=64)
+def schedule_lists(name: str, pp: int, vp: int, m: int) -> Lists:
+    """The action lists of all pp stages of schedule `name` (a key of `SCHEDULES`), as
+    immutable tuples computed once per (name, pp, vp, m): the executor asks for them every
+    step, and a schedule is pure data. Invalid arguments raise every time (not cached)."""
     if name not in SCHEDULES:
         known = ", ".join(sorted(SCHEDULES))
         raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of: {known}")
     _check_args(name, pp, vp, m)
     fn = SCHEDULES[name]
-    return [fn(pp, vp, m, s) for s in range(pp)]
+    return tuple(tuple(fn(pp, vp, m, s)) for s in range(pp))
+
+
+def build_schedule(name: str, pp: int, vp: int, m: int) -> list[list[Action]]:
+    """The action lists of all pp stages of schedule `name`, as fresh lists the caller may
+    edit (a copy of the cached :func:`schedule_lists`)."""
+    return [list(actions) for actions in schedule_lists(name, pp, vp, m)]
