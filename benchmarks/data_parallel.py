@@ -33,7 +33,8 @@ variant the median step time over rounds, steps and ranks, and tokens/s = global
 / step time; per issue row (dp2: Colonnade DDP vs torch DDP, DeepSpeed ZeRO-0; dp2 + ZeRO-1:
 Colonnade ZeRO-1 vs DeepSpeed ZeRO-1/2, FSDP2) the fastest peer by median tokens/s and the
 median and quartiles over rounds of the per-round ratio t_peer / t_colonnade (same round: drift
-between rounds cancels). Colonnade's wire bytes and the time blocked in dp waits come from
+between rounds cancels), and the same ratio by CPU time (both ranks' process CPU seconds per
+step, gloo threads included). Colonnade's wire bytes and the time blocked in dp waits come from
 colonnade.parallel.comm's counters.
 
 DeepSpeed (../shared/PEERS.md): ``DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
@@ -93,6 +94,9 @@ ROWS = {  # issue 19's rows: layout -> (Colonnade variant, its peers)
     "dp2": ("colonnade_ddp", ("torch_ddp", "deepspeed_zero0")),
     "dp2 + ZeRO-1": ("colonnade_zero1", ("deepspeed_zero1", "deepspeed_zero2", "torch_fsdp2")),
 }
+NAMES = {"torch_ddp": "torch DDP", "torch_fsdp2": "FSDP2", "deepspeed_zero0": "DeepSpeed ZeRO-0",
+         "deepspeed_zero1": "DeepSpeed ZeRO-1", "deepspeed_zero2": "DeepSpeed ZeRO-2"}
+"""Peer variant -> the name the peer table shows."""
 INSTALL = ('DS_BUILD_OPS=0 .venv/bin/pip install --no-deps --no-build-isolation deepspeed && '
            '.venv/bin/pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" '
            'tqdm packaging')
@@ -207,7 +211,6 @@ def _torch_fsdp2(w: Workload) -> StepFn:
 
 def _deepspeed(w: Workload, micro: int, stage: int, bucket: int | None) -> StepFn:
     import deepspeed
-
     from deepspeed.utils import groups as ds_groups
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asserts it is set
@@ -284,12 +287,13 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
     dist.barrier()
     if groups is not None:
         groups.stats.reset()
-    times = []
+    times, cpu = [], []
     for b in data[warmup:]:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step(b)
         times.append(time.perf_counter() - start)
-    out: dict[str, Any] = {"name": name, "rank": rank, "times": times,
+        cpu.append(time.process_time() - start_cpu)
+    out: dict[str, Any] = {"name": name, "rank": rank, "times": times, "cpu": cpu,
                            "losses": losses.tolist(), "rss_peak_bytes": rss.stop()}
     if groups is not None:
         dp = {k: v for k, v in groups.stats.snapshot().items() if k.startswith("dp_cp/")}
@@ -315,10 +319,18 @@ def check_losses(runs: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]
     return first
 
 
-def _round_medians(results: list[dict[str, Any]]) -> list[float]:
-    """Median step time of each round (both ranks' timed steps; results are rank-ordered)."""
-    return [statistics.median(t for r in results[i:i + DP] for t in r["times"])
-            for i in range(0, len(results), DP)]
+def _round_medians(results: list[dict[str, Any]], key: str = "times") -> list[float]:
+    """Per round: the median step time over both ranks' timed steps (``key`` "times"), or the
+    median of the ranks' summed CPU seconds per step ("cpu"); results are rank-ordered."""
+    out = []
+    for i in range(0, len(results), DP):
+        ranks = results[i:i + DP]
+        if key == "cpu":
+            out.append(statistics.median(sum(c) for c in zip(*(r["cpu"] for r in ranks),
+                                                              strict=True)))
+        else:
+            out.append(statistics.median(t for r in ranks for t in r["times"]))
+    return out
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -337,7 +349,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
         med = statistics.median(times)
         row: dict[str, Any] = {"step_s": med, "tokens_per_s": w.tokens_per_step / med,
                                "step_s_min": min(times), "samples": len(times),
-                               "round_step_s": _round_medians(results)}
+                               "round_step_s": _round_medians(results),
+                               "round_cpu_s": _round_medians(results, "cpu")}
         for key in ("wire_bytes", "exposed_s", "rss_peak_bytes"):
             values = [r[key] for r in results if key in r]
             if values:
@@ -349,13 +362,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
         if ours not in variants or not present:
             continue
         best = max(present, key=lambda p: variants[p]["tokens_per_s"])
-        ratios = [tp / tc for tc, tp in zip(variants[ours]["round_step_s"],
-                                              variants[best]["round_step_s"], strict=True)]
+        a, b = variants[ours], variants[best]
+        ratios = [tp / tc for tc, tp in zip(a["round_step_s"], b["round_step_s"], strict=True)]
+        cpu = [tp / tc for tc, tp in zip(a["round_cpu_s"], b["round_cpu_s"], strict=True)]
         q1, med, q3 = quartiles(ratios)
         rows.append({"layout": layout, "workload": w.name, "colonnade_variant": ours,
-                     "colonnade": variants[ours]["tokens_per_s"], "peer": best,
-                     "peer_tokens_per_s": variants[best]["tokens_per_s"], "ratio": med,
-                     "ratio_q1": q1, "ratio_q3": q3,
+                     "colonnade": a["tokens_per_s"], "peer": NAMES[best], "peer_variant": best,
+                     "peer_tokens_per_s": b["tokens_per_s"], "ratio": med,
+                     "ratio_q1": q1, "ratio_q3": q3, "ratio_cpu": statistics.median(cpu),
                      "others": {p: variants[p]["tokens_per_s"] for p in present if p != best}})
     return {"variants": variants, "rows": rows}
 
@@ -373,7 +387,7 @@ def print_table(summary: dict[str, Any]) -> None:
     for row in summary["rows"]:
         print(f"{row['layout']:<14} colonnade {row['colonnade']:8.0f} tok/s | fastest peer "
               f"{row['peer']} {row['peer_tokens_per_s']:8.0f} | ratio {row['ratio']:.3f} "
-              f"[{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}]")
+              f"[{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}], by CPU time {row['ratio_cpu']:.3f}")
 
 
 def select_variants(requested: str | None) -> list[str]:

@@ -1,0 +1,156 @@
+"""Issue 19's table: Colonnade against the fastest peer on every layout, one workload.
+
+    .venv/bin/python benchmarks/peer_table.py [--workload gpt2-tiny] [--quick]
+        [--only single_process,data_parallel,tensor_parallel,pipeline] [--results-dir DIR]
+        [--from-json]
+
+Runs each side-by-side benchmark as a subprocess on ``--workload`` (each writes its JSON with
+a top-level ``rows`` list: layout, colonnade tokens/s, peer, peer_tokens_per_s, ratio), then
+prints and writes the issue's rows as JSON (``peer_table.json``) and a markdown table
+(``peer_table.md``):
+
+  single_process.py --threads 1 2   1 process, 1 thread / 2 threads  (plain PyTorch loop)
+  data_parallel.py                  dp2 (torch DDP, DeepSpeed ZeRO-0); dp2 + ZeRO-1
+                                    (DeepSpeed ZeRO-1/2, FSDP2)
+  tensor_parallel.py                tp2 (DTensor); tp2 + sp (DTensor with SequenceParallel)
+  pipeline.py                       pp2 1F1B, interleaved (vp2), ZB-H1
+                                    (torch.distributed.pipelining)
+
+``ratio`` is each benchmark's median over interleaved rounds (or alternated steps) of the
+per-round ratio Colonnade tokens/s / peer tokens/s against the fastest peer of the row (the
+highest median tokens/s); >= 1 means Colonnade is at least as fast. The issue's measured ratio
+is shown next to it. Timings mean something only on a quiet machine: ``--quick`` runs every
+benchmark in its smoke-test size and writes to a temporary directory unless ``--results-dir``
+is given. ``--from-json`` rebuilds the table from the JSON files already in the results
+directory without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+BENCHMARKS = ("single_process", "data_parallel", "tensor_parallel", "pipeline")
+ISSUE_ROWS: list[tuple[str, float]] = [
+    ("1 process, 1 thread", 0.91), ("1 process, 2 threads", 0.93), ("dp2", 0.88),
+    ("dp2 + ZeRO-1", 0.96), ("tp2", 1.11), ("tp2 + sp", 1.00), ("pp2 1F1B", 0.92),
+    ("pp2 interleaved", 0.92), ("pp2 ZB-H1", 0.98),
+]
+"""The issue's layouts in its order, with the ratio it measured (3 interleaved rounds)."""
+
+
+def command(bench: str, workload: str, json_path: Path, quick: bool) -> list[str]:
+    """The subprocess command of one benchmark on ``workload`` writing ``json_path``."""
+    cmd = [sys.executable, str(HERE / f"{bench}.py"), "--workload", workload,
+           "--json", str(json_path)]
+    if bench == "single_process":
+        cmd += ["--threads", "1", "2"]
+    return cmd + (["--quick"] if quick else [])
+
+
+def run_all(benches: list[str], workload: str, out: Path, quick: bool) -> dict[str, float]:
+    """Run each benchmark in turn (its output streams through); wall seconds per benchmark."""
+    took = {}
+    for bench in benches:
+        path = out / f"{bench}_{workload}.json"
+        cmd = command(bench, workload, path, quick)
+        print(f"$ {' '.join(cmd)}", flush=True)
+        start = time.perf_counter()
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        took[bench] = time.perf_counter() - start
+    return took
+
+
+def issue_key(layout: str) -> int:
+    """Index of ``layout`` in the issue's rows: the longest issue layout that ``layout``
+    starts with (case-insensitive, at a word end: "tp2 + sp" is not "tp2"); else the end."""
+    low = layout.lower()
+    best, found = -1, len(ISSUE_ROWS)
+    for i, (name, _) in enumerate(ISSUE_ROWS):
+        key = name.lower()
+        if low.startswith(key) and not low[len(key):][:1].isalnum() and len(key) > best:
+            best, found = len(key), i
+    return found
+
+
+def collect(benches: list[str], workload: str, out: Path) -> list[dict[str, Any]]:
+    """The rows of every benchmark's JSON, in the issue's order, each with its source and the
+    issue's ratio; a missing file is reported and skipped."""
+    rows = []
+    for bench in benches:
+        path = out / f"{bench}_{workload}.json"
+        if not path.exists():
+            print(f"missing {path}: its rows are left out", file=sys.stderr)
+            continue
+        for row in json.loads(path.read_text()).get("rows", []):
+            if row.get("workload", workload) != workload:
+                continue
+            i = issue_key(row["layout"])
+            rows.append({**row, "source": bench,
+                         "issue_ratio": ISSUE_ROWS[i][1] if i < len(ISSUE_ROWS) else None})
+    return sorted(rows, key=lambda r: issue_key(r["layout"]))
+
+
+def markdown(rows: list[dict[str, Any]], workload: str) -> str:
+    """The issue's table: layout, Colonnade, fastest peer, ratio (by wall clock and CPU time)
+    and the issue's ratio; a layout of the issue with no row reads "not run"."""
+    keyed: list[tuple[int, str]] = []
+    for r in rows:
+        cpu = f"{r['ratio_cpu']:.2f}" if r.get("ratio_cpu") is not None else "-"
+        issue = f"{r['issue_ratio']:.2f}" if r.get("issue_ratio") is not None else "-"
+        keyed.append((issue_key(r["layout"]),
+                      f"| {r['layout']} | {r['colonnade']:.0f} | {r['peer']} "
+                      f"{r['peer_tokens_per_s']:.0f} | {r['ratio']:.2f} | {cpu} | {issue} |"))
+    seen = {k for k, _ in keyed}
+    keyed += [(i, f"| {layout} | not run | - | - | - | {ratio:.2f} |")
+              for i, (layout, ratio) in enumerate(ISSUE_ROWS) if i not in seen]
+    keyed.sort(key=lambda kl: kl[0])  # stable: a benchmark's own order within a layout
+    head = [f"Workload `{workload}`: tokens/s, medians; ratio = median per-round "
+            "Colonnade / fastest peer.", "",
+            "| layout | Colonnade | fastest peer | ratio | ratio by CPU time | issue 19 |",
+            "|---|---|---|---|---|---|"]
+    return "\n".join(head + [line for _, line in keyed]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="gpt2-tiny", choices=["gpt2-tiny", "llama-tiny"])
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma-separated subset of {BENCHMARKS}")
+    p.add_argument("--quick", action="store_true", help="every benchmark's smoke-test size")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="where the JSON and the table go (default benchmarks/results; a "
+                        "temporary directory with --quick)")
+    p.add_argument("--from-json", action="store_true",
+                   help="only rebuild the table from the JSON files in the results directory")
+    args = p.parse_args(argv)
+    benches = args.only.split(",")
+    if set(benches) - set(BENCHMARKS):
+        raise SystemExit(f"--only: choose from {BENCHMARKS}")
+    out = args.results_dir or (Path(tempfile.mkdtemp(prefix="peer_table_")) if args.quick
+                               else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    took = {} if args.from_json else run_all(benches, args.workload, out, args.quick)
+    rows = collect(benches, args.workload, out)
+    table = markdown(rows, args.workload)
+    print(table)
+    (out / "peer_table.md").write_text(table)
+    (out / "peer_table.json").write_text(json.dumps(
+        {"workload": args.workload, "quick": args.quick, "seconds": took, "rows": rows},
+        indent=1) + "\n")
+    print(f"wrote {out / 'peer_table.json'} and {out / 'peer_table.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
