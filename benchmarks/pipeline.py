@@ -1,6 +1,14 @@
 """Pipeline schedules: measured bubble next to theory, stashed micro-batches, tokens/s vs torch.
 
     .venv/bin/python benchmarks/pipeline.py [--pp 2 4] [--microbatches 8] [--rounds 5] [--quick]
+    .venv/bin/python benchmarks/pipeline.py --workload gpt2-tiny|llama-tiny [--rounds 15]
+
+``--workload gpt2-tiny`` / ``llama-tiny`` (issue 19's workloads): FULL training steps (AdamW
+inside the timed step) at pp = 2 with 4 micro-batches, Colonnade's 1f1b / interleaved_1f1b /
+zb_h1 against torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B /
+ScheduleZBVZeroBubble on cuts of the plain torch.nn model, in benchmarks/pipeline_train.py (its
+docstring says how), written to benchmarks/results/pipeline_<workload>.json with a top-level
+"rows" list. The default ``--workload layers`` is the bubble analysis below (no optimizer).
 
 For each pp, one pool of gloo CPU ranks (1 thread each) runs every variant on the same llama
 model and the same m micro-batches: Colonnade's gpipe, 1f1b, interleaved_1f1b (vp = 2) and
@@ -270,7 +278,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="default 3 (15 with --workload)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=8)
@@ -280,8 +288,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke test)")
-    ap.add_argument("--json", type=Path, default=RESULTS)
+    ap.add_argument("--steps", type=int, default=2, help="steps per round (--workload)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--workload", default="layers", choices=["layers", "gpt2-tiny", "llama-tiny"],
+                    help="layers: the bubble analysis (no optimizer); a workload name: full "
+                         "training steps of that model at pp = 2 (pipeline_train.py)")
     a = ap.parse_args()
+    if a.workload != "layers":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from pipeline_train import run
+
+        run(a.workload, 2 if a.quick else a.rounds or 15, 1 if a.quick else a.steps, a.json)
+        return
+    a.json, a.rounds = a.json or RESULTS, a.rounds or 3
     args = {"m": a.microbatches, "rounds": a.rounds, "warmup": a.warmup, "hidden": a.hidden,
             "layers": a.layers, "seq": a.seq, "micro": a.micro, "vocab": a.vocab, "heads": 4,
             "threads": a.threads, "torch": not a.no_torch, "schedules": list(OURS)}

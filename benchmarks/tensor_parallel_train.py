@@ -34,8 +34,9 @@ batch per step (dp = 1), a step being forward + backward + AdamW:
   gpt2's learned positions: a replicated table added to the embedding output (under sp as a
   replicated DTensor added to the sequence-sharded embedding: each rank adds its rows).
 
-The first step of every variant runs on the same batch from the same weights; its loss must
-agree with Colonnade's to 1e-5 (fp32) before anything is timed. Variants are then interleaved
+The first two steps of every variant run on the same batches from the same weights; their
+losses must agree with Colonnade's to 1e-5 (fp32) before anything is timed (step 2 checks the
+first AdamW update too). Variants are then interleaved
 round by round (order rotated, reversed every other round, ranks barrier-aligned); a round
 runs ``steps`` steps of each. Step time = last rank's end - first rank's start (one machine,
 one clock); CPU time = process time of both ranks (gloo threads included).
@@ -238,15 +239,15 @@ def dtensor_step(model: nn.Module, opt: torch.optim.Optimizer, step: list[Batch]
 # ----------------------------------------------------------------------------- ranks
 
 
-def check_losses(first: dict[str, float]) -> None:
-    """Every variant's step-1 loss equals the first variant's within :data:`LOSS_TOL`
-    (relative): same model, weights and batch."""
+def check_losses(first: dict[str, list[float]]) -> None:
+    """Every variant's losses of steps 1, 2 equal the first variant's within
+    :data:`LOSS_TOL` (relative): same model, weights and batches."""
     ref_name = next(iter(first))
-    ref = first[ref_name]
-    for name, loss in first.items():
-        if abs(loss - ref) > LOSS_TOL * abs(ref):
-            raise AssertionError(f"step-1 loss of {name} {loss!r} differs from {ref_name}'s "
-                                 f"{ref!r} beyond {LOSS_TOL:g}")
+    for name, losses in first.items():
+        for i, (loss, ref) in enumerate(zip(losses, first[ref_name], strict=True)):
+            if abs(loss - ref) > LOSS_TOL * abs(ref):
+                raise AssertionError(f"step-{i + 1} loss of {name} {loss!r} differs from "
+                                     f"{ref_name}'s {ref!r} beyond {LOSS_TOL:g}")
 
 
 Step = Callable[[list[Batch]], float]
@@ -287,18 +288,18 @@ def _count(name: str, step: Step, data: list[Batch], groups: ProcessGroups) -> d
 
 
 def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
-    """On each rank: build every variant, step 1 (losses), count bytes, interleaved rounds."""
+    """On each rank: build every variant, steps 1-2 (losses checked), count bytes, rounds."""
     torch.set_num_threads(1)
     w = WORKLOADS[spec["workload"]]
     groups = ProcessGroups.build(ParallelDims(tp=TP), tied_embeddings=w.tied)
     names = spec["variants"]
     steps = build_variants(w, groups, names)
     data = [s[0] for s in batches(w, 4, w.global_batch)]  # one micro-batch per step
-    first = {n: steps[n]([data[0]]) for n in names}  # same weights, same batch
+    first = {n: [steps[n]([data[0]]), steps[n]([data[1]])] for n in names}  # same batches
     check_losses(first)  # before anything is timed
-    counts = {n: _count(n, steps[n], [data[1]], groups) for n in names}
+    counts = {n: _count(n, steps[n], [data[2]], groups) for n in names}
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    k = 2
+    k = 3
     for r in range(spec["rounds"]):
         shift = r % len(names)
         order = names[shift:] + names[:shift]
@@ -331,7 +332,7 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
             "step_s_all": step, "cpu_s_all": cpu, "step_s": statistics.median(step),
             "tokens_per_s": tokens / statistics.median(step),
             "tokens_per_cpu_s": tokens / statistics.median(cpu),
-            "first_loss": ranks[0]["first_loss"][name],
+            "first_losses": ranks[0]["first_loss"][name],
             "calls_per_step": sum(v["calls"] for v in ops.values()),
             "wire_bytes_per_step": sum(v["wire_bytes"] for v in ops.values()), "ops": ops,
             "plan": asdict(PLANS[name]) if name in PLANS else None,
@@ -363,13 +364,15 @@ def print_table(summary: dict[str, Any]) -> None:
           f"{w['heads']}/{w['kv_heads']} heads, s={w['seq_len']}, V={w['vocab']}, global batch "
           f"{w['global_batch']} ({summary['tokens_per_step']} tokens/step), full training steps")
     head = (f"{'variant':<20} {'step ms':>8} {'tokens/s':>9} {'tok/CPU-s':>9} {'calls':>5} "
-            f"{'wire MiB':>8} {'step-1 loss':>12}")
+            f"{'wire MiB':>8} "
+            f"{'step-1 loss':>12} {'step-2 loss':>12}")
     print(head)
     print("-" * len(head))
     for name, v in summary["variants"].items():
         print(f"{name:<20} {1e3 * v['step_s']:>8.1f} {v['tokens_per_s']:>9.0f} "
               f"{v['tokens_per_cpu_s']:>9.0f} {v['calls_per_step']:>5.0f} "
-              f"{v['wire_bytes_per_step'] / 2**20:>8.2f} {v['first_loss']:>12.7f}")
+              f"{v['wire_bytes_per_step'] / 2**20:>8.2f}"
+              f" {v['first_losses'][0]:>12.7f} {v['first_losses'][1]:>12.7f}")
     for row in summary["rows"]:
         print(f"{row['layout']:<9} colonnade {row['colonnade']:>6.0f} tok/s vs {row['peer']} "
               f"{row['peer_tokens_per_s']:>6.0f}: ratio {row['ratio']:.3f} (median per round), "

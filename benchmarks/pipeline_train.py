@@ -1,0 +1,298 @@
+"""Full training steps of an issue-19 workload at pp = 2: Colonnade against torch pipelining.
+
+    .venv/bin/python benchmarks/pipeline.py --workload gpt2-tiny|llama-tiny
+                                            [--rounds 15] [--steps 2] [--quick]
+
+Two gloo CPU ranks (one thread each) train the SAME model (benchmarks/workloads.py: weights
+copied out of Colonnade's single-process model, the same data, AdamW with Colonnade's
+parameter groups, fp32, no clipping, no dropout) on the global batch split into 4
+micro-batches (micro-batch = global batch / 4; dp = 1). One step = every micro-batch forward
+and backward through the schedule, then AdamW (inside the timed step):
+
+=================  ===============================  ==========================================
+schedule           Colonnade (``Trainer``)          torch.distributed.pipelining
+=================  ===============================  ==========================================
+1f1b               1f1b, 2 layers per stage         Schedule1F1B, the same cut
+interleaved_1f1b   interleaved_1f1b, vp = 2         ScheduleInterleaved1F1B: rank r holds
+                   (rank r: chunks r, r + 2)        stages r, r + 2 (the same placement)
+zb_h1              zb_h1 (vp = 1)                   ScheduleZBVZeroBubble: rank r holds stages
+                                                    r, 3 - r (V placement), 1 layer each
+=================  ===============================  ==========================================
+
+The torch stages are cuts of the plain model (:func:`cut`: the first holds the embedding, the
+last the final norm and head; ``PipelineStage`` on the pp group). Their loss is each
+micro-batch's mean cross entropy / m with ``scale_grads=False`` (the same gradient as torch's
+default mean loss with ``scale_grads=True``, without its extra pass over the gradients).
+gpt2's tied head: when the first and last stages sit on one rank (ZBV) the head shares the
+embedding's Parameter; otherwise each holds a copy and the two gradients are all-reduced over
+the pp group after the backward (Megatron's tied-embedding reduction; Colonnade does the same).
+
+The first two steps of every variant run on the same batches from the same weights; their
+losses must agree with Colonnade's to 1e-5 (fp32) before anything is timed (step 2 checks the
+first AdamW update, and so the tied-gradient reduction, too). Variants are then interleaved
+round by round (order rotated, reversed every other round, ranks barrier-aligned); a round
+runs ``steps`` steps of each. Step time = last rank's end - first rank's start (one machine,
+one clock); CPU time = process time of both ranks (gloo threads included).
+
+Rows (for benchmarks/peer_table.py): per schedule, ``ratio`` = median over rounds of torch's
+step time / Colonnade's of the same round (> 1: Colonnade faster); ``ratio_cpu`` by CPU time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from workloads import (
+    WORKLOADS,
+    Batch,
+    PlainModel,
+    Workload,
+    batches,
+    colonnade_config,
+    plain_loss,
+    plain_model,
+    plain_optimizer,
+)
+
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.parallel.pool import RankPool
+from colonnade.training.loop import Trainer
+from colonnade.training.setup import Runtime
+
+PP = 2
+MICROBATCHES = 4
+LOSS_TOL = 1e-5
+"""Step-1 losses of every variant must agree with Colonnade's within this (relative, fp32)."""
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "1f1b": ("Schedule1F1B", 1, "pp2 1F1B"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "pp2 interleaved"),
+    "zb_h1": ("ScheduleZBVZeroBubble", 2, "pp2 ZB-H1"),
+}
+"""Colonnade schedule -> (torch schedule class, torch stages per rank, peer-table layout)."""
+COLONNADE_VP = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}
+"""Colonnade's virtual stages per rank for each schedule."""
+
+Step = Callable[[list[Batch]], float]
+
+
+# ----------------------------------------------------------------------------- torch stages
+
+
+def cut(full: PlainModel, layers: range, first: bool, last: bool) -> PlainModel:
+    """A copy of ``full`` holding blocks ``layers`` only, the embedding (and positions) when
+    ``first``, the final norm and head when ``last`` (workloads.PlainModel runs such cuts:
+    tokens or hidden [b, s, h] in, hidden or logits [b, s, V] out)."""
+    stage = copy.deepcopy(full)
+    stage.blocks = nn.ModuleList(stage.blocks[i] for i in layers)
+    if not first:
+        stage.embed, stage.pos = None, None
+    if not last:
+        stage.norm, stage.head = None, None
+    return stage
+
+
+def stage_ids(schedule: str, rank: int) -> list[int]:
+    """Global stage indices rank ``rank`` holds under torch's ``schedule`` (pp = 2)."""
+    if schedule == "1f1b":
+        return [rank]
+    if schedule == "interleaved_1f1b":
+        return [rank, PP + rank]
+    return [rank, 2 * PP - 1 - rank]  # ZBV: V placement
+
+
+def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: PlainModel) -> Step:
+    """One training step of torch.distributed.pipelining's counterpart of ``schedule``."""
+    from torch.distributed import pipelining as tpp
+
+    cls_name, per_rank, _ = SCHEDULES[schedule]
+    count = PP * per_rank
+    ids = stage_ids(schedule, groups.pp_rank)
+    size = w.layers // count
+    mods = {v: cut(full, range(v * size, (v + 1) * size), v == 0, v == count - 1) for v in ids}
+    tied: torch.Tensor | None = None  # this rank's copy of a tied weight split over ranks
+    if w.tied and 0 in mods and count - 1 in mods:
+        mods[count - 1].head.weight = mods[0].embed.weight  # type: ignore[union-attr]
+    elif w.tied and 0 in mods:
+        tied = mods[0].embed.weight  # type: ignore[union-attr]
+    elif w.tied and count - 1 in mods:
+        tied = mods[count - 1].head.weight  # type: ignore[union-attr]
+    stages = [tpp.PipelineStage(mods[v], v, count, torch.device("cpu"), group=groups.pp.pg)
+              for v in ids]
+    m = MICROBATCHES
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return plain_loss(logits, labels) / m  # mean over the global batch after the sum
+
+    cls = getattr(tpp, cls_name)
+    sched = cls(stages if per_rank > 1 else stages[0], m, loss_fn=loss_fn, scale_grads=False)
+    opt = plain_optimizer(nn.ModuleList(mods.values()), w)
+    first, last = 0 in mods, count - 1 in mods
+    pg = groups.pp.pg
+
+    def step(micro: list[Batch]) -> float:
+        tokens = torch.cat([t for t, _ in micro])  # [m b, s]: torch splits it into m
+        labels = torch.cat([lab for _, lab in micro])
+        losses: list[torch.Tensor] | None = [] if last else None
+        sched.step(*((tokens,) if first else ()), target=labels if last else None,
+                   losses=losses)
+        if tied is not None:
+            assert tied.grad is not None
+            dist.all_reduce(tied.grad, group=pg)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(sum(x.item() for x in losses)) if losses else 0.0
+
+    return step
+
+
+def colonnade_variant(w: Workload, groups: ProcessGroups, schedule: str) -> Step:
+    """One ``Trainer.train_step`` of Colonnade at pp = 2 with ``schedule``."""
+    extra = [f"--parallel.pp={PP}", f"--parallel.vp={COLONNADE_VP[schedule]}",
+             f"--parallel.schedule={schedule}"]
+    cfg = colonnade_config(w, w.global_batch // MICROBATCHES, PP, extra)
+    trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
+    return lambda micro: trainer.train_step(micro)["loss"]
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _known_everywhere(loss: float) -> float:
+    """A loss only the last stage knows, summed over ranks (the others return 0)."""
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    """On each rank: build every variant, steps 1-2 (losses checked), interleaved rounds."""
+    torch.set_num_threads(1)
+    w = WORKLOADS[spec["workload"]]
+    groups = ProcessGroups.build(ParallelDims(pp=PP), tied_embeddings=w.tied)
+    full = plain_model(w)
+    steps: dict[str, Step] = {}
+    for sched in spec["schedules"]:
+        steps[f"colonnade/{sched}"] = colonnade_variant(w, groups, sched)
+        steps[f"torch/{sched}"] = torch_variant(w, groups, sched, full)
+    data = batches(w, 4, w.global_batch // MICROBATCHES)
+    first: dict[str, list[float]] = {}
+    for name, step in steps.items():  # same weights, same batches
+        first[name] = [step(data[0]), step(data[1])]
+        if name.startswith("torch/"):
+            first[name] = [_known_everywhere(x) for x in first[name]]
+        ref = first[f"colonnade/{name.split('/')[1]}"]
+        for i, (loss, want) in enumerate(zip(first[name], ref, strict=True)):
+            if not math.isclose(loss, want, rel_tol=LOSS_TOL):
+                raise AssertionError(f"step-{i + 1} loss of {name} {loss!r} differs from "
+                                     f"Colonnade's {want!r} beyond {LOSS_TOL:g}")
+    names = list(steps)
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    k = 2
+    for r in range(spec["rounds"]):
+        shift = r % len(names)
+        order = names[shift:] + names[:shift]
+        for name in order[::-1] if r % 2 else order:
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(spec["steps"]):
+                steps[name](data[k % len(data)])
+                k += 1
+            t1, c1 = time.perf_counter(), time.process_time()
+            runs[name].append({"t0": t0, "t1": t1, "cpu": c1 - c0})
+    return {"rank": groups.rank, "first_loss": first, "runs": runs}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
+              ) -> dict[str, Any]:
+    """Per variant: per-round step and CPU times, medians, tokens/s; one row per schedule."""
+    tokens, n = w.tokens_per_step, spec["steps"]
+    variants: dict[str, dict[str, Any]] = {}
+    for name in ranks[0]["runs"]:
+        rounds = range(len(ranks[0]["runs"][name]))
+        step = [(max(r["runs"][name][i]["t1"] for r in ranks)
+                 - min(r["runs"][name][i]["t0"] for r in ranks)) / n for i in rounds]
+        cpu = [sum(r["runs"][name][i]["cpu"] for r in ranks) / n for i in rounds]
+        variants[name] = {"step_s_all": step, "cpu_s_all": cpu,
+                          "step_s": statistics.median(step),
+                          "tokens_per_s": tokens / statistics.median(step),
+                          "tokens_per_cpu_s": tokens / statistics.median(cpu),
+                          "first_losses": ranks[0]["first_loss"][name]}
+    rows = []
+    for sched in spec["schedules"]:
+        cls_name, _, layout = SCHEDULES[sched]
+        a, b = variants[f"colonnade/{sched}"], variants[f"torch/{sched}"]
+        rows.append({
+            "layout": layout, "colonnade": a["tokens_per_s"],
+            "peer": f"torch.distributed.pipelining {cls_name}",
+            "peer_tokens_per_s": b["tokens_per_s"],
+            "ratio": statistics.median(p / c for p, c in zip(b["step_s_all"], a["step_s_all"],
+                                                             strict=True)),
+            "ratio_cpu": statistics.median(p / c for p, c in zip(b["cpu_s_all"], a["cpu_s_all"],
+                                                                 strict=True)),
+        })
+    return {"workload": asdict(w), "pp": PP, "microbatches": MICROBATCHES,
+            "micro_batch": w.global_batch // MICROBATCHES, "tokens_per_step": tokens,
+            "rows": rows, "variants": variants,
+            "note": "full training steps (forward, backward, AdamW), fp32, gloo, 1 thread per "
+                    "rank; ratio = median over interleaved rounds of peer / Colonnade step time"}
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    w = summary["workload"]
+    print(f"pp={summary['pp']} {w['name']}: {w['layers']} layers, h={w['hidden']}, "
+          f"s={w['seq_len']}, V={w['vocab']}, {summary['microbatches']} micro-batches of "
+          f"{summary['micro_batch']} ({summary['tokens_per_step']} tokens/step), full steps")
+    head = (f"{'variant':<26} {'step ms':>8} {'tokens/s':>9} {'tok/CPU-s':>9} "
+            f"{'step-1 loss':>12} {'step-2 loss':>12}")
+    print(head)
+    print("-" * len(head))
+    for name, v in summary["variants"].items():
+        print(f"{name:<26} {1e3 * v['step_s']:>8.1f} {v['tokens_per_s']:>9.0f} "
+              f"{v['tokens_per_cpu_s']:>9.0f}"
+              f" {v['first_losses'][0]:>12.7f} {v['first_losses'][1]:>12.7f}")
+    for row in summary["rows"]:
+        print(f"{row['layout']:<16} colonnade {row['colonnade']:>6.0f} tok/s vs {row['peer']} "
+              f"{row['peer_tokens_per_s']:>6.0f}: ratio {row['ratio']:.3f} (median per round), "
+              f"{row['ratio_cpu']:.3f} by CPU time")
+
+
+def run(workload: str, rounds: int, steps: int, json_path: Path | None) -> dict[str, Any]:
+    """Run the workload benchmark on 2 ranks; print and write JSON; returns the summary."""
+    w = WORKLOADS[workload]
+    spec = {"workload": workload, "rounds": rounds, "steps": steps,
+            "schedules": list(SCHEDULES)}
+    began, load = time.perf_counter(), os.getloadavg()
+    with RankPool(PP, timeout_s=3600.0) as pool:
+        ranks = pool.run(bench_rank, spec)
+    summary = summarize(w, spec, ranks)
+    summary["machine"] = {"cpus": os.cpu_count(), "loadavg_start": load,
+                          "loadavg_end": os.getloadavg(), "torch": torch.__version__,
+                          "rounds": rounds, "steps_per_round": steps,
+                          "wall_s": time.perf_counter() - began}
+    print_table(summary)
+    path = json_path or RESULTS_DIR / f"pipeline_{workload}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1))
+    print(f"wrote {path} in {summary['machine']['wall_s']:.0f} s")
+    return summary
