@@ -22,13 +22,17 @@ from colonnade.parallel.groups import ProcessGroups
 
 
 def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: bool) -> None:
-    """All-reduce sp-partial gradients over tp and tied-embedding gradients over pp ends."""
+    """All-reduce sp-partial gradients over tp and tied-embedding gradients over pp ends
+    (nothing is looked at when neither group has more than one rank)."""
+    tied = tied and groups.pp.size > 1 and groups.embedding.size > 1
+    if groups.tp.size == 1 and not tied:
+        return
     params = unique_params(chunks)
     if groups.tp.size > 1:
         partial = [grad_of(p) for p in params
                    if getattr(getattr(p, "sharding", None), "sp_partial_grad", False)]
         _all_reduce_flat([g for g in partial if g is not None], groups.tp.all_reduce, "sp_grads")
-    if tied and groups.pp.size > 1 and groups.embedding.size > 1:
+    if tied:
         grads = [grad_of(p) for p in params
                  if p.sharding.key in TIED_KEYS]  # type: ignore[attr-defined]
         _all_reduce_flat([g for g in grads if g is not None], groups.embedding.all_reduce,
