@@ -35,7 +35,7 @@ Why this and issue 19's 0.91 differ from the earlier version of this script (~1%
   (earlier profiling: median ratio 0.97-1.00 where 3 rounds said 0.91).
 
 Before timing, the first two steps' losses of every side must agree (workloads.first_loss_check).
-Writes benchmarks/results/single_process.json with a top-level ``rows`` list (one per
+Writes benchmarks/results/single_process_<workload>.json with a top-level ``rows`` list (one per
 workload x thread count: layout, colonnade, peer, peer_tokens_per_s, ratio, by wall clock;
 ``ratio_cpu`` by CPU time) read by benchmarks/peer_table.py.
 """
@@ -71,7 +71,7 @@ from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.loop import Trainer
 from colonnade.training.setup import Runtime
 
-RESULTS = Path(__file__).resolve().parent / "results" / "single_process.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SIZES: dict[str, Workload] = {
     # the earlier sizes of this script (llama, 2 micro-batches of 8): "tiny" is llama-tiny
     "tiny": WORKLOADS["llama-tiny"],
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=float, default=0.0, help="gradient clipping on both sides")
     p.add_argument("--peers", default="plain,plain_fused", help=f"comma-separated from {PEERS}")
     p.add_argument("--quick", action="store_true", help="5 pairs, 1 warm-up step")
-    p.add_argument("--json", default=str(RESULTS))
+    p.add_argument("--json", default=None,
+                   help="default benchmarks/results/single_process_<workload>.json")
     args = p.parse_args(argv)
     if args.quick:
         args.pairs, args.warmup = 5, 1
@@ -253,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {"device": "cpu", "torch": torch.__version__,
            "method": "alternated single steps, medians of per-pair ratios", "rows": rows,
            "results": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    path = Path(args.json or RESULTS_DIR / f"single_process_{args.workload.replace(',', '+')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
     return 0
 
 
