@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -386,8 +388,29 @@ def _files_and_loop(c: Config, _: int | None) -> list[str]:
     return out
 
 
+CXX_NAMES: tuple[str, ...] = ("g++", "c++", "clang++")
+"""C++ compilers TorchInductor can build its kernels with (besides the one $CXX names)."""
+
+
+def cxx_compiler() -> str | None:
+    """Path of the C++ compiler torch.compile would use: $CXX, else the first of
+    :data:`CXX_NAMES` on PATH; None when there is none."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else list(CXX_NAMES)
+    return next((found for found in map(shutil.which, names) if found), None)
+
+
+def _compile(c: Config, _: int | None) -> list[str]:
+    if c.training.compile and cxx_compiler() is None:
+        which = f"$CXX={os.environ['CXX']} is not found" if os.environ.get("CXX") else (
+            f"none of {', '.join(CXX_NAMES)} is on PATH")
+        return [f"training.compile=true needs a C++ compiler ({which}): TorchInductor builds "
+                "its CPU kernels (and Triton its GPU launchers) with it; install one (e.g. "
+                "apt-get install g++) or set training.compile=false."]
+    return []
+
+
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _pipeline, _batch,
-                           _optim, _io, _reliability, _files_and_loop)
+                           _optim, _io, _reliability, _files_and_loop, _compile)
 
 
 def problems(config: Config, world_size: int | None = None) -> list[str]:

@@ -1,10 +1,11 @@
 """``training.compile``: ``torch.compile`` applied to each transformer layer (torchtitan's recipe).
 
-What is compiled: every :class:`~colonnade.models.layer.TransformerLayer` of every chunk, in
-place (``nn.Module.compile``: the module keeps its identity, its parameter names and its
-hooks), with TorchInductor, ``dynamic=False`` and ``fullgraph=False``. Not compiled: the
-embedding, the final norm, the head and the loss (once per micro-batch, and the loss holds the
-vocab-parallel collectives), the pipeline executor, the optimizer. Every layer of a model runs
+What is compiled: the forward of every :class:`~colonnade.models.layer.TransformerLayer` of
+every chunk, in place (the module keeps its identity and parameter names; its own hooks stay
+eager, its descendants' are traced), with TorchInductor, ``dynamic=False`` and
+``fullgraph=False``. Not compiled: the embedding, the final norm, the head and the loss (once
+per micro-batch, and the loss holds the vocab-parallel collectives), the pipeline executor, the
+optimizer. Every layer of a model runs
 the same code on parameters of the same shapes, and no per-layer constant reaches the traced
 code (the layers' dropout site names are passed through untouched to eager code), so all layers
 share one compiled graph: one compilation per distinct (training mode, grad mode, shape), not
@@ -23,8 +24,9 @@ design, results unchanged:
   counter-based generator from the tracker's (seed, site, step, micro-batch) read at call time
   (:mod:`colonnade.parallel.rng`), so they are the masks of the eager model bit for bit, and
   no guard on the step or micro-batch number forces a recompilation per micro-batch.
-* ZeRO-1 with overlapped parameter gathers: the pre-forward hook of each module that waits for
-  its parameter bucket (:mod:`colonnade.data_parallel.ddp`) runs eagerly.
+* none for ZeRO-1's overlapped parameter gathers: a compiled layer gets one eager
+  pre-forward hook waiting for all its parameters' buckets, and its descendants none
+  (:mod:`colonnade.data_parallel.ddp`).
 
 Order with activation recomputation:
 
@@ -48,32 +50,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from colonnade.models.gpt import ModelChunk
-from colonnade.models.layer import TransformerLayer
+import torch
+from torch import nn
 
+from colonnade.models.gpt import ModelChunk
+
+MARK = "compiled_forward"
+"""Attribute set to True on a module whose forward :func:`compile_layers` compiled."""
 BACKEND = "inductor"
 """The torch.compile backend (TorchInductor: C++/OpenMP kernels on CPU, Triton on GPUs)."""
 
 
 def compile_layers(chunks: Sequence[ModelChunk], backend: str = BACKEND) -> int:
-    """Compile every transformer layer of ``chunks`` in place; returns how many.
+    """Compile the forward of every transformer layer of ``chunks`` in place; returns how many.
 
-    Idempotent: a layer already compiled is left as it is. Compilation itself happens at each
-    layer's first call (dynamo traces lazily), so hooks registered after this (ZeRO-1's
-    pre-forward waits) are seen by it.
+    The layer's ``forward`` (not its ``__call__``) is replaced by its compiled version, so the
+    layer's own forward hooks stay eager: ZeRO-1 puts its parameter wait there, one hook per
+    compiled layer (:mod:`colonnade.data_parallel.ddp`), where a hook traced inside the graph
+    would bake its bucket numbers in as constants and recompile the graph for every layer.
+    Idempotent. Dynamo traces at each layer's first call.
     """
     count = 0
     for chunk in chunks:
         for layer in chunk.layers.values():
             if not is_compiled(layer):
-                layer.compile(backend=backend, dynamic=False, fullgraph=False)
+                layer.forward = torch.compile(  # type: ignore[method-assign]
+                    layer.forward, backend=backend, dynamic=False, fullgraph=False)
+                setattr(layer, MARK, True)
             count += 1
     return count
 
 
-def is_compiled(layer: TransformerLayer) -> bool:
-    """Whether ``layer`` runs through ``torch.compile`` (``nn.Module.compile`` was applied)."""
-    return getattr(layer, "_compiled_call_impl", None) is not None
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is compiled (:func:`compile_layers`): its descendants'
+    forward hooks would run inside the compiled graph."""
+    return bool(getattr(module, MARK, False))
 
 
 def compiled_layers(chunks: Sequence[ModelChunk]) -> int:
