@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -56,7 +57,12 @@ from colonnade.pipeline.plan import (
     with_tokens,
 )
 from colonnade.pipeline.schedules import add_comm, interleaved_items, schedule_lists
-from colonnade.pipeline.split_backward import PendingWeightGrad, backward_input, backward_weight
+from colonnade.pipeline.split_backward import (
+    PendingWeightGrad,
+    backward_input,
+    backward_weight,
+    grad_accumulators,
+)
 
 Item = tuple[int, int]  # (microbatch, local chunk)
 
@@ -209,6 +215,7 @@ class StageExecutor:
         self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
         self.pending_w: dict[Item, PendingWeightGrad] = {}
+        self.accumulators: dict[int, dict[Any, torch.nn.Parameter]] = {}  # chunk -> grad nodes
         self.losses: dict[int, torch.Tensor] = {}  # detached 0-d, copied to host at the end
         self.result = ExecResult([], 0.0, 0.0)
 
@@ -331,8 +338,11 @@ class StageExecutor:
         x, y = self.stash.pop((k, c))
         v = self._virtual(c)
         if self.splits_w:
-            dx, pending = backward_input(y, dy, x, self.params[c],
-                                         full_pass=self.chunks[c].recomputes_layers)
+            full = self.chunks[c].recomputes_layers
+            if x is not None and not full and c not in self.accumulators:
+                self.accumulators[c] = grad_accumulators(self.params[c])  # once per step
+            dx, pending = backward_input(y, dy, x, self.params[c], full_pass=full,
+                                         accumulators=self.accumulators.get(c))
             self.pending_w[(k, c)] = pending
             self.result.peak_pending_w = max(self.result.peak_pending_w, len(self.pending_w))
         else:

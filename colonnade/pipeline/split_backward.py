@@ -62,37 +62,49 @@ def _children(node: Node) -> list[Node]:
     return [child for child, _ in node.next_functions if child is not None]
 
 
-def _post_order(root: Node) -> list[Node]:
-    """Every node reachable from ``root``, children before parents (iterative DFS)."""
-    order, seen, stack = [], {root}, [(root, iter(_children(root)))]
+def _post_order(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node reachable from ``root``, children before parents (iterative DFS), and each
+    node's children (read once: ``next_functions`` builds a new tuple on every access)."""
+    kids = {root: _children(root)}
+    order, stack = [], [(root, iter(kids[root]))]
     while stack:
         node, it = stack[-1]
         child = next(it, None)
         if child is None:
             stack.pop()
             order.append(node)
-        elif child not in seen:
-            seen.add(child)
-            stack.append((child, iter(_children(child))))
-    return order
+        elif child not in kids:
+            kids[child] = _children(child)
+            stack.append((child, iter(kids[child])))
+    return order, kids
 
 
-def find_boundaries(output: torch.Tensor, x: torch.Tensor,
-                    params: Sequence[torch.nn.Parameter]) -> list[Boundary] | None:
-    """Boundary nodes between the x-paths of ``output``'s graph and its weight-only subgraphs.
+def grad_accumulators(params: Sequence[torch.nn.Parameter]) -> dict[Node, torch.nn.Parameter]:
+    """Each trainable parameter's AccumulateGrad node -> the parameter. Holding the nodes keeps
+    them alive, so later forwards reuse them and the mapping stays valid (one lookup per
+    parameter, a view each: worth computing once per step rather than once per B)."""
+    return {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+
+
+def find_boundaries(output: torch.Tensor, x: torch.Tensor, params: Sequence[torch.nn.Parameter],
+                    accumulators: dict[Node, torch.nn.Parameter] | None = None
+                    ) -> list[Boundary] | None:
+    """Boundary nodes between the x-paths of ``output``'s graph and its weight-only subgraphs
+    (``accumulators``: :func:`grad_accumulators` of ``params``, computed when not given).
 
     Returns None when the split is not exact per boundary (a parameter under two boundaries),
     in which case W must run a full second pass.
     """
     root = output.grad_fn
     x_node = get_gradient_edge(x).node
-    accumulators = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
-    order = _post_order(root)
+    if accumulators is None:
+        accumulators = grad_accumulators(params)
+    order, children = _post_order(root)
     reaches_x: dict[Node, bool] = {}
     below: dict[Node, set[int]] = {}  # indices of params reachable through non-x nodes
     index = {id(p): i for i, p in enumerate(params)}
     for node in order:  # children first
-        kids = _children(node)
+        kids = children[node]
         reaches_x[node] = node is x_node or any(reaches_x[c] for c in kids)
         mine: set[int] = set()
         if node in accumulators:
@@ -114,7 +126,8 @@ def find_boundaries(output: torch.Tensor, x: torch.Tensor,
 
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
-                   params: Sequence[torch.nn.Parameter], *, full_pass: bool = False
+                   params: Sequence[torch.nn.Parameter], *, full_pass: bool = False,
+                   accumulators: dict[Node, torch.nn.Parameter] | None = None
                    ) -> tuple[torch.Tensor | None, PendingWeightGrad]:
     """B: dx = (dy/dx)^T grad_output, keeping what W needs. Returns (dx or None, pending W).
 
@@ -129,7 +142,7 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: to
     if x is None or output.grad_fn is None:
         pending.full_pass = True
         return None, pending
-    boundaries = None if full_pass else find_boundaries(output, x, params)
+    boundaries = None if full_pass else find_boundaries(output, x, params, accumulators)
     if boundaries is None:
         pending.full_pass = True
         (dx,) = torch.autograd.grad(output, x, grad_output, retain_graph=True)

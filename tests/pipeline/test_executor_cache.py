@@ -12,13 +12,20 @@ import torch
 from colonnade.config.sections import Config, ModelConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.data.synthetic import random_batches
-from colonnade.models.build import build_reference
+from colonnade.models.build import build_reference, make_context
+from colonnade.models.gpt import ModelChunk
 from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline import executor, p2p
 from colonnade.pipeline.actions import Kind
 from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.pipeline.schedules import build_schedule, schedule_lists
+from colonnade.pipeline.split_backward import (
+    backward_input,
+    backward_weight,
+    find_boundaries,
+    grad_accumulators,
+)
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
 from colonnade.training.step import forward_backward, forward_only
 
@@ -135,3 +142,31 @@ def test_pp1_accumulation_loop_makes_no_p2p_and_matches_the_action_loop(
     with torch.no_grad():  # evaluation at pp = 1 makes no PipeComm either
         evals = forward_only([model], batches, StepPlan(groups, 7))
     assert len(evals) == M and all(v > 0 for v in evals)
+
+
+def test_grad_accumulators_computed_once_stay_valid_for_later_forwards() -> None:
+    """The executor looks the parameters' AccumulateGrad nodes up once per chunk and step;
+    holding them keeps them alive, so the next micro-batch's graph uses the same nodes and
+    find_boundaries gives the same boundaries as with a fresh lookup, W the same gradients."""
+    cfg = _config()
+    ctx = make_context(cfg, ProcessGroups.single(), dtype=torch.float64)
+    chunk = ModelChunk(cfg.model, ctx, [0, 1], first=False, last=True)
+    params = list(chunk.parameters())
+    tokens, labels = random_batches(cfg, seed=4)[0]
+    x0 = torch.randn(SEQ, MICRO, 32, dtype=torch.float64)
+    acc: dict[Any, torch.nn.Parameter] | None = None
+    grads = []
+    for cached in (False, True, True):
+        chunk.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y = chunk(x, labels, reduction="sum", tokens=tokens)
+        fresh = find_boundaries(y, x, params)
+        if acc is None:
+            acc = grad_accumulators(params)
+        assert fresh is not None and len(fresh) > len(params) // 4
+        assert [b.node for b in find_boundaries(y, x, params, acc)] == [b.node for b in fresh]
+        dx, pending = backward_input(y, None, x, params, accumulators=acc if cached else None)
+        backward_weight(pending)
+        grads.append([dx] + [p.grad.clone() for p in params])
+    for later in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], later, strict=True))
