@@ -293,12 +293,15 @@ def main() -> None:
     ap.add_argument("--workload", default="layers", choices=["layers", "gpt2-tiny", "llama-tiny"],
                     help="layers: the bubble analysis (no optimizer); a workload name: full "
                          "training steps of that model at pp = 2 (pipeline_train.py)")
+    ap.add_argument("--peer-optimizer", default="fused", choices=["fused", "foreach"],
+                    help="--workload: the torch peers' AdamW kernels")
     a = ap.parse_args()
     if a.workload != "layers":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from pipeline_train import run
 
-        run(a.workload, 2 if a.quick else a.rounds or 15, 1 if a.quick else a.steps, a.json)
+        run(a.workload, 2 if a.quick else a.rounds or 15, 1 if a.quick else a.steps, a.json,
+            a.peer_optimizer)
         return
     a.json, a.rounds = a.json or RESULTS, a.rounds or 3
     args = {"m": a.microbatches, "rounds": a.rounds, "warmup": a.warmup, "hidden": a.hidden,

@@ -26,6 +26,7 @@ default mean loss with ``scale_grads=True``, without its extra pass over the gra
 gpt2's tied head: when the first and last stages sit on one rank (ZBV) the head shares the
 embedding's Parameter; otherwise each holds a copy and the two gradients are all-reduced over
 the pp group after the backward (Megatron's tied-embedding reduction; Colonnade does the same).
+AdamW: fused kernels by default (``--peer-optimizer foreach``: PyTorch's default kernels).
 
 The first two steps of every variant run on the same batches from the same weights; their
 losses must agree with Colonnade's to 1e-5 (fp32) before anything is timed (step 2 checks the
@@ -57,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
+from tensor_parallel_train import peer_optimizer
 from torch import nn
 from workloads import (
     WORKLOADS,
@@ -67,7 +69,6 @@ from workloads import (
     colonnade_config,
     plain_loss,
     plain_model,
-    plain_optimizer,
 )
 
 from colonnade.parallel.dims import ParallelDims
@@ -118,8 +119,10 @@ def stage_ids(schedule: str, rank: int) -> list[int]:
     return [rank, 2 * PP - 1 - rank]  # ZBV: V placement
 
 
-def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: PlainModel) -> Step:
-    """One training step of torch.distributed.pipelining's counterpart of ``schedule``."""
+def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: PlainModel,
+                  impl: str) -> Step:
+    """One training step of torch.distributed.pipelining's counterpart of ``schedule`` (AdamW
+    with the ``impl`` kernels)."""
     from torch.distributed import pipelining as tpp
 
     cls_name, per_rank, _ = SCHEDULES[schedule]
@@ -143,7 +146,7 @@ def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: Plain
 
     cls = getattr(tpp, cls_name)
     sched = cls(stages if per_rank > 1 else stages[0], m, loss_fn=loss_fn, scale_grads=False)
-    opt = plain_optimizer(nn.ModuleList(mods.values()), w)
+    opt = peer_optimizer(nn.ModuleList(mods.values()), w, impl)
     first, last = 0 in mods, count - 1 in mods
     pg = groups.pp.pg
 
@@ -191,7 +194,7 @@ def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     steps: dict[str, Step] = {}
     for sched in spec["schedules"]:
         steps[f"colonnade/{sched}"] = colonnade_variant(w, groups, sched)
-        steps[f"torch/{sched}"] = torch_variant(w, groups, sched, full)
+        steps[f"torch/{sched}"] = torch_variant(w, groups, sched, full, spec["optimizer"])
     data = batches(w, 4, w.global_batch // MICROBATCHES)
     first: dict[str, list[float]] = {}
     for name, step in steps.items():  # same weights, same batches
@@ -277,15 +280,18 @@ def print_table(summary: dict[str, Any]) -> None:
               f"{row['ratio_cpu']:.3f} by CPU time")
 
 
-def run(workload: str, rounds: int, steps: int, json_path: Path | None) -> dict[str, Any]:
-    """Run the workload benchmark on 2 ranks; print and write JSON; returns the summary."""
+def run(workload: str, rounds: int, steps: int, json_path: Path | None,
+        optimizer: str = "fused") -> dict[str, Any]:
+    """Run the workload benchmark on 2 ranks (torch peers' AdamW kernels ``optimizer``); print
+    and write JSON; returns the summary."""
     w = WORKLOADS[workload]
-    spec = {"workload": workload, "rounds": rounds, "steps": steps,
+    spec = {"workload": workload, "rounds": rounds, "steps": steps, "optimizer": optimizer,
             "schedules": list(SCHEDULES)}
     began, load = time.perf_counter(), os.getloadavg()
     with RankPool(PP, timeout_s=3600.0) as pool:
         ranks = pool.run(bench_rank, spec)
     summary = summarize(w, spec, ranks)
+    summary["peer_optimizer"] = optimizer
     summary["machine"] = {"cpus": os.cpu_count(), "loadavg_start": load,
                           "loadavg_end": os.getloadavg(), "torch": torch.__version__,
                           "rounds": rounds, "steps_per_round": steps,

@@ -410,21 +410,25 @@ def print_table(summary: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per round (default 1; 2 with --workload)")
     parser.add_argument("--quick", action="store_true", help="tiny shape, 2 rounds (smoke test)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--workload", default="layers",
                         choices=["layers", "gpt2-tiny", "llama-tiny"],
                         help="layers: the layer stack (forward + backward); a workload name: "
                              "full training steps of that model (tensor_parallel_train.py)")
+    parser.add_argument("--peer-optimizer", default="fused", choices=["fused", "foreach"],
+                        help="--workload: the DTensor peers' torch AdamW kernels")
     args = parser.parse_args()
     if args.workload != "layers":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from tensor_parallel_train import run
 
-        run(args.workload, 2 if args.quick else args.rounds, args.steps, args.json)
+        run(args.workload, 2 if args.quick else args.rounds, 1 if args.quick else args.steps or 2,
+            args.json, args.peer_optimizer)
         return
-    args.json = args.json or RESULTS
+    args.json, args.steps = args.json or RESULTS, args.steps or 1
     shape = QUICK if args.quick else FULL
     rounds = 3 if args.quick else args.rounds
     begin = time.perf_counter()

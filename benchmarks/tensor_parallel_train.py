@@ -14,7 +14,8 @@ batch per step (dp = 1), a step being forward + backward + AdamW:
   1-d mesh, with ``torch.optim.AdamW`` (foreach) on its DTensor parameters. Each plan
   (:class:`DTPlan`) shards q, k, v, fc (gate, up) column-wise, o, proj (down) row-wise, the
   word embedding row-wise (vocab rows; tied to the head, which is column-wise over the vocab:
-  both hold Shard(0) of the same [V, h] weight):
+  both hold Shard(0) of the same [V, h] weight); AdamW with fused kernels by default
+  (``--peer-optimizer foreach``: PyTorch's default kernels), see :func:`peer_optimizer`:
 
   ``dtensor``             the documented plan: each column-parallel linear makes its own
                           replicated input, so the backward all-reduces the input gradient
@@ -113,6 +114,8 @@ PLANS: dict[str, DTPlan] = {
     "dtensor_sp_rep": DTPlan(sp=True, prepared=True, loss_parallel=False),
 }
 """The DTensor variants by name."""
+OPTIMIZER_IMPLS = ("fused", "foreach")
+"""torch AdamW kernels a peer may use (``--peer-optimizer``)."""
 COLONNADE = {"colonnade": False, "colonnade_sp": True}
 """Colonnade variants: name -> sequence parallelism."""
 
@@ -198,20 +201,25 @@ def parallelize(w: Workload, plan: DTPlan, mesh: Any) -> PlainModel:
     return model
 
 
-def dtensor_optimizer(model: nn.Module, w: Workload) -> torch.optim.Optimizer:
-    """workloads.plain_optimizer's AdamW (Colonnade's groups and hyper-parameters, foreach),
-    each group split into its DTensor and its plain parameters: a foreach kernel takes one
-    kind only (parameters no plan touches, such as the norms without sp, stay plain tensors
-    and are computed replicated, with no communication)."""
+def peer_optimizer(model: nn.Module, w: Workload, impl: str = "fused") -> torch.optim.Optimizer:
+    """workloads.plain_optimizer's AdamW (Colonnade's groups and hyper-parameters) with the
+    ``impl`` kernels ('fused': one fused kernel per group, as torchtitan configures it, the
+    fastest on CPU too; 'foreach': PyTorch's default), each group split into its DTensor and
+    its plain parameters: one kernel call takes one kind only (parameters no plan touches,
+    such as the norms without sp, stay plain tensors, computed replicated without any
+    communication). Same updates either way (fp32 rounding)."""
     from torch.distributed.tensor import DTensor
 
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer implementation {impl!r}: choose from {OPTIMIZER_IMPLS}")
     base = plain_optimizer(model, w)
     groups = []
     for group in base.param_groups:
         for kind in (True, False):
             params = [p for p in group["params"] if isinstance(p, DTensor) is kind]
             if params:
-                groups.append({**group, "params": params})
+                groups.append({**group, "params": params, "foreach": impl == "foreach",
+                               "fused": impl == "fused"})
     return torch.optim.AdamW(groups)
 
 
@@ -253,8 +261,10 @@ def check_losses(first: dict[str, list[float]]) -> None:
 Step = Callable[[list[Batch]], float]
 
 
-def build_variants(w: Workload, groups: ProcessGroups, names: list[str]) -> dict[str, Step]:
-    """name -> one training step of that variant (its model and optimizer built here)."""
+def build_variants(w: Workload, groups: ProcessGroups, names: list[str], impl: str
+                   ) -> dict[str, Step]:
+    """name -> one training step of that variant (its model and optimizer built here; the
+    DTensor plans' AdamW with the ``impl`` kernels)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     steps: dict[str, Step] = {}
@@ -268,7 +278,7 @@ def build_variants(w: Workload, groups: ProcessGroups, names: list[str]) -> dict
         else:
             plan = PLANS[name]
             model = parallelize(w, plan, mesh)
-            opt = dtensor_optimizer(model, w)
+            opt = peer_optimizer(model, w, impl)
             steps[name] = (lambda b, m=model, o=opt, lp=plan.loss_parallel:
                            dtensor_step(m, o, b, lp))
     return steps
@@ -293,7 +303,7 @@ def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     w = WORKLOADS[spec["workload"]]
     groups = ProcessGroups.build(ParallelDims(tp=TP), tied_embeddings=w.tied)
     names = spec["variants"]
-    steps = build_variants(w, groups, names)
+    steps = build_variants(w, groups, names, spec["optimizer"])
     data = [s[0] for s in batches(w, 4, w.global_batch)]  # one micro-batch per step
     first = {n: [steps[n]([data[0]]), steps[n]([data[1]])] for n in names}  # same batches
     check_losses(first)  # before anything is timed
@@ -379,15 +389,18 @@ def print_table(summary: dict[str, Any]) -> None:
               f"{row['ratio_cpu']:.3f} by CPU time")
 
 
-def run(workload: str, rounds: int, steps: int, json_path: Path | None) -> dict[str, Any]:
-    """Run the workload benchmark on 2 ranks; print, check, write JSON; returns the summary."""
+def run(workload: str, rounds: int, steps: int, json_path: Path | None,
+        optimizer: str = "fused") -> dict[str, Any]:
+    """Run the workload benchmark on 2 ranks (DTensor peers' AdamW kernels ``optimizer``);
+    print, write JSON; returns the summary."""
     w = WORKLOADS[workload]
-    spec = {"workload": workload, "rounds": rounds, "steps": steps,
+    spec = {"workload": workload, "rounds": rounds, "steps": steps, "optimizer": optimizer,
             "variants": [*COLONNADE, *PLANS]}
     began, load = time.perf_counter(), os.getloadavg()
     with RankPool(TP, timeout_s=3600.0) as pool:
         ranks = pool.run(bench_rank, spec)
     summary = summarize(w, spec, ranks)
+    summary["peer_optimizer"] = optimizer
     summary["machine"] = {"cpus": os.cpu_count(), "loadavg_start": load,
                           "loadavg_end": os.getloadavg(), "torch": torch.__version__,
                           "rounds": rounds, "steps_per_round": steps,
