@@ -42,6 +42,12 @@ round by round (order rotated, reversed every other round, ranks barrier-aligned
 runs ``steps`` steps of each. Step time = last rank's end - first rank's start (one machine,
 one clock); CPU time = process time of both ranks (gloo threads included).
 
+Collectives per step (``calls``, ``wire MiB``): Colonnade's from ``groups.stats`` (all of
+them); DTensor's from a dispatch mode that sees the collectives DTensor issues at Python level
+(redistribute, from_local / to_local), not those inside an op's dispatch (loss_parallel's
+max / sum reductions; a SequenceParallel norm weight's Partial gradient, all-reduced inside
+the optimizer's kernel: checked correct, the weights stay equal on both ranks): a lower bound.
+
 Rows (for benchmarks/peer_table.py): ``tp2`` = colonnade against the fastest DTensor plan
 without sp, ``tp2 + sp`` = colonnade_sp against the fastest DTensor plan with sp ("fastest":
 the highest median tokens/s). ``ratio`` = median over rounds of peer step time / Colonnade step
@@ -286,7 +292,8 @@ def build_variants(w: Workload, groups: ProcessGroups, names: list[str], impl: s
 
 def _count(name: str, step: Step, data: list[Batch], groups: ProcessGroups) -> dict[str, Any]:
     """Collective calls and bytes of one step: Colonnade's by ``groups.stats``, DTensor's by
-    a dispatch mode that sees every functional collective."""
+    a dispatch mode that sees the functional collectives issued outside op dispatch (a lower
+    bound: see the module docstring)."""
     if name in COLONNADE:
         groups.stats.reset()
         step(data)
