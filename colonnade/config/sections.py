@@ -299,10 +299,11 @@ class TrainingConfig:
     IEEE fp32 (the much lower fp32 peak). No effect on CPU or on bf16/fp16/fp64 maths."""
     compile: bool = False
     """torch.compile each transformer layer (TorchInductor, dynamic=False; torchtitan's
-    recipe): one graph shared by every layer, fused kernels, the same results as eager up to
-    floating-point reassociation. The first step pays the compilation (tens of seconds; cached
-    on disk for the next run); a CPU run needs a C++ compiler. Embedding, head, loss,
-    collectives and dropout masks stay eager (see colonnade.models.compile)."""
+    recipe): one graph shared by every layer, fused kernels, the results of eager mode up to
+    floating-point reassociation (dropout masks identical). The first step pays the
+    compilation (tens of seconds; cached on disk for the next run); needs a C++ compiler;
+    not with parallel.schedule='zb_h1'. Embedding, head, loss, collectives and dropout draws
+    stay eager (see colonnade.models.compile)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -400,13 +400,22 @@ def cxx_compiler() -> str | None:
 
 
 def _compile(c: Config, _: int | None) -> list[str]:
-    if c.training.compile and cxx_compiler() is None:
+    out: list[str] = []
+    if not c.training.compile:
+        return out
+    if cxx_compiler() is None:
         which = f"$CXX={os.environ['CXX']} is not found" if os.environ.get("CXX") else (
             f"none of {', '.join(CXX_NAMES)} is on PATH")
-        return [f"training.compile=true needs a C++ compiler ({which}): TorchInductor builds "
-                "its CPU kernels (and Triton its GPU launchers) with it; install one (e.g. "
-                "apt-get install g++) or set training.compile=false."]
-    return []
+        out.append(f"training.compile=true needs a C++ compiler ({which}): TorchInductor "
+                   "builds its CPU kernels (and Triton its GPU launchers) with it; install one "
+                   "(e.g. apt-get install g++) or set training.compile=false.")
+    if c.parallel.schedule == "zb_h1":
+        out.append("training.compile=true does not go with parallel.schedule='zb_h1': the "
+                   "zero-bubble split walks each backward twice (input gradients, then weight "
+                   "gradients), but a compiled layer's backward is one node that computes all "
+                   "its gradients at once and frees its saved buffers; use schedule '1f1b' or "
+                   "'interleaved_1f1b', or set training.compile=false.")
+    return out
 
 
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _pipeline, _batch,

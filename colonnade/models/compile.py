@@ -1,49 +1,54 @@
 """``training.compile``: ``torch.compile`` applied to each transformer layer (torchtitan's recipe).
 
-What is compiled: the forward of every :class:`~colonnade.models.layer.TransformerLayer` of
-every chunk, in place (the module keeps its identity and parameter names; its own hooks stay
-eager, its descendants' are traced), with TorchInductor, ``dynamic=False`` and
-``fullgraph=False``. Not compiled: the embedding, the final norm, the head and the loss (once
-per micro-batch, and the loss holds the vocab-parallel collectives), the pipeline executor, the
-optimizer. Every layer of a model runs
-the same code on parameters of the same shapes, and no per-layer constant reaches the traced
-code (the layers' dropout site names are passed through untouched to eager code), so all layers
-share one compiled graph: one compilation per distinct (training mode, grad mode, shape), not
-one per layer, and a deep model stays far below dynamo's recompile limit.
+What is compiled: the ``forward`` of every :class:`~colonnade.models.layer.TransformerLayer`
+of every chunk, in place, by TorchInductor (C++/OpenMP kernels on CPU, Triton on GPUs), with
+``dynamic=False`` and ``fullgraph=False``. The module keeps its identity and parameter names
+(checkpoints, sharding declarations and tied weights are untouched); its own forward hooks run
+eagerly, those of the modules inside it are traced. Not compiled: the embedding, the final
+norm, the head and the loss (once per micro-batch; the loss holds the vocab-parallel
+collectives), the pipeline executor and the optimizer.
 
-Where dynamo breaks the graph (``TORCH_LOGS=graph_breaks``; counted by the tests), all by
-design, results unchanged:
+One graph for all layers: every layer runs the same code on parameters of the same shapes, and
+no per-layer constant reaches the traced code (dropout site names are formatted once and passed
+through to eager code untouched), so dynamo compiles one graph (per training/eval mode and grad
+mode) that every layer reuses: compilation costs one layer, not L, and a deep model stays far
+below dynamo's recompile limit (8 versions of a function, after which it would silently run
+eagerly). The tests assert one compiled version for all layers over several steps.
 
-* tp > 1: at every tensor-parallel entry and exit (f / g, the sp all-gather and reduce-scatter,
-  :mod:`colonnade.tensor_parallel.mappings`): each collective goes through
-  :class:`~colonnade.parallel.comm.CommGroup`, whose Python bookkeeping (byte counts, timing,
-  timeouts) must run at every call, so the autograd function runs eagerly between compiled
-  pieces: a layer is 2-3 graphs per tp region instead of one.
+Graph breaks (``TORCH_LOGS=graph_breaks``), by design; results are unchanged by each:
+
+* tp > 1: at every tensor-parallel entry and exit (f / g, the sp all-gather and
+  reduce-scatter of :mod:`colonnade.tensor_parallel.mappings`). Each collective goes through
+  :class:`~colonnade.parallel.comm.CommGroup`, whose bookkeeping (byte counters under a lock,
+  timing, timeouts) dynamo cannot trace, so the autograd function runs eagerly between
+  compiled pieces and the comm counters count every call as in eager mode.
 * dropout > 0 in training: at each hidden-dropout draw and around the blockwise dropout
-  attention, which are ``torch.compiler.disable``-d. The masks are computed by the eager
-  counter-based generator from the tracker's (seed, site, step, micro-batch) read at call time
-  (:mod:`colonnade.parallel.rng`), so they are the masks of the eager model bit for bit, and
-  no guard on the step or micro-batch number forces a recompilation per micro-batch.
-* none for ZeRO-1's overlapped parameter gathers: a compiled layer gets one eager
-  pre-forward hook waiting for all its parameters' buckets, and its descendants none
-  (:mod:`colonnade.data_parallel.ddp`).
+  attention, both ``torch.compiler.disable``-d. The masks come from the eager counter-based
+  generator, which reads the tracker's (seed, site, step, micro-batch) at every call
+  (:mod:`colonnade.parallel.rng`): the masks of the eager model bit for bit, and no guard on
+  the step or micro-batch that would recompile the graph at every micro-batch.
+* selective recompute: around core attention, which runs eagerly inside the eager checkpoint
+  (:func:`colonnade.models.checkpointing.checkpoint` is ``torch.compiler.disable``-d: dynamo
+  cannot trace its ``context_fn``, the dropout-context restoration); the layer is two compiled
+  pieces, norm + q/k/v projections before it and output projection + MLP after it.
 
-Order with activation recomputation:
+Order with activation recomputation: checkpointing outside, compilation inside. Full
+recompute's layer runner (:class:`~colonnade.models.recompute.FullRecompute`) stays eager and
+checkpoints compiled layers: ``torch.utils.checkpoint`` keeps a block's input and, in backward,
+runs the block's compiled forward again under the restored dropout context, then its compiled
+backward (compiled code called from a ``torch.compiler.disable``-d function still runs
+compiled). Compiling the checkpoint instead (torchtitan's order, the partitioner choosing what
+to recompute) would need dynamo to trace our ``context_fn``. Selective recompute: see above.
 
-* full: checkpointing wraps compiled layers (checkpoint outside, compile inside). The chunk's
-  layer runner (:class:`~colonnade.models.recompute.FullRecompute`) stays eager; its
-  ``torch.utils.checkpoint`` keeps a block's input and, in backward, runs the block's
-  compiled forward again under the restored dropout context, then its compiled backward.
-  Compiling the checkpoint instead (torchtitan's order, recompute decided by the partitioner)
-  would need dynamo to trace our ``context_fn`` (the dropout-context restoration), which it
-  does not support; recomputing a compiled layer is also cheaper than recomputing an eager one.
-* selective: the core-attention checkpoint sits inside the compiled layer; dynamo does not
-  trace a checkpoint with a custom ``context_fn``, so core attention runs eagerly under the
-  eager checkpoint between two compiled pieces of the layer (norm + q/k/v projections before
-  it, output projection + MLP after it).
+ZeRO-1 with overlapped parameter gathers: a compiled layer gets one eager pre-forward hook that
+waits for all its parameters' buckets, and the modules inside it none
+(:mod:`colonnade.data_parallel.ddp`): a hook traced inside the graph would turn its bucket
+numbers into per-layer constants. The zero-bubble schedule (zb_h1) is rejected by validation:
+its split backward walks a layer's backward twice, and a compiled backward is one node that
+computes every gradient of the layer at once and frees its saved buffers.
 
-Generation (KV caches) and the analysis / export models built by
-:func:`~colonnade.models.build.build_reference` are never compiled.
+Generation (KV caches) and the models of export and analysis, made by
+:func:`~colonnade.models.build.build_reference`, are never compiled.
 """
 
 from __future__ import annotations

@@ -293,3 +293,15 @@ def test_compile_without_a_cxx_compiler_is_rejected(tmp_path: Path,
     assert "$CXX=/nowhere/g++ is not found" in problems(config)[0]
     with pytest.raises(ConfigError, match=r"training\.compile=true needs"):
         validate(config)
+
+
+def test_compile_with_the_zero_bubble_schedule_is_rejected() -> None:
+    """zb_h1's split backward runs a layer's backward node twice with retain_graph; a compiled
+    layer's backward frees its donated buffers (and would recompute every gradient twice)."""
+    config = make_config(pp=2)
+    zb = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                  schedule="zb_h1"))
+    assert problems(zb) == [] and problems(with_compile(config, True)) == []
+    (found,) = problems(with_compile(zb, True))
+    assert "training.compile=true does not go with parallel.schedule='zb_h1'" in found
+    assert "'1f1b'" in found and "training.compile=false" in found
