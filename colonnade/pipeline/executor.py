@@ -24,6 +24,14 @@ autograd node (``grad_fn``) for B, not its values. The send keeps its own refere
 storage (released when the send completes), and y's data is replaced by one element expanded
 to y's shape, so the activation memory goes as soon as the transfer does.
 
+Host work per step: everything derived from (schedule, pp, vp, m, stage, overlap, train), the
+compute list, the p2p program and the message each compute consumes, is pure data computed once
+(:func:`stage_steps`, cached; :class:`StageSteps`). pp = vp = 1 training makes no PipeComm and
+runs a plain accumulation loop (``StageExecutor._accumulate``: forward, loss * multiplier,
+backward per micro-batch, the same operations in the same order as the action loop, so the
+results are bit for bit the same). Zero-bubble B looks the parameters' AccumulateGrad nodes up
+once per chunk and step.
+
 Memory: a stage holds at most `peak_stashed` (x, y, graph) stashes, the schedule's peak
 in-flight count (1F1B: min(p - s, m)), plus, for ZB-H1, up to s + 1 pending W graphs.
 """
