@@ -1,4 +1,4 @@
-"""One-GPU check: train the demo and a 1.3B model in bf16 against the planner, SDPA, async save.
+"""One-GPU check: demo and 1.3B training in bf16 against the planner, SDPA, async save, compile.
 
     python benchmarks/gpu_check.py [--budget-s 450] [--json PATH] [--workdir DIR] [--cluster NAME]
     python benchmarks/gpu_check.py --cpu-smoke      # the same stages at tiny sizes on the CPU
@@ -16,6 +16,10 @@ within one global time budget (a stage that would start past it is reported as s
                     thread's stall, the write's total time and rate, a step taken meanwhile
   generate          ``colonnade generate`` of the demo checkpoint on the device, greedy
   gpu_tests         ``pytest -m gpu tests`` (not applicable on a CPU)
+  compile           training.compile off vs on (torch.compile per transformer layer), one
+                    process, the same initial weights and batches: the compiled trainer's
+                    first step (compilation included), then interleaved steps of both, medians
+                    and the median per-round ratio of step times, and the two losses
 
 Prints a table and writes JSON (default benchmarks/results/gpu_check.json; --cpu-smoke:
 benchmarks/results/gpu_check_cpu_smoke.json).  The training runs go through the CLI, the
@@ -64,6 +68,11 @@ class Sizes:
     ckpt_tokens: tuple[int, int]
     sdpa_shape: tuple[int, int, int, int]
     new_tokens: int
+    compile_model: dict[str, int]
+    compile_tokens: tuple[int, int]
+    """(micro-batch, seq) of the compile stage."""
+    compile_rounds: int
+    """Interleaved timed rounds of the compile stage (one step of each trainer per round)."""
 
 
 GPU = Sizes(
@@ -76,6 +85,8 @@ GPU = Sizes(
     demo_steps=40, big_steps=10, warm=3,
     ckpt_model={"num_layers": 8, "hidden_size": 2048, "num_heads": 16}, ckpt_tokens=(4, 1024),
     sdpa_shape=(4, 16, 2048, 128), new_tokens=64,
+    compile_model={"num_layers": 12, "hidden_size": 768, "num_heads": 12},
+    compile_tokens=(8, 1024), compile_rounds=10,
 )
 CPU = Sizes(
     device="cpu",
@@ -90,6 +101,8 @@ CPU = Sizes(
     demo_steps=3, big_steps=2, warm=1,
     ckpt_model={"num_layers": 2, "hidden_size": 32, "num_heads": 4}, ckpt_tokens=(2, 32),
     sdpa_shape=(1, 2, 64, 16), new_tokens=12,
+    compile_model={"num_layers": 2, "hidden_size": 32, "num_heads": 4},
+    compile_tokens=(2, 32), compile_rounds=3,
 )
 
 
@@ -237,8 +250,10 @@ def stage_sdpa(ctx: Context) -> dict[str, Any]:
     return {"measured": {"backends": found, "forward_ms": ms, "shape": ctx.sizes.sdpa_shape}}
 
 
-def ckpt_trainer(ctx: Context) -> Any:
-    """A single-process Trainer of a GPT model on the device (no data: batches are fed)."""
+def ckpt_trainer(ctx: Context, model_size: dict[str, int] | None = None,
+                 tokens: tuple[int, int] | None = None, compile: bool = False) -> Any:
+    """A single-process Trainer of a GPT model on the device (no data: batches are fed);
+    the checkpoint stage's size unless ``model_size`` / ``tokens`` (micro-batch, seq) say."""
     import torch
 
     from colonnade.config.sections import Config, ModelConfig, TrainingConfig
@@ -247,11 +262,13 @@ def ckpt_trainer(ctx: Context) -> Any:
     from colonnade.training.loop import Trainer
     from colonnade.training.setup import Runtime
 
-    batch, seq = ctx.sizes.ckpt_tokens
-    model = ModelConfig(arch="gpt2", vocab_size=2048, max_seq_len=seq, **ctx.sizes.ckpt_model)
+    batch, seq = tokens or ctx.sizes.ckpt_tokens
+    model = ModelConfig(arch="gpt2", vocab_size=2048, max_seq_len=seq,
+                        **(model_size or ctx.sizes.ckpt_model))
     precision = "fp32" if ctx.cpu_smoke else "bf16"
     tr = TrainingConfig(steps=100, seq_len=seq, micro_batch_size=batch, microbatches=1,
-                        global_batch_size=batch, precision=precision, eval_interval=0)
+                        global_batch_size=batch, precision=precision, eval_interval=0,
+                        compile=compile)
     cfg = Config(model=model, training=tr)
     return Trainer(Runtime(cfg, torch.device(ctx.sizes.device),
                            ProcessGroups.build(ParallelDims())), None)
@@ -320,11 +337,61 @@ def stage_gpu_tests(ctx: Context) -> dict[str, Any]:
     return {"measured": {"summary": summary}}
 
 
+def stage_compile(ctx: Context) -> dict[str, Any]:
+    """Step time with training.compile off and on: two trainers of the same config and seed
+    (identical initial weights) take the same batches; after the compiled one's first step
+    (compilation) and one warm step each, ``compile_rounds`` rounds of one step of each, the
+    order alternating; medians and the median of the per-round eager / compiled ratios
+    (> 1: compiled is faster)."""
+    import torch
+
+    from colonnade.device import synchronize
+    from colonnade.models.compile import compiled_layers
+
+    model, tokens = ctx.sizes.compile_model, ctx.sizes.compile_tokens
+    eager = ckpt_trainer(ctx, model, tokens, compile=False)
+    compiled = ckpt_trainer(ctx, model, tokens, compile=True)
+    if compiled_layers(compiled.chunks) != model["num_layers"]:
+        raise RuntimeError("training.compile=true did not compile every layer")
+    device = eager.rt.device
+    batch, seq = tokens
+    gen = torch.Generator().manual_seed(0)
+
+    def step(trainer: Any, data: torch.Tensor) -> tuple[float, float]:
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss = trainer.train_step([(data[:, :-1].to(device), data[:, 1:].to(device))])["loss"]
+        synchronize(device)
+        return time.perf_counter() - t0, loss
+
+    first = torch.randint(0, 2048, (batch, seq + 1), generator=gen)
+    eager_first = step(eager, first)
+    compile_s, compiled_loss = step(compiled, first)
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for k in range(ctx.sizes.compile_rounds + 1):
+        data = torch.randint(0, 2048, (batch, seq + 1), generator=gen)
+        order = [("eager", eager), ("compiled", compiled)]
+        for name, trainer in order if k % 2 else order[::-1]:
+            seconds = step(trainer, data)[0]
+            if k > 0:  # round 0 warms both
+                times[name].append(seconds)
+    ratios = [e / c for e, c in zip(times["eager"], times["compiled"], strict=True)]
+    med = {name: statistics.median(values) for name, values in times.items()}
+    return {"measured": {
+        "layers": model["num_layers"], "tokens_per_step": batch * seq,
+        "first_step_compiled_s": compile_s, "eager_step_s": med["eager"],
+        "compiled_step_s": med["compiled"], "speedup_median_ratio": statistics.median(ratios),
+        "eager_tokens_per_s": batch * seq / med["eager"],
+        "compiled_tokens_per_s": batch * seq / med["compiled"],
+        "first_loss_eager": eager_first[1], "first_loss_compiled": compiled_loss,
+        "rounds": len(ratios)}}
+
+
 STAGES: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("environment", stage_environment), ("train_demo", stage_train_demo),
     ("train_1p3b", stage_train_1p3b), ("sdpa_kernel", stage_sdpa),
     ("async_checkpoint", stage_async_checkpoint), ("generate", stage_generate),
-    ("gpu_tests", stage_gpu_tests),
+    ("gpu_tests", stage_gpu_tests), ("compile", stage_compile),
 ]
 
 
@@ -362,7 +429,7 @@ def cells(rec: dict[str, Any]) -> list[str]:
     meas, pred = rec.get("measured", {}), rec.get("predicted", {})
     out = []
     for key, value in meas.items():
-        if key in ("sample", "first_loss", "shape"):
+        if key in ("sample", "first_loss", "shape", "first_loss_eager", "first_loss_compiled"):
             continue
         text = f"{key} {_fmt(value)}"
         if key in pred:
