@@ -127,8 +127,8 @@ class RowParallelLinear(nn.Module):
     Input [s, b, in/tp] (the column layer's output), or the full [s, b, in] when
     ``input_is_parallel`` is False (each rank then keeps its slice, the gradient is
     all-gathered); output [s, b, out], or [s/tp, b, out] under sp. The bias is replicated and
-    added after the reduction; under sp its gradient is a partial sum over this rank's sequence
-    chunk (``sp_partial_grad``).
+    added once, after the reduction (fused into the matmul at tp = 1); under sp its gradient is
+    a partial sum over this rank's sequence chunk (``sp_partial_grad``).
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, key: str, *,
