@@ -46,6 +46,8 @@ ISSUE_ROWS: list[tuple[str, float]] = [
     ("pp2 interleaved", 0.92), ("pp2 ZB-H1", 0.98),
 ]
 """The issue's layouts in its order, with the ratio it measured (3 interleaved rounds)."""
+ISSUE_WORKLOAD = "gpt2-tiny"
+"""The workload the issue's ratios were measured on (other workloads show none)."""
 
 
 def command(bench: str, workload: str, json_path: Path, quick: bool) -> list[str]:
@@ -95,8 +97,9 @@ def collect(benches: list[str], workload: str, out: Path) -> list[dict[str, Any]
             if row.get("workload", workload) != workload:
                 continue
             i = issue_key(row["layout"])
+            known = i < len(ISSUE_ROWS) and workload == ISSUE_WORKLOAD
             rows.append({**row, "source": bench,
-                         "issue_ratio": ISSUE_ROWS[i][1] if i < len(ISSUE_ROWS) else None})
+                         "issue_ratio": ISSUE_ROWS[i][1] if known else None})
     return sorted(rows, key=lambda r: issue_key(r["layout"]))
 
 
@@ -111,7 +114,8 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
                       f"| {r['layout']} | {r['colonnade']:.0f} | {r['peer']} "
                       f"{r['peer_tokens_per_s']:.0f} | {r['ratio']:.2f} | {cpu} | {issue} |"))
     seen = {k for k, _ in keyed}
-    keyed += [(i, f"| {layout} | not run | - | - | - | {ratio:.2f} |")
+    keyed += [(i, f"| {layout} | not run | - | - | - | "
+                  f"{f'{ratio:.2f}' if workload == ISSUE_WORKLOAD else '-'} |")
               for i, (layout, ratio) in enumerate(ISSUE_ROWS) if i not in seen]
     keyed.sort(key=lambda kl: kl[0])  # stable: a benchmark's own order within a layout
     head = [f"Workload `{workload}`: tokens/s, medians; ratio = median per-round "
