@@ -87,11 +87,20 @@ class OpF(torch.autograd.Function):
 
 
 class OpG(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: all-reduce forward, identity backward.
+
+    The forward sums a contiguous input in place (marked dirty), as Megatron's _reduce does:
+    its callers pass the fresh partial product of a row-parallel matmul (or of the vocab-
+    parallel embedding), which nothing else reads, so no [s, b, h] copy is made per layer.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        return all_reduce_sum(x, group, "g_fwd")
+        if not x.is_contiguous():
+            return all_reduce_sum(x, group, "g_fwd")
+        group.all_reduce(x, name="g_fwd")
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -177,7 +186,8 @@ def copy_to_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
 
 
 def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g (the identity, no autograd node, when tp = 1)."""
+    """g (the identity, no autograd node, when tp = 1); ``x`` (a fresh partial sum that no
+    one else reads) is summed in place."""
     return x if group.size == 1 else OpG.apply(x, group)
 
 
