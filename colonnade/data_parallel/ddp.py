@@ -39,6 +39,7 @@ from torch import nn
 
 from colonnade.config.sections import Config, ParallelConfig
 from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
+from colonnade.models.compile import is_compiled
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
 
@@ -225,10 +226,18 @@ class DataParallel:
 
     def _install_pre_forward_hooks(self, chunks: Sequence[nn.Module]) -> None:
         """A hook on every module holding parameters, and on every module whose forward reads
-        its ``direct_children``'s weights without calling them (fused sibling linears)."""
+        its ``direct_children``'s weights without calling them (fused sibling linears). A
+        layer compiled by training.compile gets one hook for all its parameters and its
+        descendants none (a hook inside the compiled graph would be traced: its bucket
+        numbers would become per-layer constants, a recompilation per layer)."""
         for chunk in chunks:
-            for module in chunk.modules():
-                params = list(module.parameters(recurse=False))
+            inside: set[int] = set()  # descendants of a compiled layer (its hook covers them)
+            for module in chunk.modules():  # parents before children
+                if id(module) in inside:
+                    continue
+                if is_compiled(module):
+                    inside.update(id(m) for m in module.modules())
+                params = list(module.parameters(recurse=is_compiled(module)))
                 for name in getattr(module, "direct_children", ()):
                     child = getattr(module, name, None)
                     if child is not None:
