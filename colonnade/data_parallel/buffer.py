@@ -17,11 +17,31 @@ Sharding (ZeRO-1): with ``shard_count = n`` every bucket is padded with zeros to
 ``[start + r L, start + (r + 1) L)``, ``L = size / n`` of each bucket. The padding is below
 ``n * ALIGN`` elements per bucket: at most ``buckets * n * ALIGN`` elements in all. Without
 sharding (``shard_count = 1``) nothing is padded.
+
+Storage modes (ZeRO-2 / ZeRO-3):
+
+* ``full_grads=False``: no ``grad_data`` and no ``main_grad`` (the sharded-gradient path owns
+  the fp32 shard storage).
+* ``shard_params=True``: there is no ``param_data``. Bucket i has its own full-size storage
+  ``bucket_data[i]`` [numel_i] and its parameters are views into it; the storage holds values
+  only while *gathered*: freeing does ``untyped_storage().resize_(0)``, gathering resizes it
+  back and writes every element, so the parameter views (and every tensor autograd saved that
+  views them) keep the same storage object and see the re-gathered values. The persistent
+  values are this rank's shard ``shard_data`` [sum_i L_i]: the concatenation, in bucket order,
+  of every bucket's owned range ``[start_i + r L_i, start_i + (r + 1) L_i)``
+  (:meth:`shard_view`). A parameter's autograd version counter is its own (``.data``
+  assignment does not share the storage's), so the writes of a re-gather never invalidate
+  tensors saved for backward.
+* ``initial_values``: each parameter's value comes from ``initial_values(p)`` (one tensor at
+  a time) instead of ``p.data``; parameters may then be on the meta device: such a parameter is
+  swapped in place (:func:`torch.utils.swap_tensors`, same Python object, its attributes kept)
+  for a view of the buffer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +81,11 @@ def grad_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
+def _own_value(param: nn.Parameter) -> torch.Tensor:
+    """The default initial value: the parameter's own data."""
+    return param.data
+
+
 def param_key(param: nn.Parameter) -> str:
     """The layout-independent name of a parameter (its sharding key) or a placeholder."""
     sharding = getattr(param, "sharding", None)
@@ -72,11 +97,19 @@ class FlatBuffers:
 
     ``chunk_params[c]`` lists chunk c's parameters in forward order, each parameter once over
     all chunks. After construction each parameter's ``.data`` is a view of ``param_data`` (its
-    values copied) and ``param.main_grad`` a view of ``grad_data``.
+    values copied) and ``param.main_grad`` a view of ``grad_data`` (unless ``full_grads`` is
+    False; with ``shard_params`` a view of its bucket's storage: see the module docstring).
+    ``shard_rank`` (with ``shard_params``): keep that rank's shard at once, one bucket gathered
+    at a time (else every bucket stays full until :meth:`keep_shard`). ``device``: where the
+    buffers live (default: the parameters' device; the first initial value's when they are on
+    the meta device).
     """
 
     def __init__(self, chunk_params: Sequence[Sequence[nn.Parameter]], bucket_size: int,
-                 shard_count: int = 1, isolate: frozenset[str] = frozenset()) -> None:
+                 shard_count: int = 1, isolate: frozenset[str] = frozenset(), *,
+                 full_grads: bool = True, shard_params: bool = False,
+                 initial_values: Callable[[nn.Parameter], torch.Tensor] | None = None,
+                 shard_rank: int | None = None, device: torch.device | None = None) -> None:
         if bucket_size < 1:
             raise ValueError(f"parallel.bucket_size={bucket_size} must be >= 1 element")
         if shard_count < 1:
@@ -91,16 +124,34 @@ class FlatBuffers:
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter is listed twice; pass each parameter once")
         self.shard_count, self.bucket_size, self.isolate = shard_count, bucket_size, isolate
+        self.full_grads, self.shard_params = full_grads, shard_params
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype_for(self.param_dtype)
         self.params = params
         self.num_params = sum(p.numel() for p in params)
         self.buckets, self.slots = self._layout(chunk_params)
         self.numel = self.buckets[-1].end
-        device = params[0].device
-        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)  # [N]
-        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)  # [N]
-        self._attach()
+        self._values = initial_values if initial_values is not None else _own_value
+        if device is None and params[0].is_meta:
+            device = self._values(params[0]).device
+        self.device = device if device is not None else params[0].device
+        self.param_data: torch.Tensor | None = None
+        """[N] model dtype (None with ``shard_params``)."""
+        self.grad_data: torch.Tensor | None = None
+        """[N] main-gradient dtype (None without ``full_grads``)."""
+        self.bucket_data: list[torch.Tensor] = []
+        """``shard_params``: bucket i's full storage [numel_i] (empty while freed)."""
+        self.shard_data: torch.Tensor | None = None
+        """``shard_params``: the persistent shard [sum_i L_i] of rank ``shard_rank``."""
+        self.shard_rank = shard_rank
+        if full_grads:
+            self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
+        if shard_params:
+            self._attach_sharded(shard_rank)
+        else:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype,
+                                          device=self.device)  # [N]
+            self._attach()
 
     def _pad(self, size: int) -> int:
         unit = self.shard_count * ALIGN if self.shard_count > 1 else 1
@@ -139,12 +190,99 @@ class FlatBuffers:
 
     @torch.no_grad()
     def _attach(self) -> None:
+        assert self.param_data is not None
         for p in self.params:
             slot = self.slots[id(p)]
-            view = self.param_data[slot.start:slot.end].view_as(p)
-            view.copy_(p.data)
+            self._place(p, self.param_data[slot.start:slot.end])
+            if self.grad_data is not None:
+                p.main_grad = self.grad_data[slot.start:slot.end].view_as(p)  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def _place(self, p: nn.Parameter, flat: torch.Tensor) -> None:
+        """Copy p's value into ``flat`` [numel(p)] and make p a view of it (same object)."""
+        view = flat.view(p.shape)
+        view.copy_(self._values(p))
+        if p.is_meta or p.device != view.device:
+            new = nn.Parameter(view, requires_grad=p.requires_grad)
+            attrs = dict(p.__dict__)
+            torch.utils.swap_tensors(p, new)  # p (same Python object) is now the view
+            p.__dict__.update(attrs)
+        else:
             p.data = view
-            p.main_grad = self.grad_data[slot.start:slot.end].view_as(p)  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def _attach_sharded(self, shard_rank: int | None) -> None:
+        """Bucket storages filled with the initial values; kept full, or cut to the shard of
+        ``shard_rank`` one bucket at a time (then at most one bucket is ever full)."""
+        if shard_rank is not None:
+            self._new_shard()
+        for bucket in self.buckets:
+            data = torch.zeros(bucket.numel, dtype=self.param_dtype, device=self.device)
+            self.bucket_data.append(data)  # [numel_i]
+            for p in bucket.params:
+                slot = self.slots[id(p)]
+                self._place(p, data[slot.start - bucket.start:slot.end - bucket.start])
+                if self.grad_data is not None:
+                    p.main_grad = self.grad_data[slot.start:slot.end].view_as(p)  # type: ignore[attr-defined]
+            if shard_rank is not None:
+                self._cut(bucket, shard_rank)
+
+    def _new_shard(self) -> None:
+        total = sum(b.numel // self.shard_count for b in self.buckets)
+        self.shard_data = torch.zeros(total, dtype=self.param_dtype, device=self.device)
+        self._shard_offsets = list(itertools.accumulate(
+            (b.numel // self.shard_count for b in self.buckets), initial=0))
+
+    def _cut(self, bucket: Bucket, rank: int) -> None:
+        lo, hi = self.shard(bucket, rank)
+        self.shard_view(bucket.index).copy_(
+            self.bucket_data[bucket.index][lo - bucket.start:hi - bucket.start])
+        self.free_bucket(bucket.index)
+
+    @torch.no_grad()
+    def keep_shard(self, rank: int) -> None:
+        """``shard_params``: copy rank's shard of every full bucket into ``shard_data`` and
+        free the buckets (no-op when the shard was kept at construction)."""
+        if not self.shard_params:
+            raise ValueError("keep_shard needs shard_params=True")
+        if self.shard_data is not None:
+            if self.shard_rank != rank:
+                raise ValueError(f"the buffers keep rank {self.shard_rank}'s shard, not {rank}'s")
+            return
+        self.shard_rank = rank
+        self._new_shard()
+        for bucket in self.buckets:
+            self._cut(bucket, rank)
+
+    def shard_view(self, index: int) -> torch.Tensor:
+        """``shard_params``: bucket ``index``'s persistent shard, a [L_i] view of shard_data."""
+        if self.shard_data is None:
+            raise ValueError("no persistent shard: shard_params=False, or keep_shard not called")
+        lo, hi = self._shard_offsets[index], self._shard_offsets[index + 1]
+        return self.shard_data[lo:hi]
+
+    def is_gathered(self, index: int) -> bool:
+        """``shard_params``: whether bucket ``index``'s full storage is allocated."""
+        return self.bucket_data[index].untyped_storage().nbytes() > 0
+
+    def alloc_bucket(self, index: int) -> torch.Tensor:
+        """Allocate bucket ``index``'s full storage (values undefined until written): its
+        [numel_i] tensor, the same object and storage its parameters view."""
+        data = self.bucket_data[index]
+        nbytes = data.numel() * data.element_size()
+        storage = data.untyped_storage()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return data
+
+    def free_bucket(self, index: int) -> None:
+        """Release bucket ``index``'s full storage (its parameter views stay, empty)."""
+        self.bucket_data[index].untyped_storage().resize_(0)
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of full bucket storage allocated now (``shard_params``)."""
+        return sum(d.untyped_storage().nbytes() for d in self.bucket_data)
 
     def slot(self, param: nn.Parameter) -> Slot:
         """The slot of ``param`` (KeyError naming it when it is not in the buffers)."""
