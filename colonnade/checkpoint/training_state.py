@@ -5,7 +5,9 @@
     format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
     total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
     decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
-    sp, zero1, bucket_size, world_size}, model {...the [model] section...}
+    sp, zero, zero_shard_size, bucket_size, world_size}, model {...the [model] section...}
+(``zero`` is the effective ZeRO stage; checkpoints written before it carry ``zero1``, a bool,
+read by :func:`zero_stage_of`).
 
 Everything that decides the continuation is here or in the tensors: dropout masks are a pure
 function of (seed, site, step, micro-batch) and the data order of (seed, consumed samples), so
@@ -96,10 +98,19 @@ def _metadata(trainer: TrainState) -> dict[str, Any]:
         "rng": trainer.chunks[0].ctx.rng.state_dict(),
         "layout": {"tp": groups.tp.size, "pp": groups.pp.size, "vp": par.vp,
                    "dp": groups.dp.size, "sp": par.sp,
-                   "zero1": par.use_distributed_optimizer, "bucket_size": par.bucket_size,
+                   "zero": par.zero, "zero_shard_size": par.zero_shard_size,
+                   "bucket_size": par.bucket_size,
                    "world_size": groups.world.size},
         "model": config_to_dict(cfg)["model"],
     }
+
+
+def zero_stage_of(meta: dict[str, Any]) -> int:
+    """The ZeRO stage a checkpoint was written under: layout "zero", or the older "zero1"."""
+    layout = meta.get("layout") or {}
+    if "zero" in layout:
+        return int(layout["zero"])
+    return 1 if layout.get("zero1") else 0
 
 
 def stager_of(trainer: TrainState) -> HostStager:

@@ -41,3 +41,5 @@ ERROR_POLICIES: tuple[str, ...] = ("strict", "skip")
 """data.errors: fail listing every unreadable document, or leave them out (data/corpus.py)."""
 DATA_FORMATS: tuple[str, ...] = ("text", "sft")
 """data.format: pretraining text, or prompt/response records with a loss mask (data/sft.py)."""
+GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+"""parallel.grad_reduce_dtype: dtype of the ZeRO-2/3 gradient reduce-scatter."""

@@ -127,7 +127,27 @@ class ParallelConfig:
     pipeline_layout: tuple[int, ...] | None = None
     """Layers per virtual stage (pp * vp entries, in virtual-stage order) for uneven splits."""
     use_distributed_optimizer: bool = False
-    """ZeRO-1: shard fp32 master weights and Adam states across dp ranks."""
+    """ZeRO-1 in Megatron's spelling: shard fp32 master weights and Adam states across dp
+    ranks; the same as zero_stage >= 1 (code reads the effective stage, :attr:`zero`)."""
+    zero_stage: int = 0
+    """ZeRO stage over the shard group (dp x cp ranks, or zero_shard_size of them): 0 none
+    (gradients all-reduced), 1 optimizer states sharded, 2 + gradients sharded (reduce-scatter
+    on every micro-batch, accumulated into this rank's fp32 shard), 3 + parameters sharded
+    (gathered per bucket before use, freed after)."""
+    reshard_after_forward: bool | None = None
+    """Stage 3: free a layer's gathered parameters after its forward and re-gather them for
+    backward (FSDP2's knob). None: True when pp = 1; False when pp > 1 (a chunk's parameters
+    stay gathered from its first forward of the step until the step's gradient sync ends)."""
+    zero_prefetch: int = 1
+    """Stage 3: buckets gathered ahead of the one in use (forward and backward); 0 gathers each
+    bucket only when it is needed."""
+    zero_shard_size: int | None = None
+    """Hybrid sharding: shard over groups of this many consecutive dp x cp ranks and replicate
+    across the groups (gradients all-reduced over the replicate group after the shard group's
+    reduce-scatter); None shards over the whole dp x cp group. Needs a ZeRO stage >= 1."""
+    grad_reduce_dtype: str = "fp32"
+    """Dtype of the stage-2/3 gradient reduce-scatter: 'fp32' or 'bf16' (an fp64 model reduces
+    in fp64); accumulation into the shard is always fp32 (fp64 for fp64 models)."""
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's reduction as soon as backward has filled it."""
     overlap_param_gather: bool = True
@@ -155,6 +175,18 @@ class ParallelConfig:
     logging.dir/failures and exits, and the launcher kills a rank whose heartbeat is this old
     (frozen); None means 0.8 x timeout_s, so both report before the collective timeout; must
     be < timeout_s; 0 disables."""
+
+    @property
+    def zero(self) -> int:
+        """The effective ZeRO stage: max(zero_stage, 1 if use_distributed_optimizer else 0)."""
+        return max(self.zero_stage, 1 if self.use_distributed_optimizer else 0)
+
+    @property
+    def reshard(self) -> bool:
+        """reshard_after_forward with its default resolved (True when pp = 1, else False)."""
+        if self.reshard_after_forward is None:
+            return self.pp == 1
+        return self.reshard_after_forward
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from colonnade.config.choices import (
     DATA_FORMATS,
     DEVICES,
     ERROR_POLICIES,
+    GRAD_REDUCE_DTYPES,
     LR_DECAYS,
     LR_SCHEDULE_POLICIES,
     NAN_POLICIES,
@@ -130,6 +131,7 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
         ("data.errors", c.data.errors, ERROR_POLICIES),
         ("data.format", c.data.format, DATA_FORMATS),
+        ("parallel.grad_reduce_dtype", c.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES),
     ]
     for name, value, allowed in checks:
         if value not in allowed:
@@ -417,9 +419,33 @@ def _compile(c: Config, _: int | None) -> list[str]:
                    "'interleaved_1f1b', or set training.compile=false.")
     return out
 
+def _zero(c: Config, _: int | None) -> list[str]:
+    """ZeRO fields: the stage, the prefetch depth, hybrid sharding's group size."""
+    p, out = c.parallel, []
+    if p.zero_stage not in range(4):
+        out.append(f"parallel.zero_stage={p.zero_stage} is unknown; use 0, 1, 2 or 3 "
+                   "(0 none, 1 optimizer states, 2 + gradients, 3 + parameters).")
+    if p.zero_prefetch < 0:
+        out.append(f"parallel.zero_prefetch={p.zero_prefetch} must be >= 0 (buckets gathered "
+                   "ahead of the one in use); set 0 to gather only on use.")
+    size = p.zero_shard_size
+    if size is None:
+        return out
+    if size < 1:
+        out.append(f"parallel.zero_shard_size={size} must be >= 1 (ranks per shard group); "
+                   "or leave it unset to shard over all dp x cp ranks.")
+    elif p.zero < 1:
+        out.append(f"parallel.zero_shard_size={size} needs a ZeRO stage >= 1 (nothing is "
+                   "sharded at stage 0); set parallel.zero_stage >= 1 or unset "
+                   "zero_shard_size.")
+    elif p.dp is not None and (p.dp * p.cp) % size:
+        out.append(f"parallel.zero_shard_size={size} does not divide dp x cp = "
+                   f"{p.dp * p.cp}; pick a divisor of dp x cp (or unset it).")
+    return out
+
 
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _pipeline, _batch,
-                           _optim, _io, _reliability, _files_and_loop, _compile)
+                           _optim, _io, _reliability, _files_and_loop, _compile, _zero)
 
 
 def problems(config: Config, world_size: int | None = None) -> list[str]:

@@ -72,7 +72,7 @@ class DataParallel:
     def __init__(self, chunks: Sequence[nn.Module], group: CommGroup, cfg: ParallelConfig,
                  isolate: frozenset[str] = frozenset()) -> None:
         self.group, self.cfg = group, cfg
-        self.sharded = cfg.use_distributed_optimizer
+        self.sharded = cfg.zero >= 1
         self.buffers = FlatBuffers(chunk_parameters(chunks), cfg.bucket_size,
                                    group.size if self.sharded else 1, isolate)
         self.buckets: list[Bucket] = self.buffers.buckets
