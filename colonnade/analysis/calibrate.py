@@ -52,7 +52,7 @@ TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(tp=2, pp=2),
     Layout(tp=2, dp=2),
     Layout(pp=2, dp=2),
-    Layout(tp=2, dp=2, sp=True, zero1=True),
+    Layout(tp=2, dp=2, sp=True, zero=1),
 )
 """The tp / pp / dp mixes (micro-batch set by the caller) that ``--calibrate`` predicts and
 ``benchmarks/planner_cpu.py`` measures."""
@@ -65,7 +65,7 @@ MORE_TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(pp=2, schedule="zb_h1", micro_batch=4),
     Layout(pp=2, micro_batch=2),
     Layout(tp=2, micro_batch=8),
-    Layout(dp=2, zero1=True, micro_batch=4),
+    Layout(dp=2, zero=1, micro_batch=4),
 )
 """``planner_cpu.py --extended`` also measures these: recompute, the other schedules, other
 micro-batches, ZeRO-1 alone (each with its own micro-batch)."""

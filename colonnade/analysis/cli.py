@@ -13,7 +13,7 @@ from pathlib import Path
 
 from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
-from colonnade.analysis.layout import Workload
+from colonnade.analysis.layout import ZERO_STAGES, Workload
 from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
 from colonnade.config.choices import PRECISIONS
 from colonnade.config.load import ConfigError, load_config
@@ -38,11 +38,11 @@ def model_presets() -> list[str]:
 PLAN_DESCRIPTION = """\
 Choose a parallel layout before you train. For a model (a preset or your config TOML), a
 cluster and a number of GPUs, plan tries every tensor / pipeline / data parallel split,
-micro-batch size, recompute mode, pipeline schedule, sequence parallelism and ZeRO-1, predicts
-each one's memory per GPU and step time (an analytic model: parameters, gradients, optimizer
-states, activations; compute, tp/pp/dp communication, pipeline bubble), drops those that do not
-fit in memory and prints the fastest first, then the `colonnade train` flags (best: ...) that
-run the best one."""
+micro-batch size, recompute mode, pipeline schedule, sequence parallelism and ZeRO stage
+(0-3), predicts each one's memory per GPU and step time (an analytic model: parameters,
+gradients, optimizer states, ZeRO buffers, activations; compute, tp/pp/dp communication,
+pipeline bubble), drops those that do not fit in memory and prints the fastest first, then the
+`colonnade train` flags (best: ...) that run the best one."""
 
 PLAN_EXAMPLES = """\
 examples:
@@ -100,7 +100,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--schedule", default=",".join(SCHEDULES), help="pipeline schedules to "
                    "search (gpipe allowed)")
     f.add_argument("--sp", choices=("any", "on", "off"), default="any")
-    f.add_argument("--zero1", choices=("any", "on", "off"), default="any")
+    f.add_argument("--zero", default="0,1,2,3",
+                   help="ZeRO stages to search (comma list of 0-3; stages >= 1 need dp > 1)")
+    f.add_argument("--reshard", choices=("default", "any", "on", "off"), default="default",
+                   help="stage 3's reshard_after_forward: default (on without pp, off with "
+                   "pp), both, or fixed")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="layouts shown")
     o.add_argument("--json", help="write the plan as JSON here")
@@ -113,6 +117,15 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def _choice(value: str) -> tuple[bool, ...]:
     return {"any": (False, True), "on": (True,), "off": (False,)}[value]
+
+
+def _stages(value: str) -> tuple[int, ...]:
+    items = _list(value, tuple(str(z) for z in ZERO_STAGES), "--zero")
+    return tuple(int(z) for z in items)
+
+
+def _reshard(value: str) -> tuple[bool | None, ...]:
+    return (None,) if value == "default" else _choice(value)
 
 
 def _list(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -155,7 +168,8 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        micro_batch=args.micro_batch, max_tp=args.max_tp,
                        recompute=_list(args.recompute, RECOMPUTE, "--recompute"),
                        schedules=_list(args.schedule, SCHEDULES, "--schedule"),
-                       sp=_choice(args.sp), zero1=_choice(args.zero1))
+                       sp=_choice(args.sp), zero=_stages(args.zero),
+                       reshard=_reshard(args.reshard))
     return w, cons
 
 

@@ -3,7 +3,8 @@
 The config is already validated by the CLI. Here the model is built on the meta device (shapes
 only, no weights allocated, so a 70B preset takes a moment), and the report shows its parameter
 count, the layout, tokens per step, the planner's per-rank memory (colonnade/analysis/memory.py:
-parameters, gradients, optimizer states, activations and buffers of the fullest pipeline stage)
+the ZeRO stage's bytes per parameter; parameters, gradients, optimizer states, the stage's
+gradient buckets and gathered parameters, activations and buffers of the fullest pipeline stage)
 and, when ``data.prepared_dir`` holds a prepared dataset, its documents, tokens, samples per
 epoch and the epochs this run covers. Nothing is written, prepared or launched. (It lives in
 the planner, above training, because it reuses the planner's memory model.)
@@ -14,7 +15,12 @@ from __future__ import annotations
 import torch
 
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import memory_per_device, stage_params
+from colonnade.analysis.memory import (
+    memory_per_device,
+    stage_params,
+    state_bytes_per_param,
+    zero_paper_bytes,
+)
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
 from colonnade.parallel.dims import ParallelDims
@@ -26,6 +32,25 @@ def meta_param_count(config: Config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def zero_line(workload: Workload, layout: Layout) -> str:
+    """The ZeRO stage and its model-state bytes per parameter (memory.stage_state_bytes),
+    beside the ZeRO paper's accounting of the same stage."""
+    wb, gb, ob = state_bytes_per_param(workload, layout)
+    s = layout.shard
+    paper = zero_paper_bytes(1.0, s, layout.zero) if workload.mixed else None
+    group = ""
+    if layout.zero:
+        group = f" over {s} rank(s)" + (f" (hybrid: {layout.dp // s} replicas)"
+                                        if layout.zero_shard_size else "")
+    extra = ""
+    if layout.zero == 3:
+        extra = (f"; reshard_after_forward={str(layout.reshard).lower()}, "
+                 f"prefetch {workload.zero_prefetch}")
+    return (f"ZeRO stage {layout.zero}{group}: weights {wb:.3g} + grads {gb:.3g} + "
+            f"optimizer {ob:.3g} = {wb + gb + ob:.3g} bytes/parameter"
+            + (f" (ZeRO paper: {paper:.3g})" if paper is not None else "") + extra)
+
+
 def memory_lines(config: Config, world: int) -> list[str]:
     """Per-rank memory of the fullest stage from the planner's model, one line per kind."""
     workload = Workload.from_config(config)
@@ -34,8 +59,14 @@ def memory_lines(config: Config, world: int) -> list[str]:
     params = stage_params(workload.shape, layout, mem.stage)
     gib = mem.gib()
     lines = [f"memory per rank (planner's model, {mem.stage} stage, "
-             f"{config.training.precision}): {params:,.0f} parameters"]
-    for kind in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+             f"{config.training.precision}): {params:,.0f} parameters",
+             "  " + zero_line(workload, layout)]
+    kinds = ["params", "grads", "optimizer"]
+    if layout.zero >= 2:
+        kinds.append("grad_buckets")
+    if layout.zero == 3:
+        kinds.append("gathered")
+    for kind in (*kinds, "activations", "buffers", "total"):
         lines.append(f"  {kind:<12} {gib[kind]:10.3f} GiB")
     return lines
 

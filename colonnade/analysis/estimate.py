@@ -60,7 +60,9 @@ class Estimate:
         lay = self.layout
         return {
             "layout": {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "dp": lay.dp,
-                       "micro_batch": lay.micro_batch, "zero1": lay.zero1,
+                       "micro_batch": lay.micro_batch, "zero": lay.zero,
+                       "reshard_after_forward": lay.reshard if lay.zero == 3 else None,
+                       "zero_shard_size": lay.zero_shard_size,
                        "recompute": lay.recompute, "sp": lay.sp, "schedule": lay.schedule},
             "overrides": lay.overrides(),
             "fits": self.fits,

@@ -29,7 +29,7 @@ from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.published import MPT_H100_FIT, TABLE1, H100Row, Table1Row
 from colonnade.analysis.search import Constraints, plan
 
-MEGATRON_2021 = {"recompute": ("full",), "sp": (False,), "zero1": (False,),
+MEGATRON_2021 = {"recompute": ("full",), "sp": (False,), "zero": (0,),
                  "schedules": ("1f1b", "interleaved_1f1b")}
 """The feature set of the 2021 system: what Table 1's layouts could use."""
 

@@ -1,7 +1,7 @@
 """What is planned: the workload (model, batch, precision) and one parallel layout.
 
 A :class:`Workload` is fixed by the user; a :class:`Layout` is one point of the search space
-(tp, pp, vp, dp, micro-batch, ZeRO-1, recompute, sp, schedule).  Both convert to and from the
+(tp, pp, vp, dp, micro-batch, ZeRO stage, recompute, sp, schedule).  Both convert to and from the
 colonnade :class:`~colonnade.config.sections.Config`, so a planned layout is a runnable config.
 """
 
@@ -16,6 +16,9 @@ from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.counts import LayerShape
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per element of the stage-2/3 gradient reduce-scatter, by parallel.grad_reduce_dtype."""
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +37,19 @@ class Workload:
     overlap_param_gather: bool = True
     overlap_p2p: bool = True
     bucket_size: int = 40_000_000
+    """parallel.bucket_size: elements per gradient bucket (and per gathered stage-3 bucket)."""
+    zero_prefetch: int = 1
+    """parallel.zero_prefetch: stage-3 buckets gathered ahead of the one in use."""
+    grad_reduce_dtype: str = "fp32"
+    """parallel.grad_reduce_dtype: dtype of the stage-2/3 gradient reduce-scatter ('fp32' or
+    'bf16'; an fp64 model reduces in fp64)."""
 
     def __post_init__(self) -> None:
+        if self.grad_reduce_dtype not in REDUCE_BYTES:
+            raise ValueError(f"grad_reduce_dtype='{self.grad_reduce_dtype}' is unknown; use "
+                             f"one of {sorted(REDUCE_BYTES)}.")
+        if self.zero_prefetch < 0:
+            raise ValueError(f"zero_prefetch={self.zero_prefetch} must be >= 0.")
         if self.precision not in ELEMENT_BYTES:
             raise ValueError(f"training.precision='{self.precision}' is unknown; use one of "
                              f"{sorted(ELEMENT_BYTES)}.")
@@ -61,6 +75,11 @@ class Workload:
         """16-bit weights with fp32 master weights and fp32 gradient buffer."""
         return self.precision in ("bf16", "fp16")
 
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of the stage-2/3 gradient reduce-scatter (fp64 models: 8)."""
+        return 8 if self.precision == "fp64" else REDUCE_BYTES[self.grad_reduce_dtype]
+
     @classmethod
     def from_config(cls, cfg: Config, global_batch: int | None = None,
                     seq_len: int | None = None, attention: str = "auto") -> Workload:
@@ -80,7 +99,8 @@ class Workload:
                    precision=tr.precision, attention=attention,
                    overlap_grad_reduce=par.overlap_grad_reduce,
                    overlap_param_gather=par.overlap_param_gather, overlap_p2p=par.overlap_p2p,
-                   bucket_size=par.bucket_size)
+                   bucket_size=par.bucket_size, zero_prefetch=par.zero_prefetch,
+                   grad_reduce_dtype=par.grad_reduce_dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,10 +112,47 @@ class Layout:
     vp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    zero1: bool = False
+    zero: int = 0
+    """ZeRO stage (parallel.zero_stage): 0 none, 1 optimizer states sharded, 2 + gradients,
+    3 + parameters, each over the shard group (dp ranks, or ``zero_shard_size`` of them)."""
     recompute: str = "none"
     sp: bool = False
     schedule: str = "1f1b"
+    reshard_after_forward: bool | None = None
+    """Stage 3: free gathered parameters after forward and re-gather them for backward;
+    None = True without pp, False with pp (parameters kept for the step's micro-batches)."""
+    zero_shard_size: int | None = None
+    """Hybrid sharding: shard over groups of this many dp ranks, replicate across them;
+    None = the whole dp group."""
+
+    def __post_init__(self) -> None:
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero={self.zero}: the ZeRO stage must be one of {ZERO_STAGES}.")
+        if self.zero_shard_size is not None and (self.zero_shard_size < 1
+                                                 or self.dp % self.zero_shard_size):
+            raise ValueError(f"zero_shard_size={self.zero_shard_size} must divide dp={self.dp}.")
+
+    @property
+    def shard(self) -> int:
+        """Ranks the sharded states are divided over (1 at stage 0)."""
+        if self.zero == 0:
+            return 1
+        return self.zero_shard_size or self.dp
+
+    @property
+    def reshard(self) -> bool:
+        """Stage 3's resolved reshard_after_forward (None: True iff pp == 1)."""
+        if self.reshard_after_forward is None:
+            return self.pp == 1
+        return self.reshard_after_forward
+
+    def zero_label(self) -> str:
+        """The stage for tables: '-', '1', '2', '3' ('3k' keeps gathered parameters over the
+        step's micro-batches; '/S' appended with hybrid sharding over S ranks)."""
+        if self.zero == 0:
+            return "-"
+        label = f"{self.zero}{'k' if self.zero == 3 and not self.reshard else ''}"
+        return label + (f"/{self.zero_shard_size}" if self.zero_shard_size else "")
 
     @property
     def world(self) -> int:
@@ -111,8 +168,8 @@ class Layout:
         extra = []
         if self.sp:
             extra.append("sp")
-        if self.zero1:
-            extra.append("zero1")
+        if self.zero:
+            extra.append(f"zero{self.zero_label()}")
         tail = (" " + " ".join(extra)) if extra else ""
         sched = f" {self.schedule}" if self.pp > 1 else ""
         return (f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp} mb{self.micro_batch}"
@@ -123,7 +180,10 @@ class Layout:
         par = dataclasses.replace(
             base.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
             schedule=self.schedule if self.pp > 1 else "1f1b",
-            use_distributed_optimizer=self.zero1,
+            use_distributed_optimizer=False, zero_stage=self.zero,
+            reshard_after_forward=self.reshard_after_forward,
+            zero_shard_size=self.zero_shard_size, zero_prefetch=workload.zero_prefetch,
+            grad_reduce_dtype=workload.grad_reduce_dtype,
             overlap_grad_reduce=workload.overlap_grad_reduce,
             overlap_param_gather=workload.overlap_param_gather,
             overlap_p2p=workload.overlap_p2p, bucket_size=workload.bucket_size,
@@ -138,11 +198,16 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """``--section.field=value`` overrides that select this layout in `colonnade train`."""
+        zero = [f"--parallel.zero_stage={self.zero}"]
+        if self.zero == 3 and self.reshard_after_forward is not None:
+            zero.append(f"--parallel.reshard_after_forward={str(self.reshard).lower()}")
+        if self.zero and self.zero_shard_size:
+            zero.append(f"--parallel.zero_shard_size={self.zero_shard_size}")
         return [
             f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}", f"--parallel.vp={self.vp}",
             f"--parallel.dp={self.dp}", f"--parallel.sp={str(self.sp).lower()}",
             f"--parallel.schedule={self.schedule if self.pp > 1 else '1f1b'}",
-            f"--parallel.use_distributed_optimizer={str(self.zero1).lower()}",
+            *zero,
             f"--training.micro_batch_size={self.micro_batch}",
             f"--training.recompute={self.recompute}",
         ]
@@ -153,5 +218,6 @@ class Layout:
         par, tr = cfg.parallel, cfg.training
         dp = par.dp if par.dp is not None else world_size // (par.tp * par.pp)
         return cls(tp=par.tp, pp=par.pp, vp=par.vp, dp=dp, micro_batch=tr.micro_batch_size,
-                   zero1=par.use_distributed_optimizer, recompute=tr.recompute, sp=par.sp,
-                   schedule=par.schedule)
+                   zero=par.zero, recompute=tr.recompute, sp=par.sp, schedule=par.schedule,
+                   reshard_after_forward=par.reshard_after_forward,
+                   zero_shard_size=par.zero_shard_size)

@@ -1,10 +1,34 @@
-"""Memory per device: model states (ZeRO accounting), activations (Korthikanti et al.), buffers.
+"""Memory per device: model states (ZeRO stages 0-3), activations (Korthikanti et al.), buffers.
 
-Model states, bytes per parameter held by the device (P_dev = the stage's parameters / tp):
-    mixed precision (bf16/fp16):  weights 2 + fp32 gradient buffer 4 + Adam states 12
-                                  (fp32 master, m, v); ZeRO-1 divides the 12 by dp: 6 + 12/dp.
-    fp32 / fp64 (element E):      weights E + gradients E + Adam m, v 2E; ZeRO-1: 2E + 2E/dp.
-The ZeRO paper's own accounting (fp16 gradients, K = 12) is :func:`zero_paper_bytes`.
+Model states, derived from what Colonnade keeps per parameter held by the device
+(P_dev = the stage's parameters / tp; S = the shard group: dp ranks, or
+``parallel.zero_shard_size`` of them with hybrid sharding; E the model's element bytes):
+    weights W:    the model dtype, E (2 bf16/fp16, 4 fp32, 8 fp64).
+    gradients G:  Megatron's fp32 main-gradient accumulation: 4 for 16-bit models (fp64 for
+                  fp64 models: G = E); the ZeRO paper counts fp16 gradients (2) instead.
+    optimizer O:  Adam's fp32 master, m and v: 12 for 16-bit models; an fp32/fp64 model's
+                  parameters are their own masters, so m and v only: 2E (8 for fp32).
+Per stage, bytes per parameter (:func:`model_state_bytes`):
+    stage 0 (all-reduce)       W + G + O                  bf16 18,     fp32 16
+    stage 1 (optimizer states) W + G + O/S                bf16 6 + 12/S (Megatron's; the
+                                                          paper's 4 + 12/Nd), fp32 8 + 8/S
+    stage 2 (+ gradients)      W + (G + O)/S              bf16 2 + 16/S (paper 2 + 14/Nd)
+    stage 3 (+ parameters)     (W + G + O)/S              bf16 18/S     (paper 16/Nd)
+plus the stage's transient buffers (:func:`zero_buffer_bytes`, B = bucket elements =
+min(P_dev, max(bucket_size, the largest parameter)): a bucket closes once it holds
+``bucket_size`` elements and never splits a parameter, so a bucket of one parameter can be
+larger):
+    stage 2/3 gradient buckets: each micro-batch's backward fills a bucket of the
+        reduce dtype (R = 4 fp32, 2 bf16; 8 for fp64 models) that is reduce-scattered into
+        the fp32 shard and freed: GRAD_BUCKETS_IN_FLIGHT x B x R bytes (the bucket being
+        filled and the one being reduced; autograd's per-parameter ``.grad`` temporaries,
+        freed as each is copied in, are not counted, as at stages 0 and 1).
+    stage 3 gathered parameters: with reshard_after_forward the bucket in use plus
+        ``zero_prefetch`` gathered ahead: (1 + prefetch) x B x E (at most P_dev E); without it
+        (the micro-batch-window policy, the default with pp > 1) a chunk's parameters stay
+        gathered from its first forward until the step's gradient sync: P_dev x E.
+The ZeRO paper's own accounting (fp16 gradients, K = 12, no buffers) is kept as
+:func:`zero_paper_bytes` for comparison.
 
 Activations of one layer for one micro-batch: :mod:`colonnade.analysis.activations` (the one
 model, Korthikanti et al. 2022 per term for this code's layers, checked against measurement;
@@ -25,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 from colonnade.analysis.activations import ActivationShape, layer_bytes
 from colonnade.analysis.hardware import GIB
-from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.layout import ELEMENT_BYTES, ZERO_STAGES, Layout, Workload
 from colonnade.models.counts import (
     LayerShape,
     embedding_params,
@@ -54,13 +78,68 @@ def zero_paper_bytes(params: float, dp: int, stage: int, k: int = 12) -> float:
     raise ValueError(f"ZeRO stage {stage} is unknown; use 0, 1, 2 or 3.")
 
 
+GRAD_BUCKETS_IN_FLIGHT = 2
+"""Stage 2/3 gradient bucket buffers alive at once: the one backward fills and the one
+being reduce-scattered (its reduction waited before a third is allocated)."""
+
+
+def element_state_bytes(precision: str) -> tuple[float, float, float]:
+    """Unsharded (weight W, gradient G, optimizer O) bytes per parameter for a precision:
+    16-bit 2, 4, 12 (fp32 main grads; fp32 master, m, v); fp32/fp64 E, E, 2E (m, v)."""
+    e = float(ELEMENT_BYTES[precision])
+    if precision in ("bf16", "fp16"):
+        return e, 4.0, 12.0
+    return e, e, 2 * e
+
+
+def stage_state_bytes(precision: str, stage: int, shard: int) -> tuple[float, float, float]:
+    """(W, G, O) bytes per parameter at ZeRO ``stage`` sharded over ``shard`` ranks:
+    stage >= 1 divides O, >= 2 also G, 3 also W by ``shard``."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage {stage} is unknown; use 0, 1, 2 or 3.")
+    wb, gb, ob = element_state_bytes(precision)
+    return (wb / shard if stage >= 3 else wb, gb / shard if stage >= 2 else gb,
+            ob / shard if stage >= 1 else ob)
+
+
+def model_state_bytes(params: float, shard: int, stage: int, precision: str = "bf16") -> float:
+    """Colonnade's persistent model-state bytes per device (no buffers): params x (W+G+O)."""
+    return float(params) * sum(stage_state_bytes(precision, stage, shard))
+
+
 def state_bytes_per_param(w: Workload, layout: Layout) -> tuple[float, float, float]:
     """(weight, gradient, optimizer-state) bytes per parameter held on one device."""
-    shard = layout.dp if layout.zero1 else 1
-    if w.mixed:
-        return 2.0, 4.0, 12.0 / shard
-    e = float(w.elem)
-    return e, e, 2 * e / shard
+    return stage_state_bytes(w.precision, layout.zero, layout.shard)
+
+
+def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
+    """Elements of the largest single parameter held by ``stage``: the embedding / head
+    (V h / t) on the first and last stages, else a layer's largest matrix."""
+    h, t = m.hidden, layout.tp
+    biggest = max(h * h, h * m.kv_hidden, h * m.ffn) / t
+    if stage in ("first", "last", "only"):
+        biggest = max(biggest, m.vocab * h / t)
+    return biggest
+
+
+def bucket_elements(w: Workload, layout: Layout, stage: str, params: float) -> float:
+    """B: elements of one bucket, min(P_dev, max(bucket_size, largest parameter))."""
+    return min(params, max(float(w.bucket_size), largest_param(w.shape, layout, stage)))
+
+
+def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float
+                      ) -> tuple[float, float]:
+    """(gradient bucket bytes, gathered parameter bytes) of stage 2/3 (module docstring)."""
+    if layout.zero < 2:
+        return 0.0, 0.0
+    b = bucket_elements(w, layout, stage, params)
+    buckets = GRAD_BUCKETS_IN_FLIGHT if w.overlap_grad_reduce else 1
+    grad = min(params, buckets * b) * w.reduce_bytes
+    if layout.zero < 3:
+        return grad, 0.0
+    if layout.reshard:
+        return grad, min(params, (1 + w.zero_prefetch) * b) * w.elem
+    return grad, params * w.elem
 
 
 def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
@@ -111,11 +190,16 @@ class Memory:
     optimizer: float
     activations: float
     buffers: float
+    grad_buckets: float = 0.0
+    """Stage 2/3: gradient bucket buffers (reduce dtype) alive at once."""
+    gathered: float = 0.0
+    """Stage 3: full (gathered) parameter buckets alive at once."""
 
     @property
     def total(self) -> float:
         """Sum of all kinds."""
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers
+                + self.grad_buckets + self.gathered)
 
     def gib(self) -> dict[str, float]:
         """Every field in GiB (plus total)."""
@@ -143,8 +227,9 @@ def _stage_memory(m: LayerShape, w: Workload, layout: Layout, stage: str) -> Mem
     if stage in ("last", "only"):
         act += (e + 4) * float(s) * micro * m.vocab / t  # logits + fp32 softmax
     buffers = (2 * e * sbh if layout.pp > 1 else 0.0) + (e * sbh if layout.sp else 0.0)
+    grad_buckets, gathered = zero_buffer_bytes(w, layout, stage, n)
     return Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
-                  buffers=buffers)
+                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered)
 
 
 def memory_per_device(w: Workload, layout: Layout) -> Memory:

@@ -52,12 +52,12 @@ class Table1Row:
     def fixed(self) -> dict[str, object]:
         """The published layout's fixed choices (micro-batch and vp are not published)."""
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "recompute": ["full"],
-                "sp": [False], "zero1": [False], "schedules": ["1f1b", "interleaved_1f1b"]}
+                "sp": [False], "zero": [0], "schedules": ["1f1b", "interleaved_1f1b"]}
 
     def layout(self, micro_batch: int, vp: int) -> Layout:
         """The published layout with a chosen micro-batch and chunk count."""
         return Layout(tp=self.tp, pp=self.pp, dp=self.dp, vp=vp, micro_batch=micro_batch,
-                      recompute="full", sp=False, zero1=False,
+                      recompute="full", sp=False, zero=0,
                       schedule="interleaved_1f1b" if vp > 1 else "1f1b")
 
 
@@ -113,7 +113,7 @@ class H100Row:
 
     def layout(self) -> Layout:
         """All data parallel, sharded optimizer, full recompute with activation checkpointing."""
-        return Layout(dp=self.gpus, micro_batch=self.micro_batch, zero1=True,
+        return Layout(dp=self.gpus, micro_batch=self.micro_batch, zero=1,
                       recompute="full" if self.checkpointing else "none")
 
     def label(self) -> str:

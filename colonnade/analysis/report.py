@@ -12,7 +12,7 @@ from colonnade.analysis.hardware import GIB
 from colonnade.analysis.search import Plan
 from colonnade.models.counts import total_params
 
-COLUMNS = ("#", "tp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero1",
+COLUMNS = ("#", "tp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero",
            "mem GiB", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble", "comm")
 
 
@@ -23,7 +23,7 @@ def row_cells(rank: int, e: Estimate, global_batch: int) -> list[str]:
     return [
         str(rank), str(lay.tp), str(lay.pp), str(lay.vp), str(lay.dp), str(lay.micro_batch),
         str(lay.microbatches(global_batch)), lay.schedule if lay.pp > 1 else "-",
-        lay.recompute, "y" if lay.sp else "-", "y" if lay.zero1 else "-",
+        lay.recompute, "y" if lay.sp else "-", lay.zero_label(),
         f"{e.memory.total / GIB:.1f}", f"{e.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
         f"{e.tflops_per_device:.3g}", f"{e.mfu:.1%}", f"{t.bubble / t.total:.1%}",
         f"{comm:.1%}",
@@ -127,7 +127,8 @@ def write_plot(p: Plan, top: int, path: str | Path) -> None:
     ax1.set_title(f"{len(p.ranked)} fitting layouts on {p.gpus} x {p.cluster.name}")
     ax1.legend(fontsize=8)
     best = p.ranked[:top]
-    kinds = ("params", "grads", "optimizer", "activations", "buffers")
+    kinds = ("params", "grads", "optimizer", "activations", "buffers", "grad_buckets",
+             "gathered")
     left = [0.0] * len(best)
     labels = [f"{i + 1}: {e.layout.short()}" for i, e in enumerate(best)]
     for kind in kinds:
@@ -140,7 +141,7 @@ def write_plot(p: Plan, top: int, path: str | Path) -> None:
     ax2.tick_params(axis="y", labelsize=7)
     ax2.set_xlabel("memory per device (GiB)")
     ax2.set_title("top layouts: memory and throughput")
-    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5)
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -3,9 +3,12 @@
 Valid means what colonnade's config rules accept (colonnade.config.validate): tp divides the
 query heads, the kv heads and the MLP width; pp * vp divides the layers; dp = N / (tp pp)
 divides the global batch and the micro-batch divides B / dp; the interleaved schedule needs
-vp > 1, pp > 1 and m a multiple of pp; sp needs tp > 1 and s divisible by tp; ZeRO-1 needs
-dp > 1.  tp is kept within one node unless ``max_tp`` says otherwise (a tp group across nodes
-is never faster on these clusters).  Layouts that do not fit in memory are counted, not ranked.
+vp > 1, pp > 1 and m a multiple of pp; sp needs tp > 1 and s divisible by tp; ZeRO stages
+1-3 need dp > 1 (stage 3 with reshard_after_forward's default: on without pp, off with pp).
+Stages trade memory for dp communication (timing._dp_exposed): the ranking by step time
+within the memory cap picks the lowest stage that fits unless its communication hides.
+tp is kept within one node unless ``max_tp`` says otherwise (a tp group across nodes is never
+faster on these clusters).  Layouts that do not fit in memory are counted, not ranked.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 
 from colonnade.analysis.estimate import Estimate, estimate
 from colonnade.analysis.hardware import GIB, Cluster
-from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.layout import ZERO_STAGES, Layout, Workload
 from colonnade.analysis.memory import memory_per_device
 from colonnade.config.choices import RECOMPUTE_MODES
 from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
@@ -42,7 +45,10 @@ class Constraints:
     micro_batch: int | None = None
     recompute: tuple[str, ...] = RECOMPUTE
     sp: tuple[bool, ...] = (False, True)
-    zero1: tuple[bool, ...] = (False, True)
+    zero: tuple[int, ...] = ZERO_STAGES
+    """ZeRO stages searched (each needs dp > 1 but 0)."""
+    reshard: tuple[bool | None, ...] = (None,)
+    """Stage 3's reshard_after_forward values searched (None: the default for the pp)."""
     schedules: tuple[str, ...] = SCHEDULES
     max_tp: int | None = None
     """Largest tp searched; None = GPUs per node."""
@@ -98,6 +104,15 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
             yield sched, 1
 
 
+def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None]]:
+    """(stage, reshard_after_forward) pairs searched at this dp (stages >= 1 need dp > 1)."""
+    for z in cons.zero:
+        if z and dp == 1:
+            continue
+        for rs in (cons.reshard if z == 3 else (None,)):
+            yield z, rs
+
+
 def layouts(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Iterator[Layout]:
     """Every valid layout of ``w`` on ``gpus`` devices within ``cons``."""
     m = w.shape
@@ -119,11 +134,10 @@ def layouts(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Iterator[L
                         for sp in cons.sp:
                             if sp and (tp == 1 or w.seq_len % tp):
                                 continue
-                            for z in cons.zero1:
-                                if z and dp == 1:
-                                    continue
+                            for z, rs in _zero_options(dp, cons):
                                 yield Layout(tp=tp, pp=pp, vp=vp, dp=dp, micro_batch=mb,
-                                             zero1=z, recompute=rc, sp=sp, schedule=sched)
+                                             zero=z, recompute=rc, sp=sp, schedule=sched,
+                                             reshard_after_forward=rs)
 
 
 def check_workload(w: Workload) -> None:
@@ -218,9 +232,10 @@ def plan(w: Workload, cluster: Cluster, gpus: int, cons: Constraints | None = No
 def explain(best: Estimate, ref: Estimate) -> str:
     """Why ``best`` is faster than ``ref``: the layout fields that differ and the time
     components that changed most (seconds per step)."""
+    keys = ("tp", "pp", "vp", "dp", "micro_batch", "zero", "recompute", "sp", "schedule",
+            "reshard_after_forward")
     diffs = [f"{k}: {getattr(ref.layout, k)} -> {getattr(best.layout, k)}"
-             for k in ("tp", "pp", "vp", "dp", "micro_batch", "zero1", "recompute", "sp",
-                       "schedule") if getattr(ref.layout, k) != getattr(best.layout, k)]
+             for k in keys if getattr(ref.layout, k) != getattr(best.layout, k)]
     a, b = ref.timing.as_dict(), best.timing.as_dict()
     deltas = sorted(((b[k] - a[k], k) for k in a if k != "total"), key=lambda x: x[0])
     parts = [f"{k} {a[k]:.3g}s -> {b[k]:.3g}s" for d, k in deltas if abs(d) > 0.005 * a["total"]]

@@ -27,9 +27,12 @@ Pipeline (p stages, v chunks, m micro-batches; T_j = t_f + t_b of stage j per mi
   p2p sends T h E / t bytes (scatter/gather, Narayanan et al.) and an intra-node all-gather
   when tp > 1 without sp; 2 (p-1) transfers are exposed when p2p is overlapped, 2 (m v + p - 1)
   when it is not.
-Data parallel: all-reduce of the gradient buffer (ZeRO-1: reduce-scatter of it + all-gather of
-  the 16-bit weights).  With overlap, the reduction hides behind the last micro-batch's backward
-  (the first micro-batch's forward for the weight all-gather), except the last bucket.
+Data parallel (:func:`_dp_exposed`): all-reduce of the gradient buffer (ZeRO-1: reduce-scatter
+  of it + all-gather of the 16-bit weights).  With overlap, the reduction hides behind the last
+  micro-batch's backward (the first micro-batch's forward for the weight all-gather), except the
+  last bucket.  ZeRO-2 reduce-scatters every micro-batch (m per step); ZeRO-3 also all-gathers
+  the weights before every forward and again before every backward (once per step without
+  reshard_after_forward), each hidden behind that pass's compute when prefetched.
 Optimizer: Adam reads/writes ~30 bytes per owned parameter (mixed precision) from HBM.
 CPU: with more ranks than cores, the step is at least the ranks' summed busy time / cores
 (each rank busy for its own stage's m T_j: a pipeline's cheaper stages leave cores to the
@@ -54,7 +57,7 @@ from dataclasses import asdict, dataclass
 from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import stage_params, state_bytes_per_param
+from colonnade.analysis.memory import stage_params, stage_state_bytes
 from colonnade.models.counts import (
     LayerShape,
 )
@@ -207,37 +210,74 @@ def _pipeline(layout: Layout, m: int, stages: list[_Stage]) -> tuple[float, floa
     return steady, bubble, steady_comm
 
 
-def _dp_exposed(w: Workload, layout: Layout, c: Cluster, params: float, window_b: float,
-                window_f: float) -> tuple[float, float]:
-    """(exposed dp communication, full dp communication) seconds per step."""
+def _hidden(comm: float, window: float, last: float, overlap: bool) -> float:
+    """Exposed part of ``comm`` seconds overlapped with ``window`` seconds of compute: all of
+    it without overlap, else what exceeds the window but at least the last bucket's share."""
+    return max(comm - window, comm * last) if overlap else comm
+
+
+def _dp_exposed(w: Workload, layout: Layout, c: Cluster, params: float, stage: _Stage,
+                m: int) -> tuple[float, float]:
+    """(exposed dp communication, full dp communication) seconds per step.
+
+    Stage 0 all-reduces the gradient buffer, stage 1 reduce-scatters it and all-gathers the
+    weights, both once per step, hidden behind the last micro-batch's backward (the first
+    one's forward for the gather: windows of one chunk, bwd / vp and fwd / vp).  Stage 2
+    reduce-scatters every micro-batch (m per step, in the reduce dtype) behind that
+    micro-batch's backward, and all-gathers the weights once.  Stage 3 all-gathers each
+    bucket before its forward and again before its backward (2 m gathers per step; one per
+    step without reshard_after_forward), prefetched behind the compute when zero_prefetch
+    > 0, and reduce-scatters m times; no gather after the optimizer.  Hybrid sharding adds
+    an all-reduce of the gradient shard over the dp / S replicas once per step.
+    """
     if layout.dp == 1:
         return 0.0, 0.0
-    t, g = layout.tp, c.gpus_per_node
+    t, g, z, s = layout.tp, c.gpus_per_node, layout.zero, layout.shard
     per_node = layout.dp if layout.world <= g else max(1, min(layout.dp, g // t))
-    wb, gb, _ = state_bytes_per_param(w, layout)
-    last_bucket = min(1.0, w.bucket_size / max(params, 1.0))
-    if layout.zero1:
-        red = c.gather_s(params * gb, layout.dp, per_node, "reduce_scatter")
-        gather = c.gather_s(params * wb, layout.dp, per_node, "all_gather")
-    else:
-        red, gather = c.all_reduce_s(params * gb, layout.dp, per_node), 0.0
-    exposed_red = max(red - window_b, red * last_bucket) if w.overlap_grad_reduce else red
-    exposed_gather = gather
-    if w.overlap_param_gather and gather:
-        exposed_gather = max(gather - window_f, gather * last_bucket)
-    return exposed_red + exposed_gather, red + gather
+    wb, gb, _ = stage_state_bytes(w.precision, 0, 1)
+    last = min(1.0, w.bucket_size / max(params, 1.0))
+    bwd, fwd = stage.bwd, stage.fwd
+    if z == 0:
+        red = c.all_reduce_s(params * gb, layout.dp, per_node)
+        return _hidden(red, bwd / layout.vp, last, w.overlap_grad_reduce), red
+    node_s = min(per_node, s)
+    replicas = layout.dp // s
+    rep = c.all_reduce_s(params * gb / s, replicas, max(1, per_node // s))
+    gather = c.gather_s(params * wb, s, node_s, "all_gather")
+    if z == 1:
+        red = c.gather_s(params * gb, s, node_s, "reduce_scatter") + rep
+        exposed = _hidden(red, bwd / layout.vp, last, w.overlap_grad_reduce)
+        exposed += _hidden(gather, fwd / layout.vp, last, w.overlap_param_gather)
+        return exposed, red + gather
+    rs = c.gather_s(params * w.reduce_bytes, s, node_s, "reduce_scatter")
+    if z == 2:
+        exposed = m * _hidden(rs, bwd, last, w.overlap_grad_reduce) + rep
+        exposed += _hidden(gather, fwd / layout.vp, last, w.overlap_param_gather)
+        return exposed, m * rs + rep + gather
+    ahead = w.zero_prefetch > 0
+    if layout.reshard:
+        exposed = m * (_hidden(gather, fwd, last, ahead)
+                       + _hidden(gather + rs, bwd, last, ahead and w.overlap_grad_reduce))
+        return exposed + rep, m * (2 * gather + rs) + rep
+    exposed = _hidden(gather, fwd, last, ahead) + m * _hidden(rs, bwd, last,
+                                                              w.overlap_grad_reduce)
+    return exposed + rep, gather + m * rs + rep
 
 
 def _optimizer_s(w: Workload, layout: Layout, c: Cluster, params: float) -> float:
-    shard = layout.dp if layout.zero1 else 1
-    per_param = 8 + 30 / shard if w.mixed else 2 * w.elem + 7 * w.elem / shard
+    """Adam's HBM traffic: ~30 bytes per owned parameter (mixed precision; 7 E otherwise)
+    plus 8 (2 E) per parameter of the gradient buffer (read for the norm, zeroed), which is
+    sharded from stage 2 on."""
+    s = layout.shard
+    full = s if layout.zero >= 2 else 1
+    per_param = 8 / full + 30 / s if w.mixed else 2 * w.elem / full + 7 * w.elem / s
     return params * per_param / c.bytes_per_s()
 
 
 def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     """Seconds of the small blocking collectives issued once per step (latency-bound).
 
-    grad-norm all-reduce (one float64) over tp, over pp, and over dp with ZeRO-1; the logged
+    grad-norm all-reduce (one float64) over tp, over pp, and over dp with ZeRO; the logged
     loss all-reduce ([2] float64) over the world; the fused sp-partial gradient all-reduce
     over tp (norm weights: (2 l/p + 1) h) with sp; the tied embedding/head gradient
     all-reduce (V h / t) over the pp ends with tied embeddings."""
@@ -247,7 +287,7 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     def ar(nbytes: float, n: int) -> float:
         return c.all_reduce_s(nbytes, n, min(n, g))
 
-    total = ar(8, t) + ar(8, p) + (ar(8, layout.dp) if layout.zero1 else 0.0)
+    total = ar(8, t) + ar(8, p) + (ar(8, layout.dp) if layout.zero else 0.0)
     total += ar(16, layout.world)
     if layout.sp and t > 1:
         total += ar((2 * m.layers / p + 1) * m.hidden * w.elem, t)
@@ -285,8 +325,7 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         p2p_full = 2 * (m * layout.vp + layout.pp - 1) * one
         p2p = hops * one if w.overlap_p2p else p2p_full
     params = max(stage_params(w.shape, layout, n) for n in names)
-    dp, dp_full = _dp_exposed(w, layout, c, params, stages[0].bwd / layout.vp,
-                              stages[0].fwd / layout.vp)
+    dp, dp_full = _dp_exposed(w, layout, c, params, stages[0], m)
     opt = _optimizer_s(w, layout, c, params)
     extra = step_collectives_s(w, layout, c)
     skew = c.skew_fraction(layout.world)

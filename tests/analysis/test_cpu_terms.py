@@ -70,7 +70,7 @@ def test_step_collectives_count_the_layout() -> None:
     assert count(Layout()) == pytest.approx(0.0)
     assert count(Layout(dp=2)) == pytest.approx(2.0, rel=1e-6)  # log loss over 2 ranks
     assert count(Layout(tp=2, pp=2)) == pytest.approx(2 + 2 + 6, rel=1e-6)  # norm tp, pp; loss 4
-    assert count(Layout(tp=2, dp=2, sp=True, zero1=True)) == pytest.approx(
+    assert count(Layout(tp=2, dp=2, sp=True, zero=1)) == pytest.approx(
         2 + 2 + 6 + 2, rel=1e-6)  # norm tp, dp; loss over 4; sp grads over tp
 
 

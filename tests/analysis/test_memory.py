@@ -33,9 +33,9 @@ def test_colonnade_state_bytes() -> None:
     """bf16 weights + fp32 grads + 12 bytes Adam: 18, and 6 + 12/dp with ZeRO-1."""
     w = Workload(model=ModelConfig(), seq_len=128, global_batch=64)
     assert sum(state_bytes_per_param(w, Layout(dp=8))) == 18
-    assert sum(state_bytes_per_param(w, Layout(dp=8, zero1=True))) == 6 + 12 / 8
+    assert sum(state_bytes_per_param(w, Layout(dp=8, zero=1))) == 6 + 12 / 8
     w32 = dataclasses.replace(w, precision="fp32")
-    assert sum(state_bytes_per_param(w32, Layout(dp=4, zero1=True))) == 8 + 8 / 4
+    assert sum(state_bytes_per_param(w32, Layout(dp=4, zero=1))) == 8 + 8 / 4
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
