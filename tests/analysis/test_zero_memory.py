@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from colonnade.analysis.cli import main
 from colonnade.analysis.dry_run import memory_lines
 from colonnade.analysis.hardware import GIB, get_cluster
 from colonnade.analysis.layout import Layout, Workload
@@ -188,3 +189,13 @@ def test_dry_run_shows_the_stage_terms() -> None:
     plain = "\n".join(memory_lines(load_config(CONFIGS / "llama2-7b.toml"), 8))
     assert "ZeRO stage 0: weights 2 + grads 4 + optimizer 12 = 18 bytes/parameter" in plain
     assert "gathered" not in plain
+
+
+def test_plan_cli_searches_the_requested_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--model", "llama2-7b", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "3",
+               "--reshard", "any", "--top", "3"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "--parallel.zero_stage=3" in out.splitlines()[-1]
+    assert main(["--model", "llama2-7b", "--gpus", "8", "--zero", "1,5"]) == 2
+    assert "--zero='1,5': use a comma list of 0, 1, 2, 3" in capsys.readouterr().err
