@@ -1,0 +1,291 @@
+"""ZeRO-3 parameter sharding: each rank keeps 1/n of every bucket; a bucket's full values exist
+only while a module that reads them runs (forward, backward, recomputation).
+
+Storage (:class:`~colonnade.data_parallel.buffer.FlatBuffers` with ``shard_params``): bucket i
+has a full storage [numel_i] that its parameters view, allocated by a gather and released by a
+free (``untyped_storage().resize_(0)``), and rank r's persistent shard [L_i] of it, L_i =
+numel_i / n. A gather all-gathers the n shards over the shard group into the full storage::
+
+    full_i[k L_i : (k + 1) L_i] = shard_i(rank k),   k = 0 .. n - 1
+
+The optimizer writes the shards (:meth:`ParamShards.owned`); the next gather sees the writes.
+
+Hooks (one set per module that owns parameters, as DataParallel's ZeRO-1 pre-forward hooks: a
+module listing ``direct_children`` covers its children's weights, a layer compiled by
+training.compile covers all its descendants, which get none):
+
+* forward-pre: gather the module's buckets (wait for them) and launch the gather of the next
+  ``prefetch`` buckets in forward order (lower bucket indices: buckets are laid out in backward
+  order) of the same chunk, asynchronously (not inside a recomputation: the modules after it
+  in forward order have finished their backward).
+* forward-post: register the pre-backward hook on the module's outputs that require grad, and
+  (``reshard_after_forward``) free the buckets whose last user in the chunk's module order this
+  module is. A chunk's root frees every bucket of the chunk after its forward, so an evaluation
+  forward leaves nothing gathered. Inside backward (activation recomputation re-running a
+  forward: non-reentrant checkpointing recomputes a whole block when the backward of its last
+  node unpacks a saved tensor) the buckets the backward has gathered and not finished (the
+  *live* ones, which the node that triggered the recomputation reads next) are kept; the rest
+  are freed as in forward, and re-gathered by their module's pre-backward hook.
+* pre-backward: a hook on each output tensor's gradient (``Tensor.register_hook``), which fires
+  before any backward node of the module that consumes that gradient runs (so before any node
+  that reads the module's saved weights): gather the module's buckets and prefetch the next
+  ``prefetch`` in backward order (higher indices) of the same chunk. A tensor hook rather than
+  ``register_multi_grad_hook``: one output's gradient is enough to need the weights, and the
+  gather is idempotent, so the first output hook to fire gathers.
+
+A bucket gathered for backward is freed when the gradient path reports its gradients complete
+(:meth:`ParamShards.bucket_backward_done`) if ``reshard_after_forward``; otherwise (the
+micro-batch-window policy, the pp > 1 default) buckets stay gathered from their first use in the
+step until :meth:`ParamShards.end_step`.
+
+Autograd: a parameter's version counter is its own (``.data`` assignment does not share the
+storage's counter), and the gathers write the bucket tensor, never the parameters, so a
+re-gather never trips the "modified by an inplace operation" check of a tensor saved for
+backward; the saved tensor views the same storage object and reads the re-gathered values.
+
+Collective order (NCCL needs every rank of the shard group to issue the same collectives in
+the same order): every rank of the shard group holds the same model chunks and runs the same
+schedule, so the same modules' hooks fire in the same order on every rank; the buckets a hook
+gathers and prefetches are a function of the module and of which buckets are gathered, and the
+gathered set evolves identically on every rank (same hooks, same frees, same
+bucket_backward_done order, since the buckets complete in the same backward order). So every
+rank issues the same all-gathers in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from colonnade.data_parallel.buffer import FlatBuffers
+from colonnade.models.compile import is_compiled
+from colonnade.parallel.comm import CommGroup, Handle
+
+
+@dataclass
+class _Site:
+    """One hooked module: the buckets it reads and the ones it frees after its forward."""
+
+    module: nn.Module
+    chunk: int
+    needed: list[int]
+    user: bool
+    """Whether the module runs its own forward (a ``direct_children`` child does not)."""
+    frees: list[int] = field(default_factory=list)
+
+
+class ParamShards:
+    """Gathers and frees the ZeRO-3 buckets of ``buffers`` around the forward and backward of
+    ``chunks`` (see the module docstring). ``rank``: this rank's index in ``group`` (the shard
+    group); ``prefetch``: buckets gathered ahead of the one in use."""
+
+    def __init__(self, buffers: FlatBuffers, group: CommGroup, chunks: Sequence[nn.Module],
+                 *, rank: int, reshard_after_forward: bool, prefetch: int) -> None:
+        if not buffers.shard_params:
+            raise ValueError("ParamShards needs FlatBuffers(shard_params=True)")
+        if buffers.shard_count != group.size:
+            raise ValueError(f"buffers are cut into {buffers.shard_count} shards, the shard "
+                             f"group has {group.size} ranks")
+        if prefetch < 0:
+            raise ValueError(f"parallel.zero_prefetch={prefetch} must be >= 0")
+        self.buffers, self.group, self.rank = buffers, group, rank
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        buffers.keep_shard(rank)
+        self._handles: list[Handle | None] = [None] * len(buffers.buckets)
+        self._bytes = [b.numel * buffers.bucket_data[0].element_size() for b in buffers.buckets]
+        self._chunk_of = [b.chunk for b in buffers.buckets]
+        self.gathered_bytes = 0
+        """Bytes of full bucket storage allocated now."""
+        self.peak_gathered_bytes = 0
+        """Most bytes of full bucket storage allocated at once since construction."""
+        self._live: set[int] = set()  # gathered for a backward that has not finished them
+        self.gathers = 0
+        """Bucket all-gathers issued since construction (tests and the pp policy count them)."""
+        self.sites = self._install(chunks)
+
+    # ------------------------------------------------------------------ storage
+
+    def owned(self) -> list[torch.Tensor]:
+        """The persistent shard as 1-D param-dtype views aligned with
+        ``buffers.owned_ranges(rank)`` (the optimizer writes its updates there, after
+        :meth:`end_step`; a bucket still gathered keeps its old full values until freed)."""
+        out, offset = [], 0
+        data = self.buffers.shard_data
+        assert data is not None
+        for lo, hi in self.buffers.owned_ranges(self.rank):
+            out.append(data[offset:offset + hi - lo])
+            offset += hi - lo
+        return out
+
+    def is_gathered(self, index: int) -> bool:
+        """Whether bucket ``index``'s full storage is allocated (gathered or in flight)."""
+        return self.buffers.is_gathered(index)
+
+    def _launch(self, index: int) -> None:
+        """Start the all-gather of bucket ``index`` unless it is gathered or in flight."""
+        if self.buffers.is_gathered(index):
+            return
+        full = self.buffers.alloc_bucket(index)  # [numel_i]
+        self.gathered_bytes += self._bytes[index]
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        with torch.no_grad():
+            self._handles[index] = self.group.all_gather_into(
+                full, self.buffers.shard_view(index), name="param_shard", async_op=True)
+        self.gathers += 1
+
+    def _wait(self, index: int) -> None:
+        handle = self._handles[index]
+        if handle is not None:
+            handle.wait()
+            self._handles[index] = None
+
+    def gather(self, buckets: Sequence[int]) -> None:
+        """All-gather ``buckets`` (those not gathered yet) and wait for them."""
+        for index in buckets:
+            self._launch(index)
+        for index in buckets:
+            self._wait(index)
+
+    def free(self, buckets: Sequence[int]) -> None:
+        """Release the full storage of ``buckets`` (waiting for a gather still in flight)."""
+        for index in buckets:
+            self._live.discard(index)
+            if not self.buffers.is_gathered(index):
+                continue
+            self._wait(index)
+            self.buffers.free_bucket(index)
+            self.gathered_bytes -= self._bytes[index]
+
+    def gather_all(self) -> None:
+        """Gather every bucket (to read full weights outside a forward; prefer :meth:`gather`
+        of one bucket at a time where memory matters)."""
+        self.gather(range(len(self._handles)))
+
+    def free_all(self) -> None:
+        """Free every bucket."""
+        self.free(range(len(self._handles)))
+
+    def bucket_backward_done(self, index: int) -> None:
+        """The gradient path's report that bucket ``index``'s gradients of this micro-batch
+        are complete: freed when ``reshard_after_forward`` (else kept until end_step)."""
+        if self.reshard_after_forward:
+            self.free([index])
+
+    def in_use_bytes(self) -> int:
+        """The most bytes one hooked module needs gathered at once: its buckets and those of
+        the hooked modules whose forward it runs inside (an MLP that reads its gate and up
+        weights directly holds them while its ``down`` child runs). Peak gathered bytes stay
+        within this plus ``prefetch`` buckets, plus one bucket shared by two consecutive
+        modules."""
+        best = 0
+        for site in self.sites:
+            using = set(site.needed)
+            for outer in self.sites:
+                if outer.user and any(m is site.module for m in outer.module.modules()):
+                    using.update(outer.needed)
+            best = max(best, sum(self._bytes[b] for b in using))
+        return best
+
+    def end_step(self) -> None:
+        """The step's gradient sync is done: free everything (the window policy's end)."""
+        self.free_all()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _prefetch(self, needed: list[int], step: int) -> list[int]:
+        """Launch the next ``prefetch`` buckets after ``needed`` in the direction ``step``
+        (-1 forward, +1 backward), within the chunk of the first needed bucket; returns them."""
+        out: list[int] = []
+        if not needed or self.prefetch == 0:
+            return out
+        chunk = self._chunk_of[needed[0]]
+        index = min(needed) if step < 0 else max(needed)
+        for _ in range(self.prefetch):
+            index += step
+            if not 0 <= index < len(self._chunk_of) or self._chunk_of[index] != chunk:
+                break
+            self._launch(index)
+            out.append(index)
+        return out
+
+    def _install(self, chunks: Sequence[nn.Module]) -> list[_Site]:
+        sites: list[_Site] = []
+        for c, chunk in enumerate(chunks):
+            mine = self._sites(chunk, c)
+            last: dict[int, _Site] = {}
+            for site in mine:
+                if site.user:
+                    last.update({b: site for b in site.needed})
+            for b, site in last.items():
+                site.frees.append(b)
+            for site in mine:
+                site.module.register_forward_pre_hook(self._pre_forward(site))
+                if site.user:
+                    site.module.register_forward_hook(self._post_forward(site))
+            chunk_buckets = sorted({b for s in mine for b in s.needed})
+            chunk.register_forward_hook(self._chunk_done(chunk_buckets))
+            sites += mine
+        return sites
+
+    def _sites(self, chunk: nn.Module, c: int) -> list[_Site]:
+        """The hooked modules of one chunk, in module (forward) order."""
+        slots = self.buffers.slots
+        inside: set[int] = set()  # descendants of a compiled layer (its hooks cover them)
+        children: set[int] = set()  # direct_children: read by their parent, never called
+        out: list[_Site] = []
+        for module in chunk.modules():  # parents before children
+            if id(module) in inside:
+                continue
+            if is_compiled(module):
+                inside.update(id(m) for m in module.modules())
+            params = list(module.parameters(recurse=is_compiled(module)))
+            for name in getattr(module, "direct_children", ()):
+                child = getattr(module, name, None)
+                if child is not None:
+                    params += list(child.parameters())
+                    children.add(id(child))
+            needed = sorted({slots[id(p)].bucket for p in params if id(p) in slots})
+            if needed:
+                out.append(_Site(module, c, needed, user=id(module) not in children))
+        return out
+
+    def _pre_forward(self, site: _Site) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: object) -> None:
+            self.gather(site.needed)
+            if not _in_backward():  # a recomputation's next modules ran their backward
+                self._prefetch(site.needed, -1)
+
+        return hook
+
+    def _post_forward(self, site: _Site) -> Callable[..., None]:
+        def pre_backward(grad: torch.Tensor) -> None:
+            self.gather(site.needed)
+            self._live.update(site.needed)
+            self._live.update(self._prefetch(site.needed, +1))
+
+        def hook(_module: nn.Module, _args: object, output: object) -> None:
+            if torch.is_grad_enabled():
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(pre_backward)
+            if self.reshard_after_forward:
+                # a recomputation inside backward keeps what the backward itself still reads
+                self.free([b for b in site.frees if b not in self._live])
+
+        return hook
+
+    def _chunk_done(self, buckets: list[int]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: object, _output: object) -> None:
+            if self.reshard_after_forward and not _in_backward():
+                self.free(buckets)
+
+        return hook
+
+
+def _in_backward() -> bool:
+    """Whether an autograd engine pass is running on this thread (a recomputation)."""
+    return torch._C._current_graph_task_id() != -1

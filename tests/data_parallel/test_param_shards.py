@@ -1,0 +1,142 @@
+"""ZeRO-3 ParamShards on its own (no DataParallel): a tiny llama on 2 ranks with its parameters
+sharded, each rank running its own micro-batches with plain ``param.grad``.
+
+Float64 parity, exact: the sharded model's gradients, evaluation logits and (after the shards
+are written, as an optimizer does) the next forward equal an unsharded copy's bit for bit,
+with and without ``reshard_after_forward``, with full recompute, prefetch 0, 1 and 2.
+Memory with ``reshard_after_forward``: no rank ever holds the full parameter set (peak
+gathered bytes <= the buckets one module needs at once, :meth:`ParamShards.in_use_bytes`, plus
+prefetch + 1 largest buckets, and < the model's bytes); after a step and after an evaluation
+forward every bucket's storage is empty. Without it (the micro-batch-window policy) each
+bucket is gathered once per step and the whole model is held until end_step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colonnade.config.sections import Config
+from colonnade.data_parallel.buffer import FlatBuffers
+from colonnade.data_parallel.ddp import chunk_parameters
+from colonnade.data_parallel.param_shards import ParamShards
+from colonnade.models.build import build_reference
+from colonnade.parallel.dims import ParallelDims
+from tests.data_parallel.common import tiny_config
+from tests.parity import VOCAB, random_steps, rank_groups, resolved
+
+BUCKET = 2000
+"""Elements per bucket: a tiny llama (~32k parameters) gets about 16 buckets."""
+
+
+def _config(recompute: str) -> Config:
+    base = tiny_config(arch="llama", dp=2, microbatches=2)
+    return resolved(dataclasses.replace(
+        base, training=dataclasses.replace(base.training, recompute=recompute)))
+
+
+def _done_hooks(buffers: FlatBuffers, shards: ParamShards) -> None:
+    """Report a bucket's gradients complete once every parameter of it has accumulated (what
+    the ZeRO-2/3 gradient path does), so reshard_after_forward frees it in backward."""
+    seen = [0] * len(buffers.buckets)
+
+    def hook(p: torch.Tensor) -> None:
+        index = buffers.slot(p).bucket  # type: ignore[arg-type]
+        seen[index] += 1
+        if seen[index] == len(buffers.buckets[index].params):
+            seen[index] = 0
+            shards.bucket_backward_done(index)
+
+    for p in buffers.params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def _shard_model(config: Config, reshard: bool, prefetch: int
+                 ) -> tuple[nn.Module, FlatBuffers, ParamShards]:
+    groups = rank_groups(ParallelDims(dp=2))
+    model = build_reference(config)
+    buffers = FlatBuffers(chunk_parameters([model]), BUCKET, 2, full_grads=False,
+                          shard_params=True)
+    shards = ParamShards(buffers, groups.dp_cp, [model], rank=dist.get_rank(),
+                         reshard_after_forward=reshard, prefetch=prefetch)
+    _done_hooks(buffers, shards)
+    return model, buffers, shards
+
+
+def _case(config: Config, reshard: bool, prefetch: int) -> dict[str, Any]:
+    """One rank: a sharded model and an unsharded copy (same seed), 2 micro-batches of this
+    rank's own data, an evaluation forward, shards halved, one more forward."""
+    rank = dist.get_rank()
+    ref = build_reference(config)
+    model, buffers, shards = _shard_model(config, reshard, prefetch)
+    batches = random_steps(1, 4, 2, 16, VOCAB, seed=7)[0][2 * rank:2 * rank + 2]
+    versions = [p._version for p in buffers.params]
+    for tokens, labels in batches:
+        model(tokens, labels).backward()
+        ref(tokens, labels).backward()
+    after_backward = shards.gathered_bytes
+    shards.end_step()
+    grads_equal = all(torch.equal(p.grad, q.grad) for p, q in
+                      zip(model.parameters(), ref.parameters(), strict=True))
+    step_gathers = shards.gathers
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        logits_equal = torch.equal(model(batches[0][0]), ref(batches[0][0]))
+        after_eval = shards.gathered_bytes
+        shards.end_step()  # the optimizer runs after the step's sync: nothing gathered
+        for view in shards.owned():  # an "optimizer step" on the shards
+            view.mul_(0.5)
+        for q in ref.parameters():
+            q.mul_(0.5)
+        halved_equal = torch.equal(model(batches[1][0]), ref(batches[1][0]))
+    shards.end_step()
+    sizes = [d.untyped_storage().nbytes() for d in buffers.bucket_data]
+    item = buffers.bucket_data[0].element_size()
+    return dict(grads_equal=grads_equal, logits_equal=logits_equal, halved_equal=halved_equal,
+                after_backward=after_backward, after_eval=after_eval, sizes=sizes,
+                peak=shards.peak_gathered_bytes, in_use=shards.in_use_bytes(),
+                step_gathers=step_gathers,
+                largest=max(b.numel for b in buffers.buckets) * item,
+                model_bytes=buffers.num_params * item, buffer_bytes=buffers.numel * item,
+                buckets=len(buffers.buckets),
+                versions_kept=versions == [p._version for p in buffers.params])
+
+
+CASES = [
+    dict(reshard=True, prefetch=1, recompute="none"),
+    dict(reshard=False, prefetch=1, recompute="none"),
+    dict(reshard=True, prefetch=0, recompute="full"),
+    dict(reshard=True, prefetch=2, recompute="full"),
+    dict(reshard=False, prefetch=2, recompute="full"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: (
+    f"{'reshard' if c['reshard'] else 'keep'}-prefetch{c['prefetch']}-{c['recompute']}"))
+def test_param_shards_parity_and_memory(run_ranks: Callable[..., list[Any]],
+                                        case: dict[str, Any]) -> None:
+    config = _config(case["recompute"])
+    results = run_ranks(2, _case, config, case["reshard"], case["prefetch"])
+    for rank, res in enumerate(results):
+        assert res["grads_equal"], f"rank {rank}: gradients differ from the unsharded model"
+        assert res["logits_equal"], f"rank {rank}: evaluation logits differ"
+        assert res["halved_equal"], f"rank {rank}: writes to owned() not seen by the gather"
+        assert res["versions_kept"], f"rank {rank}: a gather bumped a parameter's version"
+        assert res["buckets"] >= 8, res["buckets"]
+        assert res["sizes"] == [0] * res["buckets"], f"rank {rank}: storage left after step"
+        if case["reshard"]:
+            assert res["peak"] <= res["in_use"] + (case["prefetch"] + 1) * res["largest"], res
+            assert res["peak"] < res["model_bytes"], res
+            assert res["after_eval"] == 0, f"rank {rank}: evaluation left buckets gathered"
+            assert res["after_backward"] == 0, f"rank {rank}: backward left buckets gathered"
+        else:
+            # the window policy: each bucket gathered once, held for the whole step
+            assert res["step_gathers"] == res["buckets"], res
+            assert res["peak"] == res["buffer_bytes"], res
