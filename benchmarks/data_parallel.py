@@ -1,8 +1,9 @@
-"""Data parallelism side by side, dp = 2: Colonnade DDP / ZeRO-1 against torch DDP, FSDP2 and
-DeepSpeed ZeRO-0/1/2, full training steps of the same model, weights and data.
+"""Data parallelism side by side, dp = 2: Colonnade DDP / ZeRO-1/2/3 against torch DDP, FSDP2
+and DeepSpeed ZeRO-0/1/2/3, full training steps of the same model, weights and data.
 
     .venv/bin/python benchmarks/data_parallel.py [--workload gpt2-tiny] [--rounds 5] [--steps 4]
-        [--warmup 2] [--micro-batch 0] [--bucket N] [--variants ...] [--quick] [--json PATH]
+        [--warmup 2] [--micro-batch 0] [--bucket N] [--zero23] [--variants ...] [--quick]
+        [--json PATH]
 
 One pool of 2 gloo CPU ranks (one compute thread each) trains issue 19's workload
 (benchmarks/workloads.py: gpt2-tiny by default, or llama-tiny; fp32, AdamW at a constant lr,
@@ -18,6 +19,16 @@ accumulation per rank) with:
   torch_fsdp2         fully_shard per block + root, gradient sync on the last micro-batch only
   deepspeed_zero0/1/2 deepspeed.initialize(plain model, torch AdamW, ZeRO stage 0/1/2, fp32,
                       gradient_clipping 0): only when ``import deepspeed`` works (see below)
+  with ``--zero23`` (issue 15), gradients reduce-scattered on every micro-batch:
+  colonnade_zero2     --parallel.zero_stage=2 (fp32 gradient shard, no full gradient buffer)
+  colonnade_zero3     --parallel.zero_stage=3 (parameters sharded, gathered per bucket ahead of
+                      use in forward and backward, freed after; reshard_after_forward on)
+  colonnade_zero3_no_reshard  the same with --parallel.reshard_after_forward=false
+  torch_fsdp2_zero2   fully_shard(reshard_after_forward=False) per block + root (FSDP2's
+                      stage-2-like mode), requires_gradient_sync on every micro-batch
+  torch_fsdp2_zero3   the same with reshard_after_forward=True (FSDP2's default, stage 3)
+  deepspeed_zero3     DeepSpeed ZeRO-3 (gpt2's position table, read outside its module's
+                      forward, is registered as an external parameter of the root)
   (optional, ``--variants``) colonnade_ddp_no_overlap, colonnade_zero1_no_overlap, and
   baseline: the plain model and AdamW on each rank with no communication (compute floor)
 
@@ -31,11 +42,26 @@ variant's global mean loss must equal Colonnade DDP's to 1e-6, workloads.first_l
 times ``steps`` steps. Variants are interleaved round by round (order rotated). Reported: per
 variant the median step time over rounds, steps and ranks, and tokens/s = global tokens per step
 / step time; per issue row (dp2: Colonnade DDP vs torch DDP, DeepSpeed ZeRO-0; dp2 + ZeRO-1:
-Colonnade ZeRO-1 vs DeepSpeed ZeRO-1/2, FSDP2) the fastest peer by median tokens/s and the
+Colonnade ZeRO-1 vs DeepSpeed ZeRO-1/2, FSDP2; with ``--zero23`` dp2 + ZeRO-2: Colonnade
+ZeRO-2 vs DeepSpeed ZeRO-2, FSDP2 reshard_after_forward=False; dp2 + ZeRO-3: Colonnade ZeRO-3
+vs DeepSpeed ZeRO-3, FSDP2; dp2 + ZeRO-3 no reshard: Colonnade with reshard_after_forward off
+vs FSDP2 reshard_after_forward=False) the fastest peer by median tokens/s and the
 median and quartiles over rounds of the per-round ratio t_peer / t_colonnade (same round: drift
 between rounds cancels), and the same ratio by CPU time (both ranks' process CPU seconds per
 step, gloo threads included). Colonnade's wire bytes and the time blocked in dp waits come from
-colonnade.parallel.comm's counters.
+colonnade.parallel.comm's counters, split into parameter all-gather exposed time (ZeRO-1's
+gathers, stage 3's per-bucket gathers in forward and backward) and gradient reduction exposed
+time, per step.
+
+Memory per rank (no torch.cuda on CPU): ``rss_peak_bytes``, the peak growth of the process's
+resident set from before the build to the end of the timed steps (large tensors are mmapped,
+MALLOC_MMAP_THRESHOLD_, so frees return memory); ``state_bytes``, storage accounting after the
+last step: the bytes of the distinct storages reachable from the framework's objects (model,
+optimizer, engine / trainer: parameters or their shards, gradients, optimizer moments, flat
+buffers; allocated bytes, touched or not: DeepSpeed ZeRO-3 preallocates a reduce bucket of
+reduce_bucket_size elements, 5e8 by default = 2 GB fp32, of which the RSS sees only the touched
+pages; ``--bucket`` sets it); and for Colonnade at stage >= 2 its DataParallel.memory_bytes()
+(params, grads, transient_peak, gathered_peak).
 
 DeepSpeed (../shared/PEERS.md): ``DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
 deepspeed`` then ``pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" tqdm
@@ -51,6 +77,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -58,6 +85,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,18 +118,41 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DP = 2
 CORE = ("colonnade_ddp", "colonnade_zero1", "torch_ddp", "torch_fsdp2")
 DEEPSPEED = ("deepspeed_zero0", "deepspeed_zero1", "deepspeed_zero2")
+ZERO23 = ("colonnade_zero2", "colonnade_zero3", "colonnade_zero3_no_reshard",
+          "torch_fsdp2_zero2", "torch_fsdp2_zero3")
+"""Issue 15's variants (``--zero23``); deepspeed_zero3 joins them when DeepSpeed imports."""
 OPTIONAL = ("colonnade_ddp_no_overlap", "colonnade_zero1_no_overlap", "baseline")
-ROWS = {  # issue 19's rows: layout -> (Colonnade variant, its peers)
+ROWS = {  # issue 19's and issue 15's rows: layout -> (Colonnade variant, its peers)
     "dp2": ("colonnade_ddp", ("torch_ddp", "deepspeed_zero0")),
     "dp2 + ZeRO-1": ("colonnade_zero1", ("deepspeed_zero1", "deepspeed_zero2", "torch_fsdp2")),
+    "dp2 + ZeRO-2": ("colonnade_zero2", ("deepspeed_zero2", "torch_fsdp2_zero2")),
+    "dp2 + ZeRO-3": ("colonnade_zero3", ("deepspeed_zero3", "torch_fsdp2_zero3")),
+    "dp2 + ZeRO-3 no reshard": ("colonnade_zero3_no_reshard", ("torch_fsdp2_zero2",)),
 }
 NAMES = {"torch_ddp": "torch DDP", "torch_fsdp2": "FSDP2", "deepspeed_zero0": "DeepSpeed ZeRO-0",
-         "deepspeed_zero1": "DeepSpeed ZeRO-1", "deepspeed_zero2": "DeepSpeed ZeRO-2"}
+         "deepspeed_zero1": "DeepSpeed ZeRO-1", "deepspeed_zero2": "DeepSpeed ZeRO-2",
+         "deepspeed_zero3": "DeepSpeed ZeRO-3",
+         "torch_fsdp2_zero2": "FSDP2 reshard_after_forward=False", "torch_fsdp2_zero3": "FSDP2"}
 """Peer variant -> the name the peer table shows."""
 INSTALL = ('DS_BUILD_OPS=0 .venv/bin/pip install --no-deps --no-build-isolation deepspeed && '
            '.venv/bin/pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" '
            'tqdm packaging')
 StepFn = Callable[[list[Batch]], float]
+
+
+@dataclass
+class Built:
+    """A variant ready to train on this rank."""
+
+    step: StepFn
+    """One optimizer step over the micro-batches; returns the loss (local or global mean)."""
+    roots: tuple[Any, ...]
+    """The framework's objects whose tensors are this rank's training state (storage
+    accounting: model, optimizer, engine / trainer)."""
+    groups: ProcessGroups | None = None
+    """Colonnade's groups (their comm counters), None for peers."""
+    is_global: bool = False
+    """The step's loss is already the global mean."""
 
 
 class RssPeak:
@@ -132,19 +183,29 @@ class RssPeak:
 # ----------------------------------------------------------------------------- variants
 
 
-def _colonnade(w: Workload, micro: int, name: str, bucket: int | None
-               ) -> tuple[StepFn, ProcessGroups]:
-    """Colonnade's Trainer on dp = 2; ZeRO-1 and overlap from the variant's name."""
+def colonnade_overrides(name: str, bucket: int | None) -> list[str]:
+    """The CLI overrides of a Colonnade variant: ZeRO stage (colonnade_zero<k>), overlap
+    (``_no_overlap``), stage 3's reshard_after_forward (``_no_reshard``), bucket size."""
     overlap = str(not name.endswith("no_overlap")).lower()
-    extra = [f"--parallel.use_distributed_optimizer={str('zero1' in name).lower()}",
+    stage = int(name.split("zero")[1][0]) if "zero" in name else 0
+    extra = [f"--parallel.use_distributed_optimizer={str(stage == 1).lower()}",
              f"--parallel.overlap_grad_reduce={overlap}",
              f"--parallel.overlap_param_gather={overlap}"]
+    if stage >= 2:
+        extra.append(f"--parallel.zero_stage={stage}")
+    if name.endswith("no_reshard"):
+        extra.append("--parallel.reshard_after_forward=false")
     if bucket:
         extra.append(f"--parallel.bucket_size={bucket}")
-    cfg = colonnade_config(w, micro, DP, extra)
+    return extra
+
+
+def _colonnade(w: Workload, micro: int, name: str, bucket: int | None) -> Built:
+    """Colonnade's Trainer on dp = 2, configured from the variant's name."""
+    cfg = colonnade_config(w, micro, DP, colonnade_overrides(name, bucket))
     groups = ProcessGroups.build(ParallelDims(dp=DP))
     trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
-    return (lambda step: trainer.train_step(step)["loss"]), groups
+    return Built(lambda step: trainer.train_step(step)["loss"], (trainer,), groups, True)
 
 
 def _accumulate(model: Callable[[torch.Tensor], torch.Tensor], step: list[Batch],
@@ -166,7 +227,7 @@ def _accumulate(model: Callable[[torch.Tensor], torch.Tensor], step: list[Batch]
     return total
 
 
-def _torch_ddp(w: Workload, bucket: int | None) -> StepFn:
+def _torch_ddp(w: Workload, bucket: int | None) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
     model = plain_model(w)
@@ -182,35 +243,38 @@ def _torch_ddp(w: Workload, bucket: int | None) -> StepFn:
         opt.zero_grad(set_to_none=True)
         return float(total)
 
-    return step
+    return Built(step, (wrapped, opt))
 
 
-def _torch_fsdp2(w: Workload) -> StepFn:
+def _torch_fsdp2(w: Workload, reshard: bool | None = None, sync_every: bool = False) -> Built:
+    """fully_shard per block + root; ``reshard`` its reshard_after_forward (None: default);
+    ``sync_every``: reduce-scatter on every micro-batch (ZeRO-2/3), else on the last only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (DP,))
     model = plain_model(w)
+    kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     opt = plain_optimizer(model, w)
 
     def step(micro_batches: list[Batch]) -> float:
         last = len(micro_batches) - 1
 
         def before(k: int) -> None:
-            model.set_requires_gradient_sync(k == last)
+            model.set_requires_gradient_sync(sync_every or k == last)
 
         total = _accumulate(model, micro_batches, before)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(total)
 
-    return step
+    return Built(step, (model, opt))
 
 
-def _deepspeed(w: Workload, micro: int, stage: int, bucket: int | None) -> StepFn:
+def _deepspeed(w: Workload, micro: int, stage: int, bucket: int | None) -> Built:
     import deepspeed
     from deepspeed.utils import groups as ds_groups
 
@@ -222,12 +286,16 @@ def _deepspeed(w: Workload, micro: int, stage: int, bucket: int | None) -> StepF
     zero: dict[str, Any] = {"stage": stage}
     if bucket:
         zero |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+        if stage == 3:
+            zero |= {"stage3_prefetch_bucket_size": bucket}
     config = {"train_micro_batch_size_per_gpu": micro,
               "gradient_accumulation_steps": w.global_batch // (DP * micro),
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
               "zero_optimization": zero, "steps_per_print": 10**9,
               "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    if stage == 3 and model.pos is not None:  # read in the root's forward, not pos's own
+        deepspeed.zero.register_external_parameter(model, model.pos.weight)
 
     def step(micro_batches: list[Batch]) -> float:
         total = torch.zeros(())
@@ -238,10 +306,10 @@ def _deepspeed(w: Workload, micro: int, stage: int, bucket: int | None) -> StepF
             total += loss.detach() / len(micro_batches)
         return float(total)
 
-    return step
+    return Built(step, (engine,))
 
 
-def _baseline(w: Workload) -> StepFn:
+def _baseline(w: Workload) -> Built:
     model = plain_model(w)
     opt = plain_optimizer(model, w)
 
@@ -251,24 +319,55 @@ def _baseline(w: Workload) -> StepFn:
         opt.zero_grad(set_to_none=True)
         return float(total)
 
-    return step
+    return Built(step, (model, opt))
 
 
-def _build(name: str, w: Workload, micro: int, bucket: int | None
-           ) -> tuple[StepFn, ProcessGroups | None, bool]:
-    """(step, Colonnade's groups or None, whether the step's loss is already global)."""
+def _build(name: str, w: Workload, micro: int, bucket: int | None) -> Built:
     if name.startswith("colonnade"):
-        step, groups = _colonnade(w, micro, name, bucket)
-        return step, groups, True
+        return _colonnade(w, micro, name, bucket)
     if name == "torch_ddp":
-        return _torch_ddp(w, bucket), None, False
+        return _torch_ddp(w, bucket)
     if name == "torch_fsdp2":
-        return _torch_fsdp2(w), None, False
+        return _torch_fsdp2(w)
+    if name.startswith("torch_fsdp2_zero"):  # zero2: keep gathered after forward; zero3: free
+        return _torch_fsdp2(w, reshard=name.endswith("3"), sync_every=True)
     if name.startswith("deepspeed_zero"):
-        return _deepspeed(w, micro, int(name[-1]), bucket), None, False
+        return _deepspeed(w, micro, int(name[-1]), bucket)
     if name == "baseline":
-        return _baseline(w), None, False
+        return _baseline(w)
     raise ValueError(f"unknown variant {name!r}")
+
+
+def state_bytes(*roots: Any, limit: int = 200_000) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots`` (this rank's training
+    state: parameters or shards, gradients, optimizer moments, flat buffers), following
+    modules, containers and the attributes of objects (breadth first, at most ``limit``
+    objects; a DTensor counts its local shard). Storages are told apart by data pointer."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    todo = list(roots)
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            if local.device.type != "meta" and local.untyped_storage().nbytes():
+                storage = local.untyped_storage()
+                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0),
+                                                   storage.nbytes())
+            todo += [obj.grad] if obj.is_leaf and obj.grad is not None else []
+        elif isinstance(obj, dict):
+            todo += list(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            todo += list(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            todo += [obj.state, obj.param_groups]
+        elif isinstance(obj, torch.nn.Module) or (
+                hasattr(obj, "__dict__") and not callable(obj) and not inspect.ismodule(obj)):
+            todo += list(vars(obj).values())
+    return sum(storages.values())
 
 
 def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
@@ -280,9 +379,10 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
     rank = dist.get_rank()
     data = batches(w, warmup + steps, micro, dp=DP, rank=rank)
     rss = RssPeak()
-    step, groups, is_global = _build(name, w, micro, bucket)
+    built = _build(name, w, micro, bucket)
+    step, groups = built.step, built.groups
     losses = torch.tensor([step(b) for b in data[:warmup]], dtype=torch.float64)
-    if not is_global:  # local means of equal token counts: the global mean is their average
+    if not built.is_global:  # local means of equal token counts: the global mean is their average
         dist.all_reduce(losses)
         losses /= DP
     dist.barrier()
@@ -295,13 +395,28 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     out: dict[str, Any] = {"name": name, "rank": rank, "times": times, "cpu": cpu,
-                           "losses": losses.tolist(), "rss_peak_bytes": rss.stop()}
+                           "losses": losses.tolist(), "rss_peak_bytes": rss.stop(),
+                           "state_bytes": state_bytes(*built.roots)}
     if groups is not None:
-        dp = {k: v for k, v in groups.stats.snapshot().items() if k.startswith("dp_cp/")}
-        out["wire_bytes"] = sum(v["wire_bytes"] for v in dp.values()) / steps
-        out["exposed_s"] = sum(v["waited_s"] for v in dp.values()) / steps
+        out |= comm_summary(groups.stats.snapshot(), steps)
+        ddp = built.roots[0].ddp
+        if hasattr(ddp, "memory_bytes"):
+            out["memory_bytes"] = ddp.memory_bytes()
     dist.barrier()
     return out
+
+
+def comm_summary(snapshot: dict[str, dict[str, float]], steps: int) -> dict[str, float]:
+    """Per step over the data-parallel groups (dp_cp, or the shard / replicate groups of
+    hybrid sharding: every group but tp / pp / cp): wire bytes, exposed (waited) seconds, and
+    the exposed seconds of parameter all-gathers and of gradient reductions separately."""
+    dp = {k: v for k, v in snapshot.items() if k.split("/")[0] not in ("tp", "pp", "cp")}
+    waited = {k: v["waited_s"] / steps for k, v in dp.items()}
+    return {"wire_bytes": sum(v["wire_bytes"] for v in dp.values()) / steps,
+            "exposed_s": sum(waited.values()),
+            "gather_exposed_s": sum(t for k, t in waited.items() if "/all_gather" in k),
+            "reduce_exposed_s": sum(t for k, t in waited.items()
+                                    if "/reduce_scatter" in k or "/all_reduce" in k)}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -354,10 +469,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
                                "step_s_min": min(times), "samples": len(times),
                                "round_step_s": _round_medians(results),
                                "round_cpu_s": _round_medians(results, "cpu")}
-        for key in ("wire_bytes", "exposed_s", "rss_peak_bytes"):
+        for key in ("wire_bytes", "exposed_s", "gather_exposed_s", "reduce_exposed_s",
+                    "rss_peak_bytes", "state_bytes"):
             values = [r[key] for r in results if key in r]
             if values:
                 row[key] = statistics.median(values)
+        mem = [r["memory_bytes"] for r in results if "memory_bytes" in r]
+        if mem:  # the largest rank's of the first run (deterministic per layout)
+            row["memory_bytes"] = {k: max(m[k] for m in mem) for k in mem[0]}
         variants[name] = row
     rows = []
     for layout, (ours, peers) in ROWS.items():
@@ -373,40 +492,52 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
                      "colonnade": a["tokens_per_s"], "peer": NAMES[best], "peer_variant": best,
                      "peer_tokens_per_s": b["tokens_per_s"], "ratio": med,
                      "ratio_q1": q1, "ratio_q3": q3, "ratio_cpu": statistics.median(cpu),
-                     "others": {p: variants[p]["tokens_per_s"] for p in present if p != best}})
+                     "others": {p: variants[p]["tokens_per_s"] for p in present if p != best},
+                     **{f"{side}_{k}": v[k] for side, v in (("colonnade", a), ("peer", b))
+                        for k in ("gather_exposed_s", "state_bytes", "rss_peak_bytes") if k in v}})
     return {"variants": variants, "rows": rows}
 
 
 def print_table(summary: dict[str, Any]) -> None:
     head = (f"{'variant':<28}{'step ms':>9}{'best ms':>9}{'tok/s':>9}{'MB wire':>9}"
-            f"{'RSS+ MB':>9}{'exposed ms':>11}")
+            f"{'RSS+ MB':>9}{'state MB':>9}{'exposed ms':>11}{'gather ms':>10}")
     print(head)
     print("-" * len(head))
     for name, r in summary["variants"].items():
         wire = f"{r['wire_bytes'] / 2**20:9.2f}" if "wire_bytes" in r else f"{'-':>9}"
         exp = f"{1e3 * r['exposed_s']:11.1f}" if "exposed_s" in r else f"{'-':>11}"
+        gat = f"{1e3 * r['gather_exposed_s']:10.1f}" if "gather_exposed_s" in r else f"{'-':>10}"
         print(f"{name:<28}{1e3 * r['step_s']:9.1f}{1e3 * r['step_s_min']:9.1f}"
-              f"{r['tokens_per_s']:9.0f}{wire}{r['rss_peak_bytes'] / 2**20:9.1f}{exp}")
+              f"{r['tokens_per_s']:9.0f}{wire}{r['rss_peak_bytes'] / 2**20:9.1f}"
+              f"{r['state_bytes'] / 2**20:9.2f}{exp}{gat}")
+        if "memory_bytes" in r:
+            print(f"{'':<28}DataParallel.memory_bytes MB: " + ", ".join(
+                f"{k} {v / 2**20:.2f}" for k, v in r["memory_bytes"].items()))
     for row in summary["rows"]:
         print(f"{row['layout']:<14} colonnade {row['colonnade']:8.0f} tok/s | fastest peer "
               f"{row['peer']} {row['peer_tokens_per_s']:8.0f} | ratio {row['ratio']:.3f} "
               f"[{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}], by CPU time {row['ratio_cpu']:.3f}")
 
 
-def select_variants(requested: str | None) -> list[str]:
-    """The variants to run: the default set (DeepSpeed ones when importable) or ``requested``."""
+def select_variants(requested: str | None, zero23: bool = False) -> list[str]:
+    """The variants to run: the default set (DeepSpeed ones when importable; issue 15's
+    ZeRO-2/3 ones with ``zero23``) or ``requested``."""
     have_ds = importlib.util.find_spec("deepspeed") is not None
     if not have_ds:
         print(f"DeepSpeed is not installed: its rows are left out. To include them:\n  {INSTALL}")
+    ds = (*DEEPSPEED, "deepspeed_zero3")
     if requested:
         names = requested.split(",")
-        unknown = set(names) - {*CORE, *DEEPSPEED, *OPTIONAL}
+        unknown = set(names) - {*CORE, *ds, *ZERO23, *OPTIONAL}
         if unknown:
             raise SystemExit(f"unknown variants {sorted(unknown)}")
-        if not have_ds and set(names) & set(DEEPSPEED):
+        if not have_ds and set(names) & set(ds):
             raise SystemExit("DeepSpeed variants requested but deepspeed is not installed")
         return names
-    return [*CORE, *(DEEPSPEED if have_ds else ())]
+    names = [*CORE, *(DEEPSPEED if have_ds else ())]
+    if zero23:
+        names += [*ZERO23, *(("deepspeed_zero3",) if have_ds else ())]
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,8 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=0, help="0: global batch / dp")
     parser.add_argument("--bucket", type=int, default=None,
                         help="elements per bucket for every framework (default: their own)")
+    parser.add_argument("--zero23", action="store_true",
+                        help=f"also run issue 15's ZeRO-2/3 variants {ZERO23} + deepspeed_zero3")
     parser.add_argument("--variants", default=None,
-                        help=f"comma-separated subset of {CORE + DEEPSPEED + OPTIONAL}")
+                        help=f"comma-separated subset of {CORE + DEEPSPEED + ZERO23 + OPTIONAL} "
+                             "and deepspeed_zero3")
     parser.add_argument("--json", type=Path, default=None,
                         help="default benchmarks/results/data_parallel_<workload>.json")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 warm-up, 1 timed step")
@@ -430,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = max(args.warmup, 2)
     w = WORKLOADS[args.workload]
     micro = args.micro_batch or w.global_batch // DP
-    names = select_variants(args.variants)
+    names = select_variants(args.variants, args.zero23)
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
     with RankPool(DP, timeout_s=1800.0) as pool:
         for rnd in range(args.rounds):
