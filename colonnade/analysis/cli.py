@@ -105,6 +105,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--reshard", choices=("default", "any", "on", "off"), default="default",
                    help="stage 3's reshard_after_forward: default (on without pp, off with "
                    "pp), both, or fixed")
+    f.add_argument("--zero-shard-size", type=int,
+                   help="hybrid sharding: shard stages >= 1 over groups of this many dp ranks")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10, help="layouts shown")
     o.add_argument("--json", help="write the plan as JSON here")
@@ -169,7 +171,7 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        recompute=_list(args.recompute, RECOMPUTE, "--recompute"),
                        schedules=_list(args.schedule, SCHEDULES, "--schedule"),
                        sp=_choice(args.sp), zero=_stages(args.zero),
-                       reshard=_reshard(args.reshard))
+                       reshard=_reshard(args.reshard), zero_shard_size=args.zero_shard_size)
     return w, cons
 
 

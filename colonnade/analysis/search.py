@@ -49,6 +49,9 @@ class Constraints:
     """ZeRO stages searched (each needs dp > 1 but 0)."""
     reshard: tuple[bool | None, ...] = (None,)
     """Stage 3's reshard_after_forward values searched (None: the default for the pp)."""
+    zero_shard_size: int | None = None
+    """Hybrid sharding of stages >= 1 over groups of this many dp ranks (layouts whose dp it
+    does not divide get stage 0 only); None = shard over all dp ranks."""
     schedules: tuple[str, ...] = SCHEDULES
     max_tp: int | None = None
     """Largest tp searched; None = GPUs per node."""
@@ -105,9 +108,11 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
 
 
 def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None]]:
-    """(stage, reshard_after_forward) pairs searched at this dp (stages >= 1 need dp > 1)."""
+    """(stage, reshard_after_forward) pairs searched at this dp (stages >= 1 need dp > 1
+    and, with hybrid sharding, a dp the shard size divides)."""
+    size = cons.zero_shard_size
     for z in cons.zero:
-        if z and dp == 1:
+        if z and (dp == 1 or (size is not None and dp % size)):
             continue
         for rs in (cons.reshard if z == 3 else (None,)):
             yield z, rs
@@ -137,7 +142,9 @@ def layouts(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Iterator[L
                             for z, rs in _zero_options(dp, cons):
                                 yield Layout(tp=tp, pp=pp, vp=vp, dp=dp, micro_batch=mb,
                                              zero=z, recompute=rc, sp=sp, schedule=sched,
-                                             reshard_after_forward=rs)
+                                             reshard_after_forward=rs,
+                                             zero_shard_size=cons.zero_shard_size if z
+                                             else None)
 
 
 def check_workload(w: Workload) -> None:

@@ -199,3 +199,19 @@ def test_plan_cli_searches_the_requested_stages(capsys: pytest.CaptureFixture[st
     assert "--parallel.zero_stage=3" in out.splitlines()[-1]
     assert main(["--model", "llama2-7b", "--gpus", "8", "--zero", "1,5"]) == 2
     assert "--zero='1,5': use a comma list of 0, 1, 2, 3" in capsys.readouterr().err
+
+
+def test_planner_hybrid_sharding_divides_by_the_shard_size() -> None:
+    w = _llama7b()
+    a100 = get_cluster("a100-80gb")
+    hybrid = plan(w, a100, 8, Constraints(tp=1, pp=1, zero=(3,), zero_shard_size=4))
+    assert {e.layout.zero_shard_size for e in hybrid.ranked} == {4}
+    full = plan(w, a100, 8, Constraints(tp=1, pp=1, zero=(3,)))
+    by_mb = {e.layout.micro_batch: e for e in full.ranked}
+    for e in hybrid.ranked:
+        n = stage_params(w.shape, e.layout, "only")
+        assert e.memory.optimizer == pytest.approx(12 * n / 4)
+        if e.layout.micro_batch in by_mb:
+            assert e.memory.total > by_mb[e.layout.micro_batch].memory.total
+    assert list(layouts(w, 2, a100, Constraints(tp=1, pp=1, zero=(1,), zero_shard_size=4))) == []
+    assert list(layouts(w, 2, a100, Constraints(tp=1, pp=1, zero=(1,), zero_shard_size=2)))
