@@ -1,6 +1,6 @@
 """Issue 19's table: Colonnade against the fastest peer on every layout, one workload.
 
-    .venv/bin/python benchmarks/peer_table.py [--workload gpt2-tiny] [--quick]
+    .venv/bin/python benchmarks/peer_table.py [--workload gpt2-tiny] [--quick] [--zero23]
         [--only single_process,data_parallel,tensor_parallel,pipeline] [--results-dir DIR]
         [--from-json]
 
@@ -11,7 +11,11 @@ prints and writes the issue's rows as JSON (``peer_table.json``) and a markdown 
 
   single_process.py --threads 1 2   1 process, 1 thread / 2 threads  (plain PyTorch loop)
   data_parallel.py                  dp2 (torch DDP, DeepSpeed ZeRO-0); dp2 + ZeRO-1
-                                    (DeepSpeed ZeRO-1/2, FSDP2)
+                                    (DeepSpeed ZeRO-1/2, FSDP2); with ``--zero23`` also issue
+                                    15's dp2 + ZeRO-2 (DeepSpeed ZeRO-2, FSDP2
+                                    reshard_after_forward=False), dp2 + ZeRO-3 (DeepSpeed
+                                    ZeRO-3, FSDP2), dp2 + ZeRO-3 no reshard (FSDP2
+                                    reshard_after_forward=False)
   tensor_parallel.py                tp2 (DTensor); tp2 + sp (DTensor with SequenceParallel)
   pipeline.py                       pp2 1F1B, interleaved (vp2), ZB-H1
                                     (torch.distributed.pipelining)
@@ -22,7 +26,9 @@ highest median tokens/s); >= 1 means Colonnade is at least as fast. The issue's 
 is shown next to it. Timings mean something only on a quiet machine: ``--quick`` runs every
 benchmark in its smoke-test size and writes to a temporary directory unless ``--results-dir``
 is given. ``--from-json`` rebuilds the table from the JSON files already in the results
-directory without running anything.
+directory without running anything. Issue 15's ZeRO-2/3 rows are not in the default run
+(they double data_parallel.py's variants): ``--zero23`` runs them; a table built from a JSON
+that has them shows them, after dp2 + ZeRO-1, with no issue-19 ratio.
 """
 
 from __future__ import annotations
@@ -46,25 +52,39 @@ ISSUE_ROWS: list[tuple[str, float]] = [
     ("pp2 interleaved", 0.92), ("pp2 ZB-H1", 0.98),
 ]
 """The issue's layouts in its order, with the ratio it measured (3 interleaved rounds)."""
+EXTRA_ROWS: dict[str, list[str]] = {
+    "dp2 + ZeRO-1": ["dp2 + ZeRO-2", "dp2 + ZeRO-3", "dp2 + ZeRO-3 no reshard"],
+}
+"""Layouts of later issues (issue 15's ZeRO-2/3), placed after the issue-19 layout they
+follow; they carry no issue-19 ratio and are never listed as "not run"."""
+LAYOUTS: list[tuple[str, float | None]] = [
+    row for name, ratio in ISSUE_ROWS
+    for row in [(name, ratio), *((extra, None) for extra in EXTRA_ROWS.get(name, []))]]
+"""Every known layout in table order, with the issue-19 ratio (None for later issues')."""
 ISSUE_WORKLOAD = "gpt2-tiny"
 """The workload the issue's ratios were measured on (other workloads show none)."""
 
 
-def command(bench: str, workload: str, json_path: Path, quick: bool) -> list[str]:
-    """The subprocess command of one benchmark on ``workload`` writing ``json_path``."""
+def command(bench: str, workload: str, json_path: Path, quick: bool,
+            zero23: bool = False) -> list[str]:
+    """The subprocess command of one benchmark on ``workload`` writing ``json_path``
+    (``zero23``: data_parallel.py also runs issue 15's ZeRO-2/3 variants)."""
     cmd = [sys.executable, str(HERE / f"{bench}.py"), "--workload", workload,
            "--json", str(json_path)]
     if bench == "single_process":
         cmd += ["--threads", "1", "2"]
+    if bench == "data_parallel" and zero23:
+        cmd += ["--zero23"]
     return cmd + (["--quick"] if quick else [])
 
 
-def run_all(benches: list[str], workload: str, out: Path, quick: bool) -> dict[str, float]:
+def run_all(benches: list[str], workload: str, out: Path, quick: bool,
+            zero23: bool = False) -> dict[str, float]:
     """Run each benchmark in turn (its output streams through); wall seconds per benchmark."""
     took = {}
     for bench in benches:
         path = out / f"{bench}_{workload}.json"
-        cmd = command(bench, workload, path, quick)
+        cmd = command(bench, workload, path, quick, zero23)
         print(f"$ {' '.join(cmd)}", flush=True)
         start = time.perf_counter()
         subprocess.run(cmd, cwd=ROOT, check=True)
@@ -73,11 +93,11 @@ def run_all(benches: list[str], workload: str, out: Path, quick: bool) -> dict[s
 
 
 def issue_key(layout: str) -> int:
-    """Index of ``layout`` in the issue's rows: the longest issue layout that ``layout``
+    """Index of ``layout`` in :data:`LAYOUTS`: the longest known layout that ``layout``
     starts with (case-insensitive, at a word end: "tp2 + sp" is not "tp2"); else the end."""
     low = layout.lower()
-    best, found = -1, len(ISSUE_ROWS)
-    for i, (name, _) in enumerate(ISSUE_ROWS):
+    best, found = -1, len(LAYOUTS)
+    for i, (name, _) in enumerate(LAYOUTS):
         key = name.lower()
         if low.startswith(key) and not low[len(key):][:1].isalnum() and len(key) > best:
             best, found = len(key), i
@@ -97,9 +117,9 @@ def collect(benches: list[str], workload: str, out: Path) -> list[dict[str, Any]
             if row.get("workload", workload) != workload:
                 continue
             i = issue_key(row["layout"])
-            known = i < len(ISSUE_ROWS) and workload == ISSUE_WORKLOAD
+            known = i < len(LAYOUTS) and workload == ISSUE_WORKLOAD
             rows.append({**row, "source": bench,
-                         "issue_ratio": ISSUE_ROWS[i][1] if known else None})
+                         "issue_ratio": LAYOUTS[i][1] if known else None})
     return sorted(rows, key=lambda r: issue_key(r["layout"]))
 
 
@@ -116,7 +136,8 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
     seen = {k for k, _ in keyed}
     keyed += [(i, f"| {layout} | not run | - | - | - | "
                   f"{f'{ratio:.2f}' if workload == ISSUE_WORKLOAD else '-'} |")
-              for i, (layout, ratio) in enumerate(ISSUE_ROWS) if i not in seen]
+              for i, (layout, ratio) in enumerate(LAYOUTS)
+              if i not in seen and ratio is not None]
     keyed.sort(key=lambda kl: kl[0])  # stable: a benchmark's own order within a layout
     head = [f"Workload `{workload}`: tokens/s, medians; ratio = median per-round "
             "Colonnade / fastest peer.", "",
@@ -133,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"run only these of {BENCHMARKS} (the table still takes every "
                         "benchmark's JSON found in the results directory)")
     p.add_argument("--quick", action="store_true", help="every benchmark's smoke-test size")
+    p.add_argument("--zero23", action="store_true",
+                   help="data_parallel.py also runs issue 15's ZeRO-2/3 rows (DeepSpeed "
+                        "ZeRO-2/3, FSDP2 reshard_after_forward False / True)")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="where the JSON and the table go (default benchmarks/results; a "
                         "temporary directory with --quick)")
@@ -145,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.results_dir or (Path(tempfile.mkdtemp(prefix="peer_table_")) if args.quick
                                else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
-    took = {} if args.from_json else run_all(benches, args.workload, out, args.quick)
+    took = {} if args.from_json else run_all(benches, args.workload, out, args.quick,
+                                             args.zero23)
     rows = collect(list(BENCHMARKS), args.workload, out)  # also earlier runs' files in out
     table = markdown(rows, args.workload)
     print(table)
