@@ -169,7 +169,7 @@ def train_step(chunks: list[Any], ddp: Any, opt: Any, groups: ProcessGroups, con
     if after_backward is not None:
         after_backward()
     ddp.finish_grad_sync()
-    reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings)
+    reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings, ddp)
     if before_optim is not None:
         before_optim()
     return losses, opt.step()

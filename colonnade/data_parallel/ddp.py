@@ -27,11 +27,21 @@ parameters waits for exactly the buckets holding them, so the gather of later la
 the forward of earlier ones (a module listing ``direct_children``, whose forward reads their
 weights without calling them, waits for theirs too). :meth:`finish_param_gather` waits for
 all (before reading weights outside a forward: export, checkpoint).
+
+ZeRO-2 / ZeRO-3 (``parallel.zero_stage``; :attr:`ParallelConfig.zero` >= 2): no flat gradient
+buffer; the gradient of every micro-batch is reduce-scattered bucket by bucket into this rank's
+fp32 shard (:mod:`colonnade.data_parallel.grad_shards`). Stage 2 keeps ``param_data`` [N] and
+gathers the updated shards as ZeRO-1 does; stage 3 keeps only this rank's shard of the
+parameters, gathered per bucket before use and freed after (:class:`ParamShards`), so
+:meth:`start_param_gather` / :meth:`finish_param_gather` do nothing there. The shard group is
+dp x cp, or under hybrid sharding (``zero_shard_size``) groups of that many ranks, the
+gradient shards then all-reduced over the replicate group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +49,7 @@ from torch import nn
 
 from colonnade.config.sections import Config, ParallelConfig
 from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
+from colonnade.data_parallel.grad_shards import GradShards
 from colonnade.models.compile import is_compiled
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
@@ -65,17 +76,33 @@ def chunk_parameters(chunks: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
 class DataParallel:
     """Owns the flat buffers of one rank's chunks and every dp collective on them.
 
-    ``group`` is the gradient-reduction group (dp x cp). ``isolate`` names parameters that get
-    a bucket of their own (the tied embedding and head when pp > 1).
+    ``group`` is the gradient-reduction group (dp x cp) and, with ZeRO, the shard group
+    (``shard_group``: hybrid sharding's group of ``zero_shard_size`` ranks when given, with
+    ``replicate_group`` across the shard groups). ``isolate`` names parameters that get a
+    bucket of their own (the tied embedding and head when pp > 1).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], group: CommGroup, cfg: ParallelConfig,
-                 isolate: frozenset[str] = frozenset()) -> None:
-        self.group, self.cfg = group, cfg
-        self.sharded = cfg.zero >= 1
+                 isolate: frozenset[str] = frozenset(), *, shard_group: CommGroup | None = None,
+                 replicate_group: CommGroup | None = None) -> None:
+        self.cfg, self.zero = cfg, cfg.zero
+        self.sharded = self.zero >= 1
+        self.shard_group = shard_group if shard_group is not None else group
+        self.replicate_group = replicate_group
+        self.group = self.shard_group if self.sharded else group
+        """The group of this rank's ZeRO shard (dp x cp without hybrid sharding; DDP: dp x cp)."""
         self.buffers = FlatBuffers(chunk_parameters(chunks), cfg.bucket_size,
-                                   group.size if self.sharded else 1, isolate)
+                                   self.group.size if self.sharded else 1, isolate,
+                                   full_grads=self.zero < 2, shard_params=self.zero == 3,
+                                   shard_rank=max(self.group.rank, 0) if self.zero == 3 else None)
         self.buckets: list[Bucket] = self.buffers.buckets
+        self.param_shards: Any = None
+        """ZeRO-3: the :class:`ParamShards` gathering and freeing parameter buckets."""
+        self.grad_shards: GradShards | None = None
+        """ZeRO-2/3: the sharded gradient path."""
+        if self.zero >= 2:
+            self._init_sharded_grads(chunks)
+            return
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._grad_handles: list[Handle | None] = [None] * len(self.buckets)
         self._gather_handles: list[Handle | None] = [None] * len(self.buckets)
@@ -84,15 +111,99 @@ class DataParallel:
         """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
         self.alias = self.buffers.param_dtype == self.buffers.grad_dtype
         """Whether ``param.grad`` is the ``main_grad`` view (autograd adds into the buffer)."""
-        self.hooked = group.size > 1 or not self.alias
+        self.hooked = self.group.size > 1 or not self.alias
         """Whether post-accumulate hooks are registered (to reduce across ranks or to fold a
         bf16 / fp16 gradient into main_grad); neither is needed for dp x cp = 1 in fp32/fp64."""
         if self.hooked:
             for p in self.buffers.params:  # hooks live as long as the parameters
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        if self.sharded and cfg.overlap_param_gather and group.size > 1:
+        if self.sharded and cfg.overlap_param_gather and self.group.size > 1:
             self._install_pre_forward_hooks(chunks)
         self.zero_grad()
+
+    def _init_sharded_grads(self, chunks: Sequence[nn.Module]) -> None:
+        """ZeRO-2/3: gradients through :class:`GradShards`; stage 3 builds ParamShards."""
+        self._gather_handles = [None] * len(self.buckets)
+        self._sync = False
+        self.alias = False
+        self.hooked = True
+        on_done = None
+        if self.zero == 3:
+            from colonnade.data_parallel.param_shards import ParamShards
+
+            self.param_shards = ParamShards(self.buffers, self.group, chunks, rank=self.rank,
+                                            reshard_after_forward=self.cfg.reshard,
+                                            prefetch=self.cfg.zero_prefetch)
+            on_done = self.param_shards.bucket_backward_done
+        elif self.cfg.overlap_param_gather and self.group.size > 1:
+            self._install_pre_forward_hooks(chunks)
+        self.grad_shards = GradShards(self.buffers, self.group, self.replicate_group, self.cfg,
+                                      on_bucket_done=on_done)
+        self.zero_grad()
+
+    @property
+    def launched_in_backward(self) -> int:
+        """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
+        if self.grad_shards is not None:
+            return self.grad_shards.launched_in_backward
+        return self._launched
+
+    @launched_in_backward.setter
+    def launched_in_backward(self, value: int) -> None:
+        self._launched = value
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same shard (hybrid sharding's replicate group; else 1)."""
+        return self.replicate_group.size if self.replicate_group is not None else 1
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """Main-gradient views aligned with :meth:`owned_ranges` (ZeRO-2/3: the fp32 shard)."""
+        if self.grad_shards is not None:
+            return self.grad_shards.owned_grads()
+        assert self.buffers.grad_data is not None
+        return [self.buffers.grad_data[lo:hi] for lo, hi in self.owned_ranges()]
+
+    def owned_params(self) -> list[torch.Tensor]:
+        """Parameter-dtype views aligned with :meth:`owned_ranges`: slices of ``param_data``,
+        or (ZeRO-3) the persistent shard values :meth:`ParamShards.owned`."""
+        if self.param_shards is not None:
+            return list(self.param_shards.owned())
+        assert self.buffers.param_data is not None
+        return [self.buffers.param_data[lo:hi] for lo, hi in self.owned_ranges()]
+
+    def owned_param_segments(self) -> list[tuple[nn.Parameter, int, int, torch.Tensor]]:
+        """(param, lo, hi, values) for every owned piece of a parameter: elements [lo, hi) of
+        the flattened local (tp-shard) parameter, ``values`` a 1-D view of the persistent
+        storage (ZeRO-3: the shard; else ``param_data``)."""
+        out = []
+        for (lo, hi), values in zip(self.owned_ranges(), self.owned_params(), strict=True):
+            for p, a, b in self.buffers.segments(lo, hi):
+                start = self.buffers.slot(p).start
+                out.append((p, a - start, b - start, values[a - lo:b - lo]))
+        return out
+
+    @property
+    def peak_transient_bytes(self) -> int:
+        """ZeRO-2/3: most bytes of gradient bucket buffers alive at once (else 0)."""
+        return self.grad_shards.peak_transient_bytes if self.grad_shards is not None else 0
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's data-parallel storage: persistent parameters (param_data, or
+        the ZeRO-3 shard), persistent gradients (grad_data or the shard), the transient
+        gradient peak and the gathered-parameter peak (ZeRO-3)."""
+        buf = self.buffers
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        params = nbytes(buf.param_data) if self.param_shards is None else nbytes(buf.shard_data)
+        grads = (nbytes(self.grad_shards.shard) if self.grad_shards is not None
+                 else nbytes(buf.grad_data))
+        gathered = (int(self.param_shards.peak_gathered_bytes)
+                    if self.param_shards is not None else 0)
+        return {"params": params, "grads": grads, "transient_peak": self.peak_transient_bytes,
+                "gathered_peak": gathered}
 
     # ------------------------------------------------------------------ gradients
 
@@ -115,6 +226,10 @@ class DataParallel:
         per-micro-batch gradient allocation, no extra add). Otherwise ``param.grad`` (bf16 /
         fp16) is folded into the fp32 ``main_grad`` by the hook and freed.
         """
+        if self.grad_shards is not None:
+            self.grad_shards.zero_grad()
+            return
+        assert self.buffers.grad_data is not None
         self.buffers.grad_data.zero_()
         for p in self.buffers.params:
             p.grad = p.main_grad if self.alias else None  # type: ignore[attr-defined]
@@ -129,8 +244,11 @@ class DataParallel:
         self._sync = False
 
     def grad_sync_hook(self, microbatches: int) -> Callable[[int], None]:
-        """The ``StepPlan.grad_sync`` callback: sync on during micro-batch ``microbatches-1``."""
+        """The ``StepPlan.grad_sync`` callback: sync on during micro-batch ``microbatches-1``
+        (ZeRO-2/3 reduce every micro-batch: the callback does nothing there)."""
         last = microbatches - 1
+        if self.grad_shards is not None:
+            return _no_sync
 
         def grad_sync(k: int) -> None:
             self._sync = k == last
@@ -164,9 +282,10 @@ class DataParallel:
 
     def _launch_reduce(self, index: int) -> None:
         bucket = self.buckets[index]
+        assert self.buffers.grad_data is not None
         data = self.buffers.grad_data[bucket.start:bucket.end]  # [bucket]
         if self.group.size > 1 and not self.cfg.average_in_collective:
-            data.mul_(1.0 / self.group.size)
+            data.mul_(1.0 / (self.group.size * self.replicas))
         if self.sharded:
             lo, hi = self.buffers.shard(bucket, self.rank)
             out = self.buffers.grad_data[lo:hi]  # [bucket / n], aliases data
@@ -185,7 +304,12 @@ class DataParallel:
         rank's owned ranges (ZeRO-1; elsewhere the buffer holds stale local values). One rank:
         the buffer already is the result, nothing is called.
         """
-        if self.group.size == 1:
+        if self.grad_shards is not None:
+            self.grad_shards.finish()
+            if self.param_shards is not None:
+                self.param_shards.end_step()
+            return
+        if self.group.size == 1 and self.replicas == 1:
             return
         for index in range(len(self.buckets)):
             if self._grad_handles[index] is None:
@@ -193,6 +317,10 @@ class DataParallel:
         for handle in self._grad_handles:
             assert handle is not None
             handle.wait()
+        if self.replicate_group is not None and self.replicate_group.size > 1:
+            op = self._reduce_op()
+            for grad in self.owned_grads():  # ZeRO-1 hybrid: average the shard over replicas
+                self.replicate_group.all_reduce(grad, op=op, name="grad_shard_replicas")
         self._reset()
 
     # ------------------------------------------------------------------ parameters (ZeRO-1)
@@ -200,8 +328,9 @@ class DataParallel:
     def start_param_gather(self) -> None:
         """All-gather every bucket's updated shards into param_data, in forward order (one
         rank: its shard is the whole buffer, nothing to gather)."""
-        if not self.sharded or self.group.size == 1:
+        if not self.sharded or self.group.size == 1 or self.param_shards is not None:
             return
+        assert self.buffers.param_data is not None
         for bucket in reversed(self.buckets):
             lo, hi = self.buffers.shard(bucket, self.rank)
             full = self.buffers.param_data[bucket.start:bucket.end]  # [bucket]
@@ -255,8 +384,15 @@ class DataParallel:
         return hook
 
 
+def _no_sync(_k: int) -> None:
+    """ZeRO-2/3's grad_sync callback: every micro-batch is reduced, nothing to switch."""
+
+
 def build_data_parallel(chunks: Sequence[nn.Module], config: Config,
                         groups: ProcessGroups) -> DataParallel:
-    """The DataParallel of a run: reduction over dp x cp, tied weights isolated when pp > 1."""
+    """The DataParallel of a run: reduction over dp x cp (ZeRO shards over the shard group,
+    replicated over the replicate group under hybrid sharding), tied weights isolated when
+    pp > 1."""
     tied = config.model.tie_embeddings and config.parallel.pp > 1
-    return DataParallel(chunks, groups.dp_cp, config.parallel, TIED_KEYS if tied else frozenset())
+    return DataParallel(chunks, groups.dp_cp, config.parallel, TIED_KEYS if tied else frozenset(),
+                        shard_group=groups.shard_group, replicate_group=groups.zero_replicate)

@@ -9,6 +9,11 @@ The data-parallel reduction (bucketed, overlapped with backward) lives in
   ``tied_copy``, under the same key) hold the same logical weight; their gradients are summed
   across the embedding group.
 Both are sums over disjoint groups, so their order does not matter.
+
+ZeRO-2/3 (``ddp`` given, its stage >= 2): there is no full gradient; the sums run on this
+rank's owned shard pieces of those parameters. The buffer layout is the same on every tp rank
+(same parameter shapes) and the tied weight has a bucket of its own on both pp ends, so the
+owned pieces coincide across the group being summed over.
 """
 
 from __future__ import annotations
@@ -16,27 +21,53 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colonnade.data_parallel.ddp import TIED_KEYS
+from colonnade.data_parallel.ddp import TIED_KEYS, DataParallel
 from colonnade.models.params import grad_of, unique_params
 from colonnade.parallel.groups import ProcessGroups
 
 
-def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: bool) -> None:
+def _is_partial(p: nn.Parameter) -> bool:
+    return bool(getattr(getattr(p, "sharding", None), "sp_partial_grad", False))
+
+
+def _is_tied(p: nn.Parameter) -> bool:
+    return getattr(getattr(p, "sharding", None), "key", None) in TIED_KEYS
+
+
+def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: bool,
+                       ddp: DataParallel | None = None) -> None:
     """All-reduce sp-partial gradients over tp and tied-embedding gradients over pp ends
-    (nothing is looked at when neither group has more than one rank)."""
+    (nothing is looked at when neither group has more than one rank). ZeRO-2/3 (``ddp``):
+    on the owned shard pieces of those parameters."""
     tied = tied and groups.pp.size > 1 and groups.embedding.size > 1
     if groups.tp.size == 1 and not tied:
         return
+    if ddp is not None and ddp.grad_shards is not None:
+        _reduce_shards(ddp, groups, tied)
+        return
     params = unique_params(chunks)
     if groups.tp.size > 1:
-        partial = [grad_of(p) for p in params
-                   if getattr(getattr(p, "sharding", None), "sp_partial_grad", False)]
+        partial = [grad_of(p) for p in params if _is_partial(p)]
         _all_reduce_flat([g for g in partial if g is not None], groups.tp.all_reduce, "sp_grads")
     if tied:
-        grads = [grad_of(p) for p in params
-                 if p.sharding.key in TIED_KEYS]  # type: ignore[attr-defined]
+        grads = [grad_of(p) for p in params if _is_tied(p)]
         _all_reduce_flat([g for g in grads if g is not None], groups.embedding.all_reduce,
                          "tied_embedding")
+
+
+def _reduce_shards(ddp: DataParallel, groups: ProcessGroups, tied: bool) -> None:
+    """The same sums on the owned pieces [a, b) of each parameter's shard gradient."""
+    partial, tied_grads = [], []
+    buffers = ddp.buffers
+    for (lo, hi), grad in zip(ddp.owned_ranges(), ddp.owned_grads(), strict=True):
+        for p, a, b in buffers.segments(lo, hi):
+            piece = grad[a - lo:b - lo]  # [b - a]
+            if groups.tp.size > 1 and _is_partial(p):
+                partial.append(piece)
+            if tied and _is_tied(p):
+                tied_grads.append(piece)
+    _all_reduce_flat(partial, groups.tp.all_reduce, "sp_grads")
+    _all_reduce_flat(tied_grads, groups.embedding.all_reduce, "tied_embedding")
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], reduce: object, name: str) -> None:

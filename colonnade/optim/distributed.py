@@ -15,6 +15,12 @@ otherwise AdamW updates the masters with the scheduled LR from the gradients tim
 clip_coefficient / S (:class:`colonnade.optim.adamw.FlatAdamW`: with the fused kernel the main
 gradients are multiplied by that coefficient in place first when it is not 1), masters are
 cast into the parameter buffer and (ZeRO-1) gathered.
+
+ZeRO-2/3: the gradients are the shard views ``DataParallel.owned_grads`` (already averaged
+and complete after the sync) and the parameters ``DataParallel.owned_params``; at stage 3 these
+are the persistent parameter shard itself, so an fp32 / fp64 model's master *is* the shard and a
+bf16 model's masters are cast into it after the update (written values are seen by the next
+gather). The norm is summed over tp, pp and the shard group (not hybrid sharding's replicas).
 """
 
 from __future__ import annotations
@@ -68,7 +74,10 @@ class DistributedOptimizer:
         dtype = buffers.grad_dtype  # fp32 masters and moments (fp64 for fp64 models)
         self.own_masters = buffers.param_dtype != dtype
         numel = sum(hi - lo for lo, hi in self.ranges)
-        self.device = device = buffers.param_data.device
+        self.device = device = buffers.device
+        self.params = ddp.owned_params()
+        """Parameter-dtype views aligned with ``ranges`` (ZeRO-3: the persistent shard)."""
+        grads = ddp.owned_grads()
         self.exp_avg_flat = torch.zeros(numel, dtype=dtype, device=device)  # [shard]
         self.exp_avg_sq_flat = torch.zeros(numel, dtype=dtype, device=device)  # [shard]
         self.master_flat = (torch.empty(numel, dtype=dtype, device=device)  # [shard]
@@ -78,23 +87,25 @@ class DistributedOptimizer:
         self.exp_avgs: list[torch.Tensor] = []
         self.exp_avg_sqs: list[torch.Tensor] = []
         offset = 0
-        for lo, hi in self.ranges:
+        for (lo, hi), values, grad in zip(self.ranges, self.params, grads, strict=True):
             n = hi - lo
             self.exp_avgs.append(self.exp_avg_flat[offset:offset + n])
             self.exp_avg_sqs.append(self.exp_avg_sq_flat[offset:offset + n])
             if self.master_flat is not None:
                 master = self.master_flat[offset:offset + n]
-                master.copy_(buffers.param_data[lo:hi])
+                master.copy_(values)
             else:
-                master = buffers.param_data[lo:hi]
+                master = values  # fp32 / fp64 models: the parameter storage is the master
             self.masters.append(master)
-            self.grads.append(buffers.grad_data[lo:hi])
+            self.grads.append(grad)
             offset += n
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size))
         self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
                                self.decayed, self._decay_groups())
         self.scaler: LossScaler = make_scaler(precision, cfg)
         self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
+        """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
+        hybrid sharding's replicate group (the replicas hold the same shard)."""
         self.step_count = 0
 
     def _index_segments(self, coords: Coords) -> None:
@@ -182,10 +193,7 @@ class DistributedOptimizer:
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
         self.adamw.update(self.step_count + 1, hp, grad_scale=coef)
         if self.own_masters:
-            data = self.ddp.buffers.param_data
-            with torch.no_grad():
-                for (lo, hi), master in zip(self.ranges, self.masters, strict=True):
-                    data[lo:hi].copy_(master)
+            self._copy_masters()
         self.ddp.start_param_gather()
         self.step_count += 1
         return info
@@ -234,8 +242,13 @@ class DistributedOptimizer:
             self.exp_avg_sq_flat.copy_(state["exp_avg_sq"])
             if self.master_flat is not None:
                 self.master_flat.copy_(state["master"])
-                data = self.ddp.buffers.param_data
-                for (lo, hi), master in zip(self.ranges, self.masters, strict=True):
-                    data[lo:hi].copy_(master)
+                self._copy_masters()
                 self.ddp.start_param_gather()
+
+    @torch.no_grad()
+    def _copy_masters(self) -> None:
+        """Cast the fp32 masters into the owned parameter storage (param_data or the ZeRO-3
+        shard; the next gather spreads them)."""
+        for values, master in zip(self.params, self.masters, strict=True):
+            values.copy_(master)
 

@@ -13,6 +13,12 @@ Groups (each a CommGroup sharing one :class:`CommStats`) and who communicates on
               equal to pp at pp = 2 (shares its pg); a group of one rank without tied embeddings
   world       all ranks (the default group)
 
+Hybrid sharding (made only when ``zero_shard_size`` is given, else None: the shard group is
+dp_cp):
+  zero_shard      ZeRO shards: groups of zero_shard_size consecutive ranks of each dp_cp group
+  zero_replicate  the ranks of one dp_cp group holding the same shard index (gradient shards
+                  all-reduced across it)
+
 Expert groups (the expert view of :class:`ParallelDims`; made only with ``experts=True``, for a
 model with mixture-of-experts layers, else None):
   ep          token all-to-all of the expert layers (experts split across its ranks)
@@ -45,6 +51,21 @@ EXPERT_GROUP_NAMES: tuple[str, ...] = ("ep", "expert_tp", "expert_dp")
 EXPERT_GROUP_AXES: dict[str, str] = {"ep": "ep", "expert_tp": "etp", "expert_dp": "edp"}
 """The :class:`ParallelDims` expert axis each expert group spans."""
 
+ZERO_GROUP_NAMES: tuple[str, ...] = ("zero_shard", "zero_replicate")
+"""Hybrid-sharding groups, made last when ``zero_shard_size`` is given."""
+
+
+def zero_partitions(dp_cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
+    """Hybrid sharding of every dp x cp group ``g`` (n ranks) into shard groups of ``size``
+    consecutive ranks ``g[k size : (k + 1) size]`` and replicate groups ``g[j::size]``."""
+    for ranks in dp_cp:
+        if len(ranks) % size:
+            raise ValueError(f"parallel.zero_shard_size={size} does not divide dp x cp = "
+                             f"{len(ranks)}")
+    shard = [ranks[k:k + size] for ranks in dp_cp for k in range(0, len(ranks), size)]
+    replicate = [ranks[j::size] for ranks in dp_cp for j in range(size)]
+    return {"zero_shard": sorted(shard), "zero_replicate": sorted(replicate)}
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -66,10 +87,12 @@ class GroupSpec:
 
 
 def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
-                experts: bool = False) -> dict[str, GroupSpec]:
+                experts: bool = False, zero_shard_size: int | None = None
+                ) -> dict[str, GroupSpec]:
     """Pure layout maths: the partition of every group and whether it is created, shared or
     trivial. Needs no processes (a 4096-rank layout is planned in a fraction of a second).
-    ``experts``: add the expert groups (:data:`EXPERT_GROUP_NAMES`)."""
+    ``experts``: add the expert groups (:data:`EXPERT_GROUP_NAMES`); ``zero_shard_size``: add
+    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`)."""
     partitions: dict[str, list[list[int]]] = {
         "tp": dims.group_ranks("tp"),
         "pp": dims.group_ranks("pp"),
@@ -84,6 +107,9 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
         names = (*GROUP_NAMES, *EXPERT_GROUP_NAMES)
         for name, axis in EXPERT_GROUP_AXES.items():
             partitions[name] = dims.group_ranks(axis)
+    if zero_shard_size is not None:
+        names = (*names, *ZERO_GROUP_NAMES)
+        partitions.update(zero_partitions(partitions["dp_cp"], zero_shard_size))
     out: dict[str, GroupSpec] = {}
     for name in names:
         part = partitions[name]
@@ -137,6 +163,15 @@ class ProcessGroups:
     """Tensor parallelism inside each expert (None unless built with ``experts=True``)."""
     expert_dp: CommGroup | None = None
     """Expert weights' gradient reduction (None unless built with ``experts=True``)."""
+    zero_shard: CommGroup | None = None
+    """Hybrid sharding's shard group (None unless built with ``zero_shard_size``)."""
+    zero_replicate: CommGroup | None = None
+    """Hybrid sharding's replicate group (None unless built with ``zero_shard_size``)."""
+
+    @property
+    def shard_group(self) -> CommGroup:
+        """The ZeRO shard group: ``zero_shard`` under hybrid sharding, else dp_cp."""
+        return self.zero_shard if self.zero_shard is not None else self.dp_cp
 
     @property
     def tp_rank(self) -> int:
@@ -188,10 +223,12 @@ class ProcessGroups:
 
     @classmethod
     def build(cls, dims: ParallelDims, timeout_s: float = 300.0,
-              tied_embeddings: bool = True, experts: bool = False) -> ProcessGroups:
+              tied_embeddings: bool = True, experts: bool = False,
+              zero_shard_size: int | None = None) -> ProcessGroups:
         """Create the groups :func:`plan_groups` asks for; every rank calls it (same dims)
         after init_process_group. ``tied_embeddings`` False: no embedding group is made;
-        ``experts`` True: the expert groups (ep, expert_tp, expert_dp) are made too."""
+        ``experts`` True: the expert groups (ep, expert_tp, expert_dp) are made too;
+        ``zero_shard_size``: the hybrid-sharding groups (zero_shard, zero_replicate)."""
         if not dist.is_initialized():
             if dims.world_size == 1:
                 return cls.single(dims)
@@ -206,7 +243,8 @@ class ProcessGroups:
         timeout = timedelta(seconds=timeout_s)
         pgs: dict[str, Any] = {}
         made: dict[str, CommGroup] = {}
-        for name, spec in plan_groups(dims, tied_embeddings, experts).items():
+        for name, spec in plan_groups(dims, tied_embeddings, experts,
+                                      zero_shard_size).items():
             if spec.creates:
                 pgs[name] = create_partition(name, spec.partition, timeout)
             else:

@@ -64,7 +64,8 @@ class Trainer:
                         options=self.executor_options())
         losses = forward_backward(self.chunks, batches, plan)
         self.ddp.finish_grad_sync()
-        reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings)
+        reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings,
+                           self.ddp)
         info = self.optimizer.step()
         self.step += 1
         if self.step >= self.config.training.steps:

@@ -66,7 +66,8 @@ def init_runtime(config: Config) -> Runtime:
     torch.set_num_threads(cpu_threads(_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dims = ParallelDims.from_config(config.parallel, world)
     groups = ProcessGroups.build(dims, config.parallel.timeout_s,
-                                 tied_embeddings=config.model.tie_embeddings)
+                                 tied_embeddings=config.model.tie_embeddings,
+                                 zero_shard_size=config.parallel.zero_shard_size)
     return Runtime(config, device, groups)
 
 

@@ -31,6 +31,8 @@ from tests.parity import rank_groups as shared_rank_groups
 def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,
                 schedule: str = "1f1b", sp: bool = False,
                 zero: bool = False, overlap: bool = True, bucket: int = 10**9,
+                zero_stage: int = 0, zero_shard_size: int | None = None,
+                grad_reduce_dtype: str = "fp32", recompute: str = "none",
                 average_in_collective: bool = False, microbatches: int = 4, steps: int = 3,
                 precision: str = "fp64", clip: float = 0.05, lr: float = 1e-2,
                 loss_scale: float = 2.0**10, scale_window: int = 1000) -> Config:
@@ -43,11 +45,14 @@ def tiny_config(*, arch: str = "llama", dp: int = 2, tp: int = 1, pp: int = 1, v
     parallel = ParallelConfig(tp=tp, pp=pp, vp=vp, schedule=schedule, dp=dp, sp=sp,
                               use_distributed_optimizer=zero, overlap_grad_reduce=overlap,
                               overlap_param_gather=overlap, bucket_size=bucket,
-                              average_in_collective=average_in_collective)
+                              average_in_collective=average_in_collective,
+                              zero_stage=zero_stage, zero_shard_size=zero_shard_size,
+                              grad_reduce_dtype=grad_reduce_dtype)
     config = Config(
         model=model, parallel=parallel,
         training=TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
                                 microbatches=microbatches, precision=precision, seed=11,
+                                recompute=recompute,
                                 eval_interval=0),
         optim=OptimConfig(lr=lr, min_lr=lr / 10, warmup_steps=1, weight_decay=0.1,
                           clip_grad=clip, initial_loss_scale=loss_scale,
@@ -111,6 +116,10 @@ def _reference(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any
 def rank_groups(config: Config) -> ProcessGroups:
     """This pool rank's groups for the config's layout (one thread per rank)."""
     par = config.parallel
+    if par.zero_shard_size is not None:  # hybrid sharding: the shard / replicate groups too
+        torch.set_num_threads(1)
+        return ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1),
+                                   zero_shard_size=par.zero_shard_size)
     return shared_rank_groups(ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1))
 
 
@@ -155,16 +164,20 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         pending_after_step.append(ddp.pending_gathers)
     stats = groups.stats.snapshot()
     ddp.finish_param_gather()
+    if ddp.param_shards is not None:  # ZeRO-3: full weights exist only while gathered
+        ddp.param_shards.gather_all()
     return {
         "rank": groups.rank, "dp_rank": r, "losses": losses, "infos": infos,
         "params": {k: v.double() for k, v in full_state(chunks, groups).items()},
         "stats": stats, "numel": ddp.buffers.numel, "num_params": ddp.buffers.num_params,
         "buckets": len(ddp.buckets), "num_tensors": len(ddp.buffers.params),
-        "grad_bytes": ddp.buffers.grad_data.element_size(),
-        "param_bytes": ddp.buffers.param_data.element_size(), "launched": launched,
+        "grad_bytes": ddp.buffers.grad_dtype.itemsize,
+        "param_bytes": ddp.buffers.param_dtype.itemsize, "launched": launched,
         "pending_after_step": pending_after_step, "pending_after_fb": pending_after_fb,
         "adam_steps": opt.step_count, "state_bytes": opt.state_bytes(),
-        "final_scale": opt.loss_scale,
+        "final_scale": opt.loss_scale, "memory": ddp.memory_bytes(),
+        "has_grad_data": ddp.buffers.grad_data is not None,
+        "bucket_numels": [b.numel for b in ddp.buckets],
     }
 
 

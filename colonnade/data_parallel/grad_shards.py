@@ -1,0 +1,235 @@
+"""ZeRO-2 / ZeRO-3 gradient path: each rank keeps only its shard of the reduced gradient.
+
+With ``FlatBuffers(full_grads=False)`` there is no flat gradient buffer [N] and no
+``main_grad``. Autograd writes each parameter's gradient of one micro-batch into ``param.grad``;
+a post-accumulate-grad hook then
+
+1. adds it (cast to the reduce dtype: ``parallel.grad_reduce_dtype``, fp64 for fp64 models)
+   into its bucket's *transient* full-size buffer ``T_i`` [numel_i], allocated (zeros: padding
+   and parameters unused by this micro-batch stay 0) when the bucket's first gradient arrives,
+   and frees ``param.grad``;
+2. when every parameter of bucket i has arrived (and ``overlap_grad_reduce``), launches the
+   asynchronous reduce-scatter of ``T_i`` over the shard group into a temporary ``O_i`` [L_i],
+   ``L_i = numel_i / n``: rank r receives ``sum_ranks T_i[r L_i : (r + 1) L_i]``.
+
+Averaging: ``T_i`` is pre-scaled by ``1 / (n x R)`` before a SUM (n shard-group ranks, R
+replicas; ``average_in_collective``: AVG in both collectives instead). Hybrid sharding
+(``zero_shard_size``): after the reduce-scatter inside the shard group, ``O_i`` is all-reduced
+over the replicate group (the same shard index in every replica), so every rank holds the
+average over all dp x cp ranks.
+
+When a reduce-scatter is waited, ``O_i`` is added into this rank's persistent shard gradient
+``G`` [sum_i L_i] (fp32; fp64 for fp64 models: :meth:`GradShards.owned_grads`) and ``T_i`` and
+``O_i`` are freed. At most ``max_in_flight`` reduce-scatters are outstanding: launching one
+more waits for the oldest first.
+
+Cost of accumulating m micro-batches: every bucket is reduce-scattered once per micro-batch
+(m reduce-scatters per bucket and step, against one for ZeRO-1, whose full fp32 buffer [N]
+accumulates locally), and no full gradient buffer ever exists: the gradient memory is the
+shard ``G`` (N / n elements) plus the transient buffers alive at once, ``peak_transient_bytes``
+(the buckets being filled plus those in flight, each ``numel_i`` reduce-dtype elements plus
+its [L_i] output).
+
+Completion triggers (the schedule never has to say when a micro-batch ends):
+* a bucket is launched as soon as all its parameters have arrived;
+* a parameter whose gradient arrives while it is already marked arrived starts the next
+  micro-batch for its bucket: the previous, partial bucket is launched first (a parameter
+  unused by a micro-batch, or one accumulated twice; the reduce-scatter is linear, so partial
+  launches give the same sum);
+* :meth:`GradShards.finish` (``DataParallel.finish_grad_sync``) launches every partial bucket
+  and waits for all.
+Every dp rank runs the same program, so all of them issue the same collectives in the same
+order. Buckets never span model chunks (virtual pipeline stages fill them at different times)
+and the tied embedding / head has a bucket of its own with pp > 1, so its shards coincide on
+the first and last stage.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colonnade.config.sections import ParallelConfig
+from colonnade.data_parallel.buffer import FlatBuffers
+from colonnade.parallel.comm import CommGroup, Handle
+
+REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""parallel.grad_reduce_dtype -> torch dtype (keys equal config.choices.GRAD_REDUCE_DTYPES)."""
+
+
+def reduce_dtype_for(name: str, grad_dtype: torch.dtype) -> torch.dtype:
+    """The reduce-scatter dtype: fp64 for fp64 models, else ``grad_reduce_dtype``'s dtype."""
+    return torch.float64 if grad_dtype == torch.float64 else REDUCE_DTYPES[name]
+
+
+@dataclass
+class _InFlight:
+    """One launched reduce-scatter: its bucket, handle, input [numel_i] and output [L_i]."""
+
+    index: int
+    handle: Handle
+    full: torch.Tensor
+    out: torch.Tensor
+
+
+class GradShards:
+    """The stage-2/3 gradient storage and its per-micro-batch reduce-scatters.
+
+    ``group``: the shard group (n ranks; ``buffers.shard_count == n``); ``replicate``: the
+    replicate group of hybrid sharding (None: no replicas). ``on_bucket_done(i)`` is called
+    when bucket i's gradients of a micro-batch are complete and launched (ZeRO-3 frees its
+    gathered parameters there).
+    """
+
+    def __init__(self, buffers: FlatBuffers, group: CommGroup, replicate: CommGroup | None,
+                 cfg: ParallelConfig, *, max_in_flight: int = 2,
+                 on_bucket_done: Callable[[int], None] | None = None) -> None:
+        if buffers.grad_data is not None:
+            raise ValueError("GradShards needs FlatBuffers(full_grads=False)")
+        if buffers.shard_count != group.size:
+            raise ValueError(f"buffers are cut into {buffers.shard_count} shards but the shard "
+                             f"group has {group.size} ranks")
+        self.buffers, self.group, self.replicate, self.cfg = buffers, group, replicate, cfg
+        self.rank = max(group.rank, 0)
+        self.max_in_flight = max(1, max_in_flight)
+        self.on_bucket_done = on_bucket_done
+        self.replicas = replicate.size if replicate is not None else 1
+        self.reduce_dtype = reduce_dtype_for(cfg.grad_reduce_dtype, buffers.grad_dtype)
+        sizes = [b.numel // group.size for b in buffers.buckets]
+        self._offsets = [0]
+        for size in sizes:
+            self._offsets.append(self._offsets[-1] + size)
+        self.shard = torch.zeros(self._offsets[-1], dtype=buffers.grad_dtype,
+                                 device=buffers.device)  # [sum_i L_i]
+        self._full: list[torch.Tensor | None] = [None] * len(buffers.buckets)
+        self._ready: list[set[int]] = [set() for _ in buffers.buckets]
+        self._pending: deque[_InFlight] = deque()
+        self._live = 0
+        self.peak_transient_bytes = 0
+        """Most bytes of transient buffers (T_i and O_i) alive at once since construction."""
+        self.launches = 0
+        """Reduce-scatters launched since the last :meth:`zero_grad`."""
+        self.launched_in_backward = 0
+        """Of those, launched from a hook (the bucket complete during backward)."""
+        for p in buffers.params:  # hooks live as long as the parameters
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ------------------------------------------------------------------ views
+
+    def bucket_shard(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s persistent shard gradient, a [L_i] view of :attr:`shard`."""
+        return self.shard[self._offsets[index]:self._offsets[index + 1]]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """1-D views of the shard aligned with ``buffers.owned_ranges(rank)`` (the shard is
+        the owned ranges concatenated in bucket order, so merged ranges are contiguous)."""
+        out, offset = [], 0
+        for lo, hi in self.buffers.owned_ranges(self.rank):
+            out.append(self.shard[offset:offset + hi - lo])
+            offset += hi - lo
+        return out
+
+    # ------------------------------------------------------------------ the hook
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        """Fold ``param.grad`` into its bucket's transient buffer; launch a complete bucket."""
+        grad = param.grad
+        if grad is None:
+            return
+        slot = self.buffers.slot(param)
+        index = slot.bucket
+        if id(param) in self._ready[index]:  # a new micro-batch reached a partial bucket
+            self._launch(index)
+        full = self._full[index]
+        if full is None:
+            bucket = self.buffers.buckets[index]
+            full = torch.zeros(bucket.numel, dtype=self.reduce_dtype,
+                               device=self.buffers.device)  # [numel_i]
+            self._full[index] = full
+            self._count(full)
+        start = self.buffers.buckets[index].start
+        with torch.no_grad():
+            full[slot.start - start:slot.end - start].add_(grad.reshape(-1))
+        param.grad = None
+        ready = self._ready[index]
+        ready.add(id(param))
+        if self.cfg.overlap_grad_reduce and len(ready) == len(self.buffers.buckets[index].params):
+            self._launch(index)
+            self.launched_in_backward += 1
+
+    def _count(self, t: torch.Tensor, sign: int = 1) -> None:
+        self._live += sign * t.numel() * t.element_size()
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self._live)
+
+    def _ops(self) -> tuple[object, object]:
+        if self.cfg.average_in_collective:
+            return dist.ReduceOp.AVG, dist.ReduceOp.AVG
+        return dist.ReduceOp.SUM, dist.ReduceOp.SUM
+
+    def _launch(self, index: int) -> None:
+        """Reduce-scatter bucket ``index``'s transient buffer (async); bound the in-flight."""
+        full = self._full[index]
+        self._full[index] = None
+        self._ready[index].clear()
+        if full is None:
+            return
+        with torch.no_grad():
+            if not self.cfg.average_in_collective:
+                full.mul_(1.0 / (self.group.size * self.replicas))
+            out = torch.empty(full.numel() // self.group.size, dtype=full.dtype,
+                              device=full.device)  # [L_i]
+            self._count(out)
+            op, _ = self._ops()
+            handle = self.group.reduce_scatter_into(out, full, op=op, name="grad_shard",
+                                                    async_op=True)
+        assert handle is not None
+        self._pending.append(_InFlight(index, handle, full, out))
+        self.launches += 1
+        if self.on_bucket_done is not None:
+            self.on_bucket_done(index)
+        while len(self._pending) > self.max_in_flight:
+            self._complete(self._pending.popleft())
+
+    def _complete(self, job: _InFlight) -> None:
+        """Wait for one reduce-scatter, all-reduce over the replicas, add into the shard."""
+        job.handle.wait()
+        with torch.no_grad():
+            if self.replicate is not None and self.replicate.size > 1:
+                _, op = self._ops()
+                self.replicate.all_reduce(job.out, op=op, name="grad_shard_replicas")
+            self.bucket_shard(job.index).add_(job.out)
+        self._count(job.full, -1)
+        self._count(job.out, -1)
+
+    # ------------------------------------------------------------------ step boundaries
+
+    def finish(self) -> None:
+        """Launch every partial bucket (in bucket order, the same on every rank), wait for
+        all: afterwards :attr:`shard` holds this rank's averaged gradient of the step."""
+        for index in range(len(self._full)):
+            if self._full[index] is not None:
+                self._launch(index)
+        while self._pending:
+            self._complete(self._pending.popleft())
+
+    def zero_grad(self) -> None:
+        """Zero the shard gradient and forget partial buckets (the step's start)."""
+        if self._pending:
+            raise RuntimeError("zero_grad with gradient reduce-scatters in flight; call "
+                               "finish_grad_sync first")
+        for index, full in enumerate(self._full):
+            if full is not None:
+                self._count(full, -1)
+                self._full[index] = None
+        for ready in self._ready:
+            ready.clear()
+        self.shard.zero_()
+        for p in self.buffers.params:
+            p.grad = None
+        self.launches = 0
+        self.launched_in_backward = 0
