@@ -58,10 +58,12 @@ resident set from before the build to the end of the timed steps (large tensors 
 MALLOC_MMAP_THRESHOLD_, so frees return memory); ``state_bytes``, storage accounting after the
 last step: the bytes of the distinct storages reachable from the framework's objects (model,
 optimizer, engine / trainer: parameters or their shards, gradients, optimizer moments, flat
-buffers; allocated bytes, touched or not: DeepSpeed ZeRO-3 preallocates a reduce bucket of
-reduce_bucket_size elements, 5e8 by default = 2 GB fp32, of which the RSS sees only the touched
-pages; ``--bucket`` sets it); and for Colonnade at stage >= 2 its DataParallel.memory_bytes()
-(params, grads, transient_peak, gathered_peak).
+buffers), allocated bytes whether touched or not (DeepSpeed ZeRO-3 preallocates a reduce bucket
+of reduce_bucket_size elements, 5e8 by default = 2 GB fp32, of which the RSS sees only the
+touched pages; ``--bucket`` sets it). For Colonnade also DataParallel.memory_bytes() (params,
+grads, transient_peak, gathered_peak) and ``state_bytes_formula``, analysis.memory's ZeRO
+formula: fp32 (W + G + O) = 4 + 4 + 8 bytes per parameter, O divided by dp from stage 1, G
+from stage 2, W at stage 3.
 
 DeepSpeed (../shared/PEERS.md): ``DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
 deepspeed`` then ``pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" tqdm
@@ -108,6 +110,7 @@ from workloads import (
     plain_optimizer,
 )
 
+from colonnade.analysis.memory import model_state_bytes
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
@@ -399,9 +402,10 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
                            "state_bytes": state_bytes(*built.roots)}
     if groups is not None:
         out |= comm_summary(groups.stats.snapshot(), steps)
-        ddp = built.roots[0].ddp
-        if hasattr(ddp, "memory_bytes"):
-            out["memory_bytes"] = ddp.memory_bytes()
+        trainer = built.roots[0]
+        out["memory_bytes"] = trainer.ddp.memory_bytes()
+        out["state_bytes_formula"] = model_state_bytes(  # fp32: W + G + O = 4 + 4 + 8, sharded
+            trainer.ddp.buffers.numel, DP, trainer.config.parallel.zero, "fp32")
     dist.barrier()
     return out
 
@@ -470,7 +474,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
                                "round_step_s": _round_medians(results),
                                "round_cpu_s": _round_medians(results, "cpu")}
         for key in ("wire_bytes", "exposed_s", "gather_exposed_s", "reduce_exposed_s",
-                    "rss_peak_bytes", "state_bytes"):
+                    "rss_peak_bytes", "state_bytes", "state_bytes_formula"):
             values = [r[key] for r in results if key in r]
             if values:
                 row[key] = statistics.median(values)
@@ -512,7 +516,8 @@ def print_table(summary: dict[str, Any]) -> None:
               f"{r['state_bytes'] / 2**20:9.2f}{exp}{gat}")
         if "memory_bytes" in r:
             print(f"{'':<28}DataParallel.memory_bytes MB: " + ", ".join(
-                f"{k} {v / 2**20:.2f}" for k, v in r["memory_bytes"].items()))
+                f"{k} {v / 2**20:.2f}" for k, v in r["memory_bytes"].items())
+                + f"; ZeRO formula state MB {r['state_bytes_formula'] / 2**20:.2f}")
     for row in summary["rows"]:
         print(f"{row['layout']:<14} colonnade {row['colonnade']:8.0f} tok/s | fastest peer "
               f"{row['peer']} {row['peer_tokens_per_s']:8.0f} | ratio {row['ratio']:.3f} "
