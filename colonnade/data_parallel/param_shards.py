@@ -33,10 +33,17 @@ training.compile covers all its descendants, which get none):
   ``register_multi_grad_hook``: one output's gradient is enough to need the weights, and the
   gather is idempotent, so the first output hook to fire gathers.
 
-A bucket gathered for backward is freed when the gradient path reports its gradients complete
-(:meth:`ParamShards.bucket_backward_done`) if ``reshard_after_forward``; otherwise (the
-micro-batch-window policy, the pp > 1 default) buckets stay gathered from their first use in the
-step until :meth:`ParamShards.end_step`.
+A bucket gathered for backward is freed (``reshard_after_forward``) once every one of its
+parameters has accumulated its gradient in the same backward pass (autograd graph task): a
+post-accumulate-grad hook per parameter counts the arrivals. Accumulation of p runs after every
+node that reads p's value for a gradient (the node computing p's gradient is the one that reads
+it), so nothing in that pass reads the bucket again. Counting per graph task (not per call of
+the gradient path) keeps a bucket whose parameters complete across two micro-batches' passes
+(one unused in a micro-batch) from being freed while the current pass still reads it; such a
+bucket is freed at end_step. Otherwise (the micro-batch-window policy, the pp > 1 default)
+buckets stay gathered from their first use in the step until :meth:`ParamShards.end_step`.
+:meth:`ParamShards.bucket_backward_done` (the gradient path's report) frees a bucket only when
+no backward has gathered it for reading and not finished it.
 
 Autograd: a parameter's version counter is its own (``.data`` assignment does not share the
 storage's counter), and the gathers write the bucket tensor, never the parameters, so a
@@ -103,6 +110,10 @@ class ParamShards:
         self.peak_gathered_bytes = 0
         """Most bytes of full bucket storage allocated at once since construction."""
         self._live: set[int] = set()  # gathered for a backward that has not finished them
+        self._arrived: list[set[int]] = [set() for _ in buffers.buckets]
+        self._task = [-1] * len(buffers.buckets)  # graph task the arrivals belong to
+        for p in buffers.params:  # hooks live as long as the parameters
+            p.register_post_accumulate_grad_hook(self._on_grad)
         self.gathers = 0
         """Bucket all-gathers issued since construction (tests and the pp policy count them)."""
         self.sites = self._install(chunks)
@@ -170,10 +181,27 @@ class ParamShards:
         self.free(range(len(self._handles)))
 
     def bucket_backward_done(self, index: int) -> None:
-        """The gradient path's report that bucket ``index``'s gradients of this micro-batch
-        are complete: freed when ``reshard_after_forward`` (else kept until end_step)."""
-        if self.reshard_after_forward:
+        """The gradient path's report that bucket ``index``'s gradients of a micro-batch are
+        complete (or launched partially): freed when ``reshard_after_forward`` unless a
+        backward still reads it (else kept until end_step). Complete buckets are already freed
+        by the arrival count (:meth:`_on_grad`)."""
+        if self.reshard_after_forward and index not in self._live:
             self.free([index])
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate hook: count the arrival; free a bucket complete in this pass."""
+        index = self.buffers.slot(param).bucket  # type: ignore[arg-type]
+        task = torch._C._current_graph_task_id()
+        arrived = self._arrived[index]
+        if self._task[index] != task:
+            self._task[index] = task
+            arrived.clear()
+        arrived.add(id(param))
+        if len(arrived) == len(self.buffers.buckets[index].params):
+            arrived.clear()
+            self._task[index] = -1
+            if self.reshard_after_forward:
+                self.free([index])
 
     def in_use_bytes(self) -> int:
         """The most bytes one hooked module needs gathered at once: its buckets and those of

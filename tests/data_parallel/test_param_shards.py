@@ -1,5 +1,6 @@
 """ZeRO-3 ParamShards on its own (no DataParallel): a tiny llama on 2 ranks with its parameters
-sharded, each rank running its own micro-batches with plain ``param.grad``.
+sharded, each rank running its own micro-batches with plain ``param.grad`` (ParamShards frees
+a bucket in backward by itself, counting its parameters' gradient arrivals).
 
 Float64 parity, exact: the sharded model's gradients, evaluation logits and (after the shards
 are written, as an optimizer does) the next forward equal an unsharded copy's bit for bit,
@@ -41,22 +42,6 @@ def _config(recompute: str) -> Config:
         base, training=dataclasses.replace(base.training, recompute=recompute)))
 
 
-def _done_hooks(buffers: FlatBuffers, shards: ParamShards) -> None:
-    """Report a bucket's gradients complete once every parameter of it has accumulated (what
-    the ZeRO-2/3 gradient path does), so reshard_after_forward frees it in backward."""
-    seen = [0] * len(buffers.buckets)
-
-    def hook(p: torch.Tensor) -> None:
-        index = buffers.slot(p).bucket  # type: ignore[arg-type]
-        seen[index] += 1
-        if seen[index] == len(buffers.buckets[index].params):
-            seen[index] = 0
-            shards.bucket_backward_done(index)
-
-    for p in buffers.params:
-        p.register_post_accumulate_grad_hook(hook)
-
-
 def _shard_model(config: Config, reshard: bool, prefetch: int
                  ) -> tuple[nn.Module, FlatBuffers, ParamShards]:
     groups = rank_groups(ParallelDims(dp=2))
@@ -65,7 +50,6 @@ def _shard_model(config: Config, reshard: bool, prefetch: int
                           shard_params=True)
     shards = ParamShards(buffers, groups.dp_cp, [model], rank=dist.get_rank(),
                          reshard_after_forward=reshard, prefetch=prefetch)
-    _done_hooks(buffers, shards)
     return model, buffers, shards
 
 
