@@ -143,7 +143,24 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
             "Colonnade / fastest peer.", "",
             "| layout | Colonnade | fastest peer | ratio | ratio by CPU time | issue 19 |",
             "|---|---|---|---|---|---|"]
-    return "\n".join(head + [line for _, line in keyed]) + "\n"
+    return "\n".join(head + [line for _, line in keyed] + zero_notes(rows)) + "\n"
+
+
+def zero_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Under the table, per issue-15 row (ZeRO-2/3): Colonnade's exposed parameter all-gather
+    time per step and both sides' storage-accounted training state per rank."""
+    extra = {name for names in EXTRA_ROWS.values() for name in names}
+    notes = []
+    for r in rows:
+        if r["layout"] not in extra or "colonnade_state_bytes" not in r:
+            continue
+        gather = r.get("colonnade_gather_exposed_s", 0.0)
+        peer = (f", {r['peer']} {r['peer_state_bytes'] / 2**20:.1f} MB"
+                if "peer_state_bytes" in r else "")
+        notes.append(f"- {r['layout']}: Colonnade parameter all-gather exposed "
+                     f"{1e3 * gather:.1f} ms/step; training state per rank Colonnade "
+                     f"{r['colonnade_state_bytes'] / 2**20:.1f} MB{peer}")
+    return ["", *notes] if notes else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,3 +96,14 @@ def test_peer_table_places_zero_rows() -> None:
     cmd = pt.command("data_parallel", "gpt2-tiny", Path("x.json"), False, zero23=True)
     assert cmd[-1] == "--zero23"
     assert "--zero23" not in pt.command("tensor_parallel", "gpt2-tiny", Path("x"), False, True)
+
+
+def test_peer_table_zero_notes() -> None:
+    pt = _bench("peer_table")
+    rows = [{"layout": "dp2 + ZeRO-3", "peer": "FSDP2", "colonnade_gather_exposed_s": 0.0125,
+             "colonnade_state_bytes": 3 * 2**20, "peer_state_bytes": 2.5 * 2**20},
+            {"layout": "dp2 + ZeRO-1", "peer": "FSDP2", "colonnade_state_bytes": 2**20}]
+    assert pt.zero_notes(rows) == [
+        "", "- dp2 + ZeRO-3: Colonnade parameter all-gather exposed 12.5 ms/step; training "
+        "state per rank Colonnade 3.0 MB, FSDP2 2.5 MB"]
+    assert pt.zero_notes(rows[1:]) == []
