@@ -164,6 +164,7 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         pending_after_step.append(ddp.pending_gathers)
     stats = groups.stats.snapshot()
     ddp.finish_param_gather()
+    memory = ddp.memory_bytes()  # before the gather below (ZeRO-3's gathered peak)
     if ddp.param_shards is not None:  # ZeRO-3: full weights exist only while gathered
         ddp.param_shards.gather_all()
     return {
@@ -175,7 +176,7 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         "param_bytes": ddp.buffers.param_dtype.itemsize, "launched": launched,
         "pending_after_step": pending_after_step, "pending_after_fb": pending_after_fb,
         "adam_steps": opt.step_count, "state_bytes": opt.state_bytes(),
-        "final_scale": opt.loss_scale, "memory": ddp.memory_bytes(),
+        "final_scale": opt.loss_scale, "memory": memory,
         "has_grad_data": ddp.buffers.grad_data is not None,
         "bucket_numels": [b.numel for b in ddp.buckets],
     }
