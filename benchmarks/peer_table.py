@@ -148,18 +148,23 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
 
 def zero_notes(rows: list[dict[str, Any]]) -> list[str]:
     """Under the table, per issue-15 row (ZeRO-2/3): Colonnade's exposed parameter all-gather
-    time per step and both sides' storage-accounted training state per rank."""
+    time per step, and per rank for Colonnade / the fastest peer the allocated training state
+    (storage accounting) and the peak resident-set growth (touched memory)."""
     extra = {name for names in EXTRA_ROWS.values() for name in names}
     notes = []
     for r in rows:
         if r["layout"] not in extra or "colonnade_state_bytes" not in r:
             continue
         gather = r.get("colonnade_gather_exposed_s", 0.0)
-        peer = (f", {r['peer']} {r['peer_state_bytes'] / 2**20:.1f} MB"
-                if "peer_state_bytes" in r else "")
+
+        def mb(key: str, r: dict[str, Any] = r) -> str:
+            both = [r.get(f"{side}_{key}") for side in ("colonnade", "peer")]
+            return " / ".join("-" if v is None else f"{v / 2**20:.1f}" for v in both)
+
         notes.append(f"- {r['layout']}: Colonnade parameter all-gather exposed "
-                     f"{1e3 * gather:.1f} ms/step; training state per rank Colonnade "
-                     f"{r['colonnade_state_bytes'] / 2**20:.1f} MB{peer}")
+                     f"{1e3 * gather:.1f} ms/step; per rank, Colonnade / {r['peer']}: "
+                     f"training state {mb('state_bytes')} MB, peak RSS growth "
+                     f"{mb('rss_peak_bytes')} MB")
     return ["", *notes] if notes else []
 
 
