@@ -124,3 +124,54 @@ def test_param_shards_parity_and_memory(run_ranks: Callable[..., list[Any]],
             # the window policy: each bucket gathered once, held for the whole step
             assert res["step_gathers"] == res["buckets"], res
             assert res["peak"] == res["buffer_bytes"], res
+
+
+class _Skippy(nn.Module):
+    """One module owning two weights in one bucket (one pre-backward hook for both); the
+    second is used only when asked (an unused parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.w1 = nn.Parameter(torch.randn(8, 8, generator=gen, dtype=torch.float64))
+        self.w2 = nn.Parameter(torch.randn(8, 8, generator=gen, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, use_w2: bool) -> torch.Tensor:
+        y = torch.tanh(x @ self.w1)  # [4, 8]; its input gradient reads w1
+        return y @ self.w2 if use_w2 else y
+
+
+def _skippy() -> dict[str, Any]:
+    """Micro-batch 1 leaves w2 unused (the bucket stays gathered: never complete in a pass);
+    micro-batch 2 uses both, and the gradient path reports the bucket at w2's arrival (a
+    partial launch) while the node of x @ w1 has still to read w1: it must stay gathered until
+    the pass completes it."""
+    groups = rank_groups(ParallelDims(dp=2))
+    model, ref = _Skippy(), _Skippy()
+    buffers = FlatBuffers(chunk_parameters([model]), 10**6, 2, full_grads=False,
+                          shard_params=True)
+    shards = ParamShards(buffers, groups.dp_cp, [model], rank=dist.get_rank(),
+                         reshard_after_forward=True, prefetch=1)
+    model.w2.register_post_accumulate_grad_hook(lambda _p: shards.bucket_backward_done(0))
+    gen = torch.Generator().manual_seed(10 + dist.get_rank())
+    xs = [torch.randn(4, 8, generator=gen, dtype=torch.float64) for _ in range(2)]
+    kept, equal = [], True
+    for x, use_w2 in zip(xs, (False, True), strict=True):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model(x1, use_w2).square().sum().backward()
+        ref(x2, use_w2).square().sum().backward()
+        equal = equal and torch.equal(x1.grad, x2.grad)
+        kept.append(shards.gathered_bytes)
+    shards.end_step()
+    equal = equal and all(torch.equal(p.grad, q.grad) for p, q in
+                          zip(model.parameters(), ref.parameters(), strict=True))
+    return dict(equal=equal, kept=kept, after=shards.gathered_bytes)
+
+
+def test_param_shards_unused_parameter_and_partial_report(
+        run_ranks: Callable[..., list[Any]]) -> None:
+    for res in run_ranks(2, _skippy):
+        assert res["equal"], "gradients differ from the unsharded copy"
+        assert res["kept"][0] > 0, "a bucket with an unused parameter was freed mid-step"
+        assert res["kept"][1] == 0, "the bucket complete in micro-batch 2 was not freed"
+        assert res["after"] == 0
