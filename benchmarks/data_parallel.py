@@ -124,6 +124,8 @@ DEEPSPEED = ("deepspeed_zero0", "deepspeed_zero1", "deepspeed_zero2")
 ZERO23 = ("colonnade_zero2", "colonnade_zero3", "colonnade_zero3_no_reshard",
           "torch_fsdp2_zero2", "torch_fsdp2_zero3")
 """Issue 15's variants (``--zero23``); deepspeed_zero3 joins them when DeepSpeed imports."""
+DP_GROUPS = ("dp", "dp_cp", "zero_shard", "zero_replicate")
+"""Colonnade's data-parallel comm groups (their counters are the dp traffic)."""
 OPTIONAL = ("colonnade_ddp_no_overlap", "colonnade_zero1_no_overlap", "baseline")
 ROWS = {  # issue 19's and issue 15's rows: layout -> (Colonnade variant, its peers)
     "dp2": ("colonnade_ddp", ("torch_ddp", "deepspeed_zero0")),
@@ -411,10 +413,11 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
 
 
 def comm_summary(snapshot: dict[str, dict[str, float]], steps: int) -> dict[str, float]:
-    """Per step over the data-parallel groups (dp_cp, or the shard / replicate groups of
-    hybrid sharding: every group but tp / pp / cp): wire bytes, exposed (waited) seconds, and
-    the exposed seconds of parameter all-gathers and of gradient reductions separately."""
-    dp = {k: v for k, v in snapshot.items() if k.split("/")[0] not in ("tp", "pp", "cp")}
+    """Per step over the data-parallel groups (dp / dp_cp, and hybrid sharding's zero_shard /
+    zero_replicate; not the world group's loss and flag reductions): wire bytes, exposed
+    (waited) seconds, and the exposed seconds of parameter all-gathers and of gradient
+    reductions separately."""
+    dp = {k: v for k, v in snapshot.items() if k.split("/")[0] in DP_GROUPS}
     waited = {k: v["waited_s"] / steps for k, v in dp.items()}
     return {"wire_bytes": sum(v["wire_bytes"] for v in dp.values()) / steps,
             "exposed_s": sum(waited.values()),

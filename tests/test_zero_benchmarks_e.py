@@ -45,7 +45,8 @@ def test_comm_summary_splits_gathers_and_reductions() -> None:
     snap = {"dp_cp/all_gather/params": {**op, "wire_bytes": 100.0, "waited_s": 0.3},
             "dp_cp/reduce_scatter/grads": {**op, "wire_bytes": 300.0, "waited_s": 0.5},
             "dp_cp/all_reduce": {**op, "wire_bytes": 8.0, "waited_s": 0.1},
-            "tp/all_reduce": {**op, "wire_bytes": 1e6, "waited_s": 9.0}}
+            "tp/all_reduce": {**op, "wire_bytes": 1e6, "waited_s": 9.0},
+            "world/all_reduce/log_loss": {**op, "wire_bytes": 8.0, "waited_s": 7.0}}
     got = dp.comm_summary(snap, steps=2)
     assert got["wire_bytes"] == pytest.approx(204.0)
     assert got["exposed_s"] == pytest.approx(0.45)
