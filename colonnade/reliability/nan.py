@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,10 +63,32 @@ def _count(t: torch.Tensor) -> tuple[int, int]:
     return nan, inf
 
 
-def local_bad_tensors(chunks: list[nn.Module], groups: ProcessGroups) -> list[BadTensor]:
-    """This rank's parameters whose gradient or value holds NaN/Inf (the diagnosis; slow path)."""
+def _shard_pieces(ddp: Any) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+    """ZeRO-2/3: (param, owned gradient piece, owned value piece) per owned piece (the full
+    gradient, and at stage 3 the full value, exist on no rank)."""
+    out = []
+    for (lo, hi), grad, values in zip(ddp.owned_ranges(), ddp.owned_grads(),
+                                      ddp.owned_params(), strict=True):
+        for p, a, b in ddp.buffers.segments(lo, hi):
+            out.append((p, grad[a - lo:b - lo], values[a - lo:b - lo]))
+    return out
+
+
+def local_bad_tensors(chunks: list[nn.Module], groups: ProcessGroups,
+                      ddp: Any = None) -> list[BadTensor]:
+    """This rank's parameters whose gradient or value holds NaN/Inf (the diagnosis; slow path).
+    With ZeRO-2/3 (``ddp`` given with sharded gradients) the owned shard pieces are scanned."""
     coords = f"tp {groups.tp.rank} pp {groups.pp.rank} dp {groups.dp.rank}"
     out = []
+    if ddp is not None and getattr(ddp, "grad_shards", None) is not None:
+        for p, grad, value in _shard_pieces(ddp):
+            key = getattr(getattr(p, "sharding", None), "key", None) or f"param{id(p)}"
+            for what, t in (("grad", grad), ("value", value)):
+                if not bool(torch.isfinite(t).all()):
+                    nan, inf = _count(t)
+                    out.append(BadTensor(groups.rank, coords, f"{key} ({what}, shard piece)",
+                                         nan, inf, t.numel()))
+        return out
     for p in unique_params(chunks):
         key = getattr(getattr(p, "sharding", None), "key", None) or f"param{id(p)}"
         for what, t in (("grad", grad_of(p)), ("value", p.detach())):
@@ -76,9 +99,10 @@ def local_bad_tensors(chunks: list[nn.Module], groups: ProcessGroups) -> list[Ba
     return out
 
 
-def gather_bad_tensors(chunks: list[nn.Module], groups: ProcessGroups) -> list[BadTensor]:
+def gather_bad_tensors(chunks: list[nn.Module], groups: ProcessGroups,
+                       ddp: Any = None) -> list[BadTensor]:
     """Every rank's non-finite tensors, in rank order (collective over the world group)."""
-    per_rank = groups.world.all_gather_object(local_bad_tensors(chunks, groups))
+    per_rank = groups.world.all_gather_object(local_bad_tensors(chunks, groups, ddp))
     return [bad for found in per_rank for bad in found]
 
 
@@ -116,7 +140,8 @@ def check_step(trainer: TrainState, metrics: dict[str, float]) -> None:
     what = is_bad_step(metrics, cfg.training.precision, at_min and cfg.training.precision == "fp16")
     if what is None:
         return
-    bad = gather_bad_tensors(trainer.chunks, trainer.groups)
+    bad = gather_bad_tensors(trainer.chunks, trainer.groups,
+                             getattr(trainer.optimizer, "ddp", None))
     total = len({getattr(p.sharding, "key", id(p)) for p in unique_params(trainer.chunks)})
     where = describe_bad(bad, total)
     step = trainer.step

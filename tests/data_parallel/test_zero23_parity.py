@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from tests.data_parallel.common import (
     make_batches,
@@ -148,3 +149,46 @@ def test_zero2_bf16(run_ranks: Callable[..., list[Any]]) -> None:
     for key, value in p_want.items():
         assert rel_err(p_got[key], value, floor=1e-2) <= 5e-2, key
     assert got[0]["memory"]["grads"] > 0 and not got[0]["has_grad_data"]
+
+
+def _nan_in_shard(config: Any, step_batches: list[Any]) -> dict[str, Any]:
+    """Rank body: one stage-2/3 step with 3 NaN written into rank 1's first owned gradient
+    piece after the sync; the step's report and every rank's NaN-guard diagnosis."""
+    from colonnade.data_parallel import build_data_parallel
+    from colonnade.models.build import build_chunks, param_dtype
+    from colonnade.optim.distributed import DistributedOptimizer
+    from colonnade.reliability.nan import gather_bad_tensors
+    from tests.data_parallel.common import rank_groups
+    from tests.parity import train_step
+
+    groups = rank_groups(config)
+    chunks = build_chunks(config, groups, dtype=param_dtype(config.training.precision))
+    ddp = build_data_parallel(chunks, config, groups)
+    opt = DistributedOptimizer(ddp, config.optim, groups, config.training.steps,
+                               config.training.precision)
+    m = config.training.microbatches
+    mine = step_batches[0][groups.dp_rank * m:(groups.dp_rank + 1) * m]
+    before = [v.clone() for v in ddp.owned_params()]
+
+    def inject() -> None:
+        if groups.rank == 1:
+            ddp.owned_grads()[0][:3] = float("nan")
+
+    _, info = train_step(chunks, ddp, opt, groups, config, 0, mine, before_optim=inject)
+    bad = gather_bad_tensors(chunks, groups, ddp)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, ddp.owned_params(), strict=True))
+    return {"skipped": info["skipped"], "bad": [b.describe() for b in bad],
+            "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero23_nan_guard_reads_shards(run_ranks: Callable[..., list[Any]], stage: int) -> None:
+    """A NaN in one rank's gradient shard skips the step on every rank (the norm is summed
+    over the shard group) and the diagnosis names the parameter piece on that rank only."""
+    config = tiny_config(dp=2, microbatches=2, zero_stage=stage, bucket=2000)
+    results = run_ranks(2, _nan_in_shard, config, make_batches(config))
+    for res in results:
+        assert res["skipped"] == 1.0 and res["unchanged"], res
+        assert len(res["bad"]) == 1, res["bad"]
+        assert "(grad, shard piece) on rank 1 " in res["bad"][0], res["bad"]
+        assert ": 3 NaN, 0 Inf of" in res["bad"][0], res["bad"]
