@@ -59,3 +59,16 @@ def test_zero3_pp2_gather_policies(run_ranks: Callable[..., list[Any]]) -> None:
         assert counts[True][rank][1] == 2 * M * counts[False][rank][1]
     print("param gathers per rank and step (calls, wire bytes, exposed s): reshard",
           counts[True], "window", counts[False])
+
+
+def test_zero3_pp2_zero_bubble_reshard(run_ranks: Callable[..., list[Any]]) -> None:
+    """zb_h1 with reshard_after_forward: the input-gradient pass (B) accumulates no weight
+    gradient, so its buckets complete (and are freed) in the weight pass (W), which with full
+    recompute re-gathers them for the recomputation; results equal the reference."""
+    base = tiny_config(arch="llama", dp=2, pp=2, schedule="zb_h1", microbatches=M, steps=2,
+                       zero_stage=3, bucket=2000, recompute="full")
+    config = resolved(dataclasses.replace(
+        base, parallel=dataclasses.replace(base.parallel, reshard_after_forward=True)))
+    batches = make_batches(config)
+    results = run_ranks(4, _train, config, batches)
+    check_parity(config, results, reference_run(config, batches))
