@@ -132,8 +132,10 @@ class FlatBuffers:
         self.buckets, self.slots = self._layout(chunk_params)
         self.numel = self.buckets[-1].end
         self._values = initial_values if initial_values is not None else _own_value
-        if device is None and params[0].is_meta:
-            device = self._values(params[0]).device
+        self._first: tuple[int, torch.Tensor] | None = None
+        if device is None and params[0].is_meta:  # the first value, computed once, says where
+            first = self._values(params[0])
+            self._first, device = (id(params[0]), first), first.device
         self.device = device if device is not None else params[0].device
         self.param_data: torch.Tensor | None = None
         """[N] model dtype (None with ``shard_params``)."""
@@ -201,7 +203,11 @@ class FlatBuffers:
     def _place(self, p: nn.Parameter, flat: torch.Tensor) -> None:
         """Copy p's value into ``flat`` [numel(p)] and make p a view of it (same object)."""
         view = flat.view(p.shape)
-        view.copy_(self._values(p))
+        if self._first is not None and self._first[0] == id(p):
+            value, self._first = self._first[1], None
+        else:
+            value = self._values(p)
+        view.copy_(value)
         if p.is_meta or p.device != view.device:
             new = nn.Parameter(view, requires_grad=p.requires_grad)
             attrs = dict(p.__dict__)
