@@ -1,11 +1,18 @@
 """Whole tensors: gather tp shards into full tensors, and load a checkpoint's full model into the
 single-process model (``colonnade generate``). Loading never unpickles.
+
+ZeRO-3 (``DataParallel.param_shards``): a parameter has no full local tensor outside a gather;
+:func:`full_state` with ``ddp`` rebuilds one tensor at a time: its local tp shard from the
+flat ranges each rank of the shard group keeps (an all-reduce of the zero-filled shard
+holding this rank's ranges: exact, every element is written by one rank), then the tp
+all-gather. Without ``ddp`` a freed ZeRO-3 parameter is refused, naming both ways out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +28,7 @@ from colonnade.tensor_parallel.sharding import Sharding
 def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup) -> torch.Tensor:
     """All-gather the tp shards of a tensor and undo padding: the logical full tensor (a
     parameter split over no other axis, or one whose other axes have degree 1)."""
+    check_materialised(t, sharding)
     if sharding.dim is None or group.size == 1:
         return sharding.unshard([t.detach()], {})
     moved = t.detach().movedim(sharding.dim, 0).contiguous()  # [n/tp, ...]
@@ -30,9 +38,43 @@ def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup) -> torch.
     return sharding.unshard(shards, {"tp": group.size})
 
 
-def full_state(chunks: list[nn.Module], groups: ProcessGroups) -> dict[str, torch.Tensor]:
+def check_materialised(t: torch.Tensor, sharding: Sharding) -> None:
+    """Refuse a ZeRO-3 parameter whose bucket is freed (no values on this rank)."""
+    if t.numel() and t.untyped_storage().nbytes() == 0:
+        raise ValueError(f"{sharding.key}: the parameter is a freed ZeRO-3 shard "
+                         "(parallel.zero_stage=3) with no full values on this rank; call "
+                         "full_state(chunks, groups, ddp) (gathers one tensor at a time) or "
+                         "read a checkpoint (colonnade convert / --to-hf read it one tensor "
+                         "at a time)")
+
+
+def shard_local(p: nn.Parameter, ranges: list[tuple[int, int, torch.Tensor]],
+                group: CommGroup) -> torch.Tensor:
+    """ZeRO-3: this rank's full local tp shard of ``p`` [local_shape], rebuilt from the flat
+    ranges (lo, hi, values [hi - lo]) of its flattening that each rank of the shard group
+    ``group`` keeps (collective: every rank of it calls for the same parameters in the same
+    order). Each element is written by exactly one rank into a zero-filled [numel] buffer
+    and the buffers are summed: exact in every dtype."""
+    flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)  # [numel(p)]
+    for lo, hi, values in ranges:
+        flat[lo:hi] = values
+    group.all_reduce(flat, name="gather_zero3_param")
+    return flat.view(p.shape)
+
+
+def full_state(chunks: list[nn.Module], groups: ProcessGroups,
+               ddp: Any = None) -> dict[str, torch.Tensor]:
     """Full tensors of this pipeline rank's parameters, keyed by global name (a tied head is
-    the embedding's Parameter, or on a later stage its copy under the embedding's key)."""
+    the embedding's Parameter, or on a later stage its copy under the embedding's key).
+
+    With ZeRO-3 pass the run's ``ddp``: each tensor is rebuilt on its own
+    (:func:`shard_local`, then the tp gather), so besides the result at most one tensor's
+    full local shard is alive at a time."""
+    ranges: dict[int, list[tuple[int, int, torch.Tensor]]] | None = None
+    if ddp is not None and getattr(ddp, "param_shards", None) is not None:
+        ranges = {}
+        for q, lo, hi, values in ddp.owned_param_segments():
+            ranges.setdefault(id(q), []).append((lo, hi, values))
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for chunk in chunks:
@@ -41,7 +83,8 @@ def full_state(chunks: list[nn.Module], groups: ProcessGroups) -> dict[str, torc
                 continue
             seen.add(id(p))
             sharding: Sharding = p.sharding  # type: ignore[attr-defined]
-            out[sharding.key] = gather_full(p, sharding, groups.tp).contiguous()
+            local = p if ranges is None else shard_local(p, ranges.get(id(p), []), ddp.group)
+            out[sharding.key] = gather_full(local, sharding, groups.tp).contiguous()
     return out
 
 

@@ -230,7 +230,7 @@ def init_weights(trainer: TrainState, path: str | Path) -> str:
     if ddp is not None and hasattr(ddp, "finish_param_gather"):
         ddp.finish_param_gather()
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
-        load_hf_into_chunks(trainer.chunks, trainer.groups, path)
+        load_hf_into_chunks(trainer.chunks, trainer.groups, path, ddp)
         what = "Hugging Face model"
     else:
         ckpt, meta = _colonnade_meta(path)
@@ -239,7 +239,7 @@ def init_weights(trainer: TrainState, path: str | Path) -> str:
             raise CheckpointError(f"{ckpt}: the model differs from the checkpoint's: "
                                   f"{', '.join(bad)}")
         reader = CheckpointReader(ckpt)
-        load_model(reader, trainer.chunks, trainer.groups)
+        load_model(reader, trainer.chunks, trainer.groups, ddp)
         reader.close()
         what = f"checkpoint (its step {meta['step']})"
     load_optimizer(None, trainer.optimizer, trainer.chunks, trainer.groups, 0)

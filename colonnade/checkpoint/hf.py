@@ -195,34 +195,50 @@ class HFReader:
 
 
 def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
-                        directory: str | Path) -> int:
+                        directory: str | Path, ddp: Any = None) -> int:
     """Load an HF directory into this rank's chunks (any layout), checking every shape.
 
     Reads only this rank's parameters (its pipeline stage's layers) and of each only the box of
     its tp shard, one tensor slice at a time: a tp x pp rank reads about 1/(tp pp) of the file.
+    ZeRO-3 (``ddp.param_shards``): the values go into this rank's shard, the flat ranges
+    ``ddp.owned_param_segments()`` names, one tensor's local shard at a time.
     Returns the bytes read.
     """
     reader = HFReader(directory)
     refs = hf_refs(reader.config)
     coords = tp_coords(groups.tp.rank, groups.tp.size)
+    shards = getattr(ddp, "param_shards", None) if ddp is not None else None
+    ranges: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    if shards is not None:
+        shards.free_all()  # a bucket still gathered would keep the old values
+        for q, lo, hi, values in ddp.owned_param_segments():
+            ranges.setdefault(id(q), []).append((lo, hi, values))
     for p in unique_params(chunks):
         s = p.sharding  # type: ignore[attr-defined]
-        key = s.key
-        if key not in refs:
-            raise CheckpointError(f"{directory}: tensor '{key}' missing")
-        ref = refs[key]
-        theirs = ref.our_shape(reader.shape(ref.name))
-        if theirs != s.full_shape:
-            raise CheckpointError(f"{directory}: tensor '{key}' has shape {theirs} but the "
-                                  f"model expects {s.full_shape}; the [model] config does not "
-                                  "match the checkpoint")
-        box = s.box(coords)
-        if 0 in box[1]:
-            value = torch.zeros(s.local_shape(coords), dtype=p.dtype)
-        else:
-            value = pad_to_local(take_box(reader.read, reader.shape, ref, box).to(p.dtype), s,
-                                 coords)
+        value = _hf_local(reader, refs, s, coords, p.dtype, directory)  # [local_shape]
         with torch.no_grad():
-            p.copy_(value.to(p.device))
+            if shards is None:
+                p.copy_(value.to(p.device))
+                continue
+            flat = value.reshape(-1)
+            for lo, hi, values in ranges.get(id(p), []):
+                values.copy_(flat[lo:hi].to(values.device))
     reader.close()
     return reader.bytes_read
+
+
+def _hf_local(reader: HFReader, refs: dict[str, HFRef], s: Any, coords: dict[str, Any],
+              dtype: torch.dtype, directory: str | Path) -> torch.Tensor:
+    """This rank's local tp shard [local_shape] (zero padded) of our tensor ``s.key``."""
+    if s.key not in refs:
+        raise CheckpointError(f"{directory}: tensor '{s.key}' missing")
+    ref = refs[s.key]
+    theirs = ref.our_shape(reader.shape(ref.name))
+    if theirs != s.full_shape:
+        raise CheckpointError(f"{directory}: tensor '{s.key}' has shape {theirs} but the "
+                              f"model expects {s.full_shape}; the [model] config does not "
+                              "match the checkpoint")
+    box = s.box(coords)
+    if 0 in box[1]:
+        return torch.zeros(s.local_shape(coords), dtype=dtype)
+    return pad_to_local(take_box(reader.read, reader.shape, ref, box).to(dtype), s, coords)

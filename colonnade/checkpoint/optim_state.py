@@ -13,7 +13,8 @@ The checkpoint never sees an optimizer's buffers. An optimizer exposes two metho
     has no such state (a model-only checkpoint: masters are then re-copied from the model
     parameters and moments start at zero).
 plus the attributes ``step_count: int`` and ``dp_sharded: bool`` (True when every dp rank owns
-a disjoint part, as with ZeRO-1; False when dp ranks hold replicas, so dp rank 0 alone writes).
+a disjoint part, as with ZeRO-1/2/3; False when dp ranks hold replicas, so dp rank 0 alone
+writes; hybrid sharding's replicas of a shard: replicate index 0 writes).
 
 The last stage's copy of a tied embedding has the embedding's key (``Sharding.tied_copy``): it
 reads the embedding's state and the checkpoint writer leaves it out (``Sharding.owns``).
@@ -64,7 +65,7 @@ def load_logical_state(optimizer: Any, read: StateReader) -> None:
 
 
 def dp_sharded(optimizer: Any) -> bool:
-    """Whether dp ranks own disjoint parts of the optimizer state (ZeRO-1)."""
+    """Whether dp ranks own disjoint parts of the optimizer state (ZeRO stage >= 1)."""
     if hasattr(optimizer, "dp_sharded"):
         return bool(optimizer.dp_sharded)
     ddp = getattr(optimizer, "ddp", None)
@@ -92,16 +93,29 @@ def _flat_logical_state(opt: Any) -> dict[str, dict[str, OptimSlice]]:
     return out
 
 
+def _model_values(opt: Any) -> dict[tuple[str, int, int], torch.Tensor]:
+    """(key, lo, hi) -> the model's values of that owned range (1-D): the persistent storage
+    ``ddp.owned_param_segments()`` names (ZeRO-3: the shard; a ZeRO-3 parameter has no full
+    local tensor to slice)."""
+    segments = getattr(opt.ddp, "owned_param_segments", None)
+    if segments is None:
+        params = _flat_params(opt)
+        return {(key, lo, hi): params[key].detach().reshape(-1)[lo:hi]
+                for key, lo, hi, _ in opt.shard_state()}
+    return {(p.sharding.key, lo, hi): values for p, lo, hi, values in segments()}
+
+
 def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
-    params = _flat_params(opt)
+    model: dict[tuple[str, int, int], torch.Tensor] | None = None
     with torch.no_grad():
         for key, lo, hi, views in opt.shard_state():
-            p = params[key]
             for name in STATE_NAMES:
                 if name not in views or (name == "master" and not opt.own_masters):
                     continue
                 value = read(key, name, (lo, hi))
-                if value is None:
-                    value = (p.detach().reshape(-1)[lo:hi] if name == "master"
-                             else torch.zeros_like(views[name]))
+                if value is None and name == "master":
+                    model = _model_values(opt) if model is None else model
+                    value = model[(key, lo, hi)]
+                elif value is None:
+                    value = torch.zeros_like(views[name])
                 views[name].copy_(value.to(views[name].device))

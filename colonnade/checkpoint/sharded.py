@@ -6,10 +6,17 @@ Who writes what (each logical element is written exactly once), all from each pa
 ranks holding identical copies, by index 0 of every replicated axis (``Sharding.owns``: tp rank
 0 of a tp-replicated parameter, dp rank 0 of the dp replicas); the last stage's copy of a tied
 embedding never (``tied_copy``: it equals the first stage's). With a dp-sharded optimizer
-(ZeRO-1) every dp rank writes the flat ranges of the optimizer state it owns.
+(ZeRO-1/2/3) every rank of the shard group writes the flat ranges of the optimizer state it
+owns; under hybrid sharding (``zero_shard_size``) only index 0 of the replicate group does (the
+other replicas hold the same ranges). ZeRO-3 parameters have no full local tensor: each rank
+writes, the same way, the flat ranges ``[lo, hi)`` of each flattened local tp shard it keeps
+(``DataParallel.owned_param_segments``); stages 0-2 keep one replicated local shard per tp
+rank, written by dp rank 0.
 
-Loading reads, for each of this rank's parameters, the box of its shard (and the flat range
-its optimizer asks for), whatever layout wrote them.
+Loading reads, for each of this rank's parameters, the box of its shard (ZeRO-3: only the
+flat ranges its shard holds), and the flat range its optimizer asks for, whatever layout and
+stage wrote them: a stored piece is a box or a flat range of a box, and a request is cut out
+of whatever pieces meet it (:mod:`.reads`).
 """
 
 from __future__ import annotations
@@ -52,12 +59,54 @@ def rank_coords(groups: ProcessGroups, dp: bool = False) -> dict[str, tuple[int,
     return coords
 
 
-def model_entries(chunks: list[nn.Module], groups: ProcessGroups) -> list[Entry]:
-    """The model pieces this rank writes (views of the live parameters)."""
+def shard_coords(groups: ProcessGroups) -> dict[str, tuple[int, int]]:
+    """Coordinates of a rank writing ZeRO shards (its own flat ranges): tp, and under hybrid
+    sharding the replicate group as a replicated axis, so only its index 0 writes."""
+    coords = rank_coords(groups)
+    replicate = groups.zero_replicate
+    if replicate is not None and replicate.size > 1:
+        coords["dp"] = (max(replicate.rank, 0), replicate.size)
+    return coords
+
+
+def _param_shards(ddp: Any) -> Any:
+    """The ZeRO-3 :class:`ParamShards` of a DataParallel (None: parameters are whole)."""
+    return getattr(ddp, "param_shards", None) if ddp is not None else None
+
+
+def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
+                  ddp: Any = None) -> list[Entry]:
+    """The model pieces this rank writes (views of the live parameters, or with ZeRO-3 of
+    ``ddp``'s persistent shard: :func:`sharded_model_entries`)."""
+    if _param_shards(ddp) is not None:
+        return sharded_model_entries(ddp, groups)
     coords = rank_coords(groups, dp=True)
     entries = (shard_entry(model_name(p.sharding.key), p.detach(), p.sharding, coords)
                for p in unique_params(chunks))  # type: ignore[attr-defined]
     return [e for e in entries if e is not None]
+
+
+def sharded_model_entries(ddp: Any, groups: ProcessGroups) -> list[Entry]:
+    """ZeRO-3: the flat ranges of parameters this rank's shard holds, as pieces.
+
+    ``ddp.owned_param_segments()`` gives (param, lo, hi, values [hi - lo]): elements
+    [lo, hi) of the flattened padded local tp shard. Each becomes the piece
+    :func:`flat_piece` describes (padding rows cut off; a range of padding only is dropped),
+    written by every shard-group rank and, of hybrid replicas, by replicate index 0."""
+    coords = shard_coords(groups)
+    out = []
+    for p, lo, hi, values in ddp.owned_param_segments():
+        s: Sharding = p.sharding
+        if not s.owns(coords):
+            continue
+        piece, keep = flat_piece(s, coords, (lo, hi))
+        if keep is None:
+            continue
+        data = values.detach()[keep[0]:keep[1]]  # [kept elements]
+        if piece.flat is None:  # the range is the whole shard
+            data = data.reshape(piece.shape)
+        out.append(Entry(model_name(s.key), data, piece, s.full_shape))
+    return out
 
 
 def shard_entry(name: str, local: torch.Tensor, sharding: Sharding,
@@ -77,7 +126,7 @@ def shard_entry(name: str, local: torch.Tensor, sharding: Sharding,
 def optim_entries(optimizer: Any, groups: ProcessGroups) -> list[Entry]:
     """The optimizer-state pieces this rank writes (views of the live state); with a
     dp-sharded optimizer (ZeRO-1) every dp rank writes the ranges it owns."""
-    coords = rank_coords(groups, dp=not dp_sharded(optimizer))
+    coords = shard_coords(groups) if dp_sharded(optimizer) else rank_coords(groups, dp=True)
     out = []
     for key, states in logical_state(optimizer).items():
         for state, sl in states.items():
@@ -132,9 +181,20 @@ def _stored_dtype(reader: CheckpointReader, name: str) -> torch.dtype:
     return DTYPES[reader.tensors[name]["dtype"]]
 
 
-def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: ProcessGroups) -> None:
-    """Copy every parameter of this rank's chunks from the checkpoint (any saved layout)."""
+def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: ProcessGroups,
+               ddp: Any = None) -> None:
+    """Copy every parameter of this rank's chunks from the checkpoint (any saved layout and
+    stage); with ZeRO-3 (``ddp.param_shards``) only the ranges of this rank's shard."""
     coords = rank_coords(groups)
+    shards = _param_shards(ddp)
+    if shards is not None:
+        shards.free_all()  # a bucket still gathered would keep the old values
+        with torch.no_grad():
+            for p, lo, hi, values in ddp.owned_param_segments():
+                s = p.sharding
+                value = read_local(reader, model_name(s.key), s, coords, values.dtype, (lo, hi))
+                values.copy_(value.to(values.device))  # [hi - lo]
+        return
     for p in unique_params(chunks):
         s: Sharding = p.sharding  # type: ignore[attr-defined]
         value = read_local(reader, model_name(s.key), s, coords, p.dtype)

@@ -142,7 +142,9 @@ def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
     if rank == 0:
         prepare_tmp(root, step)
     tmp = root / (step_dirname(step) + ".tmp")
-    entries = model_entries(trainer.chunks, groups) + optim_entries(trainer.optimizer, groups)
+    ddp = getattr(trainer, "ddp", None)  # ZeRO-3: the model pieces are its shard's ranges
+    entries = (model_entries(trainer.chunks, groups, ddp)
+               + optim_entries(trainer.optimizer, groups))
     # who writes; also the barrier that orders rank 0's prepare_tmp before every write
     writers = [r for r, w in enumerate(groups.world.all_gather_object(bool(entries))) if w]
     meta = _metadata(trainer) if rank == 0 else {}
@@ -202,7 +204,7 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
                               "set those model fields to the checkpoint's values")
     reader = CheckpointReader(ckpt, verify=verify)
     _finish_gathers(trainer)
-    load_model(reader, trainer.chunks, trainer.groups)
+    load_model(reader, trainer.chunks, trainer.groups, getattr(trainer, "ddp", None))
     step_count = int(meta["optimizer"]["step_count"]) if load_optimizer_state else 0
     load_optimizer(reader if load_optimizer_state else None, trainer.optimizer, trainer.chunks,
                    trainer.groups, step_count)
