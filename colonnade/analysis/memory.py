@@ -18,15 +18,23 @@ plus the stage's transient buffers (:func:`zero_buffer_bytes`, B = bucket elemen
 min(P_dev, max(bucket_size, the largest parameter)): a bucket closes once it holds
 ``bucket_size`` elements and never splits a parameter, so a bucket of one parameter can be
 larger):
-    stage 2/3 gradient buckets: each micro-batch's backward fills a bucket of the
-        reduce dtype (R = 4 fp32, 2 bf16; 8 for fp64 models) that is reduce-scattered into
-        the fp32 shard and freed: GRAD_BUCKETS_IN_FLIGHT x B x R bytes (the bucket being
-        filled and the one being reduced; autograd's per-parameter ``.grad`` temporaries,
-        freed as each is copied in, are not counted, as at stages 0 and 1).
-    stage 3 gathered parameters: with reshard_after_forward the bucket in use plus
-        ``zero_prefetch`` gathered ahead: (1 + prefetch) x B x E (at most P_dev E); without it
-        (the micro-batch-window policy, the default with pp > 1) a chunk's parameters stay
-        gathered from its first forward until the step's gradient sync: P_dev x E.
+    stage 2/3 gradient buckets (data_parallel/grad_shards.py): each micro-batch's backward
+        fills a full-size bucket buffer of the reduce dtype (R = 4 fp32, 2 bf16; 8 for fp64
+        models), reduce-scattered into a [B/S] output that is added into the fp32 shard,
+        both then freed.  With overlap_grad_reduce at most 2 reduce-scatters are outstanding
+        when a third is launched (GRAD_BUCKETS_IN_FLIGHT = 3 buffers with their outputs), and
+        the next bucket may already be filling (autograd does not produce gradients in the
+        buffer's exact order: SwiGLU's gate and up, attention's q, k, v): 4 B R + 3 B R / S
+        (at most P_dev R (1 + 1/S)); without overlap every bucket fills before the first is
+        launched: P_dev R + 3 B R / S. (Autograd's per-parameter ``.grad`` temporaries, freed
+        as each is copied in, are not counted, as at stages 0 and 1.)
+    stage 3 gathered parameters (data_parallel/param_shards.py): with reshard_after_forward
+        the buckets of the module in use plus ``zero_prefetch`` gathered ahead.  Buckets are
+        cut by size, not at module boundaries, so a module of U parameters (the largest: the
+        MLP, attention, or the embedding / head) touches up to ceil(U/B) + 1 buckets:
+        (ceil(U/B) + 1 + prefetch) B E (at most P_dev E); without it (the micro-batch-window
+        policy, the default with pp > 1) a chunk's parameters stay gathered from its first
+        forward until the step's gradient sync: P_dev E.
 The ZeRO paper's own accounting (fp16 gradients, K = 12, no buffers) is kept as
 :func:`zero_paper_bytes` for comparison.
 
@@ -45,6 +53,7 @@ Buffers: pipeline send/receive 2 E sbh, the sp all-gather output E sbh.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from colonnade.analysis.activations import ActivationShape, layer_bytes
@@ -78,9 +87,10 @@ def zero_paper_bytes(params: float, dp: int, stage: int, k: int = 12) -> float:
     raise ValueError(f"ZeRO stage {stage} is unknown; use 0, 1, 2 or 3.")
 
 
-GRAD_BUCKETS_IN_FLIGHT = 2
-"""Stage 2/3 gradient bucket buffers alive at once: the one backward fills and the one
-being reduce-scattered (its reduction waited before a third is allocated)."""
+GRAD_BUCKETS_IN_FLIGHT = 3
+"""Stage 2/3 gradient bucket buffers (each with its reduce-scatter output) alive at once with
+overlap: GradShards' 2 outstanding reduce-scatters and the one being launched, after which the
+oldest is waited and freed; one more bucket may be filling meanwhile (its input only)."""
 
 
 def element_state_bytes(precision: str) -> tuple[float, float, float]:
@@ -122,6 +132,17 @@ def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
     return biggest
 
 
+def largest_module(m: LayerShape, layout: Layout, stage: str) -> float:
+    """U: parameters of the largest module whose weights one ZeRO-3 gather serves: the MLP
+    (its matrices), the attention (q, k, v, o) or, on the first / last stage, the embedding
+    or head (V h / t)."""
+    h, t = m.hidden, layout.tp
+    biggest = max(m.mlp_matrices * h * m.ffn, 2 * h * h + 2 * h * m.kv_hidden) / t
+    if stage in ("first", "last", "only"):
+        biggest = max(biggest, m.vocab * h / t)
+    return biggest
+
+
 def bucket_elements(w: Workload, layout: Layout, stage: str, params: float) -> float:
     """B: elements of one bucket, min(P_dev, max(bucket_size, largest parameter))."""
     return min(params, max(float(w.bucket_size), largest_param(w.shape, layout, stage)))
@@ -133,13 +154,16 @@ def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float
     if layout.zero < 2:
         return 0.0, 0.0
     b = bucket_elements(w, layout, stage, params)
-    buckets = GRAD_BUCKETS_IN_FLIGHT if w.overlap_grad_reduce else 1
-    grad = min(params, buckets * b) * w.reduce_bytes
+    r, s = w.reduce_bytes, layout.shard
+    outputs = min(params, GRAD_BUCKETS_IN_FLIGHT * b) * r / s
+    inputs = min(params, (GRAD_BUCKETS_IN_FLIGHT + 1) * b) if w.overlap_grad_reduce else params
+    grad = inputs * r + outputs
     if layout.zero < 3:
         return grad, 0.0
-    if layout.reshard:
-        return grad, min(params, (1 + w.zero_prefetch) * b) * w.elem
-    return grad, params * w.elem
+    if not layout.reshard:
+        return grad, params * w.elem
+    touched = math.ceil(largest_module(w.shape, layout, stage) / b) + 1
+    return grad, min(params, (touched + w.zero_prefetch) * b) * w.elem
 
 
 def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:

@@ -79,21 +79,28 @@ def test_state_bytes_per_param_follow_the_layout() -> None:
 
 
 def test_stage_buffers_in_memory_per_device() -> None:
-    """Stage 2: 2 buckets x B x 4 bytes (fp32 reduce) or x 2 (bf16); stage 3 adds
-    (1 + prefetch) gathered buckets x B x 2, or every parameter without reshard."""
+    """Stage 2: 4 buckets x B x 4 bytes (fp32 reduce) or x 2 (bf16), 3 of them with their
+    1/dp outputs; stage 3 adds (ceil(U/B) + 1 + prefetch) gathered buckets x B x 2 (U the
+    largest module: a module straddles bucket boundaries), or every parameter without
+    reshard."""
     w = _llama7b(bucket_size=40_000_000)
     lay = Layout(dp=8, zero=2)
     n = stage_params(w.shape, lay, "only")
     b = bucket_elements(w, lay, "only", n)
     assert b == 32000 * 4096  # the embedding: one parameter larger than bucket_size
     mem = memory_per_device(w, lay)
-    assert mem.grad_buckets == GRAD_BUCKETS_IN_FLIGHT * b * 4 == 2 * 32000 * 4096 * 4
+    assert mem.grad_buckets == 4 * b * 4 + 3 * b * 4 / 8
+    assert GRAD_BUCKETS_IN_FLIGHT == 3
     assert mem.gathered == 0
     assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((2 * n, n / 2, 1.5 * n))
     bf16 = dataclasses.replace(w, grad_reduce_dtype="bf16")
-    assert memory_per_device(bf16, lay).grad_buckets == 2 * b * 2
+    assert memory_per_device(bf16, lay).grad_buckets == 4 * b * 2 + 3 * b * 2 / 8
+    serial = dataclasses.replace(w, overlap_grad_reduce=False)  # every bucket, then 3 outputs
+    assert memory_per_device(serial, lay).grad_buckets == n * 4 + 3 * b * 4 / 8
     s3 = memory_per_device(dataclasses.replace(w, zero_prefetch=2), Layout(dp=8, zero=3))
-    assert s3.gathered == 3 * b * 2 and s3.params == pytest.approx(n / 4)
+    # the MLP (3 x 4096 x 11008 > B) touches 3 buckets, + 2 prefetched
+    assert 3 * 4096 * 11008 > b
+    assert s3.gathered == 5 * b * 2 and s3.params == pytest.approx(n / 4)
     kept = Layout(dp=8, zero=3, reshard_after_forward=False)
     assert zero_buffer_bytes(w, kept, "only", n)[1] == n * 2  # the whole model gathered
     # pp > 1: the micro-batch-window default keeps the chunk gathered
