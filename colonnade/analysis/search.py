@@ -204,7 +204,9 @@ def _fit_error(w: Workload, gpus: int, c: Cluster, cons: Constraints,
         f"global batch {w.global_batch}) fits on no layout of {gpus} x {c.name}: the smallest "
         f"memory per device is {mem['total']:.1f} GiB ({smallest.layout.short()}: params "
         f"{mem['params']:.1f}, grads {mem['grads']:.1f}, optimizer {mem['optimizer']:.1f}, "
-        f"activations {mem['activations']:.1f} GiB) > {c.memory_bytes / GIB:.1f} GiB usable. "
+        + (f"ZeRO buffers {mem['grad_buckets'] + mem['gathered']:.1f}, "
+           if smallest.layout.zero >= 2 else "")
+        + f"activations {mem['activations']:.1f} GiB) > {c.memory_bytes / GIB:.1f} GiB usable. "
         f"Use {hint}, or relax the fixed degrees.")
 
 
