@@ -41,12 +41,9 @@ Each run builds a variant fresh, runs ``warmup`` steps (the first two are the lo
 variant's global mean loss must equal Colonnade DDP's to 1e-6, workloads.first_loss_check) and
 times ``steps`` steps. Variants are interleaved round by round (order rotated). Reported: per
 variant the median step time over rounds, steps and ranks, and tokens/s = global tokens per step
-/ step time; per issue row (dp2: Colonnade DDP vs torch DDP, DeepSpeed ZeRO-0; dp2 + ZeRO-1:
-Colonnade ZeRO-1 vs DeepSpeed ZeRO-1/2, FSDP2; with ``--zero23`` dp2 + ZeRO-2: Colonnade
-ZeRO-2 vs DeepSpeed ZeRO-2, FSDP2 reshard_after_forward=False; dp2 + ZeRO-3: Colonnade ZeRO-3
-vs DeepSpeed ZeRO-3, FSDP2; dp2 + ZeRO-3 no reshard: Colonnade with reshard_after_forward off
-vs FSDP2 reshard_after_forward=False) the fastest peer by median tokens/s and the
-median and quartiles over rounds of the per-round ratio t_peer / t_colonnade (same round: drift
+/ step time; per row of :data:`ROWS` (issue 19's dp2, dp2 + ZeRO-1; issue 15's dp2 + ZeRO-2,
+ZeRO-3, ZeRO-3 no reshard) the fastest of its peers by median tokens/s and the median and
+quartiles over rounds of the per-round ratio t_peer / t_colonnade (same round: drift
 between rounds cancels), and the same ratio by CPU time (both ranks' process CPU seconds per
 step, gloo threads included). Colonnade's wire bytes and the time blocked in dp waits come from
 colonnade.parallel.comm's counters, split into parameter all-gather exposed time (ZeRO-1's
@@ -55,20 +52,19 @@ time, per step.
 
 Memory per rank (no torch.cuda on CPU): ``rss_peak_bytes``, the peak growth of the process's
 resident set from before the build to the end of the timed steps (large tensors are mmapped,
-MALLOC_MMAP_THRESHOLD_, so frees return memory); ``state_bytes``, storage accounting after the
-last step: the bytes of the distinct storages reachable from the framework's objects (model,
-optimizer, engine / trainer: parameters or their shards, gradients, optimizer moments, flat
-buffers), allocated bytes whether touched or not (DeepSpeed ZeRO-3 preallocates a reduce bucket
+MALLOC_MMAP_THRESHOLD_, so frees return memory); ``step_rss_peak_bytes``, the peak during the
+timed steps above the resident set before them (transient: activations, gathered parameters,
+gradient buckets); ``state_bytes``, after the last step, the bytes of the distinct storages
+reachable from the framework's objects (parameters or shards, gradients, optimizer moments,
+flat buffers), allocated whether touched or not (DeepSpeed ZeRO-3 preallocates a reduce bucket
 of reduce_bucket_size elements, 5e8 by default = 2 GB fp32, of which the RSS sees only the
 touched pages; ``--bucket`` sets it). For Colonnade also DataParallel.memory_bytes() (params,
 grads, transient_peak, gathered_peak) and ``state_bytes_formula``, analysis.memory's ZeRO
 formula: fp32 (W + G + O) = 4 + 4 + 8 bytes per parameter, O divided by dp from stage 1, G
 from stage 2, W at stage 3.
 
-DeepSpeed (../shared/PEERS.md): ``DS_BUILD_OPS=0 pip install --no-deps --no-build-isolation
-deepspeed`` then ``pip install einops hjson msgpack ninja psutil py-cpuinfo "pydantic>=2" tqdm
-packaging``; it runs with DS_ACCELERATOR=cpu (set here). Without it the DeepSpeed variants are
-left out and the script says how to install it.
+DeepSpeed (../shared/PEERS.md; :data:`INSTALL` installs it) runs with DS_ACCELERATOR=cpu (set
+here); without it its variants are left out and the script says how to install it.
 
 Writes benchmarks/results/data_parallel_<workload>.json (top-level ``rows`` for
 benchmarks/peer_table.py).
@@ -161,10 +157,11 @@ class Built:
 
 
 class RssPeak:
-    """Samples this process's resident set every millisecond; ``stop`` gives peak - start."""
+    """Samples this process's resident set every millisecond; ``stop`` gives peak - start;
+    ``step_growth`` the peak since :meth:`mark` minus the resident set at the mark."""
 
     def __init__(self) -> None:
-        self.start = self.peak = self._rss()
+        self.start = self.peak = self.base = self.since_mark = self._rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -176,7 +173,16 @@ class RssPeak:
 
     def _run(self) -> None:
         while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._rss())
+            rss = self._rss()
+            self.peak, self.since_mark = max(self.peak, rss), max(self.since_mark, rss)
+
+    def mark(self) -> None:
+        """Start the step window: its growth is measured from the resident set now."""
+        self.base = self.since_mark = self._rss()
+
+    def step_growth(self) -> int:
+        """Peak resident set since :meth:`mark` minus the resident set at the mark."""
+        return max(self.since_mark, self._rss()) - self.base
 
     def stop(self) -> int:
         """Stop sampling; returns the peak growth in bytes."""
@@ -394,13 +400,15 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
     if groups is not None:
         groups.stats.reset()
     times, cpu = [], []
+    rss.mark()  # steady state: the timed steps' growth is their transient memory
     for b in data[warmup:]:
         start, start_cpu = time.perf_counter(), time.process_time()
         step(b)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     out: dict[str, Any] = {"name": name, "rank": rank, "times": times, "cpu": cpu,
-                           "losses": losses.tolist(), "rss_peak_bytes": rss.stop(),
+                           "losses": losses.tolist(), "step_rss_peak_bytes": rss.step_growth(),
+                           "rss_peak_bytes": rss.stop(),
                            "state_bytes": state_bytes(*built.roots)}
     if groups is not None:
         out |= comm_summary(groups.stats.snapshot(), steps)
@@ -477,7 +485,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
                                "round_step_s": _round_medians(results),
                                "round_cpu_s": _round_medians(results, "cpu")}
         for key in ("wire_bytes", "exposed_s", "gather_exposed_s", "reduce_exposed_s",
-                    "rss_peak_bytes", "state_bytes", "state_bytes_formula"):
+                    "rss_peak_bytes", "step_rss_peak_bytes", "state_bytes",
+                    "state_bytes_formula"):
             values = [r[key] for r in results if key in r]
             if values:
                 row[key] = statistics.median(values)
@@ -501,13 +510,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
                      "ratio_q1": q1, "ratio_q3": q3, "ratio_cpu": statistics.median(cpu),
                      "others": {p: variants[p]["tokens_per_s"] for p in present if p != best},
                      **{f"{side}_{k}": v[k] for side, v in (("colonnade", a), ("peer", b))
-                        for k in ("gather_exposed_s", "state_bytes", "rss_peak_bytes") if k in v}})
+                        for k in ("gather_exposed_s", "state_bytes", "rss_peak_bytes",
+                                  "step_rss_peak_bytes") if k in v}})
     return {"variants": variants, "rows": rows}
 
 
 def print_table(summary: dict[str, Any]) -> None:
     head = (f"{'variant':<28}{'step ms':>9}{'best ms':>9}{'tok/s':>9}{'MB wire':>9}"
-            f"{'RSS+ MB':>9}{'state MB':>9}{'exposed ms':>11}{'gather ms':>10}")
+            f"{'RSS+ MB':>9}{'step+ MB':>9}{'state MB':>9}{'exposed ms':>11}{'gather ms':>10}")
     print(head)
     print("-" * len(head))
     for name, r in summary["variants"].items():
@@ -516,6 +526,7 @@ def print_table(summary: dict[str, Any]) -> None:
         gat = f"{1e3 * r['gather_exposed_s']:10.1f}" if "gather_exposed_s" in r else f"{'-':>10}"
         print(f"{name:<28}{1e3 * r['step_s']:9.1f}{1e3 * r['step_s_min']:9.1f}"
               f"{r['tokens_per_s']:9.0f}{wire}{r['rss_peak_bytes'] / 2**20:9.1f}"
+              f"{r['step_rss_peak_bytes'] / 2**20:9.1f}"
               f"{r['state_bytes'] / 2**20:9.2f}{exp}{gat}")
         if "memory_bytes" in r:
             print(f"{'':<28}DataParallel.memory_bytes MB: " + ", ".join(
