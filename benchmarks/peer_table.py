@@ -149,7 +149,8 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
 def zero_notes(rows: list[dict[str, Any]]) -> list[str]:
     """Under the table, per issue-15 row (ZeRO-2/3): Colonnade's exposed parameter all-gather
     time per step, and per rank for Colonnade / the fastest peer the allocated training state
-    (storage accounting) and the peak resident-set growth (touched memory)."""
+    (storage accounting) and the resident-set peak of the timed steps above the steady state
+    before them (touched transient memory)."""
     extra = {name for names in EXTRA_ROWS.values() for name in names}
     notes = []
     for r in rows:
@@ -163,8 +164,8 @@ def zero_notes(rows: list[dict[str, Any]]) -> list[str]:
 
         notes.append(f"- {r['layout']}: Colonnade parameter all-gather exposed "
                      f"{1e3 * gather:.1f} ms/step; per rank, Colonnade / {r['peer']}: "
-                     f"training state {mb('state_bytes')} MB, peak RSS growth "
-                     f"{mb('rss_peak_bytes')} MB")
+                     f"training state {mb('state_bytes')} MB, RSS growth in the timed steps "
+                     f"{mb('step_rss_peak_bytes')} MB")
     return ["", *notes] if notes else []
 
 

@@ -103,9 +103,9 @@ def test_peer_table_zero_notes() -> None:
     pt = _bench("peer_table")
     rows = [{"layout": "dp2 + ZeRO-3", "peer": "FSDP2", "colonnade_gather_exposed_s": 0.0125,
              "colonnade_state_bytes": 3 * 2**20, "peer_state_bytes": 2.5 * 2**20,
-             "colonnade_rss_peak_bytes": 40 * 2**20},
+             "colonnade_step_rss_peak_bytes": 40 * 2**20},
             {"layout": "dp2 + ZeRO-1", "peer": "FSDP2", "colonnade_state_bytes": 2**20}]
     assert pt.zero_notes(rows) == [
         "", "- dp2 + ZeRO-3: Colonnade parameter all-gather exposed 12.5 ms/step; per rank, "
-        "Colonnade / FSDP2: training state 3.0 / 2.5 MB, peak RSS growth 40.0 / - MB"]
+        "Colonnade / FSDP2: training state 3.0 / 2.5 MB, RSS growth in the timed steps 40.0 / - MB"]
     assert pt.zero_notes(rows[1:]) == []
