@@ -192,3 +192,21 @@ def test_zero23_nan_guard_reads_shards(run_ranks: Callable[..., list[Any]], stag
         assert len(res["bad"]) == 1, res["bad"]
         assert "(grad, shard piece) on rank 1 " in res["bad"][0], res["bad"]
         assert ": 3 NaN, 0 Inf of" in res["bad"][0], res["bad"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero23_fp16_overflow_on_one_rank_skips_everywhere(
+        run_ranks: Callable[..., list[Any]], stage: int) -> None:
+    """fp16 with the dynamic loss scale: an inf in rank 1's gradient shard at step 1 skips the
+    step on both ranks; scale 1024 -> 512 -> 1024 after the 2-step window."""
+    config = tiny_config(dp=2, zero_stage=stage, precision="fp16", steps=4, microbatches=2,
+                         loss_scale=1024.0, scale_window=2, clip=1.0, bucket=2000)
+    batches = make_batches(config)
+    results = run_ranks(2, rank_train, config, batches,
+                        {"step": 1, "rank": 1, "value": float("inf")})
+    for res in results:
+        infos = res["infos"]
+        assert [i["skipped"] for i in infos] == [0.0, 1.0, 0.0, 0.0], f"rank {res['rank']}"
+        assert [i["loss_scale"] for i in infos] == [1024.0, 1024.0, 512.0, 512.0]
+        assert res["adam_steps"] == 3 and res["final_scale"] == 1024.0
+        assert all(i["grad_norm"] > 0 for k, i in enumerate(infos) if k != 1)
