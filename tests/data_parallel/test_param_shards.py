@@ -27,10 +27,12 @@ from colonnade.config.sections import Config
 from colonnade.data_parallel.buffer import FlatBuffers
 from colonnade.data_parallel.ddp import chunk_parameters
 from colonnade.data_parallel.param_shards import ParamShards
-from colonnade.models.build import build_reference
+from colonnade.models.build import build_chunks, build_reference
+from colonnade.models.compile import is_compiled
 from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
 from tests.data_parallel.common import tiny_config
-from tests.parity import VOCAB, random_steps, rank_groups, resolved
+from tests.parity import TOL, VOCAB, random_steps, rank_groups, rel_err, resolved
 
 BUCKET = 2000
 """Elements per bucket: a tiny llama (~32k parameters) gets about 16 buckets."""
@@ -175,3 +177,35 @@ def test_param_shards_unused_parameter_and_partial_report(
         assert res["kept"][0] > 0, "a bucket with an unused parameter was freed mid-step"
         assert res["kept"][1] == 0, "the bucket complete in micro-batch 2 was not freed"
         assert res["after"] == 0
+
+
+def test_param_shards_with_compiled_layers() -> None:
+    """training.compile: a compiled layer is one hooked site (its descendants none: a hook
+    inside the graph would be traced), the gathers stay outside the compiled graphs, and the
+    losses and gradients equal the eager unsharded model's (float64; compiled kernels may
+    reorder sums: within TOL)."""
+    base = tiny_config(arch="llama", dp=1, microbatches=2)
+    config = resolved(dataclasses.replace(
+        base, training=dataclasses.replace(base.training, compile=True)))
+    torch.set_num_threads(1)
+    single = ProcessGroups.single()
+    (model,) = build_chunks(config, single)
+    ref = build_reference(config)
+    buffers = FlatBuffers(chunk_parameters([model]), BUCKET, 1, full_grads=False,
+                          shard_params=True)
+    shards = ParamShards(buffers, single.dp_cp, [model], rank=0, reshard_after_forward=True,
+                         prefetch=1)
+    layers = list(model.layers.values())
+    assert all(is_compiled(layer) for layer in layers)
+    sites = [site.module for site in shards.sites]
+    assert all(any(s is layer for s in sites) for layer in layers)
+    assert not any(m is s for layer in layers for m in layer.modules() if m is not layer
+                   for s in sites)
+    for tokens, labels in random_steps(1, 2, 2, 16, VOCAB, seed=7)[0]:
+        loss, want = model(tokens, labels), ref(tokens, labels)
+        assert rel_err(loss.detach(), want.detach()) <= TOL
+        loss.backward()
+        want.backward()
+        assert shards.gathered_bytes == 0
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert rel_err(p.grad, q.grad) <= TOL
