@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from colonnade.config.sections import Config
 from tests.data_parallel.common import make_batches, rank_train, reference_run, tiny_config
 from tests.data_parallel.test_parity import check_parity
@@ -61,12 +63,17 @@ def test_zero3_pp2_gather_policies(run_ranks: Callable[..., list[Any]]) -> None:
           counts[True], "window", counts[False])
 
 
-def test_zero3_pp2_zero_bubble_reshard(run_ranks: Callable[..., list[Any]]) -> None:
-    """zb_h1 with reshard_after_forward: the input-gradient pass (B) accumulates no weight
-    gradient, so its buckets complete (and are freed) in the weight pass (W), which with full
-    recompute re-gathers them for the recomputation; results equal the reference."""
-    base = tiny_config(arch="llama", dp=2, pp=2, schedule="zb_h1", microbatches=M, steps=2,
-                       zero_stage=3, bucket=2000, recompute="full")
+@pytest.mark.parametrize(("schedule", "vp", "recompute"),
+                         [("zb_h1", 1, "full"), ("interleaved_1f1b", 2, "none")])
+def test_zero3_pp2_reshard_schedules(run_ranks: Callable[..., list[Any]], schedule: str,
+                                     vp: int, recompute: str) -> None:
+    """reshard_after_forward under the other schedules. zb_h1: the input-gradient pass (B)
+    accumulates no weight gradient, so its buckets complete (and are freed) in the weight pass
+    (W), which with full recompute re-gathers them for the recomputation. Interleaved: two
+    chunks per rank, prefetch never crosses a chunk. Results equal the reference."""
+    base = tiny_config(arch="gpt2" if vp > 1 else "llama", dp=2, pp=2, vp=vp,
+                       schedule=schedule, microbatches=M, steps=2, zero_stage=3, bucket=2000,
+                       recompute=recompute)
     config = resolved(dataclasses.replace(
         base, parallel=dataclasses.replace(base.parallel, reshard_after_forward=True)))
     batches = make_batches(config)
