@@ -9,7 +9,10 @@ bf16|fp16|fp32]`` writes
   ``dtype`` / ``torch_dtype``, and ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``;
 * ``generation_config.json``: the same three ids, so ``generate`` stops at the end of a
   document and pads with a real token;
-* ``model.safetensors`` in the chosen dtype;
+* ``model.safetensors`` in the chosen dtype, streamed one HF tensor at a time
+  (:func:`~colonnade.checkpoint.hf.hf_tensors`): each Colonnade tensor is read from the
+  checkpoint's pieces when its HF tensor is written, so at most one HF tensor and one of its
+  parts are in memory, never the whole model;
 * the tokenizer: ``tokenizer.json`` as trained or imported, plus ``tokenizer_config.json``
   (``tokenizer_class`` ``PreTrainedTokenizerFast``, which reads ``tokenizer.json`` as it is) and
   ``special_tokens_map.json``.
@@ -26,19 +29,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from torch import nn
 
 from colonnade.checkpoint.commit import resolve_checkpoint
-from colonnade.checkpoint.convert import read_full_model
-from colonnade.checkpoint.format import CheckpointError
-from colonnade.checkpoint.hf import TOKENIZER_FILES, hf_config_from_model, to_hf_state
+from colonnade.checkpoint.export import gather_full, shard_local
+from colonnade.checkpoint.format import DTYPES as STORED_DTYPES
+from colonnade.checkpoint.format import CheckpointError, CheckpointReader
+from colonnade.checkpoint.hf import (
+    TOKENIZER_FILES,
+    ShapeOf,
+    TensorGet,
+    hf_config_from_model,
+    hf_specs,
+    hf_tensors,
+    write_safetensors_stream,
+)
+from colonnade.config.load import load_config
 from colonnade.config.sections import ModelConfig
 from colonnade.data.tokenizer import eod_id, load_tokenizer
 from colonnade.models.build import DTYPES
+from colonnade.models.params import unique_params
+from colonnade.parallel.groups import ProcessGroups
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {k: DTYPES[k] for k in ("fp32", "bf16", "fp16")}
 """``--dtype`` values of ``colonnade convert --to-hf`` and the tensor dtype each writes."""
@@ -97,32 +113,103 @@ def write_tokenizer(directory: Path, tokenizer_dir: Path, config: dict[str, Any]
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
-def write_hf(directory: str | Path, cfg: ModelConfig, full: dict[str, torch.Tensor],
-             tokenizer_dir: str | Path | None = None, dtype: str | None = None) -> Path:
+def write_hf(directory: str | Path, cfg: ModelConfig,
+             full: Mapping[str, torch.Tensor] | tuple[TensorGet, ShapeOf, torch.dtype],
+             tokenizer_dir: str | Path | None = None, dtype: str | None = None,
+             write: bool = True) -> Path:
     """Write config.json, generation_config.json, model.safetensors (cast to ``dtype``, a key
     of EXPORT_DTYPES; None keeps the stored dtype) and the tokenizer of ``tokenizer_dir`` (none
     when it holds no tokenizer.json: the special ids are then null). Everything is checked
-    before the first file is written."""
+    before the first file is written.
+
+    ``full``: the full Colonnade tensors by key, or (get, shape_of, stored dtype) fetching
+    each tensor on demand: model.safetensors is then streamed one HF tensor at a time.
+    ``write=False`` (the other ranks of a collective ``get``): only drive ``get`` in the same
+    order, write nothing."""
     _check_dtype(dtype)
+    if isinstance(full, Mapping):
+        values = full
+        source: tuple[TensorGet, ShapeOf, torch.dtype] = (
+            values.__getitem__, lambda k: tuple(values[k].shape),
+            next(iter(values.values())).dtype)
+    else:
+        source = full
+    get, shape_of, stored = source
+    out_dtype = EXPORT_DTYPES[dtype] if dtype is not None else stored
+    specs = hf_specs(cfg, shape_of, out_dtype)
+    stream = ((n, t.to(out_dtype)) for n, t in hf_tensors(cfg, get, specs))
+    directory = Path(directory)
+    if not write:
+        for _ in stream:
+            pass
+        return directory
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     tok_config: dict[str, Any] | None = None
     ids: dict[str, int | None] = dict.fromkeys(f"{r}_id" for r in SPECIAL_ROLES)
     if tok_dir is not None and (tok_dir / "tokenizer.json").exists():
         tok_config, found = special_tokens(tok_dir, cfg)
         ids.update(found)
-    state = to_hf_state(cfg, full)
-    if dtype is not None:
-        state = {k: v.to(EXPORT_DTYPES[dtype]) for k, v in state.items()}
-    torch_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    torch_dtype = str(out_dtype).removeprefix("torch.")
     hf_config = {**hf_config_from_model(cfg, torch_dtype), **ids}
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(ids, indent=2))
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors_stream(directory / "model.safetensors", specs, stream)
     if tok_dir is not None and tok_config is not None:
         write_tokenizer(directory, tok_dir, tok_config)
     return directory
+
+
+def checkpoint_source(reader: CheckpointReader) -> tuple[TensorGet, ShapeOf, torch.dtype]:
+    """(get, shape_of, dtype) of a checkpoint's model tensors: ``get`` reads one full tensor
+    from its stored pieces (any layout and ZeRO stage) when asked."""
+    def get(key: str) -> torch.Tensor:
+        shape = reader.full_shape(f"model/{key}")
+        return reader.read_box(f"model/{key}", ((0,) * len(shape), shape))
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        return reader.full_shape(f"model/{key}")
+
+    names = [n for n in reader.tensors if n.startswith("model/")]
+    if not names:
+        raise CheckpointError(f"{reader.directory}: no model tensors to export")
+    return get, shape_of, STORED_DTYPES[reader.tensors[names[0]]["dtype"]]
+
+
+def write_hf_from_run(out: str | Path, model: ModelConfig, chunks: list[nn.Module],
+                      groups: ProcessGroups, ddp: Any = None,
+                      tokenizer_dir: str | Path | None = None,
+                      dtype: str | None = None) -> Path:
+    """Export a live run's weights as an HF directory (collective: every rank calls it; world
+    rank 0 writes). Each Colonnade tensor is rebuilt when its HF tensor is written and
+    dropped after: ZeRO-3 ranges all-reduced over the shard group into its local tp shard
+    (:func:`~colonnade.checkpoint.export.shard_local`), then gathered over tp, so no rank
+    holds more than one HF tensor and one of its parts. pp > 1 is refused (a stage holds only
+    its layers): save a checkpoint and ``colonnade convert --to-hf`` it."""
+    if groups.pp.size > 1:
+        raise ValueError(f"HF export from a live run needs parallel.pp=1 (this run has "
+                         f"pp={groups.pp.size}); save a checkpoint (--checkpoint.save=DIR) "
+                         "and run `colonnade convert --to-hf DIR --out OUT`")
+    if ddp is not None:
+        ddp.finish_param_gather()  # ZeRO-1/2 (a no-op at stage 3)
+    params = {p.sharding.key: p for p in unique_params(chunks)}  # type: ignore[attr-defined]
+    ranges: dict[int, list[tuple[int, int, torch.Tensor]]] | None = None
+    if ddp is not None and getattr(ddp, "param_shards", None) is not None:
+        ranges = {}
+        for q, lo, hi, values in ddp.owned_param_segments():
+            ranges.setdefault(id(q), []).append((lo, hi, values))
+
+    def get(key: str) -> torch.Tensor:
+        p = params[key]
+        local = p if ranges is None else shard_local(p, ranges.get(id(p), []), ddp.group)
+        return gather_full(local, p.sharding, groups.tp)  # type: ignore[attr-defined]
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        return params[key].sharding.full_shape  # type: ignore[attr-defined]
+
+    stored = next(iter(params.values())).dtype
+    rank0 = groups.world.rank == 0
+    return write_hf(out, model, (get, shape_of, stored), tokenizer_dir, dtype, write=rank0)
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -141,13 +228,17 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
         raise CheckpointError(f"{out} already holds an exported model ({', '.join(taken)}); "
                               "pass a new --out directory or delete the old export first")
     ckpt = resolve_checkpoint(path)
-    config, full = read_full_model(ckpt)
-    model: ModelConfig = config.model
+    model: ModelConfig = load_config(ckpt / "config.toml").model
+    reader = CheckpointReader(ckpt)
+    source = checkpoint_source(reader)
     out = Path(out)
-    if out.exists():  # an empty or unrelated directory: the files go in beside what is there
-        return write_hf(out, model, full, ckpt, dtype)
-    tmp = out.with_name(f".{out.name}.tmp")  # a new directory appears whole or not at all
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_hf(tmp, model, full, ckpt, dtype)
-    os.replace(tmp, out)
-    return out
+    try:
+        if out.exists():  # an empty or unrelated directory: the files go in beside what is there
+            return write_hf(out, model, source, ckpt, dtype)
+        tmp = out.with_name(f".{out.name}.tmp")  # a new directory appears whole or not at all
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_hf(tmp, model, source, ckpt, dtype)
+        os.replace(tmp, out)
+        return out
+    finally:
+        reader.close()

@@ -15,13 +15,20 @@ Loading an HF directory into any parallel layout: :func:`load_hf_into_chunks` re
 of this rank's parameters, only the box of its tp shard (:class:`HFRef` says where that box
 lies in the HF tensor), one slice at a time.
 Writing one (config.json, generation config, tokenizer with special tokens, dtype) is
-:mod:`colonnade.hf_export`, which uses :func:`hf_config_from_model` and :func:`to_hf_state`.
+:mod:`colonnade.hf_export`, which uses :func:`hf_config_from_model` and :func:`hf_tensors`:
+the HF tensors are assembled one at a time, each from its Colonnade tensors fetched one at a
+time (a fused GPT-2 ``c_attn`` is one HF tensor of three), and streamed into
+``model.safetensors`` (:func:`write_safetensors_stream`), so an export never holds more than one
+HF tensor and one of its parts, whatever the model size.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +114,87 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 def to_hf_state(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF state dict from full Colonnade tensors (inverse of :func:`from_hf_state`)."""
     return hf_format(cfg).to_hf(cfg, full)
+
+
+TensorGet = Callable[[str], torch.Tensor]
+"""Our key -> its full tensor (read or gathered on demand, one at a time)."""
+ShapeOf = Callable[[str], tuple[int, ...]]
+"""Our key -> its full shape (no values read)."""
+HFSpec = tuple[str, tuple[int, ...], torch.dtype]
+"""(HF name, shape, dtype) of one HF tensor."""
+
+
+def hf_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, HFRef]]]:
+    """HF tensor name -> the (our key, ref) parts it is made of, in block order, sorted by
+    HF name (the order :func:`hf_tensors` yields them)."""
+    out: dict[str, list[tuple[str, HFRef]]] = {}
+    for ours, ref in hf_refs(cfg).items():
+        out.setdefault(ref.name, []).append((ours, ref))
+    return {name: sorted(parts, key=lambda part: part[1].block)
+            for name, parts in sorted(out.items())}
+
+
+def hf_specs(cfg: ModelConfig, shape_of: ShapeOf, dtype: torch.dtype) -> list[HFSpec]:
+    """(name, shape, dtype) of every HF tensor, from our shapes only: a part's shape is ours
+    (reversed when stored transposed) and the parts are concatenated along the last dim."""
+    out = []
+    for name, parts in hf_parts(cfg).items():
+        shapes = [shape_of(ours)[::-1] if ref.transpose else shape_of(ours)
+                  for ours, ref in parts]
+        out.append((name, (*shapes[0][:-1], sum(s[-1] for s in shapes)), dtype))
+    return out
+
+
+def hf_tensors(cfg: ModelConfig, get: TensorGet, specs: Sequence[HFSpec]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of :func:`hf_specs` one at a time: each part ``get(ours)`` (fetched when
+    needed, dropped once copied) written transposed or not into its block of the last dim.
+    Equal to :func:`to_hf_state` of the full tensors."""
+    parts_of = hf_parts(cfg)
+    for name, shape, dtype in specs:
+        out = torch.empty(shape, dtype=dtype)
+        at = 0
+        for ours, ref in parts_of[name]:
+            part = get(ours)
+            part = part.t() if ref.transpose else part
+            n = part.shape[-1]
+            out[..., at:at + n] = part
+            at += n
+            del part  # one part alive at a time
+        yield name, out
+
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+"""torch dtype -> safetensors header dtype."""
+
+
+def write_safetensors_stream(path: str | Path, specs: Sequence[HFSpec],
+                             tensors: Iterator[tuple[str, torch.Tensor]],
+                             metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file tensor by tensor: the header (8-byte little-endian length,
+    JSON {name: dtype, shape, data_offsets}, space-padded to 8 bytes) from ``specs``, then each
+    tensor's bytes as ``tensors`` yields it (same order as ``specs``), then fsync. Only one
+    tensor is in memory at a time (``safetensors.save_file`` takes them all at once)."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in specs:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for (name, shape, dtype), (got, t) in zip(specs, tensors, strict=True):
+            if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"{path}: tensor {got} {tuple(t.shape)} {t.dtype} does not "
+                                 f"match the header's {name} {tuple(shape)} {dtype}")
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _take(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
