@@ -24,10 +24,12 @@ larger):
         both then freed.  With overlap_grad_reduce at most 2 reduce-scatters are outstanding
         when a third is launched (GRAD_BUCKETS_IN_FLIGHT = 3 buffers with their outputs), and
         the next bucket may already be filling (autograd does not produce gradients in the
-        buffer's exact order: SwiGLU's gate and up, attention's q, k, v): 4 B R + 3 B R / S
-        (at most P_dev R (1 + 1/S)); without overlap every bucket fills before the first is
-        launched: P_dev R + 3 B R / S. (Autograd's per-parameter ``.grad`` temporaries, freed
-        as each is copied in, are not counted, as at stages 0 and 1.)
+        buffer's exact order: SwiGLU's gate and up, attention's q, k, v): 4 B R + 3 B R / S,
+        at most (P_dev + B) R + P_dev R / S (with 3 buckets or fewer, a bucket still in
+        flight from one micro-batch fills again for the next); without overlap every bucket
+        fills before the first is launched: P_dev R + 3 B R / S. (Autograd's per-parameter
+        ``.grad`` temporaries, freed as each is copied in, are not counted, as at stages 0
+        and 1.)
     stage 3 gathered parameters (data_parallel/param_shards.py): with reshard_after_forward
         the buckets of the module in use plus ``zero_prefetch`` gathered ahead.  Buckets are
         cut by size, not at module boundaries, so a module of U parameters (the largest: the
@@ -156,7 +158,8 @@ def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float
     b = bucket_elements(w, layout, stage, params)
     r, s = w.reduce_bytes, layout.shard
     outputs = min(params, GRAD_BUCKETS_IN_FLIGHT * b) * r / s
-    inputs = min(params, (GRAD_BUCKETS_IN_FLIGHT + 1) * b) if w.overlap_grad_reduce else params
+    inputs = min(params + b, (GRAD_BUCKETS_IN_FLIGHT + 1) * b) if w.overlap_grad_reduce \
+        else params
     grad = inputs * r + outputs
     if layout.zero < 3:
         return grad, 0.0
@@ -232,7 +235,10 @@ class Memory:
         return out
 
 
-def _stage_memory(m: LayerShape, w: Workload, layout: Layout, stage: str) -> Memory:
+def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
+    """Memory of one device of pipeline ``stage`` ('first', 'last', 'only'; a middle stage
+    holds no more than these)."""
+    m = w.shape
     wb, gb, ob = state_bytes_per_param(w, layout)
     n = stage_params(m, layout, stage)
     micro, e, s, t = layout.micro_batch, w.elem, w.seq_len, layout.tp
@@ -258,9 +264,8 @@ def _stage_memory(m: LayerShape, w: Workload, layout: Layout, stage: str) -> Mem
 
 def memory_per_device(w: Workload, layout: Layout) -> Memory:
     """Memory of the fullest stage (first or last; the only one without pp)."""
-    m = w.shape
     if layout.pp == 1:
-        return _stage_memory(m, w, layout, "only")
-    first = _stage_memory(m, w, layout, "first")
-    last = _stage_memory(m, w, layout, "last")
+        return stage_memory(w, layout, "only")
+    first = stage_memory(w, layout, "first")
+    last = stage_memory(w, layout, "last")
     return first if first.total >= last.total else last

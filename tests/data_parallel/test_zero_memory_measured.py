@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import memory_per_device
+from colonnade.analysis.memory import stage_memory
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
 from colonnade.models.build import build_chunks, param_dtype
@@ -36,7 +36,8 @@ the last with the embedding)."""
 
 
 def measured_config(dp: int, stage: int, **parallel_fields: Any) -> Config:
-    """The bf16 model at ``dp`` ranks and ZeRO ``stage``, two micro-batches per rank."""
+    """The bf16 model at ``dp`` ranks (x pp when given) and ZeRO ``stage``, two
+    micro-batches per rank."""
     model = tiny_model("llama", layers=4, hidden=64, heads=4, vocab=VOCAB, seq=16)
     parallel = ParallelConfig(dp=dp, zero_stage=stage, bucket_size=BUCKET, **parallel_fields)
     config = Config(model=model, parallel=parallel,
@@ -91,20 +92,31 @@ def _measure(config: Config) -> dict[str, Any]:
     out["optimizer"] = _storages(_tensors_of(opt), seen)
     if stage >= 2:
         out.update(ddp.memory_bytes())
+    pp = config.parallel.pp
+    out["stage"] = ("only" if pp == 1 else "first" if groups.is_first_stage
+                    else "last" if groups.is_last_stage else "middle")
     return out
 
 
 def _check(results: list[dict[str, Any]], config: Config) -> None:
-    layout = Layout.from_config(config, config.parallel.dp or 1)
-    want = memory_per_device(Workload.from_config(config), layout)
-    pairs = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
-    if layout.zero >= 2:
-        pairs["transient_peak"] = want.grad_buckets
-    if layout.zero == 3:
-        pairs["gathered_peak"] = want.gathered
+    layout = Layout.from_config(config, len(results))
+    # With pp 2 a stage holds < 3 buckets: its gradient buffers are all alive at once, and one
+    # may be alive twice (in flight for one micro-batch, filling for the next) depending on
+    # the schedule's order; the formula's cap (P + B) R + P R / S is then an upper bound (up
+    # to the shard padding, < 1%).
+    bound_only = {"transient_peak"} if config.parallel.pp > 1 else set()
     for res in results:
+        want = stage_memory(Workload.from_config(config), layout, res["stage"])
+        pairs = {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
+        if layout.zero >= 2:
+            pairs["transient_peak"] = want.grad_buckets
+        if layout.zero == 3:
+            pairs["gathered_peak"] = want.gathered
         for kind, formula in pairs.items():
             assert formula > 0, kind
+            if kind in bound_only:
+                assert res[kind] <= 1.01 * formula, (kind, res[kind], formula)
+                continue
             assert res[kind] == pytest.approx(formula, rel=0.10), (kind, res[kind], formula)
 
 
@@ -129,6 +141,8 @@ CASES = [
     (2, 3, {"reshard_after_forward": False}),
     (4, 3, {"zero_prefetch": 2}),
     (4, 3, {"zero_shard_size": 2}),
+    (2, 3, {"pp": 2}),
+    (2, 2, {"pp": 2}),
 ]
 
 
@@ -140,10 +154,10 @@ def test_stage2_3_bytes_match_the_formula(run_ranks: Callable[..., list[Any]], d
     """Measured / formula within 10% (1.00-1.06 for every kind here): the peaks of gradient
     bucket buffers and gathered buckets included."""
     config = measured_config(dp, stage, **fields)
-    results = run_ranks(dp, _measure, config)
+    results = run_ranks(dp * config.parallel.pp, _measure, config)
     _check(results, config)
-    n = 279_104
-    if not config.parallel.reshard:  # the whole model gathered from forward to the sync
+    if config.parallel.pp == 1 and not config.parallel.reshard:  # the whole model gathered
+        n = 279_104  # from the first forward to the gradient sync
         assert all(2 * n <= r["gathered_peak"] < 2 * (n + 5 * dp * 64) for r in results)
 
 
