@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ def test_zero3_dp4_resumes_in_other_stages(run_ranks: Callable[..., list[Any]],
     flat = [p for name, ps in pieces.items() if name.startswith("model/") for p in ps
             if p["flat"] is not None]
     assert flat, "ZeRO-3 parameters were not written as flat ranges"
+    _stored_once(root)
     for z in TARGETS:
         moved = run_ranks(z.world, load_run, z, str(root), 2)
         assert moved[0]["step"] == 4
@@ -144,6 +146,7 @@ REVERSE = [
     (Zero(Layout(tp=2, dp=2, sp=True), 1), Zero(Layout(tp=2, dp=2), 3)),
     (Zero(Layout(dp=4), 2, shard_size=2), Zero(Layout(dp=4), 3, shard_size=2)),
     (Zero(Layout(dp=4), 3, shard_size=2), Zero(Layout(dp=2), 2)),
+    (Zero(Layout(pp=2, dp=2), 3), Zero(Layout(tp=2), 0)),
 ]
 
 
@@ -153,14 +156,18 @@ def test_resume_into_zero3_and_hybrid(run_ranks: Callable[..., list[Any]], tmp_p
     """Stage 0 / 1 / hybrid stage 2 -> stage 3 (and hybrid stage 3 -> stage 2): the same run."""
     root = tmp_path / "ck"
     stayed = run_ranks(a.world, save_run, a, str(root), 2, 2)
-    if a.shard_size:  # replicas of a shard write nothing: each element stored once
-        for name, ps in _pieces(root).items():
-            if name.startswith("optim/"):
-                stored = sum((p["flat"][1] - p["flat"][0]) if p["flat"] else
-                             int(torch.tensor(p["shape"]).prod()) for p in ps)
-                full = torch.tensor(json.loads((sorted(root.glob("step_*"))[-1] / "index.json")
-                                               .read_text())["tensors"][name]["full_shape"])
-                assert stored == int(full.prod()), name
+    _stored_once(root)
     moved = run_ranks(b.world, load_run, b, str(root), 2)
     assert moved[0]["step"] == 4
     _same(stayed, moved)
+
+
+def _stored_once(root: Path) -> None:
+    """Every element of every tensor is stored exactly once: replicas (dp replicas of a whole
+    parameter, hybrid replicas of a shard, a tied head's copy) write nothing."""
+    step = sorted(root.glob("step_*"))[-1]
+    tensors = json.loads((step / "index.json").read_text())["tensors"]
+    for name, info in tensors.items():
+        stored = sum((p["flat"][1] - p["flat"][0]) if p["flat"] else math.prod(p["shape"])
+                     for p in info["pieces"])
+        assert stored == math.prod(info["full_shape"]), name
