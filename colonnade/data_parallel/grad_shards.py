@@ -4,10 +4,10 @@ With ``FlatBuffers(full_grads=False)`` there is no flat gradient buffer [N] and 
 ``main_grad``. Autograd writes each parameter's gradient of one micro-batch into ``param.grad``;
 a post-accumulate-grad hook then
 
-1. adds it (cast to the reduce dtype: ``parallel.grad_reduce_dtype``, fp64 for fp64 models)
-   into its bucket's *transient* full-size buffer ``T_i`` [numel_i], allocated (zeros: padding
-   and parameters unused by this micro-batch stay 0) when the bucket's first gradient arrives,
-   and frees ``param.grad``;
+1. copies it (cast to the reduce dtype: ``parallel.grad_reduce_dtype``, fp64 for fp64
+   models) into its slot of its bucket's *transient* full-size buffer ``T_i`` [numel_i],
+   allocated uninitialised when the bucket's first gradient arrives (the padding and the slots
+   of parameters that did not arrive are zeroed at launch), and frees ``param.grad``;
 2. when every parameter of bucket i has arrived (and ``overlap_grad_reduce``), launches the
    asynchronous reduce-scatter of ``T_i`` over the shard group into a temporary ``O_i`` [L_i],
    ``L_i = numel_i / n``: rank r receives ``sum_ranks T_i[r L_i : (r + 1) L_i]``.
@@ -148,13 +148,13 @@ class GradShards:
         full = self._full[index]
         if full is None:
             bucket = self.buffers.buckets[index]
-            full = torch.zeros(bucket.numel, dtype=self.reduce_dtype,
-                               device=self.buffers.device)  # [numel_i]
+            full = torch.empty(bucket.numel, dtype=self.reduce_dtype,
+                               device=self.buffers.device)  # [numel_i], zeroed at launch
             self._full[index] = full
             self._count(full)
         start = self.buffers.buckets[index].start
-        with torch.no_grad():
-            full[slot.start - start:slot.end - start].add_(grad.reshape(-1))
+        with torch.no_grad():  # each slot written once per buffer (a repeat launches first)
+            full[slot.start - start:slot.end - start].copy_(grad.reshape(-1))
         param.grad = None
         ready = self._ready[index]
         ready.add(id(param))
@@ -175,10 +175,10 @@ class GradShards:
         """Reduce-scatter bucket ``index``'s transient buffer (async); bound the in-flight."""
         full = self._full[index]
         self._full[index] = None
-        self._ready[index].clear()
         if full is None:
             return
         with torch.no_grad():
+            self._zero_unwritten(index, full)
             if not self.cfg.average_in_collective:
                 full.mul_(1.0 / (self.group.size * self.replicas))
             out = torch.empty(full.numel() // self.group.size, dtype=full.dtype,
@@ -194,6 +194,20 @@ class GradShards:
             self.on_bucket_done(index)
         while len(self._pending) > self.max_in_flight:
             self._complete(self._pending.popleft())
+
+    def _zero_unwritten(self, index: int, full: torch.Tensor) -> None:
+        """Zero the slots of parameters that did not arrive, and the padding (at the bucket's
+        tail); then forget who arrived."""
+        bucket = self.buffers.buckets[index]
+        ready = self._ready[index]
+        tail = bucket.start
+        for p in bucket.params:
+            slot = self.buffers.slot(p)
+            tail = max(tail, slot.end)
+            if id(p) not in ready:
+                full[slot.start - bucket.start:slot.end - bucket.start].zero_()
+        full[tail - bucket.start:].zero_()
+        ready.clear()
 
     def _complete(self, job: _InFlight) -> None:
         """Wait for one reduce-scatter, all-reduce over the replicas, add into the shard."""
