@@ -56,7 +56,12 @@ schedule, so the same modules' hooks fire in the same order on every rank; the b
 gathers and prefetches are a function of the module and of which buckets are gathered, and the
 gathered set evolves identically on every rank (same hooks, same frees, same
 bucket_backward_done order, since the buckets complete in the same backward order). So every
-rank issues the same all-gathers in the same order.
+rank issues the same all-gathers in the same order. A module called or skipped depending on
+the data (a routed expert) would break this; Colonnade's models have none.
+
+Weights read outside any hooked module's forward (not through a module call, nor listed in
+``direct_children``) are not gathered by the hooks: code doing that (export, checkpoint,
+generation from a training chunk) calls :meth:`ParamShards.gather` / :meth:`gather_all` first.
 """
 
 from __future__ import annotations
