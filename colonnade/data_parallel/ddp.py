@@ -41,7 +41,6 @@ gradient shards then all-reduced over the replicate group.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +49,7 @@ from torch import nn
 from colonnade.config.sections import Config, ParallelConfig
 from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
 from colonnade.data_parallel.grad_shards import GradShards
+from colonnade.data_parallel.param_shards import ParamShards
 from colonnade.models.compile import is_compiled
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
@@ -96,7 +96,7 @@ class DataParallel:
                                    full_grads=self.zero < 2, shard_params=self.zero == 3,
                                    shard_rank=max(self.group.rank, 0) if self.zero == 3 else None)
         self.buckets: list[Bucket] = self.buffers.buckets
-        self.param_shards: Any = None
+        self.param_shards: ParamShards | None = None
         """ZeRO-3: the :class:`ParamShards` gathering and freeing parameter buckets."""
         self.grad_shards: GradShards | None = None
         """ZeRO-2/3: the sharded gradient path."""
@@ -129,8 +129,6 @@ class DataParallel:
         self.hooked = True
         on_done = None
         if self.zero == 3:
-            from colonnade.data_parallel.param_shards import ParamShards
-
             self.param_shards = ParamShards(self.buffers, self.group, chunks, rank=self.rank,
                                             reshard_after_forward=self.cfg.reshard,
                                             prefetch=self.cfg.zero_prefetch)
@@ -168,7 +166,7 @@ class DataParallel:
         """Parameter-dtype views aligned with :meth:`owned_ranges`: slices of ``param_data``,
         or (ZeRO-3) the persistent shard values :meth:`ParamShards.owned`."""
         if self.param_shards is not None:
-            return list(self.param_shards.owned())
+            return self.param_shards.owned()
         assert self.buffers.param_data is not None
         return [self.buffers.param_data[lo:hi] for lo, hi in self.owned_ranges()]
 
@@ -200,7 +198,7 @@ class DataParallel:
         params = nbytes(buf.param_data) if self.param_shards is None else nbytes(buf.shard_data)
         grads = (nbytes(self.grad_shards.shard) if self.grad_shards is not None
                  else nbytes(buf.grad_data))
-        gathered = (int(self.param_shards.peak_gathered_bytes)
+        gathered = (self.param_shards.peak_gathered_bytes
                     if self.param_shards is not None else 0)
         return {"params": params, "grads": grads, "transient_peak": self.peak_transient_bytes,
                 "gathered_peak": gathered}
