@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from colonnade.tensor_parallel.sharding import initial_value
+
 ALIGN = 64
 """Each dp rank's range starts at a multiple of ALIGN elements (256 bytes in fp32)."""
 
@@ -82,8 +84,10 @@ def grad_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
 
 
 def _own_value(param: nn.Parameter) -> torch.Tensor:
-    """The default initial value: the parameter's own data."""
-    return param.data
+    """The default initial value: the parameter's own data, or for a meta parameter (ZeRO-3's
+    deferred init, :func:`~colonnade.models.build.defers_init`) its value built from its init
+    recipe (:func:`~colonnade.tensor_parallel.sharding.initial_value`)."""
+    return initial_value(param) if param.is_meta else param.data
 
 
 def param_key(param: nn.Parameter) -> str:
@@ -209,7 +213,8 @@ class FlatBuffers:
             value = self._values(p)
         view.copy_(value)
         if p.is_meta or p.device != view.device:
-            new = nn.Parameter(view, requires_grad=p.requires_grad)
+            new = nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+            new.data = view  # its own version counter, not the bucket's (see module doc)
             attrs = dict(p.__dict__)
             torch.utils.swap_tensors(p, new)  # p (same Python object) is now the view
             p.__dict__.update(attrs)

@@ -29,14 +29,24 @@ def param_dtype(precision: str) -> torch.dtype:
 
 
 def make_context(config: Config, groups: ProcessGroups, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> ParallelContext:
-    """The ParallelContext every layer of this rank shares."""
+                 dtype: torch.dtype | None = None, meta_params: bool = False
+                 ) -> ParallelContext:
+    """The ParallelContext every layer of this rank shares (``meta_params``: parameters are
+    built on the meta device, to be materialised one at a time later)."""
     par = config.parallel
     return ParallelContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
                            rng=RNGTracker(config.training.seed),
                            dtype=dtype or param_dtype(config.training.precision),
                            device=device, comm_chunks=par.tp_comm_chunks, cp=groups.cp,
-                           ep=groups.ep)
+                           ep=groups.ep,
+                           param_device=torch.device("meta") if meta_params else None)
+
+
+def defers_init(config: Config, groups: ProcessGroups) -> bool:
+    """Whether :func:`build_chunks` leaves parameters on the meta device: ZeRO-3 over more than
+    one rank, where DataParallel materialises each parameter from its recipe into its bucket
+    and keeps only this rank's shard, so the full model never exists on one rank."""
+    return config.parallel.zero == 3 and groups.shard_group.size > 1
 
 
 def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | None = None,
@@ -47,6 +57,12 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     ``spec`` chooses the architecture's classes (default: the registered
     :func:`~colonnade.models.spec.arch_spec` of ``config.model.arch``).
 
+    ZeRO-3 (:func:`defers_init`): parameters are built on the meta device with their init
+    recipe (``param.init_recipe``); non-parameter buffers (RoPE tables) are real.
+    :class:`~colonnade.data_parallel.ddp.DataParallel` then materialises them one at a time
+    (``FlatBuffers(initial_values=...)``, one bucket full at a time) from the same
+    layout-independent blocks, so the weights are bit-identical to an eager build.
+
     Initial weights are bit-identical to the single-process model's in every layout: each
     rank builds only its shard, from blocks drawn from (seed, global name, block index)
     (:func:`colonnade.tensor_parallel.sharding.init_shard`). The activation
@@ -55,7 +71,8 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     (:func:`colonnade.models.compile.compile_layers`; compilation happens at the first step).
     """
     par = config.parallel
-    ctx = make_context(config, groups, device, dtype)
+    meta = defers_init(config, groups)
+    ctx = make_context(config, groups, device, dtype, meta_params=meta)
     spec = spec if spec is not None else arch_spec(config.model)
     specs = stage_chunks(config.model.num_layers, par.pp, par.vp, groups.pp_rank,
                          par.pipeline_layout)
@@ -63,7 +80,13 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     for layers, first, last in specs:
         chunk = ModelChunk(config.model, ctx, layers, first=first, last=last,
                            label_smoothing=config.training.label_smoothing, spec=spec)
-        chunks.append(chunk.to(device) if device is not None else chunk)
+        if device is not None and not meta:
+            chunk = chunk.to(device)
+        elif device is not None:  # meta parameters stay; buffers (RoPE tables) move
+            for module in chunk.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    module._buffers[name] = buf.to(device)
+        chunks.append(chunk)
     install_recompute(chunks, RecomputePlan.from_config(config.training))
     if config.training.compile:
         compile_layers(chunks)

@@ -33,6 +33,9 @@ class ParallelContext:
     """Parameter dtype."""
     device: torch.device | None = None
     """Parameter device."""
+    param_device: torch.device | None = None
+    """Where parameters are built when not ``device``: 'meta' for ZeRO-3's deferred init
+    (each is materialised on ``device`` later from its ``init_recipe``)."""
     comm_chunks: int = 1
     """Chunks for overlapping sp collectives with matmuls (1: off)."""
     cp: CommGroup | None = None
@@ -56,4 +59,4 @@ class ParallelContext:
         """A parameter holding this rank's shard (its coordinates on the axes that split
         parameters: tp today) of its seeded full initial value."""
         return make_param(sharding, tp_coords(self.tp_rank, self.tp), self.seed, std, kind,
-                          self.dtype, self.device)
+                          self.dtype, self.param_device or self.device, self.device)

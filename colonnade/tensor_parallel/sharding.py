@@ -274,19 +274,58 @@ def init_full(sharding: Sharding, seed: int, std: float, kind: str = "normal",
     return init_shard(dataclasses.replace(sharding, padded_rows=0), {}, seed, std, kind, dtype)
 
 
+@dataclass(frozen=True)
+class InitRecipe:
+    """How a parameter's initial shard is made: the arguments of :func:`init_shard` (attached
+    to every parameter as ``param.init_recipe`` by :func:`make_param`), so a parameter built
+    on the meta device is materialised later, one at a time (:func:`initial_value`)."""
+
+    coords: tuple[tuple[str, tuple[int, int]], ...]
+    """The rank's coordinates (``dict(coords)`` gives :data:`Coords`)."""
+    seed: int
+    """Run seed."""
+    std: float
+    """Standard deviation of a normal init."""
+    kind: str
+    """'normal', 'ones' or 'zeros'."""
+    dtype: torch.dtype
+    """Parameter dtype."""
+    device: torch.device | None
+    """Where the value is materialised (None: the default device)."""
+
+
 def make_param(sharding: Sharding, coords: Coords, seed: int, std: float,
                kind: str = "normal", dtype: torch.dtype = torch.float32,
-               device: torch.device | None = None) -> torch.nn.Parameter:
+               device: torch.device | None = None,
+               materialise_on: torch.device | None = None) -> torch.nn.Parameter:
     """A parameter holding this rank's shard of the seeded initial value, built on its own
     (on the meta device: the shard's shape only, nothing initialised, e.g. for
-    ``train --dry-run``)."""
-    if device is not None and torch.device(device).type == "meta":
+    ``train --dry-run`` or ZeRO-3's deferred init). Its recipe is attached as
+    ``param.init_recipe`` (materialised on ``materialise_on``, default ``device``)."""
+    meta = device is not None and torch.device(device).type == "meta"
+    if meta:
         value = torch.empty(sharding.local_shape(coords), dtype=dtype, device="meta")
     else:
         value = init_shard(sharding, coords, seed, std, kind, dtype, device)
     param = torch.nn.Parameter(value)
     param.sharding = sharding  # type: ignore[attr-defined]
+    target = materialise_on if materialise_on is not None else (None if meta else device)
+    param.init_recipe = InitRecipe(  # type: ignore[attr-defined]
+        tuple(sorted(coords.items())), seed, std, kind, dtype,
+        torch.device(target) if target is not None else None)
     return param
+
+
+def initial_value(param: torch.nn.Parameter) -> torch.Tensor:
+    """The initial shard [local_shape] of a parameter made by :func:`make_param` (a meta one
+    included), built from its recipe on the recipe's device: bit-identical to what
+    :func:`make_param` builds directly, in every layout."""
+    recipe: InitRecipe | None = getattr(param, "init_recipe", None)
+    if recipe is None:
+        raise ValueError(f"{getattr(param, 'sharding', None)}: a parameter without an init "
+                         "recipe (not made by make_param) cannot be materialised")
+    return init_shard(param.sharding, dict(recipe.coords), recipe.seed,  # type: ignore[attr-defined]
+                      recipe.std, recipe.kind, recipe.dtype, recipe.device)
 
 
 def output_std(std: float, num_layers: int) -> float:
