@@ -20,8 +20,12 @@ average over all dp x cp ranks.
 
 When a reduce-scatter is waited, ``O_i`` is added into this rank's persistent shard gradient
 ``G`` [sum_i L_i] (fp32; fp64 for fp64 models: :meth:`GradShards.owned_grads`) and ``T_i`` and
-``O_i`` are freed. At most ``max_in_flight`` reduce-scatters are outstanding: launching one
-more waits for the oldest first.
+``O_i`` are freed. At most ``max_in_flight`` reduce-scatters are outstanding: after each
+launch the oldest ones already finished are folded in, and the oldest is waited for while more
+than ``max_in_flight`` remain. Under hybrid sharding folding in issues the replicate group's
+all-reduce, so there it happens only by the in-flight count (the same point on every rank,
+never by a timing-dependent poll: all ranks issue the collectives of every group in one
+order).
 
 Cost of accumulating m micro-batches: every bucket is reduce-scattered once per micro-batch
 (m reduce-scatters per bucket and step, against one for ZeRO-1, whose full fp32 buffer [N]
@@ -192,8 +196,12 @@ class GradShards:
         self.launches += 1
         if self.on_bucket_done is not None:
             self.on_bucket_done(index)
-        while len(self._pending) > self.max_in_flight:
-            self._complete(self._pending.popleft())
+        while self._pending and (len(self._pending) > self.max_in_flight or self._done()):
+            self._complete(self._pending.popleft())  # the finished ones first, without waiting
+
+    def _done(self) -> bool:
+        """The oldest reduce-scatter has finished (never asked under hybrid sharding)."""
+        return self.replicas == 1 and self._pending[0].handle.is_completed()
 
     def _zero_unwritten(self, index: int, full: torch.Tensor) -> None:
         """Zero the slots of parameters that did not arrive, and the padding (at the bucket's

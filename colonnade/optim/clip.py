@@ -3,8 +3,10 @@
 Each rank sums the squares of the gradient entries it *owns*: tp-sharded parameters on every
 tp rank (disjoint shards), tp-replicated ones on tp rank 0 only, the duplicate tied head on the
 last stage not at all (its gradient equals the embedding's after the tied reduction). The
-partial sums are then all-reduced over the model group (tp x pp). With ZeRO-1, each dp rank
-owns a disjoint range of the flat gradient and the sum runs over dp as well.
+partial sums are then all-reduced over the model group (tp x pp). With ZeRO (any stage >= 1),
+each rank of the shard group owns a disjoint range of the flat gradient (stage 2/3: its shard
+is the only gradient it has) and the sum runs over the shard group as well; under hybrid
+sharding the replicate group holds copies of the same shards and is not summed over.
 """
 
 from __future__ import annotations
