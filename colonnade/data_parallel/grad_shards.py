@@ -58,12 +58,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from colonnade.config.choices import GRAD_REDUCE_DTYPES
 from colonnade.config.sections import ParallelConfig
 from colonnade.data_parallel.buffer import FlatBuffers
 from colonnade.parallel.comm import CommGroup, Handle
 
 REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """parallel.grad_reduce_dtype -> torch dtype (keys equal config.choices.GRAD_REDUCE_DTYPES)."""
+if set(REDUCE_DTYPES) != set(GRAD_REDUCE_DTYPES):
+    raise ImportError(f"REDUCE_DTYPES {sorted(REDUCE_DTYPES)} must cover "
+                      f"config.choices.GRAD_REDUCE_DTYPES {sorted(GRAD_REDUCE_DTYPES)}")
 
 
 def reduce_dtype_for(name: str, grad_dtype: torch.dtype) -> torch.dtype:
