@@ -14,18 +14,16 @@ a post-accumulate-grad hook then
 
 Averaging: ``T_i`` is pre-scaled by ``1 / (n x R)`` before a SUM (n shard-group ranks, R
 replicas; ``average_in_collective``: AVG in both collectives instead). Hybrid sharding
-(``zero_shard_size``): after the reduce-scatter inside the shard group, ``O_i`` is all-reduced
-over the replicate group (the same shard index in every replica), so every rank holds the
-average over all dp x cp ranks.
+(``zero_shard_size``): the reduce-scatters run inside the shard group, and at the step's sync
+the accumulated shard ``G`` is all-reduced once over the replicate group (the ranks holding the
+same shard index), so every rank holds the average over all dp x cp ranks: one all-reduce of
+N / n elements per step, not one per bucket and micro-batch (the sum is linear).
 
 When a reduce-scatter is waited, ``O_i`` is added into this rank's persistent shard gradient
 ``G`` [sum_i L_i] (fp32; fp64 for fp64 models: :meth:`GradShards.owned_grads`) and ``T_i`` and
 ``O_i`` are freed. At most ``max_in_flight`` reduce-scatters are outstanding: after each
-launch the oldest ones already finished are folded in, and the oldest is waited for while more
-than ``max_in_flight`` remain. Under hybrid sharding folding in issues the replicate group's
-all-reduce, so there it happens only by the in-flight count (the same point on every rank,
-never by a timing-dependent poll: all ranks issue the collectives of every group in one
-order).
+launch the oldest ones already finished are folded in (a local add, no collective), and the
+oldest is waited for while more than ``max_in_flight`` remain.
 
 Cost of accumulating m micro-batches: every bucket is reduce-scattered once per micro-batch
 (m reduce-scatters per bucket and step, against one for ZeRO-1, whose full fp32 buffer [N]
@@ -200,12 +198,9 @@ class GradShards:
         self.launches += 1
         if self.on_bucket_done is not None:
             self.on_bucket_done(index)
-        while self._pending and (len(self._pending) > self.max_in_flight or self._done()):
+        while self._pending and (len(self._pending) > self.max_in_flight
+                                 or self._pending[0].handle.is_completed()):
             self._complete(self._pending.popleft())  # the finished ones first, without waiting
-
-    def _done(self) -> bool:
-        """The oldest reduce-scatter has finished (never asked under hybrid sharding)."""
-        return self.replicas == 1 and self._pending[0].handle.is_completed()
 
     def _zero_unwritten(self, index: int, full: torch.Tensor) -> None:
         """Zero the slots of parameters that did not arrive, and the padding (at the bucket's
@@ -222,12 +217,9 @@ class GradShards:
         ready.clear()
 
     def _complete(self, job: _InFlight) -> None:
-        """Wait for one reduce-scatter, all-reduce over the replicas, add into the shard."""
+        """Wait for one reduce-scatter and add its output into the shard."""
         job.handle.wait()
         with torch.no_grad():
-            if self.replicate is not None and self.replicate.size > 1:
-                _, op = self._ops()
-                self.replicate.all_reduce(job.out, op=op, name="grad_shard_replicas")
             self.bucket_shard(job.index).add_(job.out)
         self._count(job.full, -1)
         self._count(job.out, -1)
@@ -236,12 +228,18 @@ class GradShards:
 
     def finish(self) -> None:
         """Launch every partial bucket (in bucket order, the same on every rank), wait for
-        all: afterwards :attr:`shard` holds this rank's averaged gradient of the step."""
+        all, then (hybrid sharding) all-reduce the shard over the replicas: afterwards
+        :attr:`shard` holds this rank's averaged gradient of the step."""
         for index in range(len(self._full)):
             if self._full[index] is not None:
                 self._launch(index)
         while self._pending:
             self._complete(self._pending.popleft())
+        if self.replicas > 1:
+            assert self.replicate is not None
+            _, op = self._ops()
+            with torch.no_grad():
+                self.replicate.all_reduce(self.shard, op=op, name="grad_shard_replicas")
 
     def zero_grad(self) -> None:
         """Zero the shard gradient and forget partial buckets (the step's start)."""
