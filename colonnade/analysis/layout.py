@@ -198,7 +198,9 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """``--section.field=value`` overrides that select this layout in `colonnade train`."""
-        zero = [f"--parallel.zero_stage={self.zero}"]
+        # use_distributed_optimizer=false: a base config's Megatron spelling of stage 1 must
+        # not lift a planned stage 0 (the effective stage is the larger of the two)
+        zero = [f"--parallel.zero_stage={self.zero}", "--parallel.use_distributed_optimizer=false"]
         if self.zero == 3 and self.reshard_after_forward is not None:
             zero.append(f"--parallel.reshard_after_forward={str(self.reshard).lower()}")
         if self.zero and self.zero_shard_size:

@@ -428,6 +428,10 @@ def _zero(c: Config, _: int | None) -> list[str]:
     if p.zero_prefetch < 0:
         out.append(f"parallel.zero_prefetch={p.zero_prefetch} must be >= 0 (buckets gathered "
                    "ahead of the one in use); set 0 to gather only on use.")
+    if p.reshard_after_forward is not None and p.zero < 3:
+        out.append(f"parallel.reshard_after_forward={p.reshard_after_forward} applies to ZeRO "
+                   f"stage 3 only (the stage is {p.zero}: parameters are not sharded); set "
+                   "parallel.zero_stage=3 or unset reshard_after_forward.")
     size = p.zero_shard_size
     if size is None:
         return out

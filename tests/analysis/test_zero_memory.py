@@ -222,3 +222,15 @@ def test_planner_hybrid_sharding_divides_by_the_shard_size() -> None:
             assert e.memory.total > by_mb[e.layout.micro_batch].memory.total
     assert list(layouts(w, 2, a100, Constraints(tp=1, pp=1, zero=(1,), zero_shard_size=4))) == []
     assert list(layouts(w, 2, a100, Constraints(tp=1, pp=1, zero=(1,), zero_shard_size=2)))
+
+
+def test_planned_stage_zero_overrides_a_stage_one_base() -> None:
+    """A planned stage 0 stays stage 0 under a base config that says
+    use_distributed_optimizer=true (the effective stage is the larger of the two)."""
+    from colonnade.config.load import config_from_dict, parse_overrides
+    from colonnade.config.sections import Config, ParallelConfig
+
+    flags = Layout(dp=8, zero=0).overrides()
+    base = Config(parallel=ParallelConfig(use_distributed_optimizer=True))
+    assert config_from_dict(parse_overrides(flags), base).parallel.zero == 0
+    assert config_from_dict(parse_overrides(flags[:1]), base).parallel.zero == 1  # the bug

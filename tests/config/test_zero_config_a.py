@@ -41,6 +41,8 @@ def test_reshard_default_follows_pp() -> None:
     ({"zero_stage": 2, "zero_shard_size": 3}, "parallel.zero_shard_size=3 does not divide "
                                               "dp x cp = 4"),
     ({"zero_stage": 3, "zero_shard_size": 0}, "parallel.zero_shard_size=0 must be >= 1"),
+    ({"zero_stage": 2, "reshard_after_forward": True},
+     "parallel.reshard_after_forward=True applies to ZeRO stage 3 only (the stage is 2"),
 ])
 def test_rules_name_field_and_fix(par: dict[str, object], fragment: str) -> None:
     found = _problems(**par)
