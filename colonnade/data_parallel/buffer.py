@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from colonnade.models.compile import is_compiled
 from colonnade.tensor_parallel.sharding import initial_value
 
 ALIGN = 64
@@ -333,3 +334,34 @@ class FlatBuffers:
     def padding(self) -> int:
         """Zero elements added so every bucket splits evenly (0 when unsharded)."""
         return self.numel - self.num_params
+
+
+def bucket_users(chunk: nn.Module, slots: dict[int, Slot]
+                 ) -> list[tuple[nn.Module, list[int], bool]]:
+    """The modules of ``chunk`` whose forward reads weights held in the buffers (``slots``), in
+    module (forward) order: (module, the buckets it reads, whether it runs its own forward).
+
+    A module reads its own parameters and those of its ``direct_children`` (fused sibling
+    linears whose weights the parent reads without calling them: such a child never runs its
+    own forward). A layer compiled by training.compile reads all its parameters and its
+    descendants are left out: a hook inside the compiled graph would be traced, its bucket
+    numbers becoming per-layer constants (a recompilation per layer). ZeRO-1's gather waits
+    and ZeRO-3's gathers hook exactly these modules."""
+    inside: set[int] = set()  # descendants of a compiled layer (its hook covers them)
+    children: set[int] = set()  # direct_children: read by their parent, never called
+    out: list[tuple[nn.Module, list[int], bool]] = []
+    for module in chunk.modules():  # parents before children
+        if id(module) in inside:
+            continue
+        if is_compiled(module):
+            inside.update(id(m) for m in module.modules())
+        params = list(module.parameters(recurse=is_compiled(module)))
+        for name in getattr(module, "direct_children", ()):
+            child = getattr(module, name, None)
+            if child is not None:
+                params += list(child.parameters())
+                children.add(id(child))
+        needed = sorted({slots[id(p)].bucket for p in params if id(p) in slots})
+        if needed:
+            out.append((module, needed, id(module) not in children))
+    return out

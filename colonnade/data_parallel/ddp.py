@@ -47,10 +47,9 @@ import torch.distributed as dist
 from torch import nn
 
 from colonnade.config.sections import Config, ParallelConfig
-from colonnade.data_parallel.buffer import Bucket, FlatBuffers, param_key
+from colonnade.data_parallel.buffer import Bucket, FlatBuffers, bucket_users, param_key
 from colonnade.data_parallel.grad_shards import GradShards
 from colonnade.data_parallel.param_shards import ParamShards
-from colonnade.models.compile import is_compiled
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
 
@@ -352,27 +351,11 @@ class DataParallel:
         return sum(h is not None for h in self._gather_handles)
 
     def _install_pre_forward_hooks(self, chunks: Sequence[nn.Module]) -> None:
-        """A hook on every module holding parameters, and on every module whose forward reads
-        its ``direct_children``'s weights without calling them (fused sibling linears). A
-        layer compiled by training.compile gets one hook for all its parameters and its
-        descendants none (a hook inside the compiled graph would be traced: its bucket
-        numbers would become per-layer constants, a recompilation per layer)."""
+        """A hook waiting for its buckets' gathers on every module that reads weights
+        (:func:`~colonnade.data_parallel.buffer.bucket_users`: fused sibling linears' parents
+        included, one hook per compiled layer)."""
         for chunk in chunks:
-            inside: set[int] = set()  # descendants of a compiled layer (its hook covers them)
-            for module in chunk.modules():  # parents before children
-                if id(module) in inside:
-                    continue
-                if is_compiled(module):
-                    inside.update(id(m) for m in module.modules())
-                params = list(module.parameters(recurse=is_compiled(module)))
-                for name in getattr(module, "direct_children", ()):
-                    child = getattr(module, name, None)
-                    if child is not None:
-                        params += list(child.parameters())
-                own = [p for p in params if id(p) in self.buffers.slots]
-                if not own:
-                    continue
-                needed = sorted({self.buffers.slot(p).bucket for p in own})
+            for module, needed, _ in bucket_users(chunk, self.buffers.slots):
                 module.register_forward_pre_hook(self._pre_forward_hook(needed))
 
     def _pre_forward_hook(self, needed: list[int]) -> Callable[..., None]:

@@ -73,8 +73,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from colonnade.data_parallel.buffer import FlatBuffers
-from colonnade.models.compile import is_compiled
+from colonnade.data_parallel.buffer import FlatBuffers, bucket_users
 from colonnade.parallel.comm import CommGroup, Handle
 
 
@@ -266,25 +265,8 @@ class ParamShards:
 
     def _sites(self, chunk: nn.Module, c: int) -> list[_Site]:
         """The hooked modules of one chunk, in module (forward) order."""
-        slots = self.buffers.slots
-        inside: set[int] = set()  # descendants of a compiled layer (its hooks cover them)
-        children: set[int] = set()  # direct_children: read by their parent, never called
-        out: list[_Site] = []
-        for module in chunk.modules():  # parents before children
-            if id(module) in inside:
-                continue
-            if is_compiled(module):
-                inside.update(id(m) for m in module.modules())
-            params = list(module.parameters(recurse=is_compiled(module)))
-            for name in getattr(module, "direct_children", ()):
-                child = getattr(module, name, None)
-                if child is not None:
-                    params += list(child.parameters())
-                    children.add(id(child))
-            needed = sorted({slots[id(p)].bucket for p in params if id(p) in slots})
-            if needed:
-                out.append(_Site(module, c, needed, user=id(module) not in children))
-        return out
+        return [_Site(module, c, needed, user)
+                for module, needed, user in bucket_users(chunk, self.buffers.slots)]
 
     def _pre_forward(self, site: _Site) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: object) -> None:
