@@ -145,7 +145,12 @@ def _run_differences(config: Config, ckpt: Path) -> list[str]:
 
 def _keep_global_batch(config: Config, ckpt: Path) -> tuple[Config, str]:
     """Resuming: keep the checkpoint's global batch when the run does not set one (a new layout
-    re-derives the micro-batches from it; the sampler's data order depends only on it)."""
+    re-derives the micro-batches from it; the sampler's data order depends only on it).
+
+    A micro-batch count set in the config (``training.microbatches``) is re-derived too when
+    it would change the global batch in this layout (a config file's count was written for
+    the layout that saved); the note names it. Only ``training.global_batch_size`` changes the
+    global batch of a resumed run."""
     from colonnade.config.load import ConfigError, load_config
 
     tr = config.training
@@ -157,10 +162,13 @@ def _keep_global_batch(config: Config, ckpt: Path) -> tuple[Config, str]:
         note = "" if saved in (None, tr.global_batch_size) else (
             f"; training.global_batch_size {saved} -> {tr.global_batch_size} as set")
         return config, note
-    if tr.microbatches is not None:
-        return config, ""  # explicit micro-batches: validation reports a conflict by name
-    training = dataclasses.replace(tr, global_batch_size=saved)
-    return dataclasses.replace(config, training=training), f"; keeping its global batch {saved}"
+    training = dataclasses.replace(tr, global_batch_size=saved, microbatches=None)
+    config = dataclasses.replace(config, training=training)
+    note = f"; keeping its global batch {saved}"
+    if tr.microbatches is not None:  # re-derived: resolve() checks that the layout divides it
+        note += (f" (training.microbatches={tr.microbatches} is re-derived from it for this "
+                 "layout; set --training.global_batch_size to change the global batch)")
+    return config, note
 
 
 def resume_config(config: Config, attempt: int) -> tuple[Config, str]:

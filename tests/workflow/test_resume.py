@@ -150,3 +150,30 @@ def test_fine_tune_rerun_resumes_its_own_checkpoints(
     got = losses(run)
     for step in range(5, 9):
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0.0), step
+
+
+def test_resume_in_another_layout_keeps_the_global_batch_over_config_microbatches(
+        tmp_path: Path) -> None:
+    """A config file's training.microbatches (written for the layout that saved) does not
+    shrink a resumed run's global batch: saved at 64 = 8 x 2 x dp4, resumed at dp2 with the
+    same file, the global batch stays 64 (4 micro-batches) and the note says so; resumed at
+    dp3 it cannot divide 64, and validation refuses it by name before launch."""
+    import dataclasses
+
+    from colonnade.config.load import config_to_toml
+    from colonnade.config.sections import Config, TrainingConfig
+    from colonnade.config.validate import resolve, validate
+    from colonnade.reliability.startup import _keep_global_batch
+
+    saved = Config(training=TrainingConfig(micro_batch_size=8, microbatches=2,
+                                           global_batch_size=64))
+    (tmp_path / "config.toml").write_text(config_to_toml(saved))
+    run = dataclasses.replace(saved, training=dataclasses.replace(
+        saved.training, global_batch_size=None))
+    config, note = _keep_global_batch(run, tmp_path)
+    assert "keeping its global batch 64" in note and "microbatches=2 is re-derived" in note
+    tr = resolve(config, 2).training
+    assert (tr.global_batch_size, tr.microbatches) == (64, 4)
+    assert resolve(config, 4).training.microbatches == 2  # the saving layout: unchanged
+    with pytest.raises(Exception, match="global_batch_size=64"):
+        validate(resolve(config, 3), 3)
