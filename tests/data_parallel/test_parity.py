@@ -35,9 +35,6 @@ FLOOR = 1e-3
 (~1e-14) that Adam turns into noise-sized steps; any other parameter is far above 1e-3."""
 
 
-def _train(config: Config, step_batches: list[Any]) -> dict[str, Any]:
-    return rank_train(config, step_batches)
-
 
 def check_parity(config: Config, results: list[dict[str, Any]],
                  ref: dict[str, Any]) -> None:
@@ -102,7 +99,7 @@ def test_dp2_parity(run_ranks: Callable[..., list[Any]], case: dict[str, Any]) -
     """dp=2, 4 micro-batches of accumulation, every switch combination."""
     config = tiny_config(dp=2, microbatches=4, **case)
     batches = make_batches(config)
-    results = run_ranks(2, _train, config, batches)
+    results = run_ranks(2, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     check_overlap(config, results)
     buckets = results[0]["buckets"]
@@ -118,7 +115,7 @@ def test_dp4_parity(run_ranks: Callable[..., list[Any]], zero: bool) -> None:
     config = tiny_config(dp=4, microbatches=2, zero=zero, bucket=3000,
                          average_in_collective=True)
     batches = make_batches(config)
-    results = run_ranks(4, _train, config, batches)
+    results = run_ranks(4, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     check_overlap(config, results)
     assert 1 < results[0]["buckets"] < 20
@@ -134,7 +131,7 @@ def test_tp2_dp2_sp_tied_parity(run_ranks: Callable[..., list[Any]], arch: str,
     config = with_parallel(tiny_config(arch=arch, dp=2, tp=2, sp=True, zero=True, bucket=2000,
                                        microbatches=2), tp_comm_chunks=chunks)
     batches = make_batches(config)
-    results = run_ranks(4, _train, config, batches)
+    results = run_ranks(4, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     check_overlap(config, results)
 
@@ -151,6 +148,6 @@ def test_pipeline_dp_parity(run_ranks: Callable[..., list[Any]], layout: dict[st
                          sp=layout.get("tp", 1) > 1, **layout)
     batches = make_batches(config)
     world = layout["dp"] * layout["pp"] * layout.get("tp", 1)
-    results = run_ranks(world, _train, config, batches)
+    results = run_ranks(world, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     check_overlap(config, results)

@@ -30,10 +30,6 @@ from tests.data_parallel.test_parity import check_parity
 from tests.parity import rel_err
 
 
-def _train(config: Any, step_batches: list[Any]) -> dict[str, Any]:
-    return rank_train(config, step_batches)
-
-
 def _check_sharded(results: list[dict[str, Any]], m: int, overlap: bool = True) -> None:
     """No flat gradient buffer; the gradient storage is the shard; every bucket was
     reduce-scattered m times per step (counted on the last step), with overlap each of them
@@ -58,7 +54,7 @@ def test_zero2_dp_parity(run_ranks: Callable[..., list[Any]], dp: int, arch: str
     """dp 2 and 4, one bucket and many, 4 micro-batches of accumulation."""
     config = tiny_config(arch=arch, dp=dp, microbatches=m, zero_stage=2, bucket=bucket)
     batches = make_batches(config)
-    results = run_ranks(dp, _train, config, batches)
+    results = run_ranks(dp, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, m)
 
@@ -69,7 +65,7 @@ def test_zero2_avg_no_overlap_recompute(run_ranks: Callable[..., list[Any]]) -> 
     config = tiny_config(dp=2, microbatches=4, zero_stage=2, bucket=2000, overlap=False,
                          average_in_collective=True, recompute="full")
     batches = make_batches(config)
-    results = run_ranks(2, _train, config, batches)
+    results = run_ranks(2, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, 4, overlap=False)
     assert all(n == 0 for res in results for n in res["launched"])
@@ -81,7 +77,7 @@ def test_zero2_tp2_sp_dp2_parity(run_ranks: Callable[..., list[Any]], arch: str)
     config = tiny_config(arch=arch, dp=2, tp=2, sp=True, zero_stage=2, bucket=2000,
                          microbatches=2)
     batches = make_batches(config)
-    results = run_ranks(4, _train, config, batches)
+    results = run_ranks(4, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, 2)
 
@@ -96,7 +92,7 @@ def test_zero2_pp2_dp2_parity(run_ranks: Callable[..., list[Any]], schedule: str
     config = tiny_config(arch=arch, dp=2, pp=2, vp=vp, schedule=schedule, zero_stage=2,
                          bucket=2000, microbatches=4)
     batches = make_batches(config)
-    results = run_ranks(4, _train, config, batches)
+    results = run_ranks(4, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, 4)
 
@@ -105,7 +101,7 @@ def test_zero2_hybrid_dp4_parity(run_ranks: Callable[..., list[Any]]) -> None:
     """Hybrid sharding: shards over pairs of dp ranks, replicated across the pairs."""
     config = tiny_config(dp=4, microbatches=2, zero_stage=2, zero_shard_size=2, bucket=2000)
     batches = make_batches(config)
-    results = run_ranks(4, _train, config, batches)
+    results = run_ranks(4, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, 2)
     for res in results:  # the shard all-reduced over the replicas once per step
@@ -119,7 +115,7 @@ def test_zero1_hybrid_dp4_parity(run_ranks: Callable[..., list[Any]]) -> None:
     """Hybrid sharding at stage 1: reduce-scatter in the pair, all-reduce over replicas."""
     config = tiny_config(dp=4, microbatches=2, zero_stage=1, zero_shard_size=2, bucket=2000)
     batches = make_batches(config)
-    results = run_ranks(4, _train, config, batches)
+    results = run_ranks(4, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
 
 
@@ -128,7 +124,7 @@ def test_zero2_no_full_gradient_buffer(run_ranks: Callable[..., list[Any]]) -> N
     below (largest bucket x buckets in flight) and below N x element size."""
     config = tiny_config(dp=2, microbatches=2, zero_stage=2, bucket=1500)
     batches = make_batches(config)
-    results = run_ranks(2, _train, config, batches)
+    results = run_ranks(2, rank_train, config, batches)
     for res in results:
         assert not res["has_grad_data"]
         largest = max(res["bucket_numels"])
@@ -146,8 +142,8 @@ def test_zero2_bf16(run_ranks: Callable[..., list[Any]]) -> None:
     z1 = tiny_config(zero=True, **base)
     z2 = tiny_config(zero_stage=2, grad_reduce_dtype="bf16", **base)
     batches = make_batches(z1)
-    want = run_ranks(2, _train, z1, batches)
-    got = run_ranks(2, _train, z2, batches)
+    want = run_ranks(2, rank_train, z1, batches)
+    got = run_ranks(2, rank_train, z2, batches)
     for a, b in zip(mean_losses(got), mean_losses(want), strict=True):
         assert abs(a - b) <= 2e-2 * abs(b), (a, b)
     p_got, p_want = merged_params(got), merged_params(want)

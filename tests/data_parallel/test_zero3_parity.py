@@ -32,10 +32,6 @@ from tests.data_parallel.test_parity import check_parity
 from tests.parity import rel_err
 
 
-def _train(config: Any, step_batches: list[Any]) -> dict[str, Any]:
-    return rank_train(config, step_batches)
-
-
 def _check_sharded(results: list[dict[str, Any]], shard_ranks: int, reshard: bool) -> None:
     """Parameters and gradients persist as shards; with reshard_after_forward the gathered
     peak is below the model (the window policy keeps a chunk's buckets for the step)."""
@@ -54,7 +50,7 @@ def _run(run_ranks: Callable[..., list[Any]], ranks: int, shard_ranks: int,
          **kw: Any) -> None:
     config = tiny_config(zero_stage=3, **kw)
     batches = make_batches(config)
-    results = run_ranks(ranks, _train, config, batches)
+    results = run_ranks(ranks, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, shard_ranks, config.parallel.reshard)
 
@@ -79,7 +75,7 @@ def test_zero3_gather_switches(run_ranks: Callable[..., list[Any]], reshard: boo
         tiny_config(dp=2, microbatches=2, zero_stage=3, bucket=2000, recompute=recompute),
         reshard_after_forward=reshard, zero_prefetch=prefetch)
     batches = make_batches(config)
-    results = run_ranks(2, _train, config, batches)
+    results = run_ranks(2, rank_train, config, batches)
     check_parity(config, results, reference_run(config, batches))
     _check_sharded(results, 2, reshard)
 
@@ -111,8 +107,8 @@ def test_zero3_bf16(run_ranks: Callable[..., list[Any]]) -> None:
     z1 = tiny_config(zero=True, **base)
     z3 = tiny_config(zero_stage=3, **base)
     batches = make_batches(z1)
-    want = run_ranks(2, _train, z1, batches)
-    got = run_ranks(2, _train, z3, batches)
+    want = run_ranks(2, rank_train, z1, batches)
+    got = run_ranks(2, rank_train, z3, batches)
     for a, b in zip(mean_losses(got), mean_losses(want), strict=True):
         assert abs(a - b) <= 2e-2 * abs(b), (a, b)
     p_got, p_want = merged_params(got), merged_params(want)
