@@ -106,7 +106,17 @@ class ParallelConfig:
     """Data-parallel degree; None derives it as world_size / (tp * pp * cp) (ep does not
     count: it is folded inside tp x cp x dp)."""
     cp: int = 1
-    """Context-parallel degree (reserved: only 1 is supported)."""
+    """Context-parallel degree: each sample's sequence split across cp ranks, through
+    attention as well (causal load balance: rank r holds sequence chunks r and 2cp-1-r of
+    2cp, the "zigzag" split); activation memory per rank falls as 1/cp."""
+    cp_attention: str = "ring"
+    """How attention sees the whole sequence under cp > 1: 'ring' (key/value blocks passed
+    around the cp ring by p2p, overlapped with the local block's attention; any head count)
+    or 'all_to_all' (Ulysses: an all-to-all trades the sequence split for a head split, so
+    heads / tp and kv heads / tp must be divisible by cp)."""
+    cp_overlap: bool = True
+    """Ring attention: post the next key/value transfer before computing on the current
+    block (False: wait for each transfer first; same results, for measuring the overlap)."""
     ep: int = 1
     """Expert-parallel degree: the experts of a mixture-of-experts layer split across ep ranks.
     It does not multiply the world size: ep x expert_tp ranks are folded inside the
@@ -329,6 +339,12 @@ class TrainingConfig:
     """On CUDA, run fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa
     inputs, fp32 accumulate); MFU of fp32 runs is then against the TF32 peak. False keeps
     IEEE fp32 (the much lower fp32 peak). No effect on CPU or on bf16/fp16/fp64 maths."""
+    memory_limit_gb: float | None = None
+    """Per-rank memory budget in GiB (None: none). Before any work starts, the memory model's
+    estimate for this layout (weights, gradients, optimizer state, activations of the
+    in-flight micro-batches) is checked against it, and a run that would exceed it is
+    refused naming what would fit (context parallelism, recomputation, a smaller
+    micro-batch)."""
     compile: bool = False
     """torch.compile each transformer layer (TorchInductor, dynamic=False; torchtitan's
     recipe): one graph shared by every layer, fused kernels, the results of eager mode up to

@@ -1,0 +1,1 @@
+"""Context parallelism: the sequence split across cp ranks, through attention as well."""
