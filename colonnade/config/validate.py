@@ -18,6 +18,7 @@ from colonnade.config.choices import (
     ARCHS,
     AXES,
     BACKENDS,
+    CP_ATTENTIONS,
     DATA_FORMATS,
     DEVICES,
     ERROR_POLICIES,
@@ -132,6 +133,7 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("data.errors", c.data.errors, ERROR_POLICIES),
         ("data.format", c.data.format, DATA_FORMATS),
         ("parallel.grad_reduce_dtype", c.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES),
+        ("parallel.cp_attention", c.parallel.cp_attention, CP_ATTENTIONS),
     ]
     for name, value, allowed in checks:
         if value not in allowed:
@@ -191,8 +193,6 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
 
 def _degrees(c: Config, world: int | None) -> list[str]:
     p, out = c.parallel, []
-    if p.cp != 1:
-        out.append(f"parallel.cp={p.cp}: context parallelism is not implemented; set cp=1.")
     if p.ep != 1:
         out.append(f"parallel.ep={p.ep}: no layer has experts yet (mixture of experts is not "
                    "implemented), so ep would change nothing; set ep=1.")
@@ -205,10 +205,12 @@ def _degrees(c: Config, world: int | None) -> list[str]:
     if p.tp_comm_chunks > 1 and not p.sp:
         out.append("parallel.tp_comm_chunks > 1 needs parallel.sp=true (it chunks the sp "
                    "all-gather / reduce-scatter).")
-    if p.tp_comm_chunks > 1 and p.sp and c.training.seq_len % (p.tp * p.tp_comm_chunks):
-        out.append(f"training.seq_len={c.training.seq_len} is not divisible by parallel.tp="
-                   f"{p.tp} x tp_comm_chunks={p.tp_comm_chunks} (each rank's sequence block is "
-                   "cut into tp_comm_chunks pieces); change seq_len or tp_comm_chunks.")
+    pieces = p.cp * p.tp * p.tp_comm_chunks
+    if p.tp_comm_chunks > 1 and p.sp and p.cp >= 1 and c.training.seq_len % pieces:
+        out.append(f"training.seq_len={c.training.seq_len} is not divisible by parallel.cp="
+                   f"{p.cp} x tp={p.tp} x tp_comm_chunks={p.tp_comm_chunks} (each rank's "
+                   "sequence block is cut into tp_comm_chunks pieces); change seq_len or "
+                   "tp_comm_chunks.")
     out.extend(_expert_degrees(p.tp, p.cp, p.dp, p.ep, p.expert_tp))
     if world is not None:
         model_ranks = p.tp * p.pp * p.cp
@@ -242,6 +244,41 @@ def _expert_degrees(tp: int, cp: int, dp: int | None, ep: int,
             f"parallel.tp={tp} x cp={cp} x dp={dp} = {stage}, the ranks of a pipeline stage "
             f"that the expert layout folds ep and expert_tp into (expert dp = the rest); "
             f"choose ep and expert_tp whose product divides {stage}, {hint}."]
+
+
+def _context(c: Config, _: int | None) -> list[str]:
+    """Context parallelism (parallel.cp > 1): the zigzag split's divisibility, the heads
+    all_to_all needs, ring + attention dropout, and training.memory_limit_gb."""
+    p, m, s, out = c.parallel, c.model, c.training.seq_len, []
+    limit = c.training.memory_limit_gb
+    if limit is not None and not limit > 0:
+        out.append(f"training.memory_limit_gb={limit} must be > 0 (GiB per rank); unset it "
+                   "for no limit.")
+    if p.cp <= 1 or s < 1 or p.tp < 1:
+        return out
+    if s % (2 * p.cp):
+        out.append(f"training.seq_len={s} is not divisible by 2 x parallel.cp={2 * p.cp} "
+                   "(each cp rank holds 2 of the 2 cp equal sequence chunks); pick a seq_len "
+                   "that is a multiple of 2 cp, or change cp.")
+    elif p.sp and s % (2 * p.cp * p.tp):
+        out.append(f"training.seq_len={s} is not divisible by 2 x parallel.cp x tp="
+                   f"{2 * p.cp * p.tp}, needed by parallel.sp=true (each cp rank's s/cp rows "
+                   "are split across tp); pick a multiple, or change cp, tp or sp.")
+    if p.cp_attention == "all_to_all" and m.num_heads % p.tp == 0 and m.kv_heads % p.tp == 0:
+        heads, kv = m.num_heads // p.tp, m.kv_heads // p.tp
+        if heads % p.cp:
+            out.append(f"parallel.cp_attention='all_to_all' needs model.num_heads / parallel.tp"
+                       f" = {heads} divisible by parallel.cp={p.cp} (each cp rank takes a share "
+                       "of the heads); use parallel.cp_attention='ring', or change cp or tp.")
+        if kv and kv % p.cp and p.cp % kv:
+            out.append(f"parallel.cp_attention='all_to_all' needs model.num_kv_heads / "
+                       f"parallel.tp = {kv} divisible by parallel.cp={p.cp} or dividing it; "
+                       "use parallel.cp_attention='ring', or change cp, tp or num_kv_heads.")
+    if p.cp_attention == "ring" and m.attention_dropout > 0:
+        out.append(f"parallel.cp_attention='ring' does not support model.attention_dropout="
+                   f"{m.attention_dropout} with parallel.cp={p.cp}; use parallel.cp_attention="
+                   "'all_to_all' or set model.attention_dropout=0.")
+    return out
 
 
 def _pipeline(c: Config, _: int | None) -> list[str]:
@@ -448,8 +485,8 @@ def _zero(c: Config, _: int | None) -> list[str]:
     return out
 
 
-RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _pipeline, _batch,
-                           _optim, _io, _reliability, _files_and_loop, _compile, _zero)
+RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _context, _pipeline,
+                           _batch, _optim, _io, _reliability, _files_and_loop, _compile, _zero)
 
 
 def problems(config: Config, world_size: int | None = None) -> list[str]:
