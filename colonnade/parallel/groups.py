@@ -7,8 +7,11 @@ Groups (each a CommGroup sharing one :class:`CommStats`) and who communicates on
   tp          tensor-parallel layers, sp, vocab-parallel loss, clipping norms
   pp          pipeline p2p, loss broadcast
   dp_cp       gradient reduction (dp and cp together), ZeRO-1, loss token counts
-  dp          ranks/size for the data sampler; equal to dp_cp while cp = 1, so it shares its pg
-  cp          the cp axis (size 1 until context parallelism exists)
+  dp          rank/size for the data sampler (every cp rank of one dp index reads the same
+              samples), dropout's micro-batch index and metadata; no collective runs on it:
+              equal to dp_cp while cp = 1, so it shares that pg; at cp > 1 it has none
+              (:data:`INDEX_GROUPS`, an :class:`IndexGroup` that refuses collectives)
+  cp          context parallelism: ring / all-to-all attention over the sequence's shards
   embedding   first and last pp stage (tied embedding gradients), same other coordinates;
               equal to pp at pp = 2 (shares its pg); a group of one rank without tied embeddings
   world       all ranks (the default group)
@@ -51,6 +54,10 @@ EXPERT_GROUP_NAMES: tuple[str, ...] = ("ep", "expert_tp", "expert_dp")
 EXPERT_GROUP_AXES: dict[str, str] = {"ep": "ep", "expert_tp": "etp", "expert_dp": "edp"}
 """The :class:`ParallelDims` expert axis each expert group spans."""
 
+INDEX_GROUPS: frozenset[str] = frozenset({"dp"})
+"""Groups used only as coordinates (rank, size, ranks), never for a collective: they get a
+process group only by sharing an equal partition's (source 'index' otherwise)."""
+
 ZERO_GROUP_NAMES: tuple[str, ...] = ("zero_shard", "zero_replicate")
 """Hybrid-sharding groups, made last when ``zero_shard_size`` is given."""
 
@@ -73,8 +80,9 @@ class GroupSpec:
 
     ``partition``: the disjoint rank lists covering the world (one per group of this name);
     ``source``: 'create' (one collective creation call for the whole partition), 'single'
-    (every part is one rank: no process group), or the name of an earlier group with the same
-    partition whose process group it shares.
+    (every part is one rank: no process group), 'index' (a group of :data:`INDEX_GROUPS`
+    with no equal partition to share: coordinates only, no process group), or the name of an
+    earlier group with the same partition whose process group it shares.
     """
 
     partition: list[list[int]]
@@ -118,7 +126,7 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
             continue
         same = next((n for n, s in out.items() if s.source == "create" and s.partition == part),
                     None)
-        out[name] = GroupSpec(part, same or "create")
+        out[name] = GroupSpec(part, same or ("index" if name in INDEX_GROUPS else "create"))
     return out
 
 
@@ -141,6 +149,34 @@ def _can_split() -> bool:
     """The default group can be split (NCCL with a bound device, see ``split_group``)."""
     world: Any = dist.group.WORLD
     return dist.get_backend() == "nccl" and getattr(world, "bound_device_id", None) is not None
+
+
+class IndexGroup(CommGroup):
+    """A group of several ranks without a process group (:data:`INDEX_GROUPS`): its rank,
+    size and ranks are coordinates; any collective on it is a bug and raises, naming the group
+    to use instead (a pg of None would otherwise mean the default group)."""
+
+    def _refuse(self, op: str) -> RuntimeError:
+        return RuntimeError(f"{op} on group '{self.name}' (ranks {self.ranks}): this group has "
+                            "no process group (coordinates only); reduce over dp_cp (the "
+                            "gradient group) or the group the operation belongs to")
+
+    def _run(self, op: str, name: str, payload: int, wire: float, fn: Any,
+             async_op: bool) -> Any:
+        raise self._refuse(op)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Refused: see the class."""
+        raise self._refuse("all_gather_object")
+
+    def barrier(self) -> None:
+        """Refused: see the class."""
+        raise self._refuse("barrier")
+
+    def p2p(self, sends: list[tuple[Any, int]], recvs: list[tuple[Any, int]], *,
+            name: str = "") -> Any:
+        """Refused: see the class."""
+        raise self._refuse("p2p")
 
 
 @dataclass
@@ -250,8 +286,8 @@ class ProcessGroups:
             else:
                 pgs[name] = pgs.get(spec.source)  # shared pg, or None for a group of one
             ranks = next(r for r in spec.partition if rank in r)
-            made[name] = CommGroup(name, ranks, pgs[name] if len(ranks) > 1 else None,
-                                   stats, rank)
+            kind = IndexGroup if spec.source == "index" else CommGroup
+            made[name] = kind(name, ranks, pgs[name] if len(ranks) > 1 else None, stats, rank)
         world_pg: Any = dist.group.WORLD
         made["world"] = CommGroup("world", list(range(world)), world_pg, stats, rank)
         return cls(dims=dims, rank=rank, stats=stats, **made)
