@@ -5,7 +5,11 @@
     format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
     total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
     decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
-    sp, zero, zero_shard_size, bucket_size, world_size}, model {...the [model] section...}
+    cp, cp_attention, sp, zero, zero_shard_size, bucket_size, world_size}, model {...the
+    [model] section...}
+(cp is not part of the weights: every tensor is replicated over cp, written by cp index 0 of
+the dp x cp replicas, and ZeRO shards over dp x cp reshard like dp's; the layout records it
+for the reader only.)
 (``zero`` is the effective ZeRO stage; checkpoints written before it carry ``zero1``, a bool,
 read by :func:`zero_stage_of`).
 
@@ -97,7 +101,8 @@ def _metadata(trainer: TrainState) -> dict[str, Any]:
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": trainer.chunks[0].ctx.rng.state_dict(),
         "layout": {"tp": groups.tp.size, "pp": groups.pp.size, "vp": par.vp,
-                   "dp": groups.dp.size, "sp": par.sp,
+                   "dp": groups.dp.size, "cp": groups.cp.size,
+                   "cp_attention": par.cp_attention, "sp": par.sp,
                    "zero": par.zero, "zero_shard_size": par.zero_shard_size,
                    "bucket_size": par.bucket_size,
                    "world_size": groups.world.size},

@@ -107,6 +107,16 @@ class Trainer:
         return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted
 
 
+def layout_text(cfg: Config, described: str) -> str:
+    """The layout as the start-up line names it: ``described`` (e.g. 'cp2-dp2') and, with
+    cp > 1, how attention crosses the cp ranks (``parallel.cp_attention``, ``cp_overlap``)."""
+    par = cfg.parallel
+    if par.cp == 1:
+        return described
+    overlap = ", overlapped" if par.cp_overlap and par.cp_attention == "ring" else ""
+    return f"{described} (cp attention: {par.cp_attention}{overlap})"
+
+
 def _progress(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -148,7 +158,7 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         kept = write_run_config(log_cfg.dir, config_to_toml(cfg))
         if kept:
             print(f"colonnade: {kept}")
-        print(f"colonnade: {rt.groups.dims.describe()} on {rt.device}, "
+        print(f"colonnade: {layout_text(cfg, rt.groups.dims.describe())} on {rt.device}, "
               f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
               f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
     tokens_per_step = int(tr.global_batch_size or 1) * tr.seq_len
