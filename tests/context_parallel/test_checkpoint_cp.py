@@ -1,0 +1,116 @@
+"""Checkpoints under context parallelism: cp is not part of the weights (float64).
+
+Every tensor is replicated over cp, so of the dp x cp replicas only index 0 writes it, and a
+ZeRO-1 optimizer sharded over dp x cp reshards like one sharded over dp. Saved after 2 steps
+under layout A and resumed under B for 2 more, the run must equal the one that stayed in A:
+losses and final parameters within 1e-10 (the cp reference is the uninterrupted run; the
+cp = 1 side of the parity is tests/context_parallel/test_parity*.py's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checkpoint.harness import assert_same_run, make_config, train_steps
+
+TOL = 1e-10
+
+
+@dataclasses.dataclass(frozen=True)
+class CpLayout:
+    """A layout of this file's cases: cp x dp (tp, pp 1), attention kind, ZeRO-1 or not."""
+
+    cp: int = 1
+    dp: int = 1
+    attention: str = "ring"
+    zero: bool = False
+
+    @property
+    def world(self) -> int:
+        """Ranks it needs."""
+        return self.cp * self.dp
+
+    def __str__(self) -> str:
+        kind = "" if self.cp == 1 else ("-a2a" if self.attention == "all_to_all" else "-ring")
+        return f"cp{self.cp}dp{self.dp}{kind}" + ("-zero" if self.zero else "")
+
+
+def make_cp_trainer(layout: CpLayout) -> Any:
+    """A float64 Trainer of ``layout`` on this pool rank (batches fed by the test)."""
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+    from tests.checkpoint.harness import Layout
+    from tests.parity import rank_groups
+
+    base = make_config(Layout(dp=layout.dp, zero=layout.zero))
+    cfg = dataclasses.replace(base, parallel=dataclasses.replace(
+        base.parallel, cp=layout.cp, cp_attention=layout.attention))
+    groups = rank_groups(ParallelDims(cp=layout.cp, dp=layout.dp))
+    return Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
+
+
+def _gathered(trainer: Any) -> dict[str, torch.Tensor]:
+    from colonnade.checkpoint.export import full_state
+
+    trainer.ddp.finish_param_gather()
+    state = full_state(trainer.chunks, trainer.groups)
+    return state if trainer.groups.dp_cp.rank == 0 else {}
+
+
+def cp_save(layout: CpLayout, root: str, before: int, after: int) -> dict[str, Any]:
+    """Train ``before`` steps, save, train ``after`` more; losses, params, pieces written."""
+    from colonnade.checkpoint.sharded import model_entries, optim_entries
+    from colonnade.checkpoint.training_state import save_training
+
+    trainer = make_cp_trainer(layout)
+    losses = train_steps(trainer, before)
+    written = (len(model_entries(trainer.chunks, trainer.groups, trainer.ddp)),
+               len(optim_entries(trainer.optimizer, trainer.groups)))
+    save_training(trainer, root, keep_last=2)
+    losses += train_steps(trainer, after)
+    return {"losses": losses, "params": _gathered(trainer), "written": written}
+
+
+def cp_load(layout: CpLayout, root: str, after: int) -> dict[str, Any]:
+    """Resume from ``root`` under ``layout`` and train ``after`` steps."""
+    from colonnade.checkpoint.training_state import load_training
+
+    trainer = make_cp_trainer(layout)
+    load_training(trainer, root)
+    losses = train_steps(trainer, after)
+    return {"losses": losses, "params": _gathered(trainer), "step": trainer.step}
+
+
+CASES = [
+    (CpLayout(cp=2), CpLayout()),
+    (CpLayout(cp=2), CpLayout(cp=4)),
+    (CpLayout(cp=2, dp=2, zero=True), CpLayout(dp=2)),
+    (CpLayout(cp=2, attention="all_to_all"), CpLayout(cp=4, dp=1, zero=True)),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), CASES, ids=[f"{a}->{b}" for a, b in CASES])
+def test_resume_across_a_cp_change(run_ranks: Callable[..., list[Any]], tmp_path: Path,
+                                   a: CpLayout, b: CpLayout) -> None:
+    root = str(tmp_path / "ckpt")
+    stayed = run_ranks(a.world, cp_save, a, root, 2, 2)
+    moved = run_ranks(b.world, cp_load, b, root, 2)
+    assert moved[0]["step"] == 4
+    assert_same_run(stayed, moved, TOL, skip_losses=2)
+    meta = json.loads(next(Path(root).glob("step_*/metadata.json")).read_text())
+    assert meta["layout"]["cp"] == a.cp and meta["layout"]["dp"] == a.dp
+    assert meta["layout"]["cp_attention"] == a.attention
+    for rank, res in enumerate(stayed):  # rank = cp index + cp * dp index
+        model, optim = res["written"]
+        if a.zero:  # every dp x cp rank writes its own optimizer shard, index 0 the weights
+            assert optim > 0 and (model > 0) == (rank == 0), (rank, res["written"])
+        else:  # the replicas (cp index > 0 included) write nothing
+            assert (model > 0) == (optim > 0) == (rank == 0), (rank, res["written"])
