@@ -56,6 +56,30 @@ The llama layer adds RMSNorm's up-cast input and normalised copy (2 (A + E) s b 
 GQA's smaller k, v, and SDPA's flash kernel that keeps the output and log-sum-exp instead of
 s^2 scores.
 
+Context parallelism (cp ranks, ``ActivationShape.cp``): a rank holds s/cp rows of each sample
+(the zigzag split, chunks r and 2cp-1-r), so every term above is taken at s_l = s/cp in place of
+s: norms, column inputs, out-proj input, MLP and dropout masks are per-row, and so is core
+attention (q, k, v, output, log-sum-exp are [b, heads, s_l, d] / [b, heads, s_l]).  No term is
+s^2 (the flash rule holds: only the log-sum-exp is kept), so the whole layer is exactly 1/cp of
+the cp = 1 layer with the same kernel terms.  By cp attention kind:
+      'ring' (:mod:`colonnade.context_parallel.ring`): the autograd Function keeps q E s_l b h/t,
+                   its local k, v 2 E s_l b h_kv/t, its own output E s_l b h/t (a fresh
+                   [b, a/t, s_l, d] tensor; the out-proj input is a copy) and the merged
+                   log-sum-exp A s_l b a/t.
+      'all_to_all' (:mod:`colonnade.context_parallel.all_to_all_attention`): the kernel runs on
+                   the full s with a/(t cp) query heads and k_r = g/(t cp) kv heads (or 1
+                   replicated kv head when cp is a multiple of g/t): q E s b h/(t cp) (= the
+                   ring's), k and v 2 E s b d k_r, output E s b h/(t cp), log-sum-exp
+                   A s b a/(t cp).  With k_r = g/(t cp) this equals the ring's bytes.
+    Transient buffers of one layer's attention under cp (:func:`cp_buffer_bytes`, counted once
+    per rank, not per layer: one layer's attention runs at a time):
+      ring         a kv block is (k, v) = 2 E s_l b h_kv/t; forward holds 2 in flight (the one
+                   attended, the one arriving), backward also passes dK/dV around the ring
+                   (the travelling accumulator and the one arriving): peak 4 blocks =
+                   8 E s_l b h_kv/t.
+      all_to_all   backward holds the gradients of the kernel's q, k, v and output at full s
+                   with heads/cp (dq, dk, dv, dout): E s b (2 h/(t cp) + 2 d k_r).
+
 Kernel caveats: the terms are those of PyTorch's CPU flash kernel; CUDA kernels keep the same
 output and fp32 log-sum-exp (the memory-efficient kernel pads it to a multiple of 32 positions,
 plus two 8-byte RNG words) - a fraction of a percent at realistic sizes.
@@ -74,6 +98,8 @@ if TYPE_CHECKING:  # the planner imports this module: keep torch out of `colonna
 
     from colonnade.models.recompute import RecomputePlan
 
+CP_ATTENTION_KINDS: tuple[str, ...] = ("ring", "all_to_all")
+"""parallel.cp_attention values the model knows (config/choices.py CP_ATTENTIONS)."""
 ATTENTION_KERNELS: tuple[str, ...] = ("flash", "blockwise", "eager")
 """How core attention runs and what it keeps for backward (see the module docstring); the
 planner's ``Workload.attention`` and ``colonnade plan --attention`` take these too."""
@@ -102,6 +128,10 @@ class ActivationShape:
     """t, tensor-parallel degree."""
     sp: bool = False
     """Sequence parallelism (the residual stream holds s/t rows)."""
+    cp: int = 1
+    """Context-parallel degree: the rank holds s/cp rows of every sample (s % cp == 0)."""
+    cp_attention: str = "ring"
+    """Under cp > 1: 'ring' or 'all_to_all' (:data:`CP_ATTENTION_KINDS`)."""
     elem: int = 2
     """Bytes per activation element E."""
     facts: ArchFacts = LLAMA_FACTS
@@ -115,6 +145,10 @@ class ActivationShape:
     runs, 'blockwise' with attention dropout, else 'flash'."""
 
     def __post_init__(self) -> None:
+        if self.cp < 1 or self.seq % self.cp or self.cp_attention not in CP_ATTENTION_KINDS:
+            raise ValueError(f"cp={self.cp} must be >= 1 and divide seq={self.seq}, and "
+                             f"cp_attention='{self.cp_attention}' one of "
+                             f"{', '.join(CP_ATTENTION_KINDS)}.")
         if self.attention not in ("auto", *ATTENTION_KERNELS):
             raise ValueError(f"attention='{self.attention}' must be 'auto' or one of "
                              f"{', '.join(ATTENTION_KERNELS)}.")
@@ -126,14 +160,28 @@ class ActivationShape:
             return self.attention
         return "blockwise" if self.attention_dropout else "flash"
 
+    @property
+    def local_seq(self) -> int:
+        """s_l = s / cp, the rows of each sample this rank holds."""
+        return self.seq // self.cp
+
+    @property
+    def a2a_kv_heads(self) -> int:
+        """k_r: kv heads one rank attends with under all_to_all (g/(t cp), or 1 replicated
+        head when cp is a multiple of g/t)."""
+        local = self.kv_heads // self.tp
+        return local // self.cp if local % self.cp == 0 else 1
+
     @classmethod
     def of(cls, m: LayerShape, seq: int, batch: int, *, tp: int = 1, sp: bool = False,
-           elem: int = 2, attention: str = "auto") -> ActivationShape:
-        """The shape of ``m``'s layers for micro-batch [b, s] on a tp (+sp) rank."""
+           elem: int = 2, attention: str = "auto", cp: int = 1,
+           cp_attention: str = "ring") -> ActivationShape:
+        """The shape of ``m``'s layers for micro-batch [b, s] on a tp (+sp) x cp rank."""
         return cls(seq=seq, batch=batch, hidden=m.hidden, heads=m.heads,
                    kv_heads=m.kv_hidden * m.heads // m.hidden, ffn=m.ffn, tp=tp, sp=sp,
-                   elem=elem, facts=m.facts, hidden_dropout=m.hidden_dropout,
-                   attention_dropout=m.attention_dropout, attention=attention)
+                   cp=cp, cp_attention=cp_attention, elem=elem, facts=m.facts,
+                   hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                   attention=attention)
 
     @classmethod
     def from_model(cls, model: ModelConfig, seq: int, batch: int, *, tp: int = 1,
@@ -154,9 +202,16 @@ def _norm_bytes(x: ActivationShape, rows: int) -> float:
 
 
 def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
-    """(term name, bytes) of the core attention without recompute, by kernel."""
-    s, b, a, t, e = x.seq, x.batch, x.heads, x.tp, x.elem
-    lse = max(e, 4) * s * b * a / t  # fp32 log-sum-exp [b, a/t, s]
+    """(term name, bytes) of the core attention without recompute, by kernel (cp > 1: by cp
+    attention kind)."""
+    s, b, a, t, e = x.local_seq, x.batch, x.heads, x.tp, x.elem
+    lse = max(e, 4) * s * b * a / t  # fp32 log-sum-exp [b, a/t, s_l]
+    if x.cp > 1:
+        out = e * float(s) * b * x.hidden / t  # [b, a/t, s_l, d]: a fresh tensor, kept
+        if x.cp_attention == "all_to_all":  # full s, a/(t cp) heads: q, out, lse as the ring's
+            kv = 2.0 * e * x.seq * b * (x.hidden // x.heads) * x.a2a_kv_heads
+            return "core_all_to_all", q + kv + out + lse
+        return "core_ring", q + kv + out + lse
     if x.kernel == "eager":
         scores = float(a) * s * s * b / t  # [b, a/t, s, s]
         kept = e * scores + ((1 + e) * scores if x.attention_dropout else 0.0)
@@ -175,7 +230,7 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
 
     ``recompute`` 'none' | 'selective' | 'full' (one checkpointed layer: its input only).
     """
-    s, b, h, t, e = x.seq, x.batch, x.hidden, x.tp, x.elem
+    s, b, h, t, e = x.local_seq, x.batch, x.hidden, x.tp, x.elem  # s_l = s / cp
     rows = s // t if x.sp else s
     if recompute == "full":
         return {"block_input": float(e * rows * b * h)}
@@ -193,6 +248,18 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     if x.hidden_dropout:
         terms["dropout_masks"] = 2.0 * rows * b * h  # bool
     return terms
+
+
+def cp_buffer_bytes(x: ActivationShape) -> float:
+    """Peak transient bytes of one layer's cp attention (module docstring): ring 4 kv blocks
+    8 E s_l b h_kv/t; all_to_all the backward's dq, dk, dv, dout at full s with heads/cp;
+    0 at cp = 1."""
+    if x.cp == 1:
+        return 0.0
+    e, b, d = x.elem, x.batch, x.hidden // x.heads
+    if x.cp_attention == "all_to_all":
+        return e * float(x.seq) * b * (2 * x.hidden / (x.tp * x.cp) + 2 * d * x.a2a_kv_heads)
+    return 8.0 * e * x.local_seq * b * x.kv_heads * d / x.tp
 
 
 def layer_bytes(x: ActivationShape, recompute: str = "none") -> float:

@@ -63,9 +63,10 @@ def gemm_s(c: Cluster, flops: float, intensity: float, precision: str) -> float:
 def layer_gemms(w: Workload, layout: Layout) -> tuple[list[tuple[float, float]],
                                                       tuple[float, float]]:
     """([(FLOPs, intensity) of each weight GEMM], (FLOPs, intensity) of the core attention)
-    of one layer's forward of one micro-batch on one tp rank."""
+    of one layer's forward of one micro-batch on one tp rank; under cp the rank's b s/cp
+    tokens, whose queries attend over the full s (the zigzag split balances causal work)."""
     m, t, e, s = w.shape, layout.tp, float(w.elem), w.seq_len
-    tokens = float(layout.micro_batch) * s
+    tokens = layout.local_tokens(s)
     h, f = m.hidden, m.ffn
     gate = m.mlp_matrices - 1  # column matrices of the MLP (gate and up, or fc)
     shapes = [(h, (h + 2 * m.kv_hidden) / t), (h / t, h), (h, gate * f / t), (f / t, h)]
@@ -84,8 +85,9 @@ def layer_gemm_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]
 
 
 def head_gemm_s(w: Workload, layout: Layout, c: Cluster) -> float:
-    """Seconds of the output head's forward GEMM [T, h] x [h, V/t] on one tp rank."""
+    """Seconds of the output head's forward GEMM [T, h] x [h, V/t] on one tp rank (T the
+    rank's b s/cp tokens)."""
     m, t = w.shape, layout.tp
-    tokens = float(layout.micro_batch) * w.seq_len
+    tokens = layout.local_tokens(w.seq_len)
     flops = 2.0 * tokens * m.hidden * m.vocab / t
     return gemm_s(c, flops, gemm_intensity(tokens, m.hidden, m.vocab / t, w.elem), w.precision)

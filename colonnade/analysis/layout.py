@@ -1,8 +1,9 @@
 """What is planned: the workload (model, batch, precision) and one parallel layout.
 
 A :class:`Workload` is fixed by the user; a :class:`Layout` is one point of the search space
-(tp, pp, vp, dp, micro-batch, ZeRO stage, recompute, sp, schedule).  Both convert to and from the
-colonnade :class:`~colonnade.config.sections.Config`, so a planned layout is a runnable config.
+(tp, cp, pp, vp, dp, micro-batch, ZeRO stage, recompute, sp, schedule, cp attention).  Both
+convert to and from the colonnade :class:`~colonnade.config.sections.Config`, so a planned
+layout is a runnable config.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes per element of the stage-2/3 gradient reduce-scatter, by parallel.grad_reduce_dtype."""
 ZERO_STAGES = (0, 1, 2, 3)
+CP_KINDS = ("ring", "all_to_all")
+"""parallel.cp_attention values (config/choices.py CP_ATTENTIONS)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,9 @@ class Workload:
     grad_reduce_dtype: str = "fp32"
     """parallel.grad_reduce_dtype: dtype of the stage-2/3 gradient reduce-scatter ('fp32' or
     'bf16'; an fp64 model reduces in fp64)."""
+    cp_overlap: bool = True
+    """parallel.cp_overlap: ring attention's p2p overlapped with the local block's attention
+    (False: every ring transfer is exposed)."""
 
     def __post_init__(self) -> None:
         if self.grad_reduce_dtype not in REDUCE_BYTES:
@@ -100,14 +106,18 @@ class Workload:
                    overlap_grad_reduce=par.overlap_grad_reduce,
                    overlap_param_gather=par.overlap_param_gather, overlap_p2p=par.overlap_p2p,
                    bucket_size=par.bucket_size, zero_prefetch=par.zero_prefetch,
-                   grad_reduce_dtype=par.grad_reduce_dtype)
+                   grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One parallel layout of a workload on ``tp * pp * dp`` devices."""
+    """One parallel layout of a workload on ``tp * cp * pp * dp`` devices."""
 
     tp: int = 1
+    cp: int = 1
+    """Context-parallel degree: each rank holds s / cp rows of every sample (zigzag split)."""
+    cp_attention: str = "ring"
+    """parallel.cp_attention under cp > 1: 'ring' or 'all_to_all' (:data:`CP_KINDS`)."""
     pp: int = 1
     vp: int = 1
     dp: int = 1
@@ -126,18 +136,33 @@ class Layout:
     None = the whole dp group."""
 
     def __post_init__(self) -> None:
+        if self.cp < 1 or self.cp_attention not in CP_KINDS:
+            raise ValueError(f"cp={self.cp} must be >= 1 and cp_attention="
+                             f"'{self.cp_attention}' one of {', '.join(CP_KINDS)}.")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero}: the ZeRO stage must be one of {ZERO_STAGES}.")
         if self.zero_shard_size is not None and (self.zero_shard_size < 1
-                                                 or self.dp % self.zero_shard_size):
-            raise ValueError(f"zero_shard_size={self.zero_shard_size} must divide dp={self.dp}.")
+                                                 or self.dp_cp % self.zero_shard_size):
+            raise ValueError(f"zero_shard_size={self.zero_shard_size} must divide "
+                             f"dp={self.dp_cp}"
+                             + (f" (dp {self.dp} x cp {self.cp})." if self.cp > 1 else "."))
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks gradients are reduced over and ZeRO shards over: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def shard(self) -> int:
-        """Ranks the sharded states are divided over (1 at stage 0)."""
+        """Ranks the sharded states are divided over (1 at stage 0): dp x cp, or
+        ``zero_shard_size`` of them."""
         if self.zero == 0:
             return 1
-        return self.zero_shard_size or self.dp
+        return self.zero_shard_size or self.dp_cp
+
+    def local_tokens(self, seq_len: int) -> float:
+        """Tokens of one micro-batch on one rank: b s / cp (the rank's zigzag rows)."""
+        return float(self.micro_batch) * seq_len / self.cp
 
     @property
     def reshard(self) -> bool:
@@ -157,7 +182,7 @@ class Layout:
     @property
     def world(self) -> int:
         """Devices used."""
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step per dp rank, m = B / (dp * micro_batch)."""
@@ -168,6 +193,8 @@ class Layout:
         extra = []
         if self.sp:
             extra.append("sp")
+        if self.cp > 1:
+            extra.append(f"cp{self.cp}:{self.cp_attention}")
         if self.zero:
             extra.append(f"zero{self.zero_label()}")
         tail = (" " + " ".join(extra)) if extra else ""
@@ -178,7 +205,8 @@ class Layout:
     def to_config(self, base: Config, workload: Workload) -> Config:
         """A colonnade config running this layout (the model and batch of ``workload``)."""
         par = dataclasses.replace(
-            base.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
+            base.parallel, tp=self.tp, cp=self.cp, cp_attention=self.cp_attention,
+            cp_overlap=workload.cp_overlap, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
             schedule=self.schedule if self.pp > 1 else "1f1b",
             use_distributed_optimizer=False, zero_stage=self.zero,
             reshard_after_forward=self.reshard_after_forward,
@@ -205,8 +233,10 @@ class Layout:
             zero.append(f"--parallel.reshard_after_forward={str(self.reshard).lower()}")
         if self.zero and self.zero_shard_size:
             zero.append(f"--parallel.zero_shard_size={self.zero_shard_size}")
+        cp = [f"--parallel.cp={self.cp}"] + ([f"--parallel.cp_attention={self.cp_attention}"]
+                                             if self.cp > 1 else [])
         return [
-            f"--parallel.tp={self.tp}", f"--parallel.pp={self.pp}", f"--parallel.vp={self.vp}",
+            f"--parallel.tp={self.tp}", *cp, f"--parallel.pp={self.pp}", f"--parallel.vp={self.vp}",
             f"--parallel.dp={self.dp}", f"--parallel.sp={str(self.sp).lower()}",
             f"--parallel.schedule={self.schedule if self.pp > 1 else '1f1b'}",
             *zero,
@@ -218,8 +248,9 @@ class Layout:
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
         """The layout of a colonnade config on ``world_size`` devices."""
         par, tr = cfg.parallel, cfg.training
-        dp = par.dp if par.dp is not None else world_size // (par.tp * par.pp)
-        return cls(tp=par.tp, pp=par.pp, vp=par.vp, dp=dp, micro_batch=tr.micro_batch_size,
+        dp = par.dp if par.dp is not None else world_size // (par.tp * par.cp * par.pp)
+        return cls(tp=par.tp, cp=par.cp, cp_attention=par.cp_attention, pp=par.pp, vp=par.vp,
+                   dp=dp, micro_batch=tr.micro_batch_size,
                    zero=par.zero, recompute=tr.recompute, sp=par.sp, schedule=par.schedule,
                    reshard_after_forward=par.reshard_after_forward,
                    zero_shard_size=par.zero_shard_size)

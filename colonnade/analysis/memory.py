@@ -51,6 +51,11 @@ min(p, m) for 1F1B and ZB-H1 (layers per stage x p = all l layers), and for the 
 schedule p (1 + (p-1)/(p v)) stage-equivalents (capped at m).
 The last stage also keeps the output logits and fp32 softmax, (E + 4) sbV/t.
 Buffers: pipeline send/receive 2 E sbh, the sp all-gather output E sbh.
+Context parallelism (cp): the rank holds s/cp rows of every sample, so every activation and
+buffer term above is taken at s/cp (activations x 1/cp exactly, no s^2 term; see
+:mod:`colonnade.analysis.activations`), plus ``cp_buffers``, the peak transient of one layer's
+cp attention (ring: 4 kv blocks in flight; all_to_all: dq, dk, dv, dout at full s, heads/cp:
+:func:`~colonnade.analysis.activations.cp_buffer_bytes`).  ZeRO shards over dp x cp.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from colonnade.analysis.activations import ActivationShape, layer_bytes
+from colonnade.analysis.activations import ActivationShape, cp_buffer_bytes, layer_bytes
 from colonnade.analysis.hardware import GIB
 from colonnade.analysis.layout import ELEMENT_BYTES, ZERO_STAGES, Layout, Workload
 from colonnade.models.counts import (
@@ -192,7 +197,8 @@ def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
 def activation_shape(w: Workload, layout: Layout) -> ActivationShape:
     """The activation model's shape of ``w``'s layers for one micro-batch on one device."""
     return ActivationShape.of(w.shape, w.seq_len, layout.micro_batch, tp=layout.tp,
-                              sp=layout.sp, elem=w.elem, attention=w.attention)
+                              sp=layout.sp, elem=w.elem, attention=w.attention, cp=layout.cp,
+                              cp_attention=layout.cp_attention)
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -221,12 +227,15 @@ class Memory:
     """Stage 2/3: gradient bucket buffers (reduce dtype) alive at once."""
     gathered: float = 0.0
     """Stage 3: full (gathered) parameter buckets alive at once."""
+    cp_buffers: float = 0.0
+    """cp > 1: peak transient buffers of one layer's cp attention (ring kv/dkv blocks in
+    flight, or all_to_all's full-sequence gradients)."""
 
     @property
     def total(self) -> float:
         """Sum of all kinds."""
         return (self.params + self.grads + self.optimizer + self.activations + self.buffers
-                + self.grad_buckets + self.gathered)
+                + self.grad_buckets + self.gathered + self.cp_buffers)
 
     def gib(self) -> dict[str, float]:
         """Every field in GiB (plus total)."""
@@ -241,7 +250,8 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     m = w.shape
     wb, gb, ob = state_bytes_per_param(w, layout)
     n = stage_params(m, layout, stage)
-    micro, e, s, t = layout.micro_batch, w.elem, w.seq_len, layout.tp
+    micro, e, t = layout.micro_batch, w.elem, layout.tp
+    s = w.seq_len / layout.cp  # rows of each sample on this cp rank
     mbs = layout.microbatches(w.global_batch)
     layers = m.layers // layout.pp
     sbh = float(s) * micro * m.hidden
@@ -259,7 +269,8 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     buffers = (2 * e * sbh if layout.pp > 1 else 0.0) + (e * sbh if layout.sp else 0.0)
     grad_buckets, gathered = zero_buffer_bytes(w, layout, stage, n)
     return Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
-                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered)
+                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered,
+                  cp_buffers=cp_buffer_bytes(shape))
 
 
 def memory_per_device(w: Workload, layout: Layout) -> Memory:

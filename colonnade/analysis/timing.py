@@ -12,6 +12,12 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
              2E a s (+ dropout (2E + 1) a s)); backward 2x.  Norms and residual adds run on
              every tp rank unless sp; the rest is split by t.  This memory-bound part is what
              makes small models reach a lower fraction of peak than large ones.
+  cp       = context parallelism: T = b s / cp tokens per rank in every term above and below
+             (attention FLOPs per rank 4 s h T / t: the full s of keys, 1/cp of the queries;
+             the zigzag split balances the causal work); plus the cp attention's exposed
+             communication per layer (:mod:`colonnade.analysis.cp_comm`: ring p2p beyond its
+             overlap with each ring step's block attention, or all_to_all's 8 all-to-alls),
+             reported as ``Timing.cp_comm``; gradients are reduced over dp x cp.
   tp comm  = per layer 2 all-reduces (or all-gather + reduce-scatter pairs with sp) of T h E
              bytes forward, 2 backward, +2 with full recompute: 8 T h E (t-1)/t bytes per
              device without recompute (the issue's term), exposed (not overlapped).
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
@@ -83,6 +90,9 @@ class Timing:
     optimizer: float
     overhead: float
     total: float
+    cp_comm: float = 0.0
+    """Exposed cp attention communication (ring p2p beyond its overlap, or all-to-alls),
+    part of the steady time like ``tp_comm``."""
 
     def as_dict(self) -> dict[str, float]:
         """Plain dict for JSON."""
@@ -97,6 +107,7 @@ class _Stage:
     bwd: float
     wgrad: float
     comm: float  # tp communication inside fwd + bwd
+    cp: float = 0.0  # exposed cp attention communication inside bwd (fwd + bwd traffic)
 
 
 def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> tuple[float,
@@ -122,7 +133,7 @@ def layer_forward_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, flo
     (eff * bandwidth); host = ``OPS_PER_LAYER * op_overhead_us``.  Backward without recompute
     costs ``backward_ratio`` (2 by FLOPs) x both.
     """
-    tokens = float(layout.micro_batch) * w.seq_len
+    tokens = layout.local_tokens(w.seq_len)
     b_fwd = tokens * _elementwise_bytes_per_token(w.shape, w, layout)[0]
     roof = sum(layer_gemm_s(w, layout, c)) + b_fwd / c.bytes_per_s()
     return roof, OPS_PER_LAYER * c.op_overhead_us * 1e-6
@@ -137,7 +148,7 @@ def head_fwd_bwd_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, floa
     each), sum (read): (E + 32) V / t per token forward; backward softmax x grad (read +
     write), read again by the head's GEMMs: (E + 8) V / t."""
     m, t = w.shape, layout.tp
-    tokens = float(layout.micro_batch) * w.seq_len
+    tokens = layout.local_tokens(w.seq_len)
     gemm, bw = head_gemm_s(w, layout, c), c.bytes_per_s()
     fwd = gemm + tokens * m.vocab / t * (w.elem + 32) / bw
     bwd = 2 * gemm + tokens * m.vocab / t * (w.elem + 8) / bw
@@ -147,7 +158,7 @@ def head_fwd_bwd_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, floa
 
 def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     m, t = w.shape, layout.tp
-    tokens = float(layout.micro_batch) * w.seq_len
+    tokens = layout.local_tokens(w.seq_len)
     bw = c.bytes_per_s()
     layers = m.layers // layout.pp
     weights_s, core_s = layer_gemm_s(w, layout, c)
@@ -166,8 +177,9 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         ar = (c.gather_s(tokens * m.hidden * w.elem, t, per_node, "all_gather")
               + c.gather_s(tokens * m.hidden * w.elem, t, per_node, "reduce_scatter"))
     comm_f, comm_b = 2 * ar, (4 if layout.recompute == "full" else 2) * ar
+    ring = cp_comm(w, layout, c).exposed_s  # cp attention's exposed traffic, fwd + bwd
     fwd_s = layers * (fwd + comm_f)
-    bwd_s = layers * (bwd + comm_b)
+    bwd_s = layers * (bwd + comm_b + ring)
     wgrad = layers * weights_s  # the weight-gradient GEMMs: the forward's shapes, transposed
     comm = layers * (comm_f + comm_b)
     if stage in ("first", "only"):
@@ -185,7 +197,7 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         bwd_s += roof + host - head_f + head_comm
         wgrad += head_gemm_s(w, layout, c.head())
         comm += head_comm
-    return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm)
+    return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm, cp=layers * ring)
 
 
 def _stage_names(pp: int) -> list[str]:
@@ -230,18 +242,19 @@ def _dp_exposed(w: Workload, layout: Layout, c: Cluster, params: float, stage: _
     > 0, and reduce-scatters m times; no gather after the optimizer.  Hybrid sharding adds
     an all-reduce of the gradient shard over the dp / S replicas once per step.
     """
-    if layout.dp == 1:
+    dp = layout.dp_cp  # gradients are reduced over dp x cp
+    if dp == 1:
         return 0.0, 0.0
     t, g, z, s = layout.tp, c.gpus_per_node, layout.zero, layout.shard
-    per_node = layout.dp if layout.world <= g else max(1, min(layout.dp, g // t))
+    per_node = dp if layout.world <= g else max(1, min(dp, g // t))
     wb, gb, _ = stage_state_bytes(w.precision, 0, 1)
     last = min(1.0, w.bucket_size / max(params, 1.0))
     bwd, fwd = stage.bwd, stage.fwd
     if z == 0:
-        red = c.all_reduce_s(params * gb, layout.dp, per_node)
+        red = c.all_reduce_s(params * gb, dp, per_node)
         return _hidden(red, bwd / layout.vp, last, w.overlap_grad_reduce), red
     node_s = min(per_node, s)
-    replicas = layout.dp // s
+    replicas = dp // s
     rep = c.all_reduce_s(params * gb / s, replicas, max(1, per_node // s))
     gather = c.gather_s(params * wb, s, node_s, "all_gather")
     if z == 1:
@@ -287,7 +300,7 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     def ar(nbytes: float, n: int) -> float:
         return c.all_reduce_s(nbytes, n, min(n, g))
 
-    total = ar(8, t) + ar(8, p) + (ar(8, layout.dp) if layout.zero else 0.0)
+    total = ar(8, t) + ar(8, p) + (ar(8, layout.dp_cp) if layout.zero else 0.0)
     total += ar(16, layout.world)
     if layout.sp and t > 1:
         total += ar((2 * m.layers / p + 1) * m.hidden * w.elem, t)
@@ -314,9 +327,10 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     names = _stage_names(layout.pp)
     stages = [_stage_costs(w, layout, c, n) for n in names]
     steady, bubble, tp_comm = _pipeline(layout, m, stages)
+    cp_s = m * max(stages, key=lambda st: st.fwd + st.bwd).cp  # the slowest stage's, as above
     p2p = p2p_full = 0.0
     if layout.pp > 1:
-        tokens = float(layout.micro_batch) * w.seq_len
+        tokens = layout.local_tokens(w.seq_len)
         full = tokens * w.shape.hidden * w.elem
         one = c.p2p_s(full / layout.tp, layout.world > c.gpus_per_node)
         if layout.tp > 1 and not layout.sp:
@@ -332,25 +346,26 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     # ranks wait for the slowest at every blocking collective: a measured fraction of the
     # compute between them (the whole step's compute is cut into such segments)
     total = (steady + bubble + p2p + dp + opt + extra + c.step_overhead_s
-             + skew * (steady - tp_comm))
+             + skew * (steady - tp_comm - cp_s))
     if c.compute_units and layout.world > c.compute_units:
         # Compute (and the optimizer) time-shares the cores; the communication waits then
         # follow on top (a rank blocked in a collective gives its core to the others, but
         # its partner only answers once it has had its own share).
-        own = sum(m * (st.fwd + st.bwd - st.comm)  # one rank per stage and tp x dp copies
+        own = sum(m * (st.fwd + st.bwd - st.comm - st.cp)  # one rank per stage, tp cp dp copies
                   + _optimizer_s(w, layout, c, stage_params(w.shape, layout, n))
                   for st, n in zip(stages, names, strict=True))
-        busy = own * layout.tp * layout.dp / c.compute_units
-        waits = tp_comm + p2p_full + dp_full + extra
+        busy = own * layout.tp * layout.cp * layout.dp / c.compute_units
+        waits = tp_comm + cp_s + p2p_full + dp_full + extra
         total = max(total, busy * (1 + skew) + waits + c.step_overhead_s)
         if layout.tp > 1:
             # a tp group synchronises every ~ms: its members progress only while co-scheduled,
             # so the critical path's compute (the slowest stage and the fill/drain) runs at
             # cores / ranks speed, not just the step's summed work
             share = layout.world / c.compute_units
-            crit = share * (1 + skew) * (steady - tp_comm + bubble + opt)
-            total = max(total, crit + tp_comm + p2p_full + dp + extra + c.step_overhead_s)
+            crit = share * (1 + skew) * (steady - tp_comm - cp_s + bubble + opt)
+            total = max(total, crit + tp_comm + cp_s + p2p_full + dp + extra
+                        + c.step_overhead_s)
     total = max(total, launch_floor_s(w, layout, c))  # kernels shorter than their launches
-    return Timing(compute=steady - tp_comm, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
+    return Timing(compute=steady - tp_comm - cp_s, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
                   dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
-                  total=total)
+                  total=total, cp_comm=cp_s)

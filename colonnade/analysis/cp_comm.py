@@ -1,0 +1,111 @@
+"""Context-parallel attention communication: bytes and exposed seconds per layer per micro-batch.
+
+One layer, one micro-batch [b, s], one rank of a cp group of size c (s_l = s/c rows, the zigzag
+chunks r and 2c-1-r), tp degree t, kv heads g (g_l = g/t per tp rank), head size d, E bytes
+per element.  A kv block is the rank's (k, v): K = 2 b s_l g_l d E bytes.
+
+ring (:mod:`colonnade.context_parallel.ring`): the forward passes kv blocks around the ring,
+    c - 1 steps, one block sent (and one received) per step while the rank attends the block it
+    holds: (c - 1) K bytes.  The backward passes the kv blocks again ((c - 1) K) and the dK/dV
+    accumulators (same size as a block) all the way home (c K): (2c - 1) K over c steps.
+    Each step overlaps its transfer with one block's attention, core / c of the layer's core
+    attention time (the zigzag split gives every rank the same causal work per step), so the
+    exposed time is sum over steps of max(0, transfer - compute); with cp_overlap = False
+    every transfer is exposed.
+all_to_all (:mod:`colonnade.context_parallel.all_to_all_attention`): the forward re-shards q,
+    k, v (sequence -> heads) and the output back (heads -> sequence), 4 all-to-alls; the
+    backward the same 4 for their gradients.  Each moves (c - 1)/c of the rank's tensor:
+    q and out b s_l h/t E, k and v b s_l d g_x E with g_x = c k_r (= g_l, or c when kv heads
+    are replicated because c is a multiple of g_l).  Not overlapped: all exposed.
+Recompute: full recompute repeats the forward's traffic in backward; selective too (the core
+attention, cp communication included, is what it recomputes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from colonnade.analysis.efficiency import layer_gemm_s
+from colonnade.analysis.hardware import Cluster
+from colonnade.analysis.layout import Layout, Workload
+
+
+@dataclass(frozen=True)
+class CpComm:
+    """cp attention traffic and time of one layer for one micro-batch on one rank."""
+
+    fwd_bytes: float
+    """Bytes this rank sends in the forward (recomputation not counted)."""
+    bwd_bytes: float
+    """Bytes this rank sends in the backward (plus ``fwd_bytes`` again under recompute)."""
+    full_s: float
+    """Seconds of all transfers (forward + backward, recompute included)."""
+    exposed_s: float
+    """Seconds of them not hidden behind attention compute."""
+
+
+def _kv_block_bytes(w: Workload, layout: Layout) -> float:
+    """K = 2 b s_l g_l d E: one rank's k and v of one layer (GQA: kv not expanded)."""
+    m = w.shape
+    return 2.0 * layout.local_tokens(w.seq_len) * m.kv_hidden / layout.tp * w.elem
+
+
+def _cross_node(layout: Layout, c: Cluster) -> bool:
+    """Whether the cp group spans nodes (order tp-cp-dp-pp: cp ranks are tp apart)."""
+    return layout.tp * layout.cp > c.gpus_per_node
+
+
+def _recomputes(layout: Layout) -> bool:
+    return layout.recompute in ("full", "selective")
+
+
+def ring_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
+    """Ring attention's per-layer traffic and exposed time (module docstring)."""
+    cp = layout.cp
+    blk = _kv_block_bytes(w, layout)
+    one = c.p2p_s(blk, _cross_node(layout, c))
+    core = layer_gemm_s(w, layout, c)[1]  # the layer's core attention forward, this rank
+    step_f, step_b = core / cp, c.backward_ratio * core / cp
+    fwd_b, bwd_b = (cp - 1) * blk, (2 * cp - 1) * blk
+    full_f, full_b = (cp - 1) * one, (2 * cp - 1) * one
+    if w.cp_overlap:
+        exp_f = (cp - 1) * max(0.0, one - step_f)
+        exp_b = cp * max(0.0, full_b / cp - step_b)
+    else:
+        exp_f, exp_b = full_f, full_b
+    rep = 1 if _recomputes(layout) else 0
+    return CpComm(fwd_bytes=fwd_b, bwd_bytes=bwd_b + rep * fwd_b,
+                  full_s=(1 + rep) * full_f + full_b, exposed_s=(1 + rep) * exp_f + exp_b)
+
+
+def all_to_all_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
+    """The all-to-all variant's per-layer traffic and time (all exposed)."""
+    m, cp, t = w.shape, layout.cp, layout.tp
+    tokens = layout.local_tokens(w.seq_len)
+    d = m.hidden // m.heads
+    kv_local = m.kv_hidden // d // t
+    kv_x = kv_local if kv_local % cp == 0 else cp  # cp k_r kv heads' rows pass through
+    tensors = [tokens * m.hidden / t * w.elem] * 2 + [tokens * d * kv_x * w.elem] * 2
+    per_node = min(cp, max(1, c.gpus_per_node // t))
+    one_pass = sum(c.gather_s(x, cp, per_node) for x in tensors)
+    sent = (cp - 1) / cp * sum(tensors)
+    rep = 1 if _recomputes(layout) else 0
+    return CpComm(fwd_bytes=sent, bwd_bytes=(1 + rep) * sent, full_s=(2 + rep) * one_pass,
+                  exposed_s=(2 + rep) * one_pass)
+
+
+def cp_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
+    """Per-layer cp attention communication of ``layout`` (zeros at cp = 1)."""
+    if layout.cp == 1:
+        return CpComm(fwd_bytes=0.0, bwd_bytes=0.0, full_s=0.0, exposed_s=0.0)
+    if layout.cp_attention == "all_to_all":
+        return all_to_all_comm(w, layout, c)
+    return ring_comm(w, layout, c)
+
+
+def step_cp_bytes(w: Workload, layout: Layout, c: Cluster) -> float:
+    """Bytes one rank sends for cp attention per optimizer step: layers per stage x
+    micro-batches x (forward + backward) of :func:`cp_comm`."""
+    one = cp_comm(w, layout, c)
+    layers = w.shape.layers // layout.pp
+    return layers * layout.microbatches(w.global_batch) * (one.fwd_bytes + one.bwd_bytes)
