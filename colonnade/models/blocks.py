@@ -12,6 +12,16 @@ ids restart at 0 after every EOD (RoPE angles and learned positions then see eac
 0); with ``attention`` a token attends only to earlier tokens of its own document (the EOD
 belongs to the document it ends). :func:`doc_context` derives both from the tokens [b, s];
 every layer of every chunk receives the same :class:`DocContext`.
+
+Context parallelism (cp > 1, :mod:`colonnade.context_parallel`): a cp rank holds the zigzag
+rows of the sequence (:mod:`colonnade.context_parallel.layout`), s/cp of them. Its
+:class:`DocContext` always carries the local rows' position ids [b, s/cp] (global positions,
+or the document-reset ones computed on the full tokens and then taken locally), and with
+``attention`` reset the full-sequence document ids [b, s] (ring attention) or the full mask
+[b, 1, s, s] (all-to-all attention, which attends over the whole natural-order sequence).
+Core attention then runs :func:`~colonnade.context_parallel.ring.ring_attention` or
+:func:`~colonnade.context_parallel.all_to_all_attention.all_to_all_attention`, and hidden
+dropout draws the rows of the full [s, b, h] mask that the rank holds.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.context_parallel.layout import local_ranges, take_local, zigzag_index, zigzag_ranges
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
 from colonnade.tensor_parallel.context import ParallelContext
@@ -66,28 +77,60 @@ class DocReset:
 @dataclass(frozen=True)
 class DocContext:
     """Per micro-batch: position ids [b, s] and the attention mask [b, 1, s, s] (True: may
-    attend), each None when that reset is off."""
+    attend), each None when that reset is off.
+
+    Under cp > 1 (:func:`cp_doc_context`): ``positions`` [b, s/cp] of the rank's local rows
+    (always set), ``mask`` the full-sequence mask (all-to-all attention only) and ``doc_ids``
+    [b, s] the full sequence's document index of each token (ring attention only)."""
 
     positions: torch.Tensor | None
     mask: torch.Tensor | None
+    doc_ids: torch.Tensor | None = None
 
 
-def doc_context(tokens: torch.Tensor, reset: DocReset) -> DocContext:
+def doc_context(tokens: torch.Tensor, reset: DocReset, *, ids: bool = False,
+                mask: bool = True) -> DocContext:
     """Position ids and attention mask of tokens [b, s] under ``reset`` (see the module
-    docstring). Document d of a row starts at 0 or just after its d-th EOD."""
+    docstring). Document d of a row starts at 0 or just after its d-th EOD. ``ids``: also
+    return the document ids [b, s] (attention reset only); ``mask=False``: no [b, 1, s, s]
+    mask."""
+    want_mask = mask
     b, s = tokens.shape
     eod = (tokens == reset.eod_id).long()  # [b, s]
     doc = eod.cumsum(dim=1) - eod  # [b, s]: EODs strictly before each position
-    positions = mask = None
+    positions = mask_t = doc_ids = None
     if reset.positions:
         idx = torch.arange(s, device=tokens.device).expand(b, s)  # [b, s]
         begins = torch.ones_like(eod, dtype=torch.bool)
         begins[:, 1:] = eod[:, :-1].bool()  # a document begins at 0 and after each EOD
         positions = idx - torch.where(begins, idx, 0).cummax(dim=1).values  # [b, s]
-    if reset.attention:
+    if reset.attention and want_mask:
         causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()  # [s, s]
-        mask = ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)  # [b, 1, s, s]
-    return DocContext(positions, mask)
+        mask_t = ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)  # [b, 1, s, s]
+    if reset.attention and ids:
+        doc_ids = doc  # [b, s]
+    return DocContext(positions, mask_t, doc_ids)
+
+
+def cp_doc_context(tokens: torch.Tensor | None, reset: DocReset | None, ctx: ParallelContext,
+                   b: int, s: int, device: torch.device) -> DocContext:
+    """The :class:`DocContext` of a cp rank (cp > 1) for a micro-batch of full tokens [b, s]
+    (``tokens`` may be None without ``reset``): positions [b, s/cp] of its zigzag rows
+    (document-reset positions when on, else the global positions), and under attention reset
+    the full document ids [b, s] (ring) or the full mask [b, 1, s, s] (all_to_all)."""
+    cp, rank = ctx.cp_size, ctx.cp_rank
+    full = None
+    if reset is not None:
+        assert tokens is not None
+        ring = ctx.cp_attention == "ring"
+        full = doc_context(tokens, reset, ids=ring, mask=not ring)
+    if full is not None and full.positions is not None:
+        positions = take_local(full.positions, cp, rank, dim=1)  # [b, s/cp]
+    else:
+        positions = zigzag_index(s, cp, rank, device).expand(b, s // cp)  # [b, s/cp]
+    if full is None:
+        return DocContext(positions, None)
+    return DocContext(positions, full.mask, full.doc_ids)
 
 
 @dataclass
@@ -149,6 +192,8 @@ class Attention(nn.Module):
             cache.length = start + s
             k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
         mask = doc.mask if doc is not None else None  # [b, 1, s, s] or None (causal)
+        if self.ctx.cp_size > 1:
+            return self.o(self._cp_core(q, k, v, doc))  # [s, b, h] or [s/tp, b, h]
         if self.recompute_core and self.training:
             out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start,
                              mask)  # [s, b, a/tp * d]
@@ -178,14 +223,24 @@ class Attention(nn.Module):
         The part whose activations grow with s^2 when computed eagerly (selective
         recomputation's target).
         """
+        out = self.attend(q, k, v, start, mask)  # [b, a/tp, s, d]
+        b, n, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, a/tp * d]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None = None, head_offset: int = 0) -> torch.Tensor:
+        """:meth:`core_attention` before the output reshape: q [b, n, s, d], k/v
+        [b, n_kv, S, d] -> [b, n, s, d]. ``head_offset``: index of q's first head among this
+        tp rank's heads (all-to-all attention hands each cp rank a share of them), which
+        places the dropout mask's heads."""
         p = self.cfg.attention_dropout if self.training else 0.0
         s, total = q.shape[2], k.shape[2]
         if p > 0.0:
-            spec = DropoutSpec(self.ctx.rng, self.dropout_site, p,
-                               self.heads * self.ctx.tp, self.ctx.tp_rank * self.heads)
-            out = dropout_attention(q, k, v, spec, mask)  # [b, a/tp, s, d]
+            spec = DropoutSpec(self.ctx.rng, self.dropout_site, p, self.heads * self.ctx.tp,
+                               self.ctx.tp_rank * self.heads + head_offset)
+            out = dropout_attention(q, k, v, spec, mask)  # [b, n, s, d]
         else:
-            gqa = self.kv_heads != self.heads
+            gqa = k.shape[1] != q.shape[1]
             if mask is None and start > 0 and s > 1:  # prefill after a cached prefix
                 mask = causal_mask(s, total, q.device)
             if mask is not None:
@@ -193,8 +248,44 @@ class Attention(nn.Module):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1,
                                                      enable_gqa=gqa)
+        return out
+
+    def _cp_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 doc: DocContext | None) -> torch.Tensor:
+        """Core attention over the whole sequence for cp > 1: q [b, a/tp, s/cp, d], k/v
+        [b, kv/tp, s/cp, d] (zigzag local rows) -> [s/cp, b, a/tp * d]. Selective recompute
+        checkpoints the all-to-all path (its attention stores full-sequence activations); the
+        ring kernel already keeps only q, k, v, out and lse."""
+        if (self.recompute_core and self.training and self.ctx.cp_attention != "ring"):
+            out = checkpoint(_cp_attention, self.ctx.rng, self, q, k, v, doc)
+        else:
+            out = _cp_attention(self, q, k, v, doc)  # [b, a/tp, s/cp, d]
         b, n, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, a/tp * d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s/cp, b, a/tp * d]
+
+
+@torch.compiler.disable
+def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  doc: DocContext | None) -> torch.Tensor:
+    """Ring or all-to-all attention of ``attn``'s heads over the cp group:
+    [b, a/tp, s/cp, d] -> [b, a/tp, s/cp, d]. Always eager (a graph break inside a compiled
+    layer: its collectives go through CommGroup, which dynamo does not trace)."""
+    from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
+    from colonnade.context_parallel.ring import ring_attention
+
+    ctx = attn.ctx
+    assert ctx.cp is not None
+    if ctx.cp_attention == "ring":
+        doc_ids = doc.doc_ids if doc is not None else None  # [b, s] or None
+        return ring_attention(q, k, v, ctx.cp, causal=True, doc_ids=doc_ids,
+                              overlap=ctx.cp_overlap)
+    mask = doc.mask if doc is not None else None  # [b, 1, s, s] (natural order) or None
+
+    def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+               head_offset: int) -> torch.Tensor:
+        return attn.attend(qh, kh, vh, 0, mask, head_offset)  # [b, a/tp/cp, s, d]
+
+    return all_to_all_attention(q, k, v, ctx.cp, attend)
 
 
 def causal_mask(s: int, total: int, device: torch.device) -> torch.Tensor:
@@ -221,9 +312,25 @@ def _draw_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str) ->
     without tracing it, so the tracker's (step, micro-batch) is read at every call, never
     guarded on (see :mod:`colonnade.models.compile`)."""
     s_local = x.shape[0]
+    if ctx.cp_size > 1:
+        return _cp_dropout(x, p, ctx, site)
     if ctx.sp:
         full = (s_local * ctx.tp, *x.shape[1:])
         index = (slice(ctx.tp_rank * s_local, (ctx.tp_rank + 1) * s_local),)
     else:
         full, index = tuple(x.shape), (slice(None),)
     return ctx.rng.dropout(x, p, site, full, index)
+
+
+def _cp_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str) -> torch.Tensor:
+    """Hidden dropout of a cp rank's rows x [s_l, b, h] (s_l = s/cp, or s/(cp tp) under sp):
+    its rows of the full [s, b, h] mask, the global row ranges of the zigzag split (of this
+    sp shard), one box each, concatenated: the single-process model's mask rows."""
+    s_local = x.shape[0]
+    s_cp = s_local * ctx.tp if ctx.sp else s_local  # this cp rank's rows
+    start = ctx.tp_rank * s_local if ctx.sp else 0
+    full = (s_cp * ctx.cp_size, *x.shape[1:])
+    boxes = local_ranges(zigzag_ranges(full[0], ctx.cp_size, ctx.cp_rank), start, s_local)
+    keep = torch.cat([ctx.rng.keep_mask(site, full, p, (slice(lo, hi),), x.device)
+                      for lo, hi in boxes])  # [s_l, b, h]
+    return x * keep * (1.0 / (1.0 - p))

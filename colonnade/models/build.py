@@ -38,6 +38,7 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
                            rng=RNGTracker(config.training.seed),
                            dtype=dtype or param_dtype(config.training.precision),
                            device=device, comm_chunks=par.tp_comm_chunks, cp=groups.cp,
+                           cp_attention=par.cp_attention, cp_overlap=par.cp_overlap,
                            ep=groups.ep,
                            param_device=torch.device("meta") if meta_params else None)
 

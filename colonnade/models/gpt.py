@@ -9,6 +9,12 @@ code. Layer modules are keyed by their *global* index, so parameter names
 Shapes: tokens [b, s] -> hidden [s, b, h] ([s/tp, b, h] under sp) -> logits [s, b, V'/tp]
 -> per-token loss [s, b] -> summed or mean loss over the valid tokens (scalar; labels equal to
 ``IGNORE_INDEX`` are masked out).
+
+Context parallelism (cp > 1): every cp rank receives the FULL micro-batch tokens and labels
+[b, s]; the first chunk embeds only its zigzag rows (:func:`colonnade.context_parallel.layout.
+take_local`), hidden states are [s/cp(/tp), b, h], and the last chunk's loss covers its rows of
+the labels, :func:`local_labels` (the one place that says which labels a rank scores). Summed
+over the cp ranks (the gradient reduction runs over dp x cp) that is the full sequence's loss.
 """
 
 from __future__ import annotations
@@ -19,16 +25,19 @@ import torch
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.context_parallel.layout import take_local
 from colonnade.models.blocks import (
     DocContext,
     DocReset,
     KVCache,
+    cp_doc_context,
     doc_context,
     hidden_dropout,
     rope_tables,
 )
 from colonnade.models.layer import TransformerLayer
 from colonnade.models.spec import ArchSpec, arch_spec
+from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, cross_entropy
@@ -48,6 +57,16 @@ LayerRunner = Callable[[list[LayerFn], torch.Tensor], torch.Tensor]
 def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Number of labels that count in the loss (not ``IGNORE_INDEX``), a 0-d int64 tensor."""
     return (labels != IGNORE_INDEX).sum()
+
+
+def local_labels(labels: torch.Tensor, ctx: ParallelContext | ProcessGroups) -> torch.Tensor:
+    """This cp rank's labels: the zigzag rows [b, s/cp] of the full labels [b, s] (``labels``
+    itself when cp = 1); ``ctx`` is the model's context or the rank's process groups. Every
+    count of valid tokens and every loss mean of a rank uses these."""
+    cp = ctx.cp
+    if cp is None or cp.size == 1:
+        return labels
+    return take_local(labels, cp.size, cp.rank, dim=1)
 
 
 class Embedding(nn.Module):
@@ -161,17 +180,19 @@ class ModelChunk(nn.Module):
         ``IGNORE_INDEX``): their sum (``reduction='sum'``, what the training step uses) or
         their mean ('mean'; 0 when none is valid); else the logits [s, b, V'/tp].
         """
-        doc = self._doc(inputs if self.first else tokens)
+        doc = self._doc(inputs, tokens)
         if self.embedding is not None:
-            x = self.embedding(inputs, doc.positions if doc is not None else None)
+            local = take_local(inputs, self.ctx.cp_size, self.ctx.cp_rank, dim=1)  # [b, s/cp]
+            x = self.embedding(local, doc.positions if doc is not None else None)
         else:
             x = inputs
         x = self.run_layers(x, doc=doc)
         if not self.last:
             return x
-        logits = self.logits(x)  # [s, b, V'/tp]
+        logits = self.logits(x)  # [s/cp, b, V'/tp]
         if labels is None:
             return logits
+        labels = local_labels(labels, self.ctx)  # [b, s/cp]
         loss = cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size,
                              self.label_smoothing)  # [s, b]
         if reduction == "sum":
@@ -180,14 +201,26 @@ class ModelChunk(nn.Module):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
         return loss.sum() / valid_tokens(labels).clamp(min=1)
 
-    def _doc(self, tokens: torch.Tensor | None) -> DocContext | None:
-        """Position ids and attention mask of the micro-batch (None without doc_reset)."""
-        if self.doc_reset is None:
-            return None
-        if tokens is None:
+    def _doc(self, inputs: torch.Tensor, tokens: torch.Tensor | None) -> DocContext | None:
+        """Position ids and attention mask of the micro-batch (None without doc_reset while
+        cp = 1); ``inputs`` the chunk's input (tokens [b, s] on the first chunk), ``tokens``
+        the micro-batch's tokens [b, s]. Under cp > 1 always a context: its positions are
+        the zigzag rows' (see :func:`~colonnade.models.blocks.cp_doc_context`)."""
+        full = inputs if self.first else tokens
+        if self.doc_reset is not None and full is None:
             raise ValueError("document reset needs the micro-batch's tokens on every chunk; "
                              "pass tokens=")
-        return doc_context(tokens, self.doc_reset)
+        if self.ctx.cp_size == 1:
+            if self.doc_reset is None:
+                return None
+            assert full is not None
+            return doc_context(full, self.doc_reset)
+        if full is not None:
+            b, s = full.shape
+        else:  # hidden [s/cp(/tp), b, h]
+            s = inputs.shape[0] * (self.ctx.tp if self.ctx.sp else 1) * self.ctx.cp_size
+            b = inputs.shape[1]
+        return cp_doc_context(full, self.doc_reset, self.ctx, b, s, inputs.device)
 
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor, caches: list[KVCache] | None = None

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from colonnade.models.gpt import ModelChunk
+from colonnade.models.gpt import ModelChunk, local_labels
 from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
 from colonnade.pipeline.p2p import (
     Message,
@@ -218,7 +218,8 @@ class StageExecutor:
             hidden = chunks[0].cfg.hidden_size
             self.comm = PipeComm(
                 groups.pp, self.stage,
-                lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp),
+                lambda k: message_shape(batches[k][0].shape, hidden, ctx.tp, ctx.sp,
+                                        ctx.cp_size),
                 ctx.dtype, self.device, in_order=options.in_order)
         self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
@@ -271,7 +272,7 @@ class StageExecutor:
         for k, (tokens, labels) in enumerate(self.batches):
             set_rng_context(self.chunks, self.plan, k, self.m)
             loss = chunk(tokens, labels, reduction="sum", tokens=tokens)
-            losses.append(micro_batch_mean(loss.detach(), labels))
+            losses.append(micro_batch_mean(loss.detach(), local_labels(labels, chunk.ctx)))
             y = loss * self.multiplier
             if sync is not None:
                 sync(k)
@@ -333,7 +334,7 @@ class StageExecutor:
             inputs = x.requires_grad_() if self.train else x
         if chunk.last:
             loss = chunk(inputs, labels, reduction="sum", tokens=tokens)
-            self.losses[k] = micro_batch_mean(loss.detach(), labels)
+            self.losses[k] = micro_batch_mean(loss.detach(), local_labels(labels, chunk.ctx))
             y = loss * self.multiplier if self.train else loss
         else:
             y = chunk(inputs, tokens=tokens)  # tokens: document boundaries (doc_reset)

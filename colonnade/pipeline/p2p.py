@@ -112,9 +112,14 @@ class StageProgram:
         return self.consumers[op.msg]
 
 
-def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool) -> Shape:
-    """Message shape for micro-batch tokens [b, s]: [s/tp, b, h] under sp, else [s, b, h]."""
+def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool,
+                  cp: int = 1) -> Shape:
+    """Message shape for micro-batch tokens [b, s]: [s/cp/tp, b, h] under sp, else
+    [s/cp, b, h] (a cp rank holds s/cp rows of the sequence)."""
     b, s = int(tokens_shape[0]), int(tokens_shape[1])
+    if s % cp:
+        raise ValueError(f"sequence length {s} is not divisible by parallel.cp={cp}")
+    s //= cp
     if sp and s % tp:
         raise ValueError(f"sequence length {s} is not divisible by parallel.tp={tp} (needed by "
                          "parallel.sp=true)")

@@ -16,6 +16,11 @@ N = b * s * microbatches * dp and L is the old mean, bit for bit up to rounding.
 included (the degenerate one-stage 1f1b), runs through the pipeline executor, so pp = 1 and
 pp > 1 apply the same multiplier and compute the same thing.
 
+Context parallelism: a cp rank scores only its zigzag rows of each micro-batch's labels
+(:func:`~colonnade.models.gpt.local_labels`), so its counts, sums and per-micro-batch means are
+over those; counted over dp x cp, N is still the global batch's valid tokens, and the
+gradient reduction over dp x cp with multiplier dp x cp / N gives the gradient of L.
+
 These types live in the pipeline package (below ``training/``) because the executor consumes
 them; the training step only builds a plan and hands it down.
 """
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from colonnade.models.gpt import ModelChunk, valid_tokens
+from colonnade.models.gpt import ModelChunk, local_labels, valid_tokens
 from colonnade.parallel.groups import ProcessGroups
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # tokens [b, s], labels [b, s]
@@ -77,12 +82,12 @@ class StepPlan:
 
 
 def count_tokens(batches: list[Batch], groups: ProcessGroups) -> int:
-    """Valid tokens of the global batch: this rank's micro-batches, all-reduced over dp (the
-    dp x cp group that reduces gradients, so the count and the averaging agree; not entered
-    when that group is one rank)."""
+    """Valid tokens of the global batch: this rank's micro-batches (its cp rows of their
+    labels), all-reduced over dp x cp (the group that reduces gradients, so the count and the
+    averaging agree; not entered when that group is one rank)."""
     if not batches:
         raise ValueError("a step needs at least one micro-batch")
-    labels = [lab for _, lab in batches]
+    labels = [local_labels(lab, groups) for _, lab in batches]
     local = torch.stack([valid_tokens(lab) for lab in labels]).sum().reshape(1)  # [1] int64
     if groups.dp_cp.size > 1:
         groups.dp_cp.all_reduce(local, name="loss_tokens")  # the gradient reduction's group
@@ -103,7 +108,8 @@ def set_rng_context(chunks: list[ModelChunk], plan: StepPlan, k: int, m: int) ->
 
 
 def micro_batch_mean(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """A micro-batch's summed loss as the mean over its valid tokens (0 when none is)."""
+    """A micro-batch's summed loss as the mean over its valid tokens (0 when none is);
+    ``labels``: the rank's labels (:func:`~colonnade.models.gpt.local_labels` under cp)."""
     return loss_sum / valid_tokens(labels).clamp(min=1)
 
 

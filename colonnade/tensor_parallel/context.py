@@ -41,6 +41,12 @@ class ParallelContext:
     cp: CommGroup | None = None
     """The cp group (context parallelism: the sequence split across its ranks; one rank while
     cp = 1); None in a context made without process groups."""
+    cp_attention: str = "ring"
+    """How attention spans the cp ranks when cp > 1: 'ring' or 'all_to_all'
+    (``parallel.cp_attention``)."""
+    cp_overlap: bool = True
+    """Ring attention overlaps each key/value transfer with the current block's compute
+    (``parallel.cp_overlap``)."""
     ep: CommGroup | None = None
     """The expert-parallel group (token all-to-all of mixture-of-experts layers, see
     :class:`~colonnade.parallel.dims.ParallelDims`' expert view); None without expert groups."""
@@ -54,6 +60,16 @@ class ParallelContext:
     def tp_rank(self) -> int:
         """This rank's index in tp."""
         return self.group.rank
+
+    @property
+    def cp_size(self) -> int:
+        """cp degree (1 without a cp group)."""
+        return self.cp.size if self.cp is not None else 1
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in cp (0 without a cp group)."""
+        return self.cp.rank if self.cp is not None else 0
 
     def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
         """A parameter holding this rank's shard (its coordinates on the axes that split

@@ -17,7 +17,7 @@ from torch import nn
 
 from colonnade.config.sections import DataConfig
 from colonnade.models.blocks import DocReset
-from colonnade.models.gpt import ModelChunk, valid_tokens
+from colonnade.models.gpt import ModelChunk, local_labels, valid_tokens
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.executor import run_pipeline, run_pipeline_forward
 from colonnade.pipeline.plan import Batch, StepPlan
@@ -50,10 +50,13 @@ def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
     reduced on ``device`` (NCCL reduces only device tensors). With ``batches`` (the step's
     micro-batches of this rank) each micro-batch's mean weighs by its valid tokens, giving
     the global token mean (0 when no label of the global batch is valid, rather than a NaN
-    that would stop the run); without, every micro-batch weighs the same."""
+    that would stop the run); without, every micro-batch weighs the same. Under cp a rank's
+    losses are means over its rows of the labels (:func:`~colonnade.models.gpt.local_labels`)
+    and weigh by their valid count, so the world reduction still gives the global mean."""
     weights = [1.0] * len(losses)
     if batches is not None and losses:  # one device-to-host copy
-        weights = torch.stack([valid_tokens(lab) for _, lab in batches]).double().tolist()
+        weights = torch.stack([valid_tokens(local_labels(lab, groups))
+                               for _, lab in batches]).double().tolist()
     total, count = sum(w * v for w, v in zip(weights, losses, strict=True)), sum(weights)
     if groups.world.size > 1:  # one rank: the same float64 division, no tensor, no collective
         t = torch.tensor([total, count], dtype=torch.float64, device=device)
