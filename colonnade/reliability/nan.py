@@ -78,7 +78,8 @@ def local_bad_tensors(chunks: list[nn.Module], groups: ProcessGroups,
                       ddp: Any = None) -> list[BadTensor]:
     """This rank's parameters whose gradient or value holds NaN/Inf (the diagnosis; slow path).
     With ZeRO-2/3 (``ddp`` given with sharded gradients) the owned shard pieces are scanned."""
-    coords = f"tp {groups.tp.rank} pp {groups.pp.rank} dp {groups.dp.rank}"
+    coords = f"tp {groups.tp.rank} pp {groups.pp.rank} dp {groups.dp.rank}" + (
+        f" cp {groups.cp.rank}" if groups.cp.size > 1 else "")
     out = []
     if ddp is not None and getattr(ddp, "grad_shards", None) is not None:
         for p, grad, value in _shard_pieces(ddp):
