@@ -1,4 +1,9 @@
-"""Sampling text from an exported model: KV cache, temperature, top-k, top-p, on CPU or a GPU."""
+"""Sampling text from an exported model: KV cache, temperature, top-k, top-p, on CPU or a GPU.
+
+Generation is one process: the model is rebuilt at every degree 1 (tp, pp, dp and cp: a
+checkpoint trained with context parallelism generates at cp = 1, its KV cache over the whole
+sequence), whatever layout wrote the checkpoint.
+"""
 
 from __future__ import annotations
 
