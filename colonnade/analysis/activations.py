@@ -73,10 +73,11 @@ the cp = 1 layer with the same kernel terms.  By cp attention kind:
                    A s b a/(t cp).  With k_r = g/(t cp) this equals the ring's bytes.
     Transient buffers of one layer's attention under cp (:func:`cp_buffer_bytes`, counted once
     per rank, not per layer: one layer's attention runs at a time):
-      ring         a kv block is (k, v) = 2 E s_l b h_kv/t; forward holds 2 in flight (the one
-                   attended, the one arriving), backward also passes dK/dV around the ring
-                   (the travelling accumulator and the one arriving): peak 4 blocks =
-                   8 E s_l b h_kv/t.
+      ring         a kv block (k, v packed) has n_kv = 2 s_l b h_kv/t elements; the forward
+                   holds 2 in flight (E each: the one attended, the one arriving); the
+                   backward also 2 dK/dV accumulators in the log-sum-exp dtype A (the
+                   travelling one and the one arriving), this step's block contribution (A)
+                   and the dq accumulator A s_l b h/t: peak 2 E n_kv + 3 A n_kv + A s_l b h/t.
       all_to_all   backward holds the gradients of the kernel's q, k, v and output at full s
                    with heads/cp (dq, dk, dv, dout): E s b (2 h/(t cp) + 2 d k_r).
 
@@ -251,15 +252,17 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
 
 
 def cp_buffer_bytes(x: ActivationShape) -> float:
-    """Peak transient bytes of one layer's cp attention (module docstring): ring 4 kv blocks
-    8 E s_l b h_kv/t; all_to_all the backward's dq, dk, dv, dout at full s with heads/cp;
-    0 at cp = 1."""
+    """Peak transient bytes of one layer's cp attention (module docstring): ring's backward
+    2 E n_kv + 3 A n_kv + A s_l b h/t (n_kv = 2 s_l b h_kv/t); all_to_all the backward's dq,
+    dk, dv, dout at full s with heads/cp; 0 at cp = 1."""
     if x.cp == 1:
         return 0.0
     e, b, d = x.elem, x.batch, x.hidden // x.heads
     if x.cp_attention == "all_to_all":
         return e * float(x.seq) * b * (2 * x.hidden / (x.tp * x.cp) + 2 * d * x.a2a_kv_heads)
-    return 8.0 * e * x.local_seq * b * x.kv_heads * d / x.tp
+    acc, rows = max(e, 4), float(x.local_seq) * b
+    n_kv = 2.0 * rows * x.kv_heads * d / x.tp
+    return 2 * e * n_kv + 3 * acc * n_kv + acc * rows * x.hidden / x.tp
 
 
 def layer_bytes(x: ActivationShape, recompute: str = "none") -> float:

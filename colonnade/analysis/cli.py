@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from colonnade.analysis.activations import ATTENTION_KERNELS
+from colonnade.analysis.activations import ATTENTION_KERNELS, CP_ATTENTION_KINDS
 from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
 from colonnade.analysis.layout import ZERO_STAGES, Workload
 from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
@@ -38,11 +38,12 @@ def model_presets() -> list[str]:
 PLAN_DESCRIPTION = """\
 Choose a parallel layout before you train. For a model (a preset or your config TOML), a
 cluster and a number of GPUs, plan tries every tensor / pipeline / data parallel split,
-micro-batch size, recompute mode, pipeline schedule, sequence parallelism and ZeRO stage
-(0-3), predicts each one's memory per GPU and step time (an analytic model: parameters,
-gradients, optimizer states, ZeRO buffers, activations; compute, tp/pp/dp communication,
-pipeline bubble), drops those that do not fit in memory and prints the fastest first, then the
-`colonnade train` flags (best: ...) that run the best one."""
+micro-batch size, recompute mode, pipeline schedule, sequence parallelism, ZeRO stage (0-3)
+and, with --cp, context parallelism (ring or all-to-all attention), predicts each one's
+memory per GPU and step time (an analytic model: parameters, gradients, optimizer states,
+ZeRO buffers, activations; compute, tp/cp/pp/dp communication, pipeline bubble), drops
+those that do not fit in memory and prints the fastest first, then the `colonnade train`
+flags (best: ...) that run the best one."""
 
 PLAN_EXAMPLES = """\
 examples:
@@ -50,6 +51,8 @@ examples:
   colonnade plan --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536 \\
       --seq-len 2048
   colonnade plan --model configs/my-model.toml --cluster h100 --gpus 16 --tp 8 --json plan.json
+  colonnade plan --model llama3-8b --cluster h100 --gpus 16 --seq-len 65536 \
+      --max-seq-len 65536 --cp 1,2,4,8 --cp-attention ring,all_to_all
   colonnade plan --calibrate --save-cluster configs/clusters/cpu-local.toml   # this machine"""
 
 
@@ -105,6 +108,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--reshard", choices=("default", "any", "on", "off"), default="default",
                    help="stage 3's reshard_after_forward: default (on without pp, off with "
                    "pp), both, or fixed")
+    f.add_argument("--cp", default="1",
+                   help="context-parallel degrees to search (comma list, e.g. 1,2,4: each rank "
+                   "holds seq/cp tokens of every sample; activations per rank fall as 1/cp)")
+    f.add_argument("--cp-attention", default="ring",
+                   help="cp attention kinds to search at cp > 1 (comma list of ring, "
+                   "all_to_all)")
     f.add_argument("--zero-shard-size", type=int,
                    help="hybrid sharding: shard stages >= 1 over groups of this many dp ranks")
     o = p.add_argument_group("output")
@@ -124,6 +133,13 @@ def _choice(value: str) -> tuple[bool, ...]:
 def _stages(value: str) -> tuple[int, ...]:
     items = _list(value, tuple(str(z) for z in ZERO_STAGES), "--zero")
     return tuple(int(z) for z in items)
+
+
+def _degrees(value: str, flag: str) -> tuple[int, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items or not all(v.isdigit() and int(v) >= 1 for v in items):
+        raise PlanError(f"{flag}={value!r}: use a comma list of degrees >= 1, e.g. 1,2,4.")
+    return tuple(int(v) for v in items)
 
 
 def _reshard(value: str) -> tuple[bool | None, ...]:
@@ -171,7 +187,10 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        recompute=_list(args.recompute, RECOMPUTE, "--recompute"),
                        schedules=_list(args.schedule, SCHEDULES, "--schedule"),
                        sp=_choice(args.sp), zero=_stages(args.zero),
-                       reshard=_reshard(args.reshard), zero_shard_size=args.zero_shard_size)
+                       reshard=_reshard(args.reshard), zero_shard_size=args.zero_shard_size,
+                       cp=_degrees(args.cp, "--cp"),
+                       cp_attention=_list(args.cp_attention, CP_ATTENTION_KINDS,
+                                          "--cp-attention"))
     return w, cons
 
 

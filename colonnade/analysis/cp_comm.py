@@ -2,16 +2,17 @@
 
 One layer, one micro-batch [b, s], one rank of a cp group of size c (s_l = s/c rows, the zigzag
 chunks r and 2c-1-r), tp degree t, kv heads g (g_l = g/t per tp rank), head size d, E bytes
-per element.  A kv block is the rank's (k, v): K = 2 b s_l g_l d E bytes.
+per element, A = max(E, 4) the log-sum-exp dtype's.  A kv block is the rank's (k, v) packed:
+K = 2 b s_l g_l d E bytes; a dK/dV accumulator the same elements in A: G = K A / E.
 
 ring (:mod:`colonnade.context_parallel.ring`): the forward passes kv blocks around the ring,
     c - 1 steps, one block sent (and one received) per step while the rank attends the block it
-    holds: (c - 1) K bytes.  The backward passes the kv blocks again ((c - 1) K) and the dK/dV
-    accumulators (same size as a block) all the way home (c K): (2c - 1) K over c steps.
-    Each step overlaps its transfer with one block's attention, core / c of the layer's core
-    attention time (the zigzag split gives every rank the same causal work per step), so the
-    exposed time is sum over steps of max(0, transfer - compute); with cp_overlap = False
-    every transfer is exposed.
+    holds: (c - 1) K bytes.  The backward's c steps pass the kv blocks again (steps 0 .. c-2)
+    and the accumulators (steps 1 .. c-1), then one last hop hands every accumulator home:
+    (c - 1) K + c G bytes.  Each step overlaps its transfer with one block's attention,
+    core / c of the layer's core attention time (the zigzag split gives every rank the same
+    causal work per step), so a step exposes max(0, transfer - compute); the last hop has no
+    compute beside it.  With cp_overlap = False every transfer is exposed.
 all_to_all (:mod:`colonnade.context_parallel.all_to_all_attention`): the forward re-shards q,
     k, v (sequence -> heads) and the output back (heads -> sequence), 4 all-to-alls; the
     backward the same 4 for their gradients.  Each moves (c - 1)/c of the rank's tensor:
@@ -61,20 +62,24 @@ def _recomputes(layout: Layout) -> bool:
 
 def ring_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
     """Ring attention's per-layer traffic and exposed time (module docstring)."""
-    cp = layout.cp
+    cp, cross = layout.cp, _cross_node(layout, c)
     blk = _kv_block_bytes(w, layout)
-    one = c.p2p_s(blk, _cross_node(layout, c))
+    acc = blk * max(w.elem, 4) / w.elem  # G: the dK/dV accumulator
     core = layer_gemm_s(w, layout, c)[1]  # the layer's core attention forward, this rank
     step_f, step_b = core / cp, c.backward_ratio * core / cp
-    fwd_b, bwd_b = (cp - 1) * blk, (2 * cp - 1) * blk
-    full_f, full_b = (cp - 1) * one, (2 * cp - 1) * one
+    fwd = [blk] * (cp - 1)  # bytes sent at each overlapped step
+    bwd = [blk] + [blk + acc] * (cp - 2) + [acc]
+    hop = c.p2p_s(acc, cross)  # the last hop home, nothing to hide behind
+    full_f = sum(c.p2p_s(x, cross) for x in fwd)
+    full_b = sum(c.p2p_s(x, cross) for x in bwd) + hop
     if w.cp_overlap:
-        exp_f = (cp - 1) * max(0.0, one - step_f)
-        exp_b = cp * max(0.0, full_b / cp - step_b)
+        exp_f = sum(max(0.0, c.p2p_s(x, cross) - step_f) for x in fwd)
+        exp_b = sum(max(0.0, c.p2p_s(x, cross) - step_b) for x in bwd) + hop
     else:
         exp_f, exp_b = full_f, full_b
     rep = 1 if _recomputes(layout) else 0
-    return CpComm(fwd_bytes=fwd_b, bwd_bytes=bwd_b + rep * fwd_b,
+    fwd_bytes, bwd_bytes = sum(fwd), sum(bwd) + acc
+    return CpComm(fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes + rep * fwd_bytes,
                   full_s=(1 + rep) * full_f + full_b, exposed_s=(1 + rep) * exp_f + exp_b)
 
 

@@ -59,7 +59,8 @@ class Estimate:
         """Plain dict for JSON."""
         lay = self.layout
         return {
-            "layout": {"tp": lay.tp, "pp": lay.pp, "vp": lay.vp, "dp": lay.dp,
+            "layout": {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention,
+                       "pp": lay.pp, "vp": lay.vp, "dp": lay.dp,
                        "micro_batch": lay.micro_batch, "zero": lay.zero,
                        "reshard_after_forward": lay.reshard if lay.zero == 3 else None,
                        "zero_shard_size": lay.zero_shard_size,

@@ -12,16 +12,17 @@ from colonnade.analysis.hardware import GIB
 from colonnade.analysis.search import Plan
 from colonnade.models.counts import total_params
 
-COLUMNS = ("#", "tp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero",
+COLUMNS = ("#", "tp", "cp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero",
            "mem GiB", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble", "comm")
 
 
 def row_cells(rank: int, e: Estimate, global_batch: int) -> list[str]:
     """The table cells of one estimate."""
     lay, t = e.layout, e.timing
-    comm = (t.tp_comm + t.p2p + t.dp_comm) / t.total
+    comm = (t.tp_comm + t.cp_comm + t.p2p + t.dp_comm) / t.total
+    cp = f"{lay.cp}{'a2a' if lay.cp_attention == 'all_to_all' else ''}" if lay.cp > 1 else "1"
     return [
-        str(rank), str(lay.tp), str(lay.pp), str(lay.vp), str(lay.dp), str(lay.micro_batch),
+        str(rank), str(lay.tp), cp, str(lay.pp), str(lay.vp), str(lay.dp), str(lay.micro_batch),
         str(lay.microbatches(global_batch)), lay.schedule if lay.pp > 1 else "-",
         lay.recompute, "y" if lay.sp else "-", lay.zero_label(),
         f"{e.memory.total / GIB:.1f}", f"{e.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
@@ -128,7 +129,7 @@ def write_plot(p: Plan, top: int, path: str | Path) -> None:
     ax1.legend(fontsize=8)
     best = p.ranked[:top]
     kinds = ("params", "grads", "optimizer", "activations", "buffers", "grad_buckets",
-             "gathered")
+             "gathered", "cp_buffers")
     left = [0.0] * len(best)
     labels = [f"{i + 1}: {e.layout.short()}" for i, e in enumerate(best)]
     for kind in kinds:

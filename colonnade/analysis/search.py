@@ -5,6 +5,9 @@ query heads, the kv heads and the MLP width; pp * vp divides the layers; dp = N 
 divides the global batch and the micro-batch divides B / dp; the interleaved schedule needs
 vp > 1, pp > 1 and m a multiple of pp; sp needs tp > 1 and s divisible by tp; ZeRO stages
 1-3 need dp > 1 (stage 3 with reshard_after_forward's default: on without pp, off with pp).
+Context parallelism (``Constraints.cp``, default cp = 1 only): cp x tp divides N; s % 2cp == 0
+(s % 2cp t under sp); all_to_all needs (a/t) % cp == 0 and (g/t) % cp == 0 or cp % (g/t) == 0;
+ring is not searched with attention dropout (the validator rejects it).
 Stages trade memory for dp communication (timing._dp_exposed): the ranking by step time
 within the memory cap picks the lowest stage that fits unless its communication hides.
 tp is kept within one node unless ``max_tp`` says otherwise (a tp group across nodes is never
@@ -46,7 +49,11 @@ class Constraints:
     recompute: tuple[str, ...] = RECOMPUTE
     sp: tuple[bool, ...] = (False, True)
     zero: tuple[int, ...] = ZERO_STAGES
-    """ZeRO stages searched (each needs dp > 1 but 0)."""
+    """ZeRO stages searched (each needs dp x cp > 1 but 0)."""
+    cp: tuple[int, ...] = (1,)
+    """Context-parallel degrees searched (``colonnade plan --cp 1,2,4``)."""
+    cp_attention: tuple[str, ...] = ("ring",)
+    """cp attention kinds searched at cp > 1 ('ring', 'all_to_all')."""
     reshard: tuple[bool | None, ...] = (None,)
     """Stage 3's reshard_after_forward values searched (None: the default for the pp)."""
     zero_shard_size: int | None = None
@@ -107,9 +114,29 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
             yield sched, 1
 
 
+def _cp_options(w: Workload, gpus: int, tp: int, cons: Constraints
+                ) -> Iterator[tuple[int, str]]:
+    """(cp, cp_attention) pairs valid with ``tp`` on ``gpus`` devices (module docstring; the
+    sp condition s % 2cp t is checked with sp)."""
+    m = w.shape
+    heads, kv = m.heads // tp, m.kv_hidden // (m.hidden // m.heads) // tp
+    for cp in cons.cp:
+        if cp < 1 or gpus % (tp * cp) or w.seq_len % (2 * cp if cp > 1 else 1):
+            continue
+        if cp == 1:
+            yield 1, "ring"
+            continue
+        for kind in cons.cp_attention:
+            if kind == "ring" and m.attention_dropout:
+                continue
+            if kind == "all_to_all" and (heads % cp or (kv % cp and cp % kv)):
+                continue
+            yield cp, kind
+
+
 def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None]]:
-    """(stage, reshard_after_forward) pairs searched at this dp (stages >= 1 need dp > 1
-    and, with hybrid sharding, a dp the shard size divides)."""
+    """(stage, reshard_after_forward) pairs searched at this dp x cp (stages >= 1 need
+    dp x cp > 1 and, with hybrid sharding, a dp x cp the shard size divides)."""
     size = cons.zero_shard_size
     for z in cons.zero:
         if z and (dp == 1 or (size is not None and dp % size)):
@@ -120,31 +147,38 @@ def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None
 
 def layouts(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Iterator[Layout]:
     """Every valid layout of ``w`` on ``gpus`` devices within ``cons``."""
-    m = w.shape
     for tp in _tp_options(w, gpus, c, cons):
-        pps = [cons.pp] if cons.pp else divisors(gpus // tp)
-        for pp in pps:
-            if (gpus // tp) % pp or m.layers % pp:
+        for cp, kind in _cp_options(w, gpus, tp, cons):
+            yield from _layouts_at(w, gpus, tp, cp, kind, cons)
+
+
+def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Constraints
+                ) -> Iterator[Layout]:
+    """The valid layouts with this tp and cp (pp, dp, micro-batch, schedule, recompute, sp,
+    ZeRO searched)."""
+    m, rest = w.shape, gpus // (tp * cp)
+    pps = [cons.pp] if cons.pp else divisors(rest)
+    for pp in pps:
+        if rest % pp or m.layers % pp:
+            continue
+        dp = rest // pp
+        if (cons.dp and dp != cons.dp) or w.global_batch % dp:
+            continue
+        per = w.global_batch // dp
+        mbs = [cons.micro_batch] if cons.micro_batch else divisors(per)
+        for mb in mbs:
+            if per % mb:
                 continue
-            dp = gpus // (tp * pp)
-            if (cons.dp and dp != cons.dp) or w.global_batch % dp:
-                continue
-            per = w.global_batch // dp
-            mbs = [cons.micro_batch] if cons.micro_batch else divisors(per)
-            for mb in mbs:
-                if per % mb:
-                    continue
-                for sched, vp in _schedules(pp, m.layers // pp, per // mb, cons):
-                    for rc in cons.recompute:
-                        for sp in cons.sp:
-                            if sp and (tp == 1 or w.seq_len % tp):
-                                continue
-                            for z, rs in _zero_options(dp, cons):
-                                yield Layout(tp=tp, pp=pp, vp=vp, dp=dp, micro_batch=mb,
-                                             zero=z, recompute=rc, sp=sp, schedule=sched,
-                                             reshard_after_forward=rs,
-                                             zero_shard_size=cons.zero_shard_size if z
-                                             else None)
+            for sched, vp in _schedules(pp, m.layers // pp, per // mb, cons):
+                for rc in cons.recompute:
+                    for sp in cons.sp:
+                        if sp and (tp == 1 or w.seq_len % (tp * (2 * cp if cp > 1 else 1))):
+                            continue
+                        for z, rs in _zero_options(dp * cp, cons):
+                            yield Layout(tp=tp, cp=cp, cp_attention=kind, pp=pp, vp=vp, dp=dp,
+                                         micro_batch=mb, zero=z, recompute=rc, sp=sp,
+                                         schedule=sched, reshard_after_forward=rs,
+                                         zero_shard_size=cons.zero_shard_size if z else None)
 
 
 def check_workload(w: Workload) -> None:
@@ -241,8 +275,8 @@ def plan(w: Workload, cluster: Cluster, gpus: int, cons: Constraints | None = No
 def explain(best: Estimate, ref: Estimate) -> str:
     """Why ``best`` is faster than ``ref``: the layout fields that differ and the time
     components that changed most (seconds per step)."""
-    keys = ("tp", "pp", "vp", "dp", "micro_batch", "zero", "recompute", "sp", "schedule",
-            "reshard_after_forward")
+    keys = ("tp", "cp", "cp_attention", "pp", "vp", "dp", "micro_batch", "zero", "recompute",
+            "sp", "schedule", "reshard_after_forward")
     diffs = [f"{k}: {getattr(ref.layout, k)} -> {getattr(best.layout, k)}"
              for k in keys if getattr(ref.layout, k) != getattr(best.layout, k)]
     a, b = ref.timing.as_dict(), best.timing.as_dict()
