@@ -76,7 +76,8 @@ def cp_save(layout: CpLayout, root: str, before: int, after: int) -> dict[str, A
                len(optim_entries(trainer.optimizer, trainer.groups)))
     save_training(trainer, root, keep_last=2)
     losses += train_steps(trainer, after)
-    return {"losses": losses, "params": _gathered(trainer), "written": written}
+    return {"losses": losses, "params": _gathered(trainer), "written": written,
+            "cp_bytes": trainer.groups.stats.total("cp/")}
 
 
 def cp_load(layout: CpLayout, root: str, after: int) -> dict[str, Any]:
@@ -86,7 +87,8 @@ def cp_load(layout: CpLayout, root: str, after: int) -> dict[str, Any]:
     trainer = make_cp_trainer(layout)
     load_training(trainer, root)
     losses = train_steps(trainer, after)
-    return {"losses": losses, "params": _gathered(trainer), "step": trainer.step}
+    return {"losses": losses, "params": _gathered(trainer), "step": trainer.step,
+            "cp_bytes": trainer.groups.stats.total("cp/")}
 
 
 CASES = [
@@ -104,6 +106,8 @@ def test_resume_across_a_cp_change(run_ranks: Callable[..., list[Any]], tmp_path
     stayed = run_ranks(a.world, cp_save, a, root, 2, 2)
     moved = run_ranks(b.world, cp_load, b, root, 2)
     assert moved[0]["step"] == 4
+    for layout, results in ((a, stayed), (b, moved)):  # attention did cross the cp ranks
+        assert all((r["cp_bytes"] > 0) == (layout.cp > 1) for r in results), layout
     assert_same_run(stayed, moved, TOL, skip_losses=2)
     meta = json.loads(next(Path(root).glob("step_*/metadata.json")).read_text())
     assert meta["layout"]["cp"] == a.cp and meta["layout"]["dp"] == a.dp
