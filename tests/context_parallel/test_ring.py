@@ -147,3 +147,25 @@ def test_skipped_blocks_and_bytes(run_ranks: Callable[..., list[Any]], causal: b
         assert r["bytes"]["cp/p2p/cp_ring_kv"] == (cp - 1) * kvb
         assert r["bytes"]["cp/p2p/cp_ring_bwd"] == (cp - 1) * kvb + cp * kvb
         assert set(r["bytes"]) == {"cp/p2p/cp_ring_kv", "cp/p2p/cp_ring_bwd"}
+
+
+def test_graph_break_under_compile_and_input_checks() -> None:
+    """ring_attention is not traced by torch.compile (a graph break; same numbers), and bad
+    shapes are refused naming what to change."""
+    group = rank_groups(ParallelDims()).cp
+    x = _inputs(1, 2, False)
+    q = x["q"].clone().requires_grad_(True)
+
+    def loss(q: torch.Tensor) -> torch.Tensor:
+        return (ring_attention(q * 2, x["k"], x["v"], group) + 1).pow(2).sum()
+
+    eager = loss(q)
+    (g_eager,) = torch.autograd.grad(eager, q)
+    compiled = torch.compile(loss, backend="eager")(q)
+    (g_comp,) = torch.autograd.grad(compiled, q)
+    assert torch.equal(compiled, eager) and torch.equal(g_comp, g_eager)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        ring_attention(x["q"], x["k"][:, :1].repeat(1, 3, 1, 1), x["v"][:, :1].repeat(1, 3, 1, 1),
+                       group)
+    with pytest.raises(ValueError, match=r"doc_ids must be \[b, s\]"):
+        ring_attention(x["q"], x["k"], x["v"], group, doc_ids=torch.zeros(B, 3).long())
