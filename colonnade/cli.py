@@ -176,6 +176,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from colonnade.training.preflight import data_plan, finished_step, preflight
 
     resolved, notes = preflight(config, world)  # data, checkpoints, resume: before any rank
+    from colonnade.analysis.memory_limit import check_memory_limit
+
+    check_memory_limit(resolved, world)  # training.memory_limit_gb, before anything is written
     for note in notes:
         print(f"colonnade: {note}", flush=True)
     done = finished_step(resolved)

@@ -15,6 +15,7 @@ from colonnade.config.load import ConfigError, load_config
 
 def main(argv: list[str] | None = None) -> None:
     """Parse --config and overrides, then run this rank."""
+    from colonnade.analysis.memory_limit import check_memory_limit
     from colonnade.checkpoint.finetune import explicit_model_fields, with_init_from
     from colonnade.launch import expected_failure, run_rank
     from colonnade.training.preflight import preflight
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = with_init_from(load_config(path, argv), explicit_model_fields(path, argv))
         config, notes = preflight(config, world)  # validates; data, checkpoints, resume
+        check_memory_limit(config, world)  # training.memory_limit_gb: the memory model
     except Exception as err:
         status = 2 if isinstance(err, ConfigError) else expected_failure(err)
         if status is None:

@@ -6,14 +6,23 @@ count, the layout, tokens per step, the planner's per-rank memory (colonnade/ana
 the ZeRO stage's bytes per parameter; parameters, gradients, optimizer states, the stage's
 gradient buckets and gathered parameters, activations and buffers of the fullest pipeline stage)
 and, when ``data.prepared_dir`` holds a prepared dataset, its documents, tokens, samples per
-epoch and the epochs this run covers. Nothing is written, prepared or launched. (It lives in
-the planner, above training, because it reuses the planner's memory model.)
+epoch and the epochs this run covers.  With cp > 1 a line gives the context parallelism: the
+activation factor 1/cp against cp = 1, the cp attention's bytes per step per rank and their
+exposed time on a cluster preset (the planner's time model: cpu-local on CPU, a100-80gb
+otherwise); with ``training.memory_limit_gb`` a line says whether the estimate fits (train
+refuses a run that does not, naming what fits: :mod:`colonnade.analysis.memory_limit`).
+Nothing is written, prepared or launched. (It lives in the planner, above training, because it
+reuses the planner's memory model.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from colonnade.analysis.cp_comm import step_cp_bytes
+from colonnade.analysis.hardware import GIB, get_cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import (
     memory_per_device,
@@ -21,6 +30,8 @@ from colonnade.analysis.memory import (
     state_bytes_per_param,
     zero_paper_bytes,
 )
+from colonnade.analysis.memory_limit import memory_limit_line
+from colonnade.analysis.timing import step_time
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
 from colonnade.parallel.dims import ParallelDims
@@ -71,6 +82,29 @@ def memory_lines(config: Config, world: int) -> list[str]:
     return lines
 
 
+def cp_line(config: Config, world: int) -> str | None:
+    """'cp: 2 (ring, zigzag): activations x1/2 ..., ring p2p N MB/step, exposed ~X ms on C'
+    (None at cp = 1)."""
+    workload = Workload.from_config(config)
+    layout = Layout.from_config(config, world)
+    if layout.cp == 1:
+        return None
+    on_cpu = config.training.device == "cpu" or (config.training.device == "auto"
+                                                 and not torch.cuda.is_available())
+    cluster = get_cluster("cpu-local" if on_cpu else "a100-80gb")
+    act = memory_per_device(workload, layout).activations
+    act1 = memory_per_device(workload, dataclasses.replace(layout, cp=1)).activations
+    mb = step_cp_bytes(workload, layout, cluster) / 1e6
+    exposed = step_time(workload, layout, cluster).cp_comm * 1e3
+    kind = "ring p2p" if layout.cp_attention == "ring" else "all-to-all"
+    overlap = "" if layout.cp_attention != "ring" else (
+        ", overlapped" if workload.cp_overlap else ", not overlapped (cp_overlap=false)")
+    return (f"cp: {layout.cp} ({layout.cp_attention}, zigzag): activations x1/{layout.cp} "
+            f"({act / GIB:.3f} GiB per rank, {act1 / GIB:.3f} at cp 1; ratio "
+            f"{act / act1:.3f}), {kind} {mb:,.1f} MB/step per rank{overlap}, exposed "
+            f"~{exposed:.3g} ms on {cluster.name} (the planner's time model)")
+
+
 def data_lines(config: Config) -> list[str]:
     """Documents, tokens, samples per epoch and epochs covered, when the data is prepared;
     what train would do with the data otherwise (a missing prepared dir is train's error)."""
@@ -111,6 +145,7 @@ def dry_run(config: Config, world: int) -> str:
         f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "
         f"{dims.dp}); {tr.steps} steps = {tr.steps * tokens:,} tokens",
         *memory_lines(config, world),
+        *[line for line in (cp_line(config, world), memory_limit_line(config, world)) if line],
         *data_lines(config),
     ]
     return "\n".join(lines)

@@ -114,24 +114,31 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
             yield sched, 1
 
 
+def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False) -> bool:
+    """Whether the validator accepts context parallelism ``cp`` with ``kind`` attention for
+    this shape: s % 2cp == 0 (s % 2cp t with sp); all_to_all (a/t) % cp == 0 and
+    (g/t) % cp == 0 or cp % (g/t) == 0; ring without attention dropout."""
+    if cp == 1:
+        return not (sp and w.seq_len % tp)
+    m = w.shape
+    if w.seq_len % (2 * cp * (tp if sp else 1)):
+        return False
+    heads, kv = m.heads // tp, m.kv_hidden // (m.hidden // m.heads) // tp
+    if kind == "all_to_all":
+        return heads % cp == 0 and (kv % cp == 0 or cp % kv == 0)
+    return not m.attention_dropout
+
+
 def _cp_options(w: Workload, gpus: int, tp: int, cons: Constraints
                 ) -> Iterator[tuple[int, str]]:
-    """(cp, cp_attention) pairs valid with ``tp`` on ``gpus`` devices (module docstring; the
-    sp condition s % 2cp t is checked with sp)."""
-    m = w.shape
-    heads, kv = m.heads // tp, m.kv_hidden // (m.hidden // m.heads) // tp
+    """(cp, cp_attention) pairs valid with ``tp`` on ``gpus`` devices (:func:`cp_shape_ok`
+    without sp; the sp condition is checked with sp)."""
     for cp in cons.cp:
-        if cp < 1 or gpus % (tp * cp) or w.seq_len % (2 * cp if cp > 1 else 1):
+        if cp < 1 or gpus % (tp * cp):
             continue
-        if cp == 1:
-            yield 1, "ring"
-            continue
-        for kind in cons.cp_attention:
-            if kind == "ring" and m.attention_dropout:
-                continue
-            if kind == "all_to_all" and (heads % cp or (kv % cp and cp % kv)):
-                continue
-            yield cp, kind
+        for kind in ("ring",) if cp == 1 else cons.cp_attention:
+            if cp_shape_ok(w, tp, cp, kind):
+                yield cp, kind
 
 
 def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None]]:
@@ -172,7 +179,7 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
             for sched, vp in _schedules(pp, m.layers // pp, per // mb, cons):
                 for rc in cons.recompute:
                     for sp in cons.sp:
-                        if sp and (tp == 1 or w.seq_len % (tp * (2 * cp if cp > 1 else 1))):
+                        if sp and (tp == 1 or not cp_shape_ok(w, tp, cp, kind, sp=True)):
                             continue
                         for z, rs in _zero_options(dp * cp, cons):
                             yield Layout(tp=tp, cp=cp, cp_attention=kind, pp=pp, vp=vp, dp=dp,

@@ -14,6 +14,11 @@ config is validated, so a run that would be refused changes no file and starts n
 * checkpoints: auto-resume from ``checkpoint.save`` or refuse another run's checkpoints
   (:func:`colonnade.reliability.startup.resume_config`), and an LR schedule change on resume
   (:func:`colonnade.checkpoint.training_state.preflight_resume`).
+
+Right after it, before anything is written or started, the callers (``colonnade train`` and
+``colonnade.train`` on every rank) check ``training.memory_limit_gb`` against the planner's
+memory model (:func:`colonnade.analysis.memory_limit.check_memory_limit`; analysis sits above
+training in the layer order, so the check is not made from here).
 """
 
 from __future__ import annotations
