@@ -25,6 +25,7 @@ from colonnade.config.sections import Config, OptimConfig, ParallelConfig, Train
 from colonnade.data_parallel import build_data_parallel
 from colonnade.models.blocks import DocReset
 from colonnade.models.build import build_chunks, build_reference
+from colonnade.models.compile import compiled_layers
 from colonnade.models.gpt import valid_tokens
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
@@ -172,6 +173,7 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
     ddp.finish_param_gather()
     params = full_state(chunks, groups, ddp)
     return {"rank": groups.rank, "losses": losses, "stats": stats,
+            "compiled": compiled_layers(chunks),
             "params": {k: v.double() for k, v in params.items()}}
 
 
