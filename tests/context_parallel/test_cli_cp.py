@@ -106,3 +106,26 @@ def test_resume_changes_cp(corpus: tuple[Path, Path], tmp_path: Path,
     got = losses(run)
     want, _ = reference["plain"]
     _assert_same(got, want, range(1, STEPS + 1))
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "long-context-cp2.toml"
+
+
+def test_long_context_example_fits_only_with_cp(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/long-context-cp2.toml: training.memory_limit_gb is below the memory model's
+    cp1 estimate and above its cp2 one, so the dry run at cp2 fits and a cp1 run is refused
+    before anything is prepared or written, pointing at --parallel.cp=2."""
+    run = tmp_path / "run"
+    base = ["train", "--config", str(EXAMPLE), f"--logging.dir={run}"]
+    assert main([*base, "--nproc", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: cp2 on 2 rank(s)" in out and "cp: 2 (ring" in out, out
+    assert "memory limit: 0.09 GiB per rank; the estimate 0.06 GiB fits" in out, out
+    assert main([*base, "--parallel.cp=1", "--dry-run"]) == 0
+    assert "memory limit: train would refuse this run" in capsys.readouterr().out
+    assert main([*base, "--parallel.cp=1"]) == 2
+    err = capsys.readouterr().err
+    assert "training.memory_limit_gb=0.09" in err and "0.11 GiB per rank" in err, err
+    assert "--parallel.cp=2 (0.06 GiB per rank, on 2 ranks)" in err, err
+    assert not run.exists()
