@@ -27,6 +27,10 @@ Graph breaks (``TORCH_LOGS=graph_breaks``), by design; results are unchanged by 
   generator, which reads the tracker's (seed, site, step, micro-batch) at every call
   (:mod:`colonnade.parallel.rng`): the masks of the eager model bit for bit, and no guard on
   the step or micro-batch that would recompile the graph at every micro-batch.
+* cp > 1: around the context-parallel attention call (ring or all-to-all,
+  ``torch.compiler.disable``-d in :mod:`colonnade.models.blocks`): its p2p / all-to-all go
+  through CommGroup, and the ring's autograd function runs eagerly between the compiled
+  projections before it and the output projection + MLP after it.
 * selective recompute: around core attention, which runs eagerly inside the eager checkpoint
   (:func:`colonnade.models.checkpointing.checkpoint` is ``torch.compiler.disable``-d: dynamo
   cannot trace its ``context_fn``, the dropout-context restoration); the layer is two compiled
