@@ -14,24 +14,17 @@ Part 1, attention (forward + backward of causal attention, q/k/v [1, a, s/cp, d]
   colonnade_ring           context_parallel.ring_attention, zigzag rows, cp_overlap on
   colonnade_ring_no_overlap  the same with overlap=False (every p2p waited before compute)
   colonnade_all_to_all     context_parallel.all_to_all_attention around full-sequence SDPA
-  picotron_ring            the peer: picotron's ring attention re-implemented here (below)
+  picotron_ring            the peer: picotron's ring attention re-implemented here (below),
+                           eager block maths; only up to ``--peer-max-seq`` (8192: at 16k its
+                           [s/2, s/2] fp32 scores per head take ~1 GiB each, ~1 min per pass)
+  picotron_ring_fused      the same ring with PyTorch's fused CPU flash kernel for the blocks
+                           (colonnade's kernel): isolates the algorithm (split, overlap)
 
-The peer.  torch's experimental context-parallel API
-(torch.distributed.tensor.experimental.context_parallel) does not run on CPU:
-:func:`probe_torch_cp` tries it on every run and records the error.  With torch 2.13 the
-default SDPA dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no
-DTensor sharding strategy (NotImplementedError; the CP handlers cover only the CUDA flash /
-efficient / cuDNN ops), and the math backend fails on a Tensor/DTensor mix in its decomposition.
-So the baseline is picotron's approach (huggingface/picotron context_parallel.py, itself after
-zhuzilin/ring-flash-attention), written here from its description: *contiguous* split (rank r
-holds rows [r n, (r+1) n), n = s/cp: no causal load balance, rank cp-1 computes cp blocks while
-rank 0 computes one), blocks in eager maths (scores materialised: S = q k^T scale [n, n] per
-head, lse = logsumexp_j S, out = exp(S - lse) v), merged by log-sum-exp, k/v sent to rank r+1 /
-received from r-1 with ``batch_isend_irecv`` posted before the block's compute and waited after
-it; backward recomputes P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO o O)),
-dQ = dS K scale, dK = dS^T Q scale, with the dK/dV accumulators travelling with their k/v block
-and returned home by one last exchange.  Every variant's output and gradients are checked in
-float64 against full-sequence SDPA (s = 64 cp) before timing.
+The peer (benchmarks/context_parallel_peer.py, see its doc): torch's experimental
+context-parallel API does not run on CPU (probed on every run, the error recorded in the JSON),
+so picotron's ring attention is re-implemented: contiguous split, eager blocks, k/v and dK/dV
+passed around the ring with batch_isend_irecv.  Every variant's output and gradients are
+checked in float64 against full-sequence SDPA (s = 64 cp) before timing.
 
 Part 2, model (``Trainer.train_step``, what ``colonnade train`` runs; llama, 1 micro-batch):
 cp1, cp2 ring, cp2 ring without overlap, cp2 all_to_all, cp4 ring, cp4 all_to_all (``--cps``).
@@ -44,8 +37,8 @@ temporaries such as ring buffers); next to the planner's model
 (:func:`colonnade.analysis.memory.memory_per_device`: ``activations`` and ``cp_buffers``).
 Times: median step over rounds, steps and ranks; exposed cp communication = the seconds the
 rank waited on the cp group's p2p / all-to-all per step (CommStats ``waited_s`` of keys 'cp/...',
-e.g. 'cp/p2p/cp_ring_kv'), wire bytes per step.  First-step losses of every layout must equal
-cp1's (1e-5 relative, fp32).
+'cp/p2p/cp_ring_kv' forward, 'cp/p2p/cp_ring_bwd' backward, 'cp/all_to_all/...'), wire bytes
+per step.  First-step losses of every layout must equal cp1's (1e-5 relative, fp32).
 
 Rounds interleave the variants (order rotated); ratios are medians over rounds of per-round
 ratios.  Writes benchmarks/results/context_parallel.json.
@@ -56,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -71,6 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from context_parallel_peer import (
+    PicotronRingAttention,
+    RingExchange,
+    contiguous_local,
+    probe_torch_cp,
+)
 from workloads import Workload, batches, colonnade_config, first_loss_check
 
 from colonnade.context_parallel.layout import take_local
@@ -81,7 +79,7 @@ from colonnade.parallel.pool import RankPools
 RESULTS = Path(__file__).resolve().parent / "results" / "context_parallel.json"
 HIDDEN, LAYERS, HEADS, VOCAB = 64, 2, 4, 512
 ATTENTION = ("sdpa_cp1", "colonnade_ring", "colonnade_ring_no_overlap", "colonnade_all_to_all",
-             "picotron_ring")
+             "picotron_ring", "picotron_ring_fused")
 MODEL = {  # variant -> (cp, cp_attention, cp_overlap)
     "cp1": (1, "ring", True), "cp2_ring": (2, "ring", True),
     "cp2_ring_no_overlap": (2, "ring", False), "cp2_all_to_all": (2, "all_to_all", True),
@@ -95,157 +93,6 @@ def cp_workload(seq: int, kv_heads: int = HEADS) -> Workload:
     return Workload(name=f"cp-tiny-{seq}", arch="llama", hidden=HIDDEN, layers=LAYERS,
                     heads=HEADS, kv_heads=kv_heads, vocab=VOCAB, seq_len=seq, global_batch=1,
                     lr=1e-3, weight_decay=0.1)
-
-
-def contiguous_local(x: torch.Tensor, cp: int, rank: int, dim: int) -> torch.Tensor:
-    """Rows [r n, (r+1) n) of ``x`` along ``dim`` (n = s / cp): picotron's split."""
-    n = x.shape[dim] // cp
-    return x.narrow(dim, rank * n, n)
-
-
-# ----------------------------------------------------------------------------- the peer
-
-
-def eager_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of attention in eager maths: q [b, a, n, d], k/v [b, a, m, d] ->
-    out [b, a, n, d], lse [b, a, n] (at least fp32). S = q k^T scale [b, a, n, m] (causal: the
-    diagonal block, j > i masked), lse = logsumexp_j S, out = exp(S - lse) v."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * scale  # [b, a, n, m]
-    if causal:
-        n, m = scores.shape[-2:]
-        scores.masked_fill_(torch.ones(n, m, dtype=torch.bool).triu(1), -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)  # [b, a, n]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v)  # [b, a, n, d]
-    return out, lse
-
-
-def eager_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block's gradient contributions given the FINAL out / lse [b, a, n(, d)]:
-    P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO o O)), dQ = dS K scale,
-    dK = dS^T Q scale. Returns dq [b, a, n, d], dk, dv [b, a, m, d]."""
-    acc = lse.dtype
-    scores = torch.matmul(q, k.transpose(-2, -1)).to(acc) * scale  # [b, a, n, m]
-    if causal:
-        n, m = scores.shape[-2:]
-        scores.masked_fill_(torch.ones(n, m, dtype=torch.bool).triu(1), -math.inf)
-    p = torch.exp(scores - lse.unsqueeze(-1))  # [b, a, n, m]
-    do = dout.to(acc)
-    dv = torch.matmul(p.transpose(-2, -1), do)  # [b, a, m, d]
-    delta = (do * out.to(acc)).sum(-1, keepdim=True)  # [b, a, n, 1]
-    ds = p * (torch.matmul(do, v.to(acc).transpose(-2, -1)) - delta)  # [b, a, n, m]
-    dq = torch.matmul(ds, k.to(acc)) * scale  # [b, a, n, d]
-    dk = torch.matmul(ds.transpose(-2, -1), q.to(acc)) * scale  # [b, a, m, d]
-    return dq, dk, dv
-
-
-def merge_lse(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-merge two partial attentions of the same queries: L = log(e^lse + e^blk_lse),
-    out = e^(lse - L) out + e^(blk_lse - L) blk_out ([b, a, n, d], lse [b, a, n])."""
-    new = torch.logaddexp(lse, blk_lse)  # [b, a, n]
-    merged = (torch.exp(lse - new).unsqueeze(-1) * out.to(new.dtype)
-              + torch.exp(blk_lse - new).unsqueeze(-1) * blk_out.to(new.dtype))
-    return merged.to(out.dtype), new
-
-
-class RingExchange:
-    """Post: send tensors to rank r+1 and receive same-shaped ones from r-1 (default group,
-    ``batch_isend_irecv``); ``wait`` returns them and adds the blocked seconds to ``waited``."""
-
-    def __init__(self) -> None:
-        self.waited = 0.0
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-
-    def post(self, tensors: list[torch.Tensor], tag: int) -> Callable[[], list[torch.Tensor]]:
-        """Start the exchange; the returned function waits for it."""
-        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, tag=tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, b, prev, tag=tag) for b in bufs]
-        works = dist.batch_isend_irecv(ops)
-
-        def wait() -> list[torch.Tensor]:
-            start = time.perf_counter()
-            for w in works:
-                w.wait()
-            self.waited += time.perf_counter() - start
-            return bufs
-
-        return wait
-
-
-class PicotronRingAttention(torch.autograd.Function):
-    """The peer's ring attention on contiguous rows (see the module doc); q/k/v [b, a, n, d]."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                ex: RingExchange) -> torch.Tensor:
-        r, cp = ex.rank, ex.size
-        out = lse = None
-        kb, vb = k, v
-        for step in range(cp):  # holds the k/v block of rank r - step
-            wait = ex.post([kb, vb], 0) if step + 1 < cp else None
-            if step <= r:  # causal: later ranks' keys are all masked
-                blk = eager_block(q, kb, vb, scale, step == 0)
-                out, lse = blk if out is None else merge_lse(out, lse, *blk)
-            if wait is not None:
-                kb, vb = wait()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.ex = scale, ex
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        ex: RingExchange = ctx.ex
-        r, cp = ex.rank, ex.size
-        dq = torch.zeros(q.shape, dtype=lse.dtype)
-        kb, vb, wait_dkv = k, v, None
-        for step in range(cp):
-            wait_kv = ex.post([kb, vb], 0) if step + 1 < cp else None
-            dk, dv = (torch.zeros(k.shape, dtype=lse.dtype) for _ in range(2))
-            if step <= r:
-                bq, bk, bv = eager_block_backward(dout, q, kb, vb, out, lse, ctx.scale, step == 0)
-                dq += bq
-                dk, dv = bk, bv
-            if wait_dkv is not None:  # the accumulators of the block now held
-                dk_in, dv_in = wait_dkv()
-                dk, dv = dk + dk_in, dv + dv_in
-            if wait_kv is not None:
-                kb, vb = wait_kv()
-            wait_dkv = ex.post([dk, dv], 1)
-        assert wait_dkv is not None
-        dk, dv = wait_dkv()  # our own block's, home after a full turn
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
-def probe_torch_cp() -> str | None:
-    """Rank function: torch's experimental context_parallel on a tiny causal SDPA (forward);
-    None if it runs and matches SDPA, else the errors (default backend; math backend)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    errors = []
-    for backend in (None, SDPBackend.MATH):
-        q, k, v = torch.randn(3, 1, 2, 8 * dist.get_world_size(), 8).unbind(0)
-        try:
-            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
-                if backend is None:
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                else:
-                    with sdpa_kernel(backend):
-                        F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return None
-        except Exception as err:  # recorded, not raised: the answer is the error
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            errors.append(f"{backend or 'default'}: {type(err).__name__}: {first[:300]}")
-    return "; ".join(errors)
 
 
 # ----------------------------------------------------------------------------- part 1
@@ -275,10 +122,10 @@ def attention_op(name: str, cp: int) -> tuple[Callable[..., torch.Tensor],
 
     if name == "sdpa_cp1":
         return sdpa, lambda x: x, None
-    if name == "picotron_ring":
+    if name.startswith("picotron_ring"):
         ex = RingExchange()
-        d = HIDDEN // HEADS
-        return (lambda q, k, v: PicotronRingAttention.apply(q, k, v, d ** -0.5, ex),
+        scale, kernel = (HIDDEN // HEADS) ** -0.5, "fused" if name.endswith("fused") else "eager"
+        return (lambda q, k, v: PicotronRingAttention.apply(q, k, v, scale, ex, kernel),
                 lambda x: contiguous_local(x, cp, rank, 2), ex)
     groups = ProcessGroups.build(ParallelDims(cp=cp))
     if name.startswith("colonnade_ring"):
@@ -451,7 +298,7 @@ def ratio_stats(num: list[float], den: list[float]) -> dict[str, float]:
 def summarize_attention(runs: dict[tuple[int, str, int], list[dict[str, Any]]]
                         ) -> list[dict[str, Any]]:
     """One row per (seq, variant, cp): medians; time ratios against sdpa_cp1 and, for
-    colonnade's variants, picotron_ring / colonnade (> 1: colonnade faster)."""
+    colonnade's variants, picotron_ring(_fused) / colonnade (> 1: colonnade faster)."""
     rows = []
     for (s, name, cp), res in runs.items():
         world = 1 if name == "sdpa_cp1" else cp
@@ -468,9 +315,10 @@ def summarize_attention(runs: dict[tuple[int, str, int], list[dict[str, Any]]]
         base = runs.get((s, "sdpa_cp1", 1))
         if base is not None and name != "sdpa_cp1":
             row["vs_cp1"] = ratio_stats(round_medians(base, 1), rounds)
-        peer = runs.get((s, "picotron_ring", cp))
-        if peer is not None and name.startswith("colonnade"):
-            row["vs_picotron"] = ratio_stats(round_medians(peer, cp), rounds)
+        for peer_name in ("picotron_ring", "picotron_ring_fused"):
+            peer = runs.get((s, peer_name, cp))
+            if peer is not None and name.startswith("colonnade"):
+                row[f"vs_{peer_name}"] = ratio_stats(round_medians(peer, cp), rounds)
         rows.append(row)
     return rows
 
@@ -489,7 +337,9 @@ def summarize_model(runs: dict[tuple[int, str], list[dict[str, Any]]]) -> list[d
             "step_s": statistics.median(t for r in res for t in r["times"]),
             "exposed_s": statistics.median(r["exposed_s"] for r in res),
             "wire_bytes": statistics.median(r["wire_bytes"] for r in res),
-            "round_step_s": rounds}
+            "round_step_s": rounds,
+            "cp_ops_waited_s": {k: statistics.median(r["cp_ops"][k]["waited_s"] for r in res)
+                                for k in res[0]["cp_ops"]}}
         for key in ("saved_bytes", "peak_bytes", "model_activation_bytes",
                     "model_cp_buffer_bytes"):
             values = [r[key] for r in res if key in r]
@@ -528,11 +378,12 @@ def _mib(row: dict[str, Any], key: str) -> str:
 def print_attention(rows: list[dict[str, Any]]) -> None:
     """Part 1's table."""
     head = (f"{'seq':>6} {'variant':<26}{'cp':>3}{'fwd ms':>9}{'bwd ms':>9}{'exposed':>9}"
-            f"{'speedup':>8}{'picotron/x':>11}{'rel err':>9}")
+            f"{'speedup':>8}{'pico/x':>7}{'picoF/x':>8}{'rel err':>9}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         vs1 = f"{r['vs_cp1']['ratio']:8.2f}" if "vs_cp1" in r else f"{'-':>8}"
-        vsp = f"{r['vs_picotron']['ratio']:11.2f}" if "vs_picotron" in r else f"{'-':>11}"
+        vsp = "".join(f"{r[k]['ratio']:{w}.2f}" if k in r else f"{'-':>{w}}" for k, w in
+                      (("vs_picotron_ring", 7), ("vs_picotron_ring_fused", 8)))
         err = f"{r['max_rel_error']:9.1e}" if r["max_rel_error"] is not None else f"{'-':>9}"
         print(f"{r['seq']:>6} {r['variant']:<26}{r['cp']:>3}{1e3 * r['fwd_s']:9.1f}"
               f"{1e3 * r['bwd_s']:9.1f}{1e3 * r['exposed_s']:9.1f}{vs1}{vsp}{err}")
@@ -556,10 +407,13 @@ def print_model(rows: list[dict[str, Any]]) -> None:
 
 
 def attention_part(pools: RankPools, seqs: list[int], cps: list[int], kv: int, rounds: int,
-                   steps: int) -> dict[tuple[int, str, int], list[dict[str, Any]]]:
-    """Interleaved rounds of every attention variant at every sequence and cp."""
+                   steps: int, peer_max_seq: int
+                   ) -> dict[tuple[int, str, int], list[dict[str, Any]]]:
+    """Interleaved rounds of every attention variant at every sequence and cp (the eager peer
+    up to ``peer_max_seq``)."""
     keys = [(s, "sdpa_cp1", 1) for s in seqs]
-    keys += [(s, n, cp) for s in seqs for cp in cps for n in ATTENTION if n != "sdpa_cp1"]
+    keys += [(s, n, cp) for s in seqs for cp in cps for n in ATTENTION if n != "sdpa_cp1"
+             and (n != "picotron_ring" or s <= peer_max_seq)]
     runs: dict[tuple[int, str, int], list[dict[str, Any]]] = {k: [] for k in keys}
     for rnd in range(rounds):
         shift = rnd % len(keys)
@@ -591,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cps", default="2,4", help="cp degrees besides 1")
     parser.add_argument("--kv-heads", type=int, default=HEADS)
     parser.add_argument("--parts", default="attention,model")
+    parser.add_argument("--peer-max-seq", type=int, default=8192,
+                        help="longest sequence for the eager picotron_ring")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed passes / steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="model steps before measuring")
@@ -606,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {"config": {
         "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "kv_heads": args.kv_heads,
         "vocab": VOCAB, "batch": 1, "seqs": seqs, "cps": cps, "rounds": args.rounds,
-        "steps": args.steps, "warmup": args.warmup, "precision": "fp32",
+        "steps": args.steps, "warmup": args.warmup, "peer_max_seq": args.peer_max_seq,
+        "precision": "fp32",
         "device": "cpu (gloo, 1 thread per rank)", "cpu_cores": os.cpu_count(),
         "torch": torch.__version__}}
     pools = RankPools(timeout_s=1800.0)
@@ -615,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         payload["torch_context_parallel"] = probe or "runs on CPU (not benchmarked: see doc)"
         print(f"torch experimental context_parallel on CPU/gloo: {probe or 'runs'}")
         if "attention" in parts:
-            runs = attention_part(pools, seqs, cps, args.kv_heads, args.rounds, args.steps)
+            runs = attention_part(pools, seqs, cps, args.kv_heads, args.rounds, args.steps,
+                                  args.peer_max_seq)
             payload["attention"] = summarize_attention(runs)
             print_attention(payload["attention"])
             payload["attention_runs"] = [r for res in runs.values() for r in res]

@@ -1,6 +1,7 @@
-"""Issue 16's benchmark maths (benchmarks/context_parallel.py), no timing run: the peer's
-(picotron-style) eager block kernel, log-sum-exp merge and block backward against SDPA in
-float64; its ring over contiguous rows on 2 and 4 ranks (outputs and gradients); the probe of
+"""Issue 16's benchmark maths (benchmarks/context_parallel.py and context_parallel_peer.py), no
+timing run: the peer's (picotron-style) eager block kernel, log-sum-exp merge and block
+backward against SDPA in float64, the fused block kernels against the eager ones; its ring over
+contiguous rows on 2 and 4 ranks (outputs and gradients); the probe of
 torch's experimental context-parallel API records why it does not run on CPU; the summary's
 per-round ratios, memory ratios and the first-loss check."""
 
@@ -40,6 +41,12 @@ def _bench() -> ModuleType:
     return module
 
 
+def _peer() -> ModuleType:
+    """benchmarks/context_parallel_peer.py (the benchmark imports it)."""
+    _bench()
+    return sys.modules["context_parallel_peer"]
+
+
 def _qkv(s: int, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(1, 2, s, 8, generator=gen, dtype=torch.float64) for _ in range(4)]
@@ -49,7 +56,7 @@ def _qkv(s: int, seed: int = 0) -> list[torch.Tensor]:
 def test_eager_blocks_merge_to_sdpa(causal: bool) -> None:
     """Keys split in two blocks: the merged block outputs equal full attention, and the block
     backward with the final out / lse gives SDPA's gradients (summed over blocks for q)."""
-    cpb = _bench()
+    cpb = _peer()
     q, k, v, dout = _qkv(16)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=causal)
@@ -70,9 +77,29 @@ def test_eager_blocks_merge_to_sdpa(causal: bool) -> None:
         torch.testing.assert_close(got, want.grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_block_kernels_equal_eager(causal: bool) -> None:
+    """The fused peer kernel gives the eager block's out / lse and, with the merged out / lse
+    of a two-block split, the same per-block gradients."""
+    cpb = _peer()
+    q, k, v, dout = _qkv(16, seed=5)
+    fused, eager = cpb.fused_block(q, k, v, 0.3, causal), cpb.eager_block(q, k, v, 0.3, causal)
+    for a, b in zip(fused, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    blocks = [(k[:, :, :8], v[:, :, :8], False), (k[:, :, 8:], v[:, :, 8:], causal)]
+    qb = q[:, :, 8:]
+    out, lse = cpb.merge_lse(*cpb.eager_block(qb, *blocks[0], 0.3),
+                             *cpb.eager_block(qb, *blocks[1], 0.3))
+    for kb, vb, c in blocks:
+        fused = cpb.fused_block_backward(dout[:, :, 8:], qb, kb, vb, out, lse, 0.3, c)
+        eager = cpb.eager_block_backward(dout[:, :, 8:], qb, kb, vb, out, lse, 0.3, c)
+        for a, b in zip(fused, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_merge_lse_is_order_free_and_exact() -> None:
     """merge(a, b) = merge(b, a), and the merged lse is log(e^la + e^lb)."""
-    cpb = _bench()
+    cpb = _peer()
     oa, ob, _, _ = _qkv(4, seed=3)
     la, lb = torch.randn(1, 2, 4, dtype=torch.float64), torch.randn(1, 2, 4, dtype=torch.float64)
     o1, l1 = cpb.merge_lse(oa, la, ob, lb)
@@ -85,25 +112,27 @@ def test_merge_lse_is_order_free_and_exact() -> None:
 
 
 def test_contiguous_split_is_picotrons() -> None:
-    cpb = _bench()
+    cpb = _peer()
     x = torch.arange(12).view(1, 1, 12, 1)
     assert cpb.contiguous_local(x, 3, 1, 2).flatten().tolist() == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_picotron_ring_matches_sdpa(run_ranks: Callable[..., list[Any]], cp: int) -> None:
-    """The peer's ring (contiguous rows, k/v and dK/dV around the ring): out, dq, dk, dv equal
-    full-sequence SDPA's rows on every rank (float64, relative to the largest value)."""
+@pytest.mark.parametrize(("cp", "name"), [(2, "picotron_ring"), (4, "picotron_ring"),
+                                          (4, "picotron_ring_fused")])
+def test_picotron_ring_matches_sdpa(run_ranks: Callable[..., list[Any]], cp: int,
+                                    name: str) -> None:
+    """The peer's ring (contiguous rows, k/v and dK/dV around the ring), eager or fused
+    blocks: out, dq, dk, dv equal full-sequence SDPA's rows on every rank (float64, relative
+    to the largest value)."""
     cpb = _bench()
-    errors = run_ranks(cp, cpb.attention_errors, "picotron_ring", cp, cpb.HEADS)
+    errors = run_ranks(cp, cpb.attention_errors, name, cp, cpb.HEADS)
     assert max(errors) < 1e-12
 
 
 def test_torch_cp_probe_records_the_cpu_error(run_ranks: Callable[..., list[Any]]) -> None:
     """torch 2.13's experimental context_parallel has no CPU SDPA sharding rule: the probe
     returns the error text the module doc quotes (None would mean it runs: benchmark it)."""
-    cpb = _bench()
-    probe = run_ranks(2, cpb.probe_torch_cp)
+    probe = run_ranks(2, _peer().probe_torch_cp)
     assert probe[0] == probe[1]
     assert probe[0] is not None
     assert "_scaled_dot_product_flash_attention_for_cpu" in probe[0]
@@ -123,7 +152,8 @@ def test_round_medians_and_ratios() -> None:
 
 def _model_run(name: str, rank: int, t: float, saved: int, loss: float) -> dict[str, Any]:
     return {"name": name, "seq": 64, "cp": 1, "rank": rank, "losses": [loss], "times": [t],
-            "exposed_s": 0.01 * rank, "wire_bytes": 100.0, "saved_bytes": saved,
+            "exposed_s": 0.01 * rank, "wire_bytes": 100.0,
+            "cp_ops": {"cp/p2p/cp_ring_kv": {"waited_s": 0.01 * rank}}, "saved_bytes": saved,
             "peak_bytes": 2 * saved, "model_activation_bytes": 1000.0}
 
 
@@ -142,6 +172,7 @@ def test_summarize_model_ratios_and_loss_check() -> None:
     assert cp2["peak_vs_cp1"] == pytest.approx(0.52)
     assert cp2["saved_vs_model"] == pytest.approx(0.52)
     assert cp2["exposed_s"] == pytest.approx(0.005)
+    assert cp2["cp_ops_waited_s"] == {"cp/p2p/cp_ring_kv": pytest.approx(0.005)}
     cpb.check_model_losses(list(rows.values()))
     rows["cp2_ring"]["loss"] = 6.001
     with pytest.raises(AssertionError, match="cp2_ring s=64"):
