@@ -45,7 +45,7 @@ class Fit:
 
     def describe(self) -> str:
         """'flags (X GiB per rank[, note])'."""
-        return f"{self.flags} ({self.total_gib:.2f} GiB per rank{self.note})"
+        return f"{self.flags} ({self.total_gib:.3g} GiB per rank{self.note})"
 
 
 def estimate(config: Config, world: int) -> tuple[Workload, Layout, Memory]:
@@ -118,19 +118,19 @@ def limit_problem(config: Config, world: int) -> str | None:
     if mem.total <= limit:
         return None
     gib = mem.gib()
-    parts = ", ".join(f"{k} {gib[k]:.2f}" for k in ("params", "grads", "optimizer",
+    parts = ", ".join(f"{k} {gib[k]:.3g}" for k in ("params", "grads", "optimizer",
                                                     "activations", "buffers", "grad_buckets",
                                                     "gathered", "cp_buffers") if gib[k] > 0)
     options = fits(w, layout, limit)
-    advice = ("what fits (the same model's estimate): "
+    advice = ("What fits (the same model's estimate): "
               + "; ".join(f.describe() for f in options)) if options else (
-        "nothing tried fits (parallel.cp up to seq_len/2, training.recompute=full, a smaller "
+        "Nothing tried fits (parallel.cp up to seq_len/2, training.recompute=full, a smaller "
         "training.micro_batch_size): the model states need more ranks: raise parallel.dp "
         "with parallel.zero_stage, parallel.tp or parallel.pp")
     return (f"training.memory_limit_gb={limit_gb:g}: this run needs an estimated "
-            f"{gib['total']:.2f} GiB per rank ({layout.short()}, cp attention "
-            f"{layout.cp_attention}, {mem.stage} stage: {parts} GiB; the planner's memory "
-            f"model), more than the limit. {advice}; or raise training.memory_limit_gb.")
+            f"{gib['total']:.3g} GiB per rank ({layout.short()}, {mem.stage} stage: {parts} "
+            f"GiB; the planner's memory model), more than the limit. {advice}; or raise "
+            "training.memory_limit_gb.")
 
 
 def check_memory_limit(config: Config, world: int) -> None:
@@ -148,5 +148,5 @@ def memory_limit_line(config: Config, world: int) -> str | None:
     problem = limit_problem(config, world)
     if problem is None:
         total = estimate(config, world)[2].total / GIB
-        return f"memory limit: {limit_gb:g} GiB per rank; the estimate {total:.2f} GiB fits"
+        return f"memory limit: {limit_gb:g} GiB per rank; the estimate {total:.3g} GiB fits"
     return f"memory limit: train would refuse this run: {problem}"
