@@ -125,8 +125,14 @@ def attention_op(name: str, cp: int) -> tuple[Callable[..., torch.Tensor],
     if name.startswith("picotron_ring"):
         ex = RingExchange()
         scale, kernel = (HIDDEN // HEADS) ** -0.5, "fused" if name.endswith("fused") else "eager"
-        return (lambda q, k, v: PicotronRingAttention.apply(q, k, v, scale, ex, kernel),
-                lambda x: contiguous_local(x, cp, rank, 2), ex)
+
+        def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            rep = q.shape[1] // k.shape[1]  # GQA: picotron expands kv heads before the ring
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [b, a, s/cp, d]
+            out: torch.Tensor = PicotronRingAttention.apply(q, k, v, scale, ex, kernel)
+            return out
+
+        return ring, lambda x: contiguous_local(x, cp, rank, 2), ex
     groups = ProcessGroups.build(ParallelDims(cp=cp))
     if name.startswith("colonnade_ring"):
         from colonnade.context_parallel.ring import ring_attention

@@ -117,15 +117,15 @@ def test_contiguous_split_is_picotrons() -> None:
     assert cpb.contiguous_local(x, 3, 1, 2).flatten().tolist() == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize(("cp", "name"), [(2, "picotron_ring"), (4, "picotron_ring"),
-                                          (4, "picotron_ring_fused")])
-def test_picotron_ring_matches_sdpa(run_ranks: Callable[..., list[Any]], cp: int,
-                                    name: str) -> None:
+@pytest.mark.parametrize(("cp", "name", "kv"), [(2, "picotron_ring", 4), (4, "picotron_ring", 4),
+                                                (4, "picotron_ring_fused", 2)])
+def test_picotron_ring_matches_sdpa(run_ranks: Callable[..., list[Any]], cp: int, name: str,
+                                    kv: int) -> None:
     """The peer's ring (contiguous rows, k/v and dK/dV around the ring), eager or fused
-    blocks: out, dq, dk, dv equal full-sequence SDPA's rows on every rank (float64, relative
-    to the largest value)."""
+    blocks, GQA by expanding kv heads first: out, dq, dk, dv equal full-sequence SDPA's rows
+    on every rank (float64, relative to the largest value)."""
     cpb = _bench()
-    errors = run_ranks(cp, cpb.attention_errors, name, cp, cpb.HEADS)
+    errors = run_ranks(cp, cpb.attention_errors, name, cp, kv)
     assert max(errors) < 1e-12
 
 
