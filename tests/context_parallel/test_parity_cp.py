@@ -2,11 +2,11 @@
 (the global token mean, known on every rank) and final parameters equal the single-process
 reference's (:mod:`tests.context_parallel.harness`) to 1e-10 relative.
 
-Cases cover ring and all_to_all attention, cp 2 and 4, cp x tp (+ sp), cp x dp with ZeRO-1
-and ZeRO-3, full and selective recompute, gpt2 (learned positions, tied embeddings, biases)
-and llama (RoPE, GQA), masked labels (micro-batches with different valid-token counts),
-document resets (positions and attention across the zigzag chunk boundaries) and dropout
-(hidden dropout with both; attention dropout with all_to_all).
+Cases cover ring and all_to_all attention, cp 2 and 4, cp x tp (+ sp, + chunked sp
+collectives), cp x dp with ZeRO-1 and ZeRO-3, full and selective recompute, gpt2 (learned
+positions, tied embeddings, biases) and llama (RoPE, GQA), masked labels (micro-batches with
+different valid-token counts), document resets (positions and attention across the zigzag
+chunk boundaries) and dropout (hidden dropout with both; attention dropout with all_to_all).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2xtp2-sp-a2a-gpt2": dict(config=dict(arch="gpt2", tp=2, sp=True,
                                             cp_attention="all_to_all")),
     "cp2xtp2-ring-gpt2": dict(config=dict(arch="gpt2", tp=2)),
+    "cp2xtp2-sp-chunks2-ring-llama": dict(config=dict(arch="llama", tp=2, sp=True,
+                                                      tp_comm_chunks=2)),
     "cp2xdp2-zero1-ring": dict(config=dict(arch="llama", dp=2, zero_stage=1)),
     "cp2xdp2-zero3-a2a-gpt2": dict(config=dict(arch="gpt2", dp=2, zero_stage=3,
                                                cp_attention="all_to_all")),
