@@ -22,12 +22,15 @@ block is what an ordinary attention backward computes for that block alone
     P = exp(S - lse_final);  dP = dout v^T;  dS = P * (dP - D)
     dq = c dS k;  dk = c dS^T q;  dv = P^T dout
 
-Kernel choice, made in :func:`_fused_kind` only: the fused aten CPU flash kernel on CPU
-(every floating dtype), the fused aten CUDA flash kernel for fp16/bf16 on CUDA without a mask
-(not run by the test suite, which has no GPU; checked once on an H200 with torch 2.11: bf16
-ring cp 1 vs SDPA rel err 8e-4 out, 1e-3 grads; 0.58 ms vs 16 ms eager for a [1, 32, 4096, 128]
-causal block), eager math otherwise (fp32 / fp64 scores). The
-eager path is also the tests' oracle.
+Kernel choice, made in :func:`kernel_kind` only: the fused aten CPU flash kernel on CPU (every
+floating dtype); on CUDA the aten flash kernel for fp16 / bf16 blocks without a mask and the
+aten memory-efficient kernel (additive mask) for fp16 / bf16 / fp32 otherwise; eager math
+(fp32 / fp64 scores) for everything else (fp64 on CUDA, odd head sizes). The eager path is
+also the tests' oracle. The CUDA branches are not run by the test suite (no GPU there); they
+were checked on an H200 (torch 2.11) against the eager math: bf16 rel err <= 4e-3 for out and
+every gradient (flash and efficient, GQA, masks with fully masked rows), fp32 < 1e-5, ring at
+cp 1 with doc_ids vs fp64 SDPA likewise; a [1, 32, 4096, 128] bf16 causal block took 0.58 ms
+fused vs 16 ms eager, with a document mask 2.7 ms (efficient) vs 16 ms.
 
 GQA: k / v have kv heads, q has a = g kv heads (query head h reads kv head h // g). The kernels
 expand k / v locally (``repeat_interleave`` over the head dim) and sum dk / dv back per kv
@@ -43,6 +46,7 @@ import torch
 
 CPU_FLASH = "cpu_flash"
 CUDA_FLASH = "cuda_flash"
+CUDA_EFFICIENT = "cuda_efficient"
 EAGER = "eager"
 
 
@@ -52,15 +56,25 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _fused_kind(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> str:
-    """The ONE place the block kernel is chosen (see the module doc)."""
-    if q.device.type == "cpu" and q.dtype in (torch.float64, torch.float32, torch.bfloat16,
-                                               torch.float16):
+def kernel_kind(device: str, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
+    """The ONE place the block kernel is chosen (see the module doc): CPU -> aten CPU flash;
+    CUDA fp16 / bf16 unmasked -> flash; CUDA fp16 / bf16 / fp32 otherwise -> memory-efficient
+    (head_dim % 8 == 0 and <= 256 for both); anything else -> eager math."""
+    if device == "cpu" and dtype in (torch.float64, torch.float32, torch.bfloat16,
+                                     torch.float16):
         return CPU_FLASH
-    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and mask is None
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256):
+    if device != "cuda" or head_dim % 8 or head_dim > 256:
+        return EAGER
+    if dtype in (torch.float16, torch.bfloat16) and not masked:
         return CUDA_FLASH
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return CUDA_EFFICIENT
     return EAGER
+
+
+def _fused_kind(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> str:
+    """:func:`kernel_kind` of a block (causality is native to every kernel)."""
+    return kernel_kind(q.device.type, q.dtype, q.shape[-1], mask is not None)
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -144,6 +158,49 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
+def _efficient_bias(q: torch.Tensor, m: int, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Additive bias [b, a, n, m] for the CUDA efficient kernel: its rows padded to a multiple
+    of 16 elements in memory (the kernel's alignment), broadcast over batch / heads."""
+    b, a, n, _ = q.shape
+    if allowed is None:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=q.device)
+    padded = torch.zeros(*allowed.shape[:-1], -(-m // 16) * 16, dtype=q.dtype, device=q.device)
+    padded[..., :m].masked_fill_(~allowed, float("-inf"))
+    return padded[..., :m].expand(b, a, n, m)
+
+
+def _efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       allowed: torch.Tensor | None, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA memory-efficient kernel (fp16 / bf16 / fp32, any mask); k / v already expanded.
+    Its lse comes padded to a multiple of 32 rows: sliced to [b, a, n]."""
+    n = q.shape[2]
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, _efficient_bias(q, k.shape[2], allowed), True, 0.0, False, scale=scale)
+    out, lse = res[0], res[1][:, :, :n]
+    dead = _dead_rows(allowed)
+    if dead is not None:  # like the CPU kernel: lse 0 for a row with no key
+        lse = lse.masked_fill(dead, float("-inf"))
+    return out, lse
+
+
+def _efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor | None,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA memory-efficient backward; lse already finite. The kernel reads lse padded to a
+    multiple of 32 rows, and (seen on an H200 with torch 2.11, fp16 / bf16) needs ``out`` in
+    the [b, n, a, d] memory layout its forward writes: a [b, a, n, d]-contiguous out gives
+    wrong dq / dk."""
+    n = q.shape[2]
+    lse = torch.nn.functional.pad(lse.float(), (0, -(-n // 32) * 32 - n))  # [b, a, n32]
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)  # [b, a, n, d] view of [b, n, a, d]
+    zero = torch.zeros((), dtype=torch.int64)  # dropout 0: the philox state is unused
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, _efficient_bias(q, k.shape[2], allowed), out, lse, zero, zero, 0.0,
+        [True, True, True, False], False, scale=scale)
+    return dq, dk, dv
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                   mask: torch.Tensor | None, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +217,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
             q, ke, ve, 0.0, causal, False, scale=scale)
         return res[0], res[1]
     allowed = full_mask(q.shape[2], k.shape[2], causal, mask, q.device)
+    if kind == CUDA_EFFICIENT:
+        return _efficient_forward(q, ke, ve, allowed, scale)
     bias = None if allowed is None else _additive(allowed, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, ke, ve, 0.0, False, attn_mask=bias, scale=scale)
@@ -188,6 +247,9 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse.float(), None, None, q.shape[2], k.shape[2], 0.0,
             causal, empty, empty, scale=scale)
+    elif kind == CUDA_EFFICIENT:
+        allowed = full_mask(q.shape[2], k.shape[2], causal, mask, q.device)
+        dq, dk, dv = _efficient_backward(dout, q, ke, ve, out, lse, allowed, scale)
     else:
         allowed = full_mask(q.shape[2], k.shape[2], causal, mask, q.device)
         bias = None if allowed is None else _additive(allowed, q.dtype)

@@ -133,6 +133,14 @@ def test_bf16_inputs_fp32_lse() -> None:
 def test_kernel_choice() -> None:
     q = torch.zeros(1, 2, 4, 8)
     assert K._fused_kind(q, True, None) == K.CPU_FLASH
+    bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    assert K.kernel_kind("cpu", f64, 8, True) == K.CPU_FLASH
+    assert K.kernel_kind("cuda", bf16, 128, False) == K.CUDA_FLASH
+    assert K.kernel_kind("cuda", bf16, 128, True) == K.CUDA_EFFICIENT
+    assert K.kernel_kind("cuda", f32, 64, False) == K.CUDA_EFFICIENT
+    assert K.kernel_kind("cuda", f64, 64, False) == K.EAGER
+    assert K.kernel_kind("cuda", bf16, 12, False) == K.EAGER
+    assert K.kernel_kind("mps", f32, 64, False) == K.EAGER
     assert K.lse_dtype(torch.bfloat16) == torch.float32
     assert K.lse_dtype(torch.float64) == torch.float64
     with pytest.raises(ValueError, match="multiple of kv heads"):
