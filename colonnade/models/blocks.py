@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
 from colonnade.context_parallel.layout import local_ranges, take_local, zigzag_index, zigzag_ranges
+from colonnade.context_parallel.ring import ring_attention
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
 from colonnade.tensor_parallel.context import ParallelContext
@@ -270,9 +272,6 @@ def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """Ring or all-to-all attention of ``attn``'s heads over the cp group:
     [b, a/tp, s/cp, d] -> [b, a/tp, s/cp, d]. Always eager (a graph break inside a compiled
     layer: its collectives go through CommGroup, which dynamo does not trace)."""
-    from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
-    from colonnade.context_parallel.ring import ring_attention
-
     ctx = attn.ctx
     assert ctx.cp is not None
     if ctx.cp_attention == "ring":

@@ -12,7 +12,10 @@ Three modes (``training.recompute``), Megatron's:
   uniform ceil(L/N) I, block min(N, L) I + (L - min(N, L)) x (a full layer).
 * ``selective``: only core attention, softmax(q k^T / sqrt(d)) v, the part whose stored
   activations grow with s^2 when it is computed eagerly, is checkpointed; its inputs q, k, v
-  are kept (:meth:`colonnade.models.blocks.Attention.core_attention`).
+  are kept (:meth:`colonnade.models.blocks.Attention.core_attention`). Under context
+  parallelism the all-to-all attention is checkpointed the same way (its communication
+  repeats in backward); ring attention is not: its autograd function already keeps only q, k,
+  v, the output and the row log-sum-exp, so recomputing it would only repeat its p2p ring.
 * ``none``.
 
 This module is the policy (which blocks, installed on the chunks at build time); the mechanism,
