@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", default="4096,8192,16384")
-    parser.add_argument("--cps", default="2,4", help="cp degrees besides 1")
+    parser.add_argument("--cps", default=None, help="cp degrees besides 1 (default 2,4; "
+                        "--quick: 2)")
     parser.add_argument("--kv-heads", type=int, default=HEADS)
     parser.add_argument("--parts", default="attention,model")
     parser.add_argument("--peer-max-seq", type=int, default=8192,
@@ -457,11 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed passes / steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="model steps before measuring")
     parser.add_argument("--quick", action="store_true",
-                        help="s = 256, cp 2, 1 round, 1 step (the smoke test)")
+                        help="s = 256, 1 round, 1 step, cp 2 unless --cps (a smoke run)")
     parser.add_argument("--json", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.seqs, args.cps, args.rounds, args.steps = "256", "2", 1, 1
+        args.seqs, args.rounds, args.steps = "256", 1, 1
+    args.cps = args.cps or ("2" if args.quick else "2,4")
     seqs = [int(x) for x in args.seqs.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
     parts = set(args.parts.split(","))
