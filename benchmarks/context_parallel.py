@@ -425,7 +425,7 @@ def attention_part(pools: RankPools, seqs: list[int], cps: list[int], kv: int, r
         shift = rnd % len(keys)
         for s, name, cp in keys[shift:] + keys[:shift]:
             runs[(s, name, cp)] += pools.run(cp, run_attention, name, s, cp, kv, steps, rnd == 0)
-        print(f"attention round {rnd + 1}/{rounds} done", flush=True)
+        print(f"attention round {rnd + 1}/{rounds} done ({time.strftime('%X')})", flush=True)
     return runs
 
 
@@ -440,7 +440,7 @@ def model_part(pools: RankPools, seqs: list[int], cps: list[int], kv: int, round
         for s, name in keys[shift:] + keys[:shift]:
             runs[(s, name)] += pools.run(MODEL[name][0], run_model, name, s, kv, warmup, steps,
                                          rnd == 0)
-        print(f"model round {rnd + 1}/{rounds} done", flush=True)
+        print(f"model round {rnd + 1}/{rounds} done ({time.strftime('%X')})", flush=True)
     return runs
 
 
@@ -480,14 +480,18 @@ def main(argv: list[str] | None = None) -> int:
         payload["torch_context_parallel"] = probe or "runs on CPU (not benchmarked: see doc)"
         print(f"torch experimental context_parallel on CPU/gloo: {probe or 'runs'}")
         if "attention" in parts:
+            start = time.perf_counter()
             runs = attention_part(pools, seqs, cps, args.kv_heads, args.rounds, args.steps,
                                   args.peer_max_seq)
+            payload["config"]["attention_wall_s"] = time.perf_counter() - start
             payload["attention"] = summarize_attention(runs)
             print_attention(payload["attention"])
             payload["attention_runs"] = [r for res in runs.values() for r in res]
         if "model" in parts:
+            start = time.perf_counter()
             mruns = model_part(pools, seqs, cps, args.kv_heads, args.rounds, args.steps,
                                args.warmup)
+            payload["config"]["model_wall_s"] = time.perf_counter() - start
             payload["model"] = summarize_model(mruns)
             print_model(payload["model"])
             check_model_losses(payload["model"])
