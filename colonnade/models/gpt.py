@@ -225,7 +225,11 @@ class ModelChunk(nn.Module):
     @torch.no_grad()
     def full_logits(self, tokens: torch.Tensor, caches: list[KVCache] | None = None
                     ) -> torch.Tensor:
-        """Generation path (first and last chunk in one): tokens [b, s] -> logits [b, s, V]."""
+        """Generation path (first and last chunk in one): tokens [b, s] -> logits [b, s, V].
+        Runs at cp = 1 only (generation builds its own single-process model)."""
+        if self.ctx.cp_size > 1:
+            raise ValueError("full_logits (generation, KV caches) runs at parallel.cp=1; "
+                             "build the single-process model (models.build.build_reference)")
         x = self.embedding(tokens) if caches is None else self._embed_cached(tokens, caches)
         x = self.run_layers(x, caches)
         logits = mp.gather_last(self.logits(x), self.ctx.group)  # [s, b, V']
