@@ -12,12 +12,13 @@ import torch
 
 from colonnade.context_parallel.layout import zigzag_index
 from colonnade.models.blocks import DocReset, cp_doc_context, doc_context, hidden_dropout
-from colonnade.models.gpt import local_labels
+from colonnade.models.gpt import ModelChunk, local_labels
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
 from colonnade.pipeline.p2p import message_shape
 from colonnade.tensor_parallel.context import ParallelContext
+from tests.parity import tiny_model
 
 
 def _ctx(cp: int, rank: int, *, tp: int = 1, tp_rank: int = 0, sp: bool = False,
@@ -109,3 +110,9 @@ def test_hidden_dropout_rows(cp: int, tp: int, sp: bool) -> None:
             assert torch.equal(got, want[rows])
             seen[rows] += 1
     assert torch.equal(seen, torch.full((s,), 1 if sp else tp))
+
+
+def test_generation_refuses_cp() -> None:
+    chunk = ModelChunk(tiny_model("llama"), _ctx(2, 0), [0, 1], first=True, last=True)
+    with pytest.raises(ValueError, match=r"runs at parallel\.cp=1"):
+        chunk.full_logits(torch.zeros(1, 4, dtype=torch.long))
