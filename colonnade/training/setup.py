@@ -141,6 +141,8 @@ def build_data(config: Config, groups: ProcessGroups) -> Data:
         size = config.training.steps * int(config.training.global_batch_size or 1)
         train = BlendedDataset(parts, weights, size, config.training.seed)
     tr = config.training
+    # by dp index, not dp x cp: the cp ranks of one dp index read the same samples (each
+    # model chunk takes its own zigzag rows of them)
     sampler = BatchSampler(len(train), int(tr.global_batch_size or 1), tr.micro_batch_size,
                            groups.dp.rank, groups.dp.size, tr.seed)
     vocab = _tokenizer_vocab(out / "tokenizer.json")
