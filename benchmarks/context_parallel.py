@@ -1,7 +1,8 @@
 """Context parallelism (issue 16) on CPU: attention alone against a peer, then training steps.
 
     .venv/bin/python benchmarks/context_parallel.py [--seqs 4096,8192,16384] [--cps 2,4]
-        [--parts attention,model] [--rounds 3] [--steps 2] [--quick] [--json PATH]
+        [--parts attention,model] [--variants ...] [--rounds 3] [--steps 2] [--warmup 1]
+        [--kv-heads 4] [--peer-max-seq 8192] [--quick] [--json PATH]
 
 Shapes: issue 16's tiny model, hidden 64, 2 layers, 4 heads (head dim d = 16), 4 kv heads
 (``--kv-heads``), vocab 512, batch 1, fp32, at sequence s in 4k-16k; cp ranks are gloo CPU
@@ -174,7 +175,6 @@ def run_attention(name: str, s: int, cp: int, kv: int, steps: int, check: bool
     err = attention_errors(name, cp, kv) if check else None
     fn, local, counters = attention_op(name, cp)
     q, k, v, dout = (local(x).contiguous() for x in attention_inputs(s, kv, torch.float32))
-    dout_l = dout
     fwd, bwd, exposed = [], [], []
     for i in range(steps + 1):
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
@@ -185,7 +185,7 @@ def run_attention(name: str, s: int, cp: int, kv: int, steps: int, check: bool
         t0 = time.perf_counter()
         out = fn(*leaves)
         t1 = time.perf_counter()
-        out.backward(dout_l)
+        out.backward(dout)
         t2 = time.perf_counter()
         if i:  # the first pass warms up
             fwd.append(t1 - t0)
@@ -229,7 +229,7 @@ def memory_model(cfg: Any, world: int) -> dict[str, float]:
 
     mem = memory_per_device(PlanWorkload.from_config(cfg), Layout.from_config(cfg, world))
     return {"model_activation_bytes": mem.activations,
-            "model_cp_buffer_bytes": getattr(mem, "cp_buffers", 0.0)}
+            "model_cp_buffer_bytes": mem.cp_buffers}
 
 
 def run_model(name: str, s: int, kv: int, warmup: int, steps: int, measure: bool
@@ -413,12 +413,12 @@ def print_model(rows: list[dict[str, Any]]) -> None:
 
 
 def attention_part(pools: RankPools, seqs: list[int], cps: list[int], kv: int, rounds: int,
-                   steps: int, peer_max_seq: int
+                   steps: int, peer_max_seq: int, names: list[str]
                    ) -> dict[tuple[int, str, int], list[dict[str, Any]]]:
-    """Interleaved rounds of every attention variant at every sequence and cp (the eager peer
-    up to ``peer_max_seq``)."""
-    keys = [(s, "sdpa_cp1", 1) for s in seqs]
-    keys += [(s, n, cp) for s in seqs for cp in cps for n in ATTENTION if n != "sdpa_cp1"
+    """Interleaved rounds of the attention variants ``names`` at every sequence and cp (the
+    eager peer up to ``peer_max_seq``)."""
+    keys = [(s, "sdpa_cp1", 1) for s in seqs if "sdpa_cp1" in names]
+    keys += [(s, n, cp) for s in seqs for cp in cps for n in names if n != "sdpa_cp1"
              and (n != "picotron_ring" or s <= peer_max_seq)]
     runs: dict[tuple[int, str, int], list[dict[str, Any]]] = {k: [] for k in keys}
     for rnd in range(rounds):
@@ -430,9 +430,11 @@ def attention_part(pools: RankPools, seqs: list[int], cps: list[int], kv: int, r
 
 
 def model_part(pools: RankPools, seqs: list[int], cps: list[int], kv: int, rounds: int,
-               steps: int, warmup: int) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    """Interleaved rounds of every model variant; memory measured in the first round."""
-    names = [n for n, (cp, _, _) in MODEL.items() if cp == 1 or cp in cps]
+               steps: int, warmup: int, names: list[str]
+               ) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """Interleaved rounds of the model variants ``names`` (those with cp 1 or in ``cps``);
+    memory measured in the first round."""
+    names = [n for n in names if MODEL[n][0] == 1 or MODEL[n][0] in cps]
     keys = [(s, n) for s in seqs for n in names]
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {k: [] for k in keys}
     for rnd in range(rounds):
@@ -452,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--quick: 2)")
     parser.add_argument("--kv-heads", type=int, default=HEADS)
     parser.add_argument("--parts", default="attention,model")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated subset of {ATTENTION} and {tuple(MODEL)}")
     parser.add_argument("--peer-max-seq", type=int, default=8192,
                         help="longest sequence for the eager picotron_ring")
     parser.add_argument("--rounds", type=int, default=3)
@@ -467,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [int(x) for x in args.seqs.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
     parts = set(args.parts.split(","))
+    chosen = args.variants.split(",") if args.variants else [*ATTENTION, *MODEL]
+    unknown = set(chosen) - {*ATTENTION, *MODEL}
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}")
     payload: dict[str, Any] = {"config": {
         "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "kv_heads": args.kv_heads,
         "vocab": VOCAB, "batch": 1, "seqs": seqs, "cps": cps, "rounds": args.rounds,
@@ -482,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         if "attention" in parts:
             start = time.perf_counter()
             runs = attention_part(pools, seqs, cps, args.kv_heads, args.rounds, args.steps,
-                                  args.peer_max_seq)
+                                  args.peer_max_seq, [n for n in chosen if n in ATTENTION])
             payload["config"]["attention_wall_s"] = time.perf_counter() - start
             payload["attention"] = summarize_attention(runs)
             print_attention(payload["attention"])
@@ -490,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         if "model" in parts:
             start = time.perf_counter()
             mruns = model_part(pools, seqs, cps, args.kv_heads, args.rounds, args.steps,
-                               args.warmup)
+                               args.warmup, [n for n in chosen if n in MODEL])
             payload["config"]["model_wall_s"] = time.perf_counter() - start
             payload["model"] = summarize_model(mruns)
             print_model(payload["model"])
