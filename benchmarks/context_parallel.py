@@ -42,7 +42,7 @@ rank waited on the cp group's p2p / all-to-all per step (CommStats ``waited_s`` 
 per step.  First-step losses of every layout must equal cp1's (1e-5 relative, fp32).
 
 Rounds interleave the variants (order rotated); ratios are medians over rounds of per-round
-ratios.  Writes benchmarks/results/context_parallel.json.
+ratios.  Writes benchmarks/results/context_parallel.json (``--quick``: a temporary file).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -463,11 +464,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="model steps before measuring")
     parser.add_argument("--quick", action="store_true",
                         help="s = 256, 1 round, 1 step, cp 2 unless --cps (a smoke run)")
-    parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--json", type=Path, default=None,
+                        help=f"default {RESULTS} (--quick: context_parallel_quick.json in the "
+                             "temporary directory, so a smoke run never replaces results)")
     args = parser.parse_args(argv)
     if args.quick:
         args.seqs, args.rounds, args.steps = "256", 1, 1
     args.cps = args.cps or ("2" if args.quick else "2,4")
+    if args.json is None:
+        args.json = (Path(tempfile.gettempdir()) / "context_parallel_quick.json" if args.quick
+                     else RESULTS)
     seqs = [int(x) for x in args.seqs.split(",")]
     cps = [int(x) for x in args.cps.split(",")]
     parts = set(args.parts.split(","))
