@@ -36,10 +36,12 @@ activation memory, which with one micro-batch is all alive at the end of forward
 (:class:`~colonnade.analysis.measure.PeakTensorBytes`: activations, gradients in flight,
 temporaries such as ring buffers); next to the planner's model
 (:func:`colonnade.analysis.memory.memory_per_device`: ``activations`` and ``cp_buffers``).
-Times: median step over rounds, steps and ranks; exposed cp communication = the seconds the
-rank waited on the cp group's p2p / all-to-all per step (CommStats ``waited_s`` of keys 'cp/...',
-'cp/p2p/cp_ring_kv' forward, 'cp/p2p/cp_ring_bwd' backward, 'cp/all_to_all/...'), wire bytes
-per step.  First-step losses of every layout must equal cp1's (1e-5 relative, fp32).
+Times: median step over rounds, steps and ranks (``cpu_s``: the rank's process CPU seconds
+per pass / step, gloo threads included: less sensitive to a shared machine); exposed cp
+communication = the seconds the rank waited on the cp group's p2p / all-to-all per step
+(CommStats ``waited_s`` of keys 'cp/...': 'cp/p2p/cp_ring_kv' forward, 'cp/p2p/cp_ring_bwd'
+backward, 'cp/all_to_all/...'), wire bytes per step.  First-step losses of every layout must
+equal cp1's (1e-5 relative, fp32).
 
 Rounds interleave the variants (order rotated); ratios are medians over rounds of per-round
 ratios.  Writes benchmarks/results/context_parallel.json (``--quick``: a temporary file).
@@ -176,25 +178,26 @@ def run_attention(name: str, s: int, cp: int, kv: int, steps: int, check: bool
     err = attention_errors(name, cp, kv) if check else None
     fn, local, counters = attention_op(name, cp)
     q, k, v, dout = (local(x).contiguous() for x in attention_inputs(s, kv, torch.float32))
-    fwd, bwd, exposed = [], [], []
+    fwd, bwd, exposed, cpu = [], [], [], []
     for i in range(steps + 1):
         leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
         if counters is not None:
             _reset_exposed(counters)
         if dist.is_initialized():
             dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn(*leaves)
         t1 = time.perf_counter()
         out.backward(dout)
         t2 = time.perf_counter()
         if i:  # the first pass warms up
+            cpu.append(time.process_time() - c0)
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
             exposed.append(_exposed(counters))
     return {"name": name, "seq": s, "cp": cp, "rank": dist.get_rank(), "error": err,
             "fwd_s": fwd, "bwd_s": bwd, "times": [a + b for a, b in zip(fwd, bwd, strict=True)],
-            "exposed_s": exposed}
+            "exposed_s": exposed, "cpu_s": cpu}
 
 
 def _reset_exposed(counters: Any) -> None:
@@ -261,16 +264,17 @@ def run_model(name: str, s: int, kv: int, warmup: int, steps: int, measure: bool
         out |= {"saved_bytes": meter.total, "peak_bytes": peak.peak, **memory_model(cfg, cp)}
         rest = rest[2:]
     groups.stats.reset()
-    times = []
+    times, cpu = [], []
     for b in rest:
         if dist.is_initialized():
             dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         trainer.train_step(b)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     snap = groups.stats.snapshot()
     cp_ops = {k: v for k, v in snap.items() if k.startswith("cp/")}
-    out |= {"times": times,
+    out |= {"times": times, "cpu_s": cpu,
             "cp_ops": {k: {"waited_s": v["waited_s"] / steps, "wire_bytes": v["wire_bytes"]
                            / steps, "calls": v["calls"] / steps} for k, v in cp_ops.items()},
             "exposed_s": sum(v["waited_s"] for v in cp_ops.values()) / steps,
@@ -315,6 +319,7 @@ def summarize_attention(runs: dict[tuple[int, str, int], list[dict[str, Any]]]
             "step_s": statistics.median(t for r in res for t in r["times"]),
             "fwd_s": statistics.median(t for r in res for t in r["fwd_s"]),
             "bwd_s": statistics.median(t for r in res for t in r["bwd_s"]),
+            "cpu_s": statistics.median(t for r in res for t in r["cpu_s"]),
             "exposed_s": statistics.median(t for r in res for t in r["exposed_s"]),
             "max_rel_error": max((r["error"] for r in res if r["error"] is not None),
                                  default=None),
@@ -342,6 +347,7 @@ def summarize_model(runs: dict[tuple[int, str], list[dict[str, Any]]]) -> list[d
             "seq": s, "variant": name, "cp": cp, "cp_attention": MODEL[name][1],
             "cp_overlap": MODEL[name][2], "loss": res[0]["losses"][0],
             "step_s": statistics.median(t for r in res for t in r["times"]),
+            "cpu_s": statistics.median(t for r in res for t in r["cpu_s"]),
             "exposed_s": statistics.median(r["exposed_s"] for r in res),
             "wire_bytes": statistics.median(r["wire_bytes"] for r in res),
             "round_step_s": rounds,
@@ -384,7 +390,8 @@ def _mib(row: dict[str, Any], key: str) -> str:
 
 def print_attention(rows: list[dict[str, Any]]) -> None:
     """Part 1's table."""
-    head = (f"{'seq':>6} {'variant':<26}{'cp':>3}{'fwd ms':>9}{'bwd ms':>9}{'exposed':>9}"
+    head = (f"{'seq':>6} {'variant':<26}{'cp':>3}{'fwd ms':>9}{'bwd ms':>9}{'cpu ms':>9}"
+            f"{'exposed':>9}"
             f"{'speedup':>8}{'pico/x':>7}{'picoF/x':>8}{'rel err':>9}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -393,12 +400,13 @@ def print_attention(rows: list[dict[str, Any]]) -> None:
                       (("vs_picotron_ring", 7), ("vs_picotron_ring_fused", 8)))
         err = f"{r['max_rel_error']:9.1e}" if r["max_rel_error"] is not None else f"{'-':>9}"
         print(f"{r['seq']:>6} {r['variant']:<26}{r['cp']:>3}{1e3 * r['fwd_s']:9.1f}"
-              f"{1e3 * r['bwd_s']:9.1f}{1e3 * r['exposed_s']:9.1f}{vs1}{vsp}{err}")
+              f"{1e3 * r['bwd_s']:9.1f}{1e3 * r['cpu_s']:9.1f}{1e3 * r['exposed_s']:9.1f}"
+              f"{vs1}{vsp}{err}")
 
 
 def print_model(rows: list[dict[str, Any]]) -> None:
     """Part 2's table."""
-    head = (f"{'seq':>6} {'variant':<21}{'step ms':>9}{'speedup':>8}{'exposed':>9}"
+    head = (f"{'seq':>6} {'variant':<21}{'step ms':>9}{'speedup':>8}{'cpu ms':>8}{'exposed':>9}"
             f"{'saved MiB':>10}{'/cp1':>6}{'model MiB':>10}{'peak MiB':>9}{'/cp1':>6}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
@@ -406,7 +414,7 @@ def print_model(rows: list[dict[str, Any]]) -> None:
         sv = f"{r['saved_vs_cp1']:6.2f}" if "saved_vs_cp1" in r else f"{'-':>6}"
         pk = f"{r['peak_vs_cp1']:6.2f}" if "peak_vs_cp1" in r else f"{'-':>6}"
         print(f"{r['seq']:>6} {r['variant']:<21}{1e3 * r['step_s']:9.1f}{sp}"
-              f"{1e3 * r['exposed_s']:9.1f} {_mib(r, 'saved_bytes')}{sv} "
+              f"{1e3 * r['cpu_s']:8.1f}{1e3 * r['exposed_s']:9.1f} {_mib(r, 'saved_bytes')}{sv} "
               f"{_mib(r, 'model_activation_bytes')}{_mib(r, 'peak_bytes')}{pk}")
 
 

@@ -152,7 +152,7 @@ def test_round_medians_and_ratios() -> None:
 
 def _model_run(name: str, rank: int, t: float, saved: int, loss: float) -> dict[str, Any]:
     return {"name": name, "seq": 64, "cp": 1, "rank": rank, "losses": [loss], "times": [t],
-            "exposed_s": 0.01 * rank, "wire_bytes": 100.0,
+            "cpu_s": [t], "exposed_s": 0.01 * rank, "wire_bytes": 100.0,
             "cp_ops": {"cp/p2p/cp_ring_kv": {"waited_s": 0.01 * rank}}, "saved_bytes": saved,
             "peak_bytes": 2 * saved, "model_activation_bytes": 1000.0}
 
