@@ -1,7 +1,7 @@
 """Checkpoints under context parallelism: cp is not part of the weights (float64).
 
-Every tensor is replicated over cp, so of the dp x cp replicas only index 0 writes it, and a
-ZeRO-1 optimizer sharded over dp x cp reshards like one sharded over dp. Saved after 2 steps
+Every tensor is replicated over cp, so of the dp x cp replicas only index 0 writes it, and
+ZeRO shards (stages 1-3) over dp x cp reshard like shards over dp. Saved after 2 steps
 under layout A and resumed under B for 2 more, the run must equal the one that stayed in A:
 losses and final parameters within 1e-10 (the cp reference is the uninterrupted run; the
 cp = 1 side of the parity is tests/context_parallel/test_parity*.py's).
@@ -25,12 +25,12 @@ TOL = 1e-10
 
 @dataclasses.dataclass(frozen=True)
 class CpLayout:
-    """A layout of this file's cases: cp x dp (tp, pp 1), attention kind, ZeRO-1 or not."""
+    """A layout of this file's cases: cp x dp (tp, pp 1), attention kind, ZeRO stage."""
 
     cp: int = 1
     dp: int = 1
     attention: str = "ring"
-    zero: bool = False
+    zero: int = 0
 
     @property
     def world(self) -> int:
@@ -39,7 +39,7 @@ class CpLayout:
 
     def __str__(self) -> str:
         kind = "" if self.cp == 1 else ("-a2a" if self.attention == "all_to_all" else "-ring")
-        return f"cp{self.cp}dp{self.dp}{kind}" + ("-zero" if self.zero else "")
+        return f"cp{self.cp}dp{self.dp}{kind}" + (f"-zero{self.zero}" if self.zero else "")
 
 
 def make_cp_trainer(layout: CpLayout) -> Any:
@@ -50,9 +50,9 @@ def make_cp_trainer(layout: CpLayout) -> Any:
     from tests.checkpoint.harness import Layout
     from tests.parity import rank_groups
 
-    base = make_config(Layout(dp=layout.dp, zero=layout.zero))
+    base = make_config(Layout(dp=layout.dp))
     cfg = dataclasses.replace(base, parallel=dataclasses.replace(
-        base.parallel, cp=layout.cp, cp_attention=layout.attention))
+        base.parallel, cp=layout.cp, cp_attention=layout.attention, zero_stage=layout.zero))
     groups = rank_groups(ParallelDims(cp=layout.cp, dp=layout.dp))
     return Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
 
@@ -61,7 +61,7 @@ def _gathered(trainer: Any) -> dict[str, torch.Tensor]:
     from colonnade.checkpoint.export import full_state
 
     trainer.ddp.finish_param_gather()
-    state = full_state(trainer.chunks, trainer.groups)
+    state = full_state(trainer.chunks, trainer.groups, trainer.ddp)  # ZeRO-3: one at a time
     return state if trainer.groups.dp_cp.rank == 0 else {}
 
 
@@ -94,8 +94,9 @@ def cp_load(layout: CpLayout, root: str, after: int) -> dict[str, Any]:
 CASES = [
     (CpLayout(cp=2), CpLayout()),
     (CpLayout(cp=2), CpLayout(cp=4)),
-    (CpLayout(cp=2, dp=2, zero=True), CpLayout(dp=2)),
-    (CpLayout(cp=2, attention="all_to_all"), CpLayout(cp=4, dp=1, zero=True)),
+    (CpLayout(cp=2, dp=2, zero=1), CpLayout(dp=2)),
+    (CpLayout(cp=2, attention="all_to_all"), CpLayout(cp=4, dp=1, zero=1)),
+    (CpLayout(cp=2, dp=2, zero=3), CpLayout(cp=2, attention="all_to_all", zero=2)),
 ]
 
 
@@ -114,7 +115,9 @@ def test_resume_across_a_cp_change(run_ranks: Callable[..., list[Any]], tmp_path
     assert meta["layout"]["cp_attention"] == a.attention
     for rank, res in enumerate(stayed):  # rank = cp index + cp * dp index
         model, optim = res["written"]
-        if a.zero:  # every dp x cp rank writes its own optimizer shard, index 0 the weights
+        if a.zero == 3:  # every dp x cp rank writes its shard of weights and optimizer
+            assert optim > 0 and model > 0, (rank, res["written"])
+        elif a.zero:  # every dp x cp rank writes its own optimizer shard, index 0 the weights
             assert optim > 0 and (model > 0) == (rank == 0), (rank, res["written"])
         else:  # the replicas (cp index > 0 included) write nothing
             assert (model > 0) == (optim > 0) == (rank == 0), (rank, res["written"])
