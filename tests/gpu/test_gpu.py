@@ -31,12 +31,15 @@ CUDA = torch.device("cuda")
 def check_bf16_step_tracks_fp32(device: torch.device) -> list[tuple[float, float]]:
     """Three optimizer steps of the tiny Llama in bf16 (fp32 grads) on ``device`` against the
     same model in fp32 on the CPU: every loss within 2% (the bf16 rounding of weights and
-    activations), and both decrease."""
+    activations), and each step moves the loss the same way in both (every step draws new
+    random batches, so the loss need not fall in 3 steps: on an H200 both went
+    4.613 -> 4.605 -> 4.637)."""
     bf16 = train_on_device(trainer_on(device, "bf16"), 3)
     fp32 = train_on_device(trainer_on(torch.device("cpu"), "fp32"), 3)
     for got, ref in zip(bf16, fp32, strict=True):
         assert abs(got - ref) <= 0.02 * abs(ref), (bf16, fp32)
-    assert bf16[-1] < bf16[0] and fp32[-1] < fp32[0]
+    for i in range(len(bf16) - 1):
+        assert (bf16[i + 1] - bf16[i]) * (fp32[i + 1] - fp32[i]) > 0, (bf16, fp32)
     return list(zip(bf16, fp32, strict=True))
 
 

@@ -51,7 +51,8 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Dro
     total, rep = k.shape[2], a // k.shape[1]
     kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = q @ kk.transpose(-1, -2) / math.sqrt(d)
-    allowed = torch.ones(s, total, dtype=torch.bool).tril(total - s) if mask is None else mask
+    allowed = (torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
+               if mask is None else mask)
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
     index = (slice(None), slice(spec.head_offset, spec.head_offset + a))
     keep = spec.rng.keep_mask(spec.site, (b, spec.heads_total, s, total), spec.p, index,
