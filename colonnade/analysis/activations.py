@@ -22,10 +22,11 @@ t tp, r = s/t with sp else s (rows of the residual stream a rank holds).  Per la
                    parallel.tp_comm_chunks = 1; the chunked path is not modelled here).
     attention, split over t (heads), by kernel (:class:`ActivationShape` ``attention``):
       'flash' (colonnade's fused SDPA, attention dropout off): q E s b h/t, k and v
-                   E s b h_kv/t each, the log-sum-exp A s b a/t and, with RoPE, the output
-                   E s b h/t; no s^2 scores (flash kernel).  The output follows q's memory
-                   order: without RoPE q is a view of the [s, b, h/t] projection, so the
-                   out-proj input below is a view of the output and they share one storage.
+                   E s b h_kv/t each and the log-sum-exp A s b a/t; no s^2 scores (flash
+                   kernel).  The output follows q's memory order, and q is [s, b, a/t, d]
+                   in memory (a view of the projection, or RoPE applied in that order), so
+                   the out-proj input below is a view of the output: one storage, counted
+                   once.
       'blockwise' (colonnade, attention dropout on, :mod:`colonnade.models.dropout_attention`):
                    q E s b h/t, k and v E s b h_kv/t each and the log-sum-exp A s b a/t; no
                    s^2 term (probabilities and keep-masks are recomputed in backward); its
@@ -53,15 +54,15 @@ the two all-gathered column inputs kept in full (+ 2 E (1 - 1/t) s b h): Megatro
 attention dropout ('blockwise') keeps no s^2 term: -5 a s^2 b + 4 a s b against 'eager'.
 The llama layer adds RMSNorm's up-cast input and normalised copy (2 (A + E) s b h instead of
 2 E s b h), SwiGLU's four s b f tensors (f ~ 8h/3: ~ 10.7 E sbh vs GELU's 8 E sbh at f = 4h),
-GQA's smaller k, v, and SDPA's flash kernel that keeps the output and log-sum-exp instead of
-s^2 scores.
+GQA's smaller k, v, and SDPA's flash kernel that keeps the log-sum-exp instead of s^2 scores.
 
 Context parallelism (cp ranks, ``ActivationShape.cp``): a rank holds s/cp rows of each sample
 (the zigzag split, chunks r and 2cp-1-r), so every term above is taken at s_l = s/cp in place of
 s: norms, column inputs, out-proj input, MLP and dropout masks are per-row, and so is core
 attention (q, k, v, output, log-sum-exp are [b, heads, s_l, d] / [b, heads, s_l]).  No term is
-s^2 (the flash rule holds: only the log-sum-exp is kept), so the whole layer is exactly 1/cp of
-the cp = 1 layer with the same kernel terms.  By cp attention kind:
+s^2 (the flash rule holds: only the log-sum-exp is kept), so the layer is 1/cp of the cp = 1
+layer plus two small terms: the cp attention's own output (E s_l b h/t: the out-proj input is
+a copy of it) and RoPE's gathered cos / sin (below).  By cp attention kind:
       'ring' (:mod:`colonnade.context_parallel.ring`): the autograd Function keeps q E s_l b h/t,
                    its local k, v 2 E s_l b h_kv/t, its own output E s_l b h/t (a fresh
                    [b, a/t, s_l, d] tensor; the out-proj input is a copy) and the merged
@@ -71,6 +72,11 @@ the cp = 1 layer with the same kernel terms.  By cp attention kind:
                    replicated kv head when cp is a multiple of g/t): q E s b h/(t cp) (= the
                    ring's), k and v 2 E s b d k_r, output E s b h/(t cp), log-sum-exp
                    A s b a/(t cp).  With k_r = g/(t cp) this equals the ring's bytes.
+    RoPE under cp rotates by the rank's global positions: each layer keeps the cos and sin
+    rows gathered at them, E s_l b d (at cp = 1 they are views of the model's tables).
+    Selective recompute checkpoints the all_to_all core (its inputs q, k, v at s_l are kept)
+    but not the ring (colonnade.models.recompute: the ring Function already keeps only
+    q, k, v, output and log-sum-exp), so ring + selective keeps the ring's terms.
     Transient buffers of one layer's attention under cp (:func:`cp_buffer_bytes`, counted once
     per rank, not per layer: one layer's attention runs at a time):
       ring         a kv block (k, v packed) has n_kv = 2 s_l b h_kv/t elements; the forward
@@ -219,11 +225,9 @@ def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
         return "core_eager", q + kv + kept
     if x.kernel == "blockwise":
         return "core_blockwise", q + kv + lse
-    # SDPA's output takes q's memory order: with RoPE q is a fresh [b, a/t, s, d] tensor, so the
-    # [s, b, a/t d] out-proj input is a copy and the output is kept too; without RoPE q is a view
-    # of the projection and the out-proj input a view of the output: one storage.
-    out = e * float(s) * b * x.hidden / t if x.facts.rope else 0.0
-    return "core_flash", q + kv + out + lse
+    # SDPA's output takes q's memory order, [s, b, a/t, d] (RoPE is applied in that order):
+    # the out-proj input is a view of the output, one storage (counted as out_proj_input)
+    return "core_flash", q + kv + lse
 
 
 def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]:
@@ -239,11 +243,13 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     terms = {"norms": _norm_bytes(x, rows),
              "column_inputs": 2.0 * e * sbh}  # attention's and the MLP's, [s, b, h] with sp
     q, kv = e * sbh / t, 2.0 * e * s * b * h_kv / t
-    if recompute == "selective":
+    if recompute == "selective" and not (x.cp > 1 and x.cp_attention == "ring"):
         terms["core_inputs"] = q + kv
-    else:
+    else:  # the ring is not checkpointed by selective recompute: it keeps only q k v out lse
         name, value = _core_bytes(x, q, kv)
         terms[name] = value
+    if x.cp > 1 and x.facts.rope:  # cos, sin gathered at the rank's positions [s_l, b, 1, d/2]
+        terms["rope_tables"] = e * float(s) * b * (h // x.heads)
     terms["out_proj_input"] = e * sbh / t
     terms["mlp"] = 2.0 * (x.facts.mlp_matrices - 1) * e * s * b * x.ffn / t
     if x.hidden_dropout:

@@ -52,7 +52,8 @@ schedule p (1 + (p-1)/(p v)) stage-equivalents (capped at m).
 The last stage also keeps the output logits and fp32 softmax, (E + 4) sbV/t.
 Buffers: pipeline send/receive 2 E sbh, the sp all-gather output E sbh.
 Context parallelism (cp): the rank holds s/cp rows of every sample, so every activation and
-buffer term above is taken at s/cp (activations x 1/cp exactly, no s^2 term; see
+buffer term above is taken at s/cp (activations ~ x 1/cp: no s^2 term, plus the cp
+attention's own output and RoPE's gathered cos / sin per layer; see
 :mod:`colonnade.analysis.activations`), plus ``cp_buffers``, the peak transient of one layer's
 cp attention (ring: 4 kv blocks in flight; all_to_all: dq, dk, dv, dout at full s, heads/cp:
 :func:`~colonnade.analysis.activations.cp_buffer_bytes`).  ZeRO shards over dp x cp.

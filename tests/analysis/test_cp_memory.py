@@ -27,28 +27,38 @@ def _w(seq: int = 16384, **kw: object) -> Workload:
     return Workload(model=LLAMA, seq_len=seq, global_batch=8, **kw)  # type: ignore[arg-type]
 
 
-def test_layer_activations_at_cp2_are_half_of_cp1_for_every_recompute_mode() -> None:
+def test_layer_activations_at_cp_are_1_over_cp_plus_the_cp_attention_output() -> None:
+    """A cp rank's layer = the cp 1 layer / cp + the cp attention's own output E s_l b h (its
+    out-proj input is a copy) + RoPE's gathered cos / sin E s_l b d; full recompute keeps the
+    layer input only (exactly 1/cp); selective checkpoints all_to_all's core, not the ring."""
     base = dict(seq=8192, batch=2, hidden=1024, heads=16, kv_heads=4, ffn=2816, elem=2)
-    for rc in ("none", "selective", "full"):
-        one = layer_bytes(ActivationShape(**base), rc)  # type: ignore[arg-type]
-        for cp in (2, 4, 8):
-            ring = layer_bytes(ActivationShape(**base, cp=cp), rc)  # type: ignore[arg-type]
-            assert ring == pytest.approx(one / cp, rel=1e-15)
-            a2a = ActivationShape(**base, cp=cp, cp_attention="all_to_all")  # type: ignore[arg-type]
-            if cp <= 4:  # kv heads 4 % cp == 0: all_to_all keeps the ring's bytes
-                assert layer_bytes(a2a, rc) == pytest.approx(one / cp, rel=1e-15)
+    d = 1024 // 16
+    one = {rc: layer_bytes(ActivationShape(**base), rc)  # type: ignore[arg-type]
+           for rc in ("none", "selective", "full")}
+    for cp in (2, 4, 8):
+        s_l = 8192 // cp
+        extra = 2 * s_l * 2 * (1024 + d)
+        ring = ActivationShape(**base, cp=cp)  # type: ignore[arg-type]
+        a2a = dataclasses.replace(ring, cp_attention="all_to_all")
+        assert layer_bytes(ring) == pytest.approx(one["none"] / cp + extra, rel=1e-15)
+        assert layer_bytes(ring, "full") == pytest.approx(one["full"] / cp, rel=1e-15)
+        assert layer_bytes(ring, "selective") == layer_bytes(ring)
+        assert layer_bytes(a2a, "full") == pytest.approx(one["full"] / cp, rel=1e-15)
+        rope = 2 * s_l * 2 * d
+        assert layer_bytes(a2a, "selective") == pytest.approx(one["selective"] / cp + rope,
+                                                              rel=1e-15)
+        if cp <= 4:  # kv heads 4 % cp == 0: all_to_all keeps the ring's bytes
+            assert layer_bytes(a2a) == pytest.approx(layer_bytes(ring), rel=1e-15)
     # cp 8 > 4 kv heads: every rank attends with one replicated kv head over the full s:
     # k, v 2 E s b d x 1 instead of the ring's 2 E (s/8) b d x 4 (twice as much)
     ring8 = ActivationShape(**base, cp=8)  # type: ignore[arg-type]
     a2a8 = dataclasses.replace(ring8, cp_attention="all_to_all")
-    d = 1024 // 16
     assert layer_bytes(a2a8) - layer_bytes(ring8) == pytest.approx(2 * 2 * 8192 * 2 * d * 1
                                                                    - 2 * 2 * 1024 * 2 * d * 4)
 
 
-def test_ring_keeps_its_output_where_cp1_flash_shares_it() -> None:
-    """Without RoPE (gpt2) SDPA's output is the out-proj input's storage at cp 1; the ring's
-    Function returns a fresh [b, a, s_l, d] output it keeps: + E s_l b h."""
+def test_without_rope_only_the_output_is_added() -> None:
+    """gpt2 (learned positions): + E s_l b h, the ring's fresh [b, a, s_l, d] output."""
     gpt2 = ArchFacts(mlp_matrices=2, norm_has_bias=True, positions="learned")
     x = ActivationShape(seq=4096, batch=1, hidden=768, heads=12, kv_heads=12, ffn=3072,
                         elem=2, facts=gpt2)
@@ -56,15 +66,18 @@ def test_ring_keeps_its_output_where_cp1_flash_shares_it() -> None:
     assert layer_bytes(cp2) == pytest.approx(layer_bytes(x) / 2 + 2 * 2048 * 768, rel=1e-15)
 
 
-def test_memory_per_rank_activations_halve_with_cp2_and_cp_buffers_are_added() -> None:
+def test_memory_per_rank_activations_about_halve_with_cp2_and_cp_buffers_are_added() -> None:
     w = _w()
     for lay in (Layout(), Layout(tp=2, sp=True), Layout(pp=2, micro_batch=2),
                 Layout(recompute="full"), Layout(recompute="selective")):
         one = memory_per_device(w, lay)
         two = memory_per_device(w, dataclasses.replace(lay, cp=2))
-        assert two.activations == pytest.approx(one.activations / 2, rel=1e-12), lay
+        assert 0.5 <= two.activations / one.activations < 0.53, lay
         assert two.buffers == pytest.approx(one.buffers / 2, rel=1e-12), lay
         assert one.cp_buffers == 0 and two.cp_buffers > 0
+    # without pp: 8 layers x (output + cos/sin) of s_l = 8192 rows on top of half
+    one, two = memory_per_device(w, Layout()), memory_per_device(w, Layout(cp=2))
+    assert two.activations == one.activations / 2 + 8 * 2 * 8192 * (1024 + 64)
     # the ring's backward peak, by hand: 2 kv blocks (bf16) + 2 dK/dV accumulators + the
     # block's contribution (fp32) + the fp32 dq accumulator; s_l = 8192, b = 1, h_kv = 256
     n_kv = 2 * 8192 * 256

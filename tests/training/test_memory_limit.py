@@ -35,7 +35,7 @@ def test_a_run_over_the_limit_is_refused_before_anything_is_written(
     monkeypatch.chdir(tmp_path)
     args = _args(tmp_path)
     one, two = _gib(args, 1), _gib(args, 2, "--parallel.cp=2")
-    assert two < 0.6 * one  # activations dominate this tiny model at s = 1024: ~1/2
+    assert two < 0.65 * one  # activations dominate this tiny model at s = 1024: ~1/2
     limit = round((one + two) / 2, 6)
     before = hashes(tmp_path)
     assert main(["train", *args, f"--training.memory_limit_gb={limit}"]) == 2

@@ -1,0 +1,64 @@
+"""The activation model under context parallelism against measurement (issue 16).
+
+Each cp rank runs the model's forward on the full micro-batch (it takes its zigzag rows itself)
+inside :class:`~colonnade.analysis.measure.SavedTensorMeter` (autograd's saved-tensor hooks,
+each storage once), then the backward; the bytes every layer keeps for backward must match
+:func:`colonnade.analysis.activations.layer_bytes` at cp (ring and all_to_all, with and without
+recompute), and the cp2 rank's layer keeps half of the cp1 layer's plus what the model names
+(the cp attention's own output and RoPE's gathered cos / sin; selective recompute does not
+checkpoint the ring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from colonnade.analysis.activations import ActivationShape, layer_bytes
+from colonnade.analysis.measure import SavedTensorMeter, relative_error
+from colonnade.models.build import build_chunks
+from colonnade.models.recompute import RecomputePlan, install
+from colonnade.parallel.dims import ParallelDims
+from tests.context_parallel.harness import cp_config
+from tests.parity import rank_groups
+
+SEQ = 64
+TOL = 0.01
+
+
+def measure(cp: int, kind: str, mode: str) -> dict[str, Any]:
+    """Rank body: measured and predicted bytes one layer keeps on this cp rank."""
+    config = cp_config(cp=cp, cp_attention=kind, seq=SEQ)
+    groups = rank_groups(ParallelDims(cp=cp))
+    (chunk,) = build_chunks(config, groups, dtype=torch.float64)
+    install([chunk], RecomputePlan(mode))
+    chunk.train()
+    gen = torch.Generator().manual_seed(3)
+    b, vocab = config.training.micro_batch_size, config.model.vocab_size
+    tokens = torch.randint(0, vocab, (b, SEQ), generator=gen)
+    labels = torch.randint(0, vocab, (b, SEQ), generator=gen)
+    with SavedTensorMeter([chunk]) as meter:
+        loss = chunk(tokens, labels, reduction="sum")
+    loss.backward()  # the saved tensors are the ones backward uses
+    per_layer = meter.per_layer()
+    shape = ActivationShape.from_model(config.model, SEQ, b, dtype=torch.float64)
+    shape = dataclasses.replace(shape, cp=cp, cp_attention=kind)
+    return {"measured": sum(per_layer.values()) / len(per_layer),
+            "predicted": layer_bytes(shape, mode), "layers": len(per_layer)}
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_cp2_layers_keep_what_the_model_says_and_half_of_cp1(
+        run_ranks: Callable[..., list[Any]], mode: str) -> None:
+    one = measure(1, "ring", mode)
+    assert relative_error(one["measured"], one["predicted"]) <= TOL, one
+    for kind in ("ring", "all_to_all"):
+        for got in run_ranks(2, measure, 2, kind, mode):
+            assert got["layers"] == one["layers"] == 2
+            assert relative_error(got["measured"], got["predicted"]) <= TOL, (kind, got)
+            extra = got["predicted"] - one["predicted"] / 2  # output, RoPE rows (the model)
+            assert got["measured"] == pytest.approx(one["measured"] / 2 + extra, rel=TOL)
