@@ -1,8 +1,11 @@
 """Context parallelism (issue 16) on CPU: attention alone against a peer, then training steps.
 
     .venv/bin/python benchmarks/context_parallel.py [--seqs 4096,8192,16384] [--cps 2,4]
-        [--parts attention,model] [--variants ...] [--rounds 3] [--steps 2] [--warmup 1]
-        [--kv-heads 4] [--peer-max-seq 8192] [--quick] [--json PATH]
+        [--parts attention,model] [--variants ...] [--rounds 3] [--steps 1] [--warmup 1]
+        [--kv-heads 4] [--peer-max-seq 4096] [--quick] [--json PATH]
+
+The defaults take ~6 minutes on a quiet 2-core machine (estimated from a one-round run at
+8k on a loaded one: ~75 s attention, ~40 s model; cost grows ~ s^2 for attention).
 
 Shapes: issue 16's tiny model, hidden 64, 2 layers, 4 heads (head dim d = 16), 4 kv heads
 (``--kv-heads``), vocab 512, batch 1, fp32, at sequence s in 4k-16k; cp ranks are gloo CPU
@@ -16,8 +19,9 @@ Part 1, attention (forward + backward of causal attention, q/k/v [1, a, s/cp, d]
   colonnade_ring_no_overlap  the same with overlap=False (every p2p waited before compute)
   colonnade_all_to_all     context_parallel.all_to_all_attention around full-sequence SDPA
   picotron_ring            the peer: picotron's ring attention re-implemented here (below),
-                           eager block maths; only up to ``--peer-max-seq`` (8192: at 16k its
-                           [s/2, s/2] fp32 scores per head take ~1 GiB each, ~1 min per pass)
+                           eager block maths; only up to ``--peer-max-seq`` (4096: it costs
+                           ~10 s per pass at 8k, and at 16k its [s/2, s/2] fp32 scores per
+                           head take 1 GiB each)
   picotron_ring_fused      the same ring with PyTorch's fused CPU flash kernel for the blocks
                            (colonnade's kernel): isolates the algorithm (split, overlap)
 
@@ -465,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="attention,model")
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated subset of {ATTENTION} and {tuple(MODEL)}")
-    parser.add_argument("--peer-max-seq", type=int, default=8192,
+    parser.add_argument("--peer-max-seq", type=int, default=4096,
                         help="longest sequence for the eager picotron_ring")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2, help="timed passes / steps per run")
+    parser.add_argument("--steps", type=int, default=1, help="timed passes / steps per run "
+                        "(after one warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="model steps before measuring")
     parser.add_argument("--quick", action="store_true",
                         help="s = 256, 1 round, 1 step, cp 2 unless --cps (a smoke run)")
