@@ -219,13 +219,16 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     allowed = full_mask(q.shape[2], k.shape[2], causal, mask, q.device)
     if kind == CUDA_EFFICIENT:
         return _efficient_forward(q, ke, ve, allowed, scale)
-    bias = None if allowed is None else _additive(allowed, q.dtype)
+    if mask is None:  # the kernel's own (top-left) causality: no [n, m] bias, ~4x faster
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, ke, ve, 0.0, causal, scale=scale)
+        return out, lse
+    assert allowed is not None
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, ke, ve, 0.0, False, attn_mask=bias, scale=scale)
+        q, ke, ve, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
     dead = _dead_rows(allowed)
-    if dead is not None:  # the CPU kernel reports lse 0 for a row with no key
-        lse = lse.masked_fill(dead, float("-inf"))
-    return out, lse
+    assert dead is not None  # the CPU kernel reports lse 0 for a row with no key
+    return out, lse.masked_fill(dead, float("-inf"))
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -250,11 +253,14 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     elif kind == CUDA_EFFICIENT:
         allowed = full_mask(q.shape[2], k.shape[2], causal, mask, q.device)
         dq, dk, dv = _efficient_backward(dout, q, ke, ve, out, lse, allowed, scale)
+    elif mask is None:  # the kernel's own causality, as in block_forward
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
     else:
         allowed = full_mask(q.shape[2], k.shape[2], causal, mask, q.device)
-        bias = None if allowed is None else _additive(allowed, q.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, ke, ve, out, lse, 0.0, False, attn_mask=bias, scale=scale)
+            dout, q, ke, ve, out, lse, 0.0, False, attn_mask=_additive(allowed, q.dtype),
+            scale=scale)
     return dq, reduce_kv(dk, kv), reduce_kv(dv, kv)
 
 
