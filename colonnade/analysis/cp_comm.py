@@ -18,8 +18,10 @@ all_to_all (:mod:`colonnade.context_parallel.all_to_all_attention`): the forward
     backward the same 4 for their gradients.  Each moves (c - 1)/c of the rank's tensor:
     q and out b s_l h/t E, k and v b s_l d g_x E with g_x = c k_r (= g_l, or c when kv heads
     are replicated because c is a multiple of g_l).  Not overlapped: all exposed.
-Recompute: full recompute repeats the forward's traffic in backward; selective too (the core
-attention, cp communication included, is what it recomputes).
+Recompute: full recompute repeats the forward's traffic in backward.  Selective recompute
+checkpoints all_to_all's core and re-runs its q, k, v all-to-alls (not the output's: the
+checkpoint stops once the tensors backward needs are recomputed); it leaves the ring alone
+(the ring Function keeps only q, k, v, output and log-sum-exp), so no ring traffic repeats.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _cross_node(layout: Layout, c: Cluster) -> bool:
 
 
 def _recomputes(layout: Layout) -> bool:
-    return layout.recompute in ("full", "selective")
+    """Whether backward re-runs the ring's forward traffic: under full recompute only."""
+    return layout.recompute == "full"
 
 
 def ring_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
@@ -90,13 +93,17 @@ def all_to_all_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
     d = m.hidden // m.heads
     kv_local = m.kv_hidden // d // t
     kv_x = kv_local if kv_local % cp == 0 else cp  # cp k_r kv heads' rows pass through
-    tensors = [tokens * m.hidden / t * w.elem] * 2 + [tokens * d * kv_x * w.elem] * 2
+    qkv = [tokens * m.hidden / t * w.elem] + [tokens * d * kv_x * w.elem] * 2
+    tensors = [*qkv, tokens * m.hidden / t * w.elem]  # q, k, v, out
+    redo = {"full": tensors, "selective": qkv}.get(layout.recompute, [])
     per_node = min(cp, max(1, c.gpus_per_node // t))
-    one_pass = sum(c.gather_s(x, cp, per_node) for x in tensors)
-    sent = (cp - 1) / cp * sum(tensors)
-    rep = 1 if _recomputes(layout) else 0
-    return CpComm(fwd_bytes=sent, bwd_bytes=(1 + rep) * sent, full_s=(2 + rep) * one_pass,
-                  exposed_s=(2 + rep) * one_pass)
+
+    def moved(xs: list[float]) -> tuple[float, float]:  # (bytes sent, seconds)
+        return (cp - 1) / cp * sum(xs), sum(c.gather_s(x, cp, per_node) for x in xs)
+
+    (sent, secs), (again, again_s) = moved(tensors), moved(redo)
+    return CpComm(fwd_bytes=sent, bwd_bytes=sent + again, full_s=2 * secs + again_s,
+                  exposed_s=2 * secs + again_s)
 
 
 def cp_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:

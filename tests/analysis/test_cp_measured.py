@@ -4,9 +4,10 @@ Each cp rank runs the model's forward on the full micro-batch (it takes its zigz
 inside :class:`~colonnade.analysis.measure.SavedTensorMeter` (autograd's saved-tensor hooks,
 each storage once), then the backward; the bytes every layer keeps for backward must match
 :func:`colonnade.analysis.activations.layer_bytes` at cp (ring and all_to_all, with and without
-recompute), and the cp2 rank's layer keeps half of the cp1 layer's plus what the model names
-(the cp attention's own output and RoPE's gathered cos / sin; selective recompute does not
-checkpoint the ring).
+recompute), the bytes the cp group moved (CommGroup's wire bytes) must be
+:mod:`colonnade.analysis.cp_comm`'s exactly, and the cp2 rank's layer keeps half of the cp1
+layer's plus what the model names (the cp attention's own output and RoPE's gathered cos /
+sin; selective recompute does not checkpoint the ring).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import pytest
 import torch
 
 from colonnade.analysis.activations import ActivationShape, layer_bytes
+from colonnade.analysis.cp_comm import cp_comm
+from colonnade.analysis.hardware import get_cluster
+from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.measure import SavedTensorMeter, relative_error
 from colonnade.models.build import build_chunks
 from colonnade.models.recompute import RecomputePlan, install
@@ -41,14 +45,20 @@ def measure(cp: int, kind: str, mode: str) -> dict[str, Any]:
     b, vocab = config.training.micro_batch_size, config.model.vocab_size
     tokens = torch.randint(0, vocab, (b, SEQ), generator=gen)
     labels = torch.randint(0, vocab, (b, SEQ), generator=gen)
+    groups.stats.reset()
     with SavedTensorMeter([chunk]) as meter:
         loss = chunk(tokens, labels, reduction="sum")
     loss.backward()  # the saved tensors are the ones backward uses
     per_layer = meter.per_layer()
     shape = ActivationShape.from_model(config.model, SEQ, b, dtype=torch.float64)
     shape = dataclasses.replace(shape, cp=cp, cp_attention=kind)
+    sent = sum(op["wire_bytes"] for key, op in groups.stats.snapshot().items()
+               if key.startswith("cp/"))
+    lay = Layout(cp=cp, cp_attention=kind, micro_batch=b, recompute=mode)
+    one = cp_comm(Workload.from_config(config), lay, get_cluster("cpu-local"))
     return {"measured": sum(per_layer.values()) / len(per_layer),
-            "predicted": layer_bytes(shape, mode), "layers": len(per_layer)}
+            "predicted": layer_bytes(shape, mode), "layers": len(per_layer),
+            "sent": sent, "sent_model": len(per_layer) * (one.fwd_bytes + one.bwd_bytes)}
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -60,5 +70,6 @@ def test_cp2_layers_keep_what_the_model_says_and_half_of_cp1(
         for got in run_ranks(2, measure, 2, kind, mode):
             assert got["layers"] == one["layers"] == 2
             assert relative_error(got["measured"], got["predicted"]) <= TOL, (kind, got)
+            assert got["sent"] == got["sent_model"] > 0, (kind, got)  # cp_comm's bytes
             extra = got["predicted"] - one["predicted"] / 2  # output, RoPE rows (the model)
             assert got["measured"] == pytest.approx(one["measured"] / 2 + extra, rel=TOL)
