@@ -34,9 +34,10 @@ SEQ = 64
 TOL = 0.01
 
 
-def measure(cp: int, kind: str, mode: str) -> dict[str, Any]:
-    """Rank body: measured and predicted bytes one layer keeps on this cp rank."""
-    config = cp_config(cp=cp, cp_attention=kind, seq=SEQ)
+def measure(cp: int, kind: str, mode: str, kv_heads: int | None = None) -> dict[str, Any]:
+    """Rank body: measured and predicted bytes one layer keeps on this cp rank, and the bytes
+    its cp group moved against :func:`~colonnade.analysis.cp_comm.cp_comm`."""
+    config = cp_config(cp=cp, cp_attention=kind, seq=SEQ, kv_heads=kv_heads)
     groups = rank_groups(ParallelDims(cp=cp))
     (chunk,) = build_chunks(config, groups, dtype=torch.float64)
     install([chunk], RecomputePlan(mode))
@@ -73,3 +74,12 @@ def test_cp2_layers_keep_what_the_model_says_and_half_of_cp1(
             assert got["sent"] == got["sent_model"] > 0, (kind, got)  # cp_comm's bytes
             extra = got["predicted"] - one["predicted"] / 2  # output, RoPE rows (the model)
             assert got["measured"] == pytest.approx(one["measured"] / 2 + extra, rel=TOL)
+
+
+def test_gqa_kv_heads_replicated_by_all_to_all(run_ranks: Callable[..., list[Any]]) -> None:
+    """One kv head, cp 2: all_to_all hands each rank the (replicated) kv head over the full
+    s; the ring sends its single-head kv blocks.  Saved bytes and moved bytes as modelled."""
+    for kind in ("ring", "all_to_all"):
+        for got in run_ranks(2, measure, 2, kind, "none", 1):
+            assert relative_error(got["measured"], got["predicted"]) <= TOL, (kind, got)
+            assert got["sent"] == got["sent_model"] > 0, (kind, got)
