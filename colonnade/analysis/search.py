@@ -248,7 +248,9 @@ def _fit_error(w: Workload, gpus: int, c: Cluster, cons: Constraints,
         + (f"ZeRO buffers {mem['grad_buckets'] + mem['gathered']:.1f}, "
            if smallest.layout.zero >= 2 else "")
         + f"activations {mem['activations']:.1f} GiB) > {c.memory_bytes / GIB:.1f} GiB usable. "
-        f"Use {hint}, or relax the fixed degrees.")
+        f"Use {hint}, or relax the fixed degrees"
+        + (" or search context parallelism (--cp 1,2,4,8: activations per rank / cp)"
+           if max(cons.cp) == 1 and mem["activations"] > 0.5 * mem["total"] else "") + ".")
 
 
 def plan(w: Workload, cluster: Cluster, gpus: int, cons: Constraints | None = None) -> Plan:

@@ -65,7 +65,8 @@ def test_plan_cli_searches_cp(capsys: pytest.CaptureFixture[str]) -> None:
             "--max-seq-len", "32768", "--global-batch", "8", "--tp", "1", "--pp", "1",
             "--recompute", "none,selective", "--zero", "3", "--top", "3"]
     assert plan_main(argv) == 2  # cp 1 only (the default): nothing fits
-    assert "fits on no layout" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "fits on no layout" in err and "or search context parallelism (--cp 1,2,4,8" in err
     assert plan_main([*argv, "--cp", "1,2,4,8", "--cp-attention", "ring,all_to_all"]) == 0
     out = capsys.readouterr().out
     assert "best: --parallel.tp=1 --parallel.cp=" in out and "--parallel.cp=1 " not in out
