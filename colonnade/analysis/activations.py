@@ -70,8 +70,10 @@ a copy of it) and RoPE's gathered cos / sin (below).  By cp attention kind:
       'all_to_all' (:mod:`colonnade.context_parallel.all_to_all_attention`): the kernel runs on
                    the full s with a/(t cp) query heads and k_r = g/(t cp) kv heads (or 1
                    replicated kv head when cp is a multiple of g/t): q E s b h/(t cp) (= the
-                   ring's), k and v 2 E s b d k_r, output E s b h/(t cp), log-sum-exp
-                   A s b a/(t cp).  With k_r = g/(t cp) this equals the ring's bytes.
+                   ring's), k and v 2 E s b d k_r, output E s b h/(t cp) (not with
+                   attention dropout: the blockwise kernel runs and keeps no output),
+                   log-sum-exp A s b a/(t cp).  With k_r = g/(t cp) this equals the ring's
+                   bytes.
     RoPE under cp rotates by the rank's global positions: each layer keeps the cos and sin
     rows gathered at them, E s_l b d (at cp = 1 they are views of the model's tables).
     Selective recompute checkpoints the all_to_all core (its inputs q, k, v at s_l are kept)
@@ -217,7 +219,8 @@ def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
         out = e * float(s) * b * x.hidden / t  # [b, a/t, s_l, d]: a fresh tensor, kept
         if x.cp_attention == "all_to_all":  # full s, a/(t cp) heads: q, out, lse as the ring's
             kv = 2.0 * e * x.seq * b * (x.hidden // x.heads) * x.a2a_kv_heads
-            return "core_all_to_all", q + kv + out + lse
+            kept = out if x.kernel == "flash" else 0.0  # blockwise writes [s, b, ...]: a copy
+            return "core_all_to_all", q + kv + kept + lse
         return "core_ring", q + kv + out + lse
     if x.kernel == "eager":
         scores = float(a) * s * s * b / t  # [b, a/t, s, s]

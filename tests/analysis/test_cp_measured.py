@@ -34,10 +34,12 @@ SEQ = 64
 TOL = 0.01
 
 
-def measure(cp: int, kind: str, mode: str, kv_heads: int | None = None) -> dict[str, Any]:
+def measure(cp: int, kind: str, mode: str, kv_heads: int | None = None,
+            attention_dropout: float = 0.0) -> dict[str, Any]:
     """Rank body: measured and predicted bytes one layer keeps on this cp rank, and the bytes
     its cp group moved against :func:`~colonnade.analysis.cp_comm.cp_comm`."""
-    config = cp_config(cp=cp, cp_attention=kind, seq=SEQ, kv_heads=kv_heads)
+    config = cp_config(cp=cp, cp_attention=kind, seq=SEQ, kv_heads=kv_heads,
+                       attention_dropout=attention_dropout)
     groups = rank_groups(ParallelDims(cp=cp))
     (chunk,) = build_chunks(config, groups, dtype=torch.float64)
     install([chunk], RecomputePlan(mode))
@@ -83,3 +85,10 @@ def test_gqa_kv_heads_replicated_by_all_to_all(run_ranks: Callable[..., list[Any
         for got in run_ranks(2, measure, 2, kind, "none", 1):
             assert relative_error(got["measured"], got["predicted"]) <= TOL, (kind, got)
             assert got["sent"] == got["sent_model"] > 0, (kind, got)
+
+
+def test_all_to_all_with_attention_dropout(run_ranks: Callable[..., list[Any]]) -> None:
+    """Attention dropout under cp runs all_to_all with the blockwise kernel on its heads:
+    q, k, v, log-sum-exp kept at full s, no output (it is written in [s, b, ...] order)."""
+    for got in run_ranks(2, measure, 2, "all_to_all", "none", None, 0.1):
+        assert relative_error(got["measured"], got["predicted"]) <= TOL, got
