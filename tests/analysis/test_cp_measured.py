@@ -35,11 +35,11 @@ TOL = 0.01
 
 
 def measure(cp: int, kind: str, mode: str, kv_heads: int | None = None,
-            attention_dropout: float = 0.0) -> dict[str, Any]:
+            attention_dropout: float = 0.0, dropout: float = 0.0) -> dict[str, Any]:
     """Rank body: measured and predicted bytes one layer keeps on this cp rank, and the bytes
     its cp group moved against :func:`~colonnade.analysis.cp_comm.cp_comm`."""
     config = cp_config(cp=cp, cp_attention=kind, seq=SEQ, kv_heads=kv_heads,
-                       attention_dropout=attention_dropout)
+                       attention_dropout=attention_dropout, dropout=dropout)
     groups = rank_groups(ParallelDims(cp=cp))
     (chunk,) = build_chunks(config, groups, dtype=torch.float64)
     install([chunk], RecomputePlan(mode))
@@ -91,4 +91,12 @@ def test_all_to_all_with_attention_dropout(run_ranks: Callable[..., list[Any]]) 
     """Attention dropout under cp runs all_to_all with the blockwise kernel on its heads:
     q, k, v, log-sum-exp kept at full s, no output (it is written in [s, b, ...] order)."""
     for got in run_ranks(2, measure, 2, "all_to_all", "none", None, 0.1):
+        assert relative_error(got["measured"], got["predicted"]) <= TOL, got
+
+
+def test_hidden_dropout_masks_are_the_ranks_rows(run_ranks: Callable[..., list[Any]]) -> None:
+    """Hidden dropout under cp keeps the two bool masks of the rank's s/cp rows only."""
+    one = measure(1, "ring", "none", None, 0.0, 0.1)
+    assert relative_error(one["measured"], one["predicted"]) <= TOL, one
+    for got in run_ranks(2, measure, 2, "ring", "none", None, 0.0, 0.1):
         assert relative_error(got["measured"], got["predicted"]) <= TOL, got
