@@ -77,6 +77,8 @@ def memory_lines(config: Config, world: int) -> list[str]:
         kinds.append("grad_buckets")
     if layout.zero == 3:
         kinds.append("gathered")
+    if layout.cp > 1:
+        kinds.append("cp_buffers")
     for kind in (*kinds, "activations", "buffers", "total"):
         lines.append(f"  {kind:<12} {gib[kind]:10.3f} GiB")
     return lines

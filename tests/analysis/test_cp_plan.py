@@ -90,6 +90,7 @@ def test_dry_run_prints_the_cp_line(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ratio = float(line.split("ratio ")[1].split(")")[0])
     assert 0.5 <= ratio < 0.6 and "ring p2p" in line and "MB/step per rank" in line
     assert "exposed ~" in line and "ms on" in line
+    assert "  cp_buffers " in out  # the ring's transient buffers, a row of the memory table
     cfg = resolve(load_config(None, [*args, "--parallel.cp=2"]), 2)
     lay = Layout.from_config(cfg, 2)
     assert (lay.cp, lay.dp, Workload.from_config(cfg).seq_len) == (2, 1, 256)
