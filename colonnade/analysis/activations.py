@@ -85,7 +85,12 @@ a copy of it) and RoPE's gathered cos / sin (below).  By cp attention kind:
                    holds 2 in flight (E each: the one attended, the one arriving); the
                    backward also 2 dK/dV accumulators in the log-sum-exp dtype A (the
                    travelling one and the one arriving), this step's block contribution (A)
-                   and the dq accumulator A s_l b h/t: peak 2 E n_kv + 3 A n_kv + A s_l b h/t.
+                   and the dq accumulator A s_l b h/t, and the block kernel's temporaries
+                   on one chunk pair (n = s_l/2 rows, a/t heads): its dq, dk, dv and, with
+                   GQA (g < a), k and v expanded to the query heads, (3 + 2) E b (a/t) n d:
+                   peak 2 E n_kv + 3 A n_kv + A s_l b h/t + (3 + 2 [g < a]) E b h/t s_l/2
+                   (measured to ~1% in fp32, ~6% under in bf16: tests/analysis/
+                   test_cp_measured.py).
       all_to_all   backward holds the gradients of the kernel's q, k, v and output at full s
                    with heads/cp (dq, dk, dv, dout): E s b (2 h/(t cp) + 2 d k_r).
 
@@ -262,8 +267,9 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
 
 def cp_buffer_bytes(x: ActivationShape) -> float:
     """Peak transient bytes of one layer's cp attention (module docstring): ring's backward
-    2 E n_kv + 3 A n_kv + A s_l b h/t (n_kv = 2 s_l b h_kv/t); all_to_all the backward's dq,
-    dk, dv, dout at full s with heads/cp; 0 at cp = 1."""
+    2 E n_kv + 3 A n_kv + A s_l b h/t + (3 + 2 [g < a]) E b h/t s_l/2 (n_kv = 2 s_l b
+    h_kv/t); all_to_all the backward's dq, dk, dv, dout at full s with heads/cp; 0 at
+    cp = 1."""
     if x.cp == 1:
         return 0.0
     e, b, d = x.elem, x.batch, x.hidden // x.heads
@@ -271,7 +277,8 @@ def cp_buffer_bytes(x: ActivationShape) -> float:
         return e * float(x.seq) * b * (2 * x.hidden / (x.tp * x.cp) + 2 * d * x.a2a_kv_heads)
     acc, rows = max(e, 4), float(x.local_seq) * b
     n_kv = 2.0 * rows * x.kv_heads * d / x.tp
-    return 2 * e * n_kv + 3 * acc * n_kv + acc * rows * x.hidden / x.tp
+    blocks = (3 + (2 if x.kv_heads < x.heads else 0)) * e * rows / 2 * x.hidden / x.tp
+    return 2 * e * n_kv + 3 * acc * n_kv + acc * rows * x.hidden / x.tp + blocks
 
 
 def layer_bytes(x: ActivationShape, recompute: str = "none") -> float:

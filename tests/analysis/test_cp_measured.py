@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from colonnade.analysis.activations import ActivationShape, layer_bytes
+from colonnade.analysis.activations import ActivationShape, cp_buffer_bytes, layer_bytes
 from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.hardware import get_cluster
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.measure import SavedTensorMeter, relative_error
+from colonnade.analysis.measure import PeakTensorBytes, SavedTensorMeter, relative_error
+from colonnade.context_parallel.ring import ring_attention
 from colonnade.models.build import build_chunks
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
@@ -100,3 +101,25 @@ def test_hidden_dropout_masks_are_the_ranks_rows(run_ranks: Callable[..., list[A
     assert relative_error(one["measured"], one["predicted"]) <= TOL, one
     for got in run_ranks(2, measure, 2, "ring", "none", None, 0.0, 0.1):
         assert relative_error(got["measured"], got["predicted"]) <= TOL, got
+
+
+def ring_peak(b: int, a: int, kv: int, s_l: int, d: int, dtype: torch.dtype) -> int:
+    """Rank body: the ring backward's peak of live tensor bytes beyond its outputs."""
+    torch.manual_seed(0)
+    group = rank_groups(ParallelDims(cp=2)).cp
+    q = torch.randn(b, a, s_l, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv, s_l, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = ring_attention(q, k, v, group)
+    dout = torch.randn_like(out)
+    with PeakTensorBytes() as peak:
+        out.backward(dout)
+    return peak.peak - peak.current  # what remains are dq, dk, dv
+
+
+def test_ring_transient_buffers_as_modelled(run_ranks: Callable[..., list[Any]]) -> None:
+    """cp_buffer_bytes against the measured peak of ring attention's backward (fp32)."""
+    b, a, kv, s_l, d = 2, 8, 2, 512, 32
+    x = ActivationShape(seq=2 * s_l, batch=b, hidden=a * d, heads=a, kv_heads=kv, ffn=64,
+                        elem=4, cp=2)
+    for got in run_ranks(2, ring_peak, b, a, kv, s_l, d, torch.float32):
+        assert relative_error(got, cp_buffer_bytes(x)) <= TOL, (got, cp_buffer_bytes(x))

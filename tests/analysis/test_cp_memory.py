@@ -79,10 +79,11 @@ def test_memory_per_rank_activations_about_halve_with_cp2_and_cp_buffers_are_add
     one, two = memory_per_device(w, Layout()), memory_per_device(w, Layout(cp=2))
     assert two.activations == one.activations / 2 + 8 * 2 * 8192 * (1024 + 64)
     # the ring's backward peak, by hand: 2 kv blocks (bf16) + 2 dK/dV accumulators + the
-    # block's contribution (fp32) + the fp32 dq accumulator; s_l = 8192, b = 1, h_kv = 256
+    # block's contribution (fp32) + the fp32 dq accumulator + one chunk pair's kernel
+    # temporaries (s_l / 2 rows); s_l = 8192, b = 1, h_kv = 256
     n_kv = 2 * 8192 * 256
     assert memory_per_device(w, Layout(cp=2)).cp_buffers == 2 * 2 * n_kv + 3 * 4 * n_kv \
-        + 4 * 8192 * 1024
+        + 4 * 8192 * 1024 + 5 * 2 * 4096 * 1024  # + the block kernel's dq dk dv, k v (GQA)
     x = ActivationShape.of(w.shape, 16384, 1, cp=2, cp_attention="all_to_all")
     assert cp_buffer_bytes(x) == 2 * 16384 * (2 * 1024 / 2 + 2 * 64 * 2)  # dq dout, dk dv
     assert Layout(cp=2, dp=4, zero=1).shard == 8  # ZeRO shards over dp x cp
