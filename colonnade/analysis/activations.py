@@ -104,6 +104,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from colonnade.config.choices import CP_ATTENTIONS
 from colonnade.config.sections import ModelConfig
 from colonnade.models.counts import ArchFacts, LayerShape
 
@@ -112,8 +113,6 @@ if TYPE_CHECKING:  # the planner imports this module: keep torch out of `colonna
 
     from colonnade.models.recompute import RecomputePlan
 
-CP_ATTENTION_KINDS: tuple[str, ...] = ("ring", "all_to_all")
-"""parallel.cp_attention values the model knows (config/choices.py CP_ATTENTIONS)."""
 ATTENTION_KERNELS: tuple[str, ...] = ("flash", "blockwise", "eager")
 """How core attention runs and what it keeps for backward (see the module docstring); the
 planner's ``Workload.attention`` and ``colonnade plan --attention`` take these too."""
@@ -145,7 +144,7 @@ class ActivationShape:
     cp: int = 1
     """Context-parallel degree: the rank holds s/cp rows of every sample (s % cp == 0)."""
     cp_attention: str = "ring"
-    """Under cp > 1: 'ring' or 'all_to_all' (:data:`CP_ATTENTION_KINDS`)."""
+    """Under cp > 1: 'ring' or 'all_to_all' (:data:`CP_ATTENTIONS`)."""
     elem: int = 2
     """Bytes per activation element E."""
     facts: ArchFacts = LLAMA_FACTS
@@ -159,10 +158,10 @@ class ActivationShape:
     runs, 'blockwise' with attention dropout, else 'flash'."""
 
     def __post_init__(self) -> None:
-        if self.cp < 1 or self.seq % self.cp or self.cp_attention not in CP_ATTENTION_KINDS:
+        if self.cp < 1 or self.seq % self.cp or self.cp_attention not in CP_ATTENTIONS:
             raise ValueError(f"cp={self.cp} must be >= 1 and divide seq={self.seq}, and "
                              f"cp_attention='{self.cp_attention}' one of "
-                             f"{', '.join(CP_ATTENTION_KINDS)}.")
+                             f"{', '.join(CP_ATTENTIONS)}.")
         if self.attention not in ("auto", *ATTENTION_KERNELS):
             raise ValueError(f"attention='{self.attention}' must be 'auto' or one of "
                              f"{', '.join(ATTENTION_KERNELS)}.")

@@ -11,11 +11,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from colonnade.analysis.activations import ATTENTION_KERNELS, CP_ATTENTION_KINDS
+from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
 from colonnade.analysis.layout import ZERO_STAGES, Workload
 from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
-from colonnade.config.choices import PRECISIONS
+from colonnade.config.choices import CP_ATTENTIONS, PRECISIONS
 from colonnade.config.load import ConfigError, load_config
 from colonnade.config.sections import Config
 
@@ -189,7 +189,7 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        sp=_choice(args.sp), zero=_stages(args.zero),
                        reshard=_reshard(args.reshard), zero_shard_size=args.zero_shard_size,
                        cp=_degrees(args.cp, "--cp"),
-                       cp_attention=_list(args.cp_attention, CP_ATTENTION_KINDS,
+                       cp_attention=_list(args.cp_attention, CP_ATTENTIONS,
                                           "--cp-attention"))
     return w, cons
 

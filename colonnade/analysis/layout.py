@@ -13,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from colonnade.analysis.activations import ATTENTION_KERNELS
+from colonnade.config.choices import CP_ATTENTIONS
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.counts import LayerShape
 
@@ -20,8 +21,6 @@ ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes per element of the stage-2/3 gradient reduce-scatter, by parallel.grad_reduce_dtype."""
 ZERO_STAGES = (0, 1, 2, 3)
-CP_KINDS = ("ring", "all_to_all")
-"""parallel.cp_attention values (config/choices.py CP_ATTENTIONS)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +116,7 @@ class Layout:
     cp: int = 1
     """Context-parallel degree: each rank holds s / cp rows of every sample (zigzag split)."""
     cp_attention: str = "ring"
-    """parallel.cp_attention under cp > 1: 'ring' or 'all_to_all' (:data:`CP_KINDS`)."""
+    """parallel.cp_attention under cp > 1: 'ring' or 'all_to_all' (:data:`CP_ATTENTIONS`)."""
     pp: int = 1
     vp: int = 1
     dp: int = 1
@@ -136,9 +135,9 @@ class Layout:
     None = the whole dp group."""
 
     def __post_init__(self) -> None:
-        if self.cp < 1 or self.cp_attention not in CP_KINDS:
+        if self.cp < 1 or self.cp_attention not in CP_ATTENTIONS:
             raise ValueError(f"cp={self.cp} must be >= 1 and cp_attention="
-                             f"'{self.cp_attention}' one of {', '.join(CP_KINDS)}.")
+                             f"'{self.cp_attention}' one of {', '.join(CP_ATTENTIONS)}.")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero}: the ZeRO stage must be one of {ZERO_STAGES}.")
         if self.zero_shard_size is not None and (self.zero_shard_size < 1

@@ -228,5 +228,5 @@ def test_validation_error_lists_every_problem_with_fix() -> None:
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
 def test_presets_are_valid(name: str) -> None:
     cfg = load_config(CONFIGS / name)
-    world = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * (cfg.parallel.dp or 1)
     validate(resolve(cfg, world), world)
