@@ -45,3 +45,9 @@ GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 """parallel.grad_reduce_dtype: dtype of the ZeRO-2/3 gradient reduce-scatter."""
 CP_ATTENTIONS: tuple[str, ...] = ("ring", "all_to_all")
 """parallel.cp_attention: how attention spans the cp ranks (colonnade.context_parallel)."""
+MOE_ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
+"""model.moe_router: how router logits become expert choices and weights (colonnade.moe)."""
+MOE_AUX_LOSS_TYPES: tuple[str, ...] = ("seq", "global")
+"""model.moe_aux_loss_type: the tokens the load-balancing loss counts over."""
+MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "all_gather")
+"""parallel.moe_dispatcher: how tokens reach their experts' ranks (colonnade.moe)."""

@@ -65,6 +65,50 @@ class ModelConfig:
     """Dropout on the attention probabilities (0 disables)."""
     init_std: float = 0.02
     """Std of the normal initialisation; output projections use init_std / sqrt(2 * num_layers)."""
+    num_experts: int = 0
+    """Routed experts per mixture-of-experts (MoE) layer; 0 makes a dense model. An MoE
+    layer replaces the MLP: a router sends each token to moe_top_k experts (each an MLP of
+    the architecture's kind: SwiGLU for llama, GELU for gpt2) and sums their outputs weighted
+    by the router's probabilities."""
+    moe_top_k: int = 2
+    """Experts each token is sent to (k <= num_experts)."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden width of each routed expert; None means ffn_hidden_size's resolved value."""
+    moe_layer_freq: int = 1
+    """Every moe_layer_freq-th layer (counting after moe_first_dense_layers, the first of
+    each group) is an MoE layer; 1 makes every such layer MoE."""
+    moe_first_dense_layers: int = 0
+    """The first this-many layers keep a dense MLP (DeepSeek-V3 keeps 3)."""
+    moe_router: str = "softmax"
+    """'softmax': probabilities softmax(logits) over all experts, the top k kept (Mixtral,
+    Switch); 'sigmoid': scores sigmoid(logits), the top k of scores + a per-expert bias chosen
+    (the bias only selects, it never weights), then the kept scores normalised (DeepSeek-V3's
+    auxiliary-loss-free balancing)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the k kept weights of a token to sum to 1 (Mixtral, Qwen3-MoE: True;
+    Qwen2-MoE: False). The sigmoid router always normalises."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Sigmoid router: after each step every expert's selection bias moves by this rate
+    toward balance, b_i += rate * sign(mean load - load_i), loads counted over the global
+    batch (0 turns the update off)."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Width of a dense shared expert every token passes through, added to the routed
+    output (Qwen2-MoE, DeepSeek); 0: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x w_g), w_g [1, h] (Qwen2-MoE)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the Switch/GShard load-balancing loss E * sum_i f_i P_i (f_i the fraction of
+    routed token slots sent to expert i, P_i its mean router probability); 0: off."""
+    moe_aux_loss_type: str = "global"
+    """Over which tokens f_i and P_i of the balancing loss are counted: 'seq' (each sequence
+    alone, then averaged over sequences) or 'global' (all tokens of the micro-batch across
+    every data-parallel, context-parallel and sequence-parallel rank)."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0: off."""
+    moe_capacity_factor: float | None = None
+    """None: dropless (every routed token is computed). A number c: each expert takes at most
+    ceil(c * s * k / E) tokens of each sequence of length s, the earliest positions first;
+    dropped token slots contribute nothing (the token keeps its residual) and are counted."""
 
     @property
     def kv_heads(self) -> int:
@@ -85,6 +129,22 @@ class ModelConfig:
         if traits is not None and not traits.gated_mlp:
             return 4 * self.hidden_size
         return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer is a mixture-of-experts layer."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer ``index`` is an MoE layer (moe_first_dense_layers and
+        moe_layer_freq; always False for a dense model)."""
+        k = index - self.moe_first_dense_layers
+        return self.moe and k >= 0 and k % self.moe_layer_freq == 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Routed expert width with the None default resolved."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     @property
     def traits(self) -> ArchTraits | None:
@@ -126,6 +186,12 @@ class ParallelConfig:
     expert_tp: int | None = None
     """Expert tensor-parallel degree: each expert's matrices split across this many ranks;
     None means equal to tp (then the expert-tp groups are the tp groups)."""
+    moe_dispatcher: str = "all_to_all"
+    """How tokens reach the ranks holding their experts under ep > 1: 'all_to_all' (each
+    rank sends every token copy to its expert's rank, split sizes exchanged first; bytes
+    ~ tokens x k) or 'all_gather' (every rank gathers all tokens of the ep group and keeps
+    those for its experts, then the outputs are reduce-scattered back; simpler, bytes ~
+    tokens x ep: for small ep)."""
     sp: bool = False
     """Sequence parallelism: norms/dropout on sequence shards between tp regions (needs tp > 1)."""
     order: str = "tp-cp-dp-pp"
