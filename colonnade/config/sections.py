@@ -59,6 +59,9 @@ class ModelConfig:
     """Share the input embedding and the output head weights (GPT-2 does)."""
     bias: bool = False
     """Biases in linear layers (GPT-2 uses them)."""
+    qkv_bias: bool = False
+    """Biases on the attention's q, k, v projections only (Qwen2, Qwen2-MoE); model.bias
+    already puts them on every linear layer."""
     hidden_dropout: float = 0.0
     """Dropout on the residual branches and embedding output (0 disables)."""
     attention_dropout: float = 0.0

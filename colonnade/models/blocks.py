@@ -158,10 +158,10 @@ class Attention(nn.Module):
         layer's graph)."""
         tp, d, h = ctx.tp, cfg.head_dim, cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_heads // tp, cfg.kv_heads // tp
-        std = cfg.init_std
-        self.q = ColumnParallelLinear(h, cfg.num_heads * d, ctx, f"{key}.q", bias=cfg.bias, std=std)
-        self.k = ColumnParallelLinear(h, cfg.kv_heads * d, ctx, f"{key}.k", bias=cfg.bias, std=std)
-        self.v = ColumnParallelLinear(h, cfg.kv_heads * d, ctx, f"{key}.v", bias=cfg.bias, std=std)
+        std, qkv_bias = cfg.init_std, cfg.bias or cfg.qkv_bias
+        self.q = ColumnParallelLinear(h, cfg.num_heads * d, ctx, f"{key}.q", bias=qkv_bias, std=std)
+        self.k = ColumnParallelLinear(h, cfg.kv_heads * d, ctx, f"{key}.k", bias=qkv_bias, std=std)
+        self.v = ColumnParallelLinear(h, cfg.kv_heads * d, ctx, f"{key}.v", bias=qkv_bias, std=std)
         self.o = RowParallelLinear(cfg.num_heads * d, h, ctx, f"{key}.o", bias=cfg.bias,
                                    std=output_std(std, cfg.num_layers))
         self.recompute_core = False
