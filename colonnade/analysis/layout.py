@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass
 
 from colonnade.analysis.activations import ATTENTION_KERNELS
-from colonnade.config.choices import CP_ATTENTIONS
+from colonnade.analysis.moe import dense_model
+from colonnade.config.choices import CP_ATTENTIONS, MOE_DISPATCHERS
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.counts import LayerShape
 
@@ -48,6 +49,9 @@ class Workload:
     cp_overlap: bool = True
     """parallel.cp_overlap: ring attention's p2p overlapped with the local block's attention
     (False: every ring transfer is exposed)."""
+    moe_dispatcher: str = "all_to_all"
+    """parallel.moe_dispatcher under ep > 1: 'all_to_all' or 'all_gather'
+    (:mod:`colonnade.analysis.moe` gives each one's bytes)."""
 
     def __post_init__(self) -> None:
         if self.grad_reduce_dtype not in REDUCE_BYTES:
@@ -61,14 +65,19 @@ class Workload:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention='{self.attention}' must be one of "
                              f"{', '.join(ATTENTION_KERNELS)}.")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"moe_dispatcher='{self.moe_dispatcher}' must be one of "
+                             f"{', '.join(MOE_DISPATCHERS)}.")
         if self.seq_len < 1 or self.global_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
                              "be >= 1.")
 
     @functools.cached_property
     def shape(self) -> LayerShape:
-        """Resolved model shape (computed once per workload)."""
-        return LayerShape.of(self.model)
+        """Resolved shape of the model's dense part (computed once per workload): an MoE
+        model's layers are counted with a dense MLP here and corrected by
+        :mod:`colonnade.analysis.moe`."""
+        return LayerShape.of(dense_model(self.model))
 
     @property
     def elem(self) -> int:
@@ -105,7 +114,8 @@ class Workload:
                    overlap_grad_reduce=par.overlap_grad_reduce,
                    overlap_param_gather=par.overlap_param_gather, overlap_p2p=par.overlap_p2p,
                    bucket_size=par.bucket_size, zero_prefetch=par.zero_prefetch,
-                   grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap)
+                   grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap,
+                   moe_dispatcher=par.moe_dispatcher)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +130,9 @@ class Layout:
     pp: int = 1
     vp: int = 1
     dp: int = 1
+    ep: int = 1
+    """Expert-parallel degree (parallel.ep): folded inside tp x cp x dp, the experts of each
+    MoE layer split over ep ranks, their states over edp = tp cp dp / ep."""
     micro_batch: int = 1
     zero: int = 0
     """ZeRO stage (parallel.zero_stage): 0 none, 1 optimizer states sharded, 2 + gradients,
@@ -138,6 +151,9 @@ class Layout:
         if self.cp < 1 or self.cp_attention not in CP_ATTENTIONS:
             raise ValueError(f"cp={self.cp} must be >= 1 and cp_attention="
                              f"'{self.cp_attention}' one of {', '.join(CP_ATTENTIONS)}.")
+        if self.ep < 1 or (self.tp * self.cp * self.dp) % self.ep:
+            raise ValueError(f"ep={self.ep} must be >= 1 and divide tp x cp x dp = "
+                             f"{self.tp * self.cp * self.dp}.")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero}: the ZeRO stage must be one of {ZERO_STAGES}.")
         if self.zero_shard_size is not None and (self.zero_shard_size < 1
@@ -158,6 +174,12 @@ class Layout:
         if self.zero == 0:
             return 1
         return self.zero_shard_size or self.dp_cp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree tp cp dp / ep: expert gradients are reduced and their
+        ZeRO-1 states sharded over it."""
+        return self.tp * self.cp * self.dp // self.ep
 
     def local_tokens(self, seq_len: int) -> float:
         """Tokens of one micro-batch on one rank: b s / cp (the rank's zigzag rows)."""
@@ -194,6 +216,8 @@ class Layout:
             extra.append("sp")
         if self.cp > 1:
             extra.append(f"cp{self.cp}:{self.cp_attention}")
+        if self.ep > 1:
+            extra.append(f"ep{self.ep}")
         if self.zero:
             extra.append(f"zero{self.zero_label()}")
         tail = (" " + " ".join(extra)) if extra else ""
@@ -205,7 +229,8 @@ class Layout:
         """A colonnade config running this layout (the model and batch of ``workload``)."""
         par = dataclasses.replace(
             base.parallel, tp=self.tp, cp=self.cp, cp_attention=self.cp_attention,
-            cp_overlap=workload.cp_overlap, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
+            cp_overlap=workload.cp_overlap, ep=self.ep,
+            moe_dispatcher=workload.moe_dispatcher, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
             schedule=self.schedule if self.pp > 1 else "1f1b",
             use_distributed_optimizer=False, zero_stage=self.zero,
             reshard_after_forward=self.reshard_after_forward,
@@ -234,8 +259,10 @@ class Layout:
             zero.append(f"--parallel.zero_shard_size={self.zero_shard_size}")
         cp = [f"--parallel.cp={self.cp}"] + ([f"--parallel.cp_attention={self.cp_attention}"]
                                              if self.cp > 1 else [])
+        ep = [f"--parallel.ep={self.ep}"] if self.ep > 1 else []
         return [
-            f"--parallel.tp={self.tp}", *cp, f"--parallel.pp={self.pp}", f"--parallel.vp={self.vp}",
+            f"--parallel.tp={self.tp}", *cp, *ep, f"--parallel.pp={self.pp}",
+            f"--parallel.vp={self.vp}",
             f"--parallel.dp={self.dp}", f"--parallel.sp={str(self.sp).lower()}",
             f"--parallel.schedule={self.schedule if self.pp > 1 else '1f1b'}",
             *zero,
@@ -248,7 +275,8 @@ class Layout:
         """The layout of a colonnade config on ``world_size`` devices."""
         par, tr = cfg.parallel, cfg.training
         dp = par.dp if par.dp is not None else world_size // (par.tp * par.cp * par.pp)
-        return cls(tp=par.tp, cp=par.cp, cp_attention=par.cp_attention, pp=par.pp, vp=par.vp,
+        return cls(tp=par.tp, cp=par.cp, cp_attention=par.cp_attention, ep=par.ep, pp=par.pp,
+                   vp=par.vp,
                    dp=dp, micro_batch=tr.micro_batch_size,
                    zero=par.zero, recompute=tr.recompute, sp=par.sp, schedule=par.schedule,
                    reshard_after_forward=par.reshard_after_forward,

@@ -57,16 +57,28 @@ attention's own output and RoPE's gathered cos / sin per layer; see
 :mod:`colonnade.analysis.activations`), plus ``cp_buffers``, the peak transient of one layer's
 cp attention (ring: 4 kv blocks in flight; all_to_all: dq, dk, dv, dout at full s, heads/cp:
 :func:`~colonnade.analysis.activations.cp_buffer_bytes`).  ZeRO shards over dp x cp.
+Mixture of experts (:mod:`colonnade.analysis.moe`): each MoE layer of the stage replaces its
+dense MLP's parameters by the router, shared expert and E/ep routed experts, the latter with
+their own state bytes (ZeRO-1 shards them over edp = tp cp dp / ep, not dp x cp), and its
+MLP activations by the MoE layer's (:func:`~colonnade.analysis.moe.moe_activation_terms`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
 from colonnade.analysis.activations import ActivationShape, cp_buffer_bytes, layer_bytes
 from colonnade.analysis.hardware import GIB
 from colonnade.analysis.layout import ELEMENT_BYTES, ZERO_STAGES, Layout, Workload
+from colonnade.analysis.moe import (
+    MoEShape,
+    dense_mlp_activation_bytes,
+    expert_params_per_rank,
+    moe_activation_terms,
+    moe_nonexpert_delta_per_rank,
+)
 from colonnade.models.counts import (
     LayerShape,
     embedding_params,
@@ -269,9 +281,46 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
         act += (e + 4) * float(s) * micro * m.vocab / t  # logits + fp32 softmax
     buffers = (2 * e * sbh if layout.pp > 1 else 0.0) + (e * sbh if layout.sp else 0.0)
     grad_buckets, gathered = zero_buffer_bytes(w, layout, stage, n)
-    return Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
-                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered,
-                  cp_buffers=cp_buffer_bytes(shape))
+    mem = Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
+                 buffers=buffers, grad_buckets=grad_buckets, gathered=gathered,
+                 cp_buffers=cp_buffer_bytes(shape))
+    return mem if not w.model.moe else _with_moe(mem, w, layout, flight)
+
+
+def moe_stage_params(w: Workload, layout: Layout, stage: str) -> tuple[float, float]:
+    """(non-expert parameter change, routed-expert parameters) of one rank of ``stage`` from
+    its MoE layers (:mod:`colonnade.analysis.moe`)."""
+    x = MoEShape.of(w.model)
+    return (moe_nonexpert_delta_per_rank(x, layout.pp, layout.tp, stage),
+            expert_params_per_rank(x, layout.pp, layout.ep, stage))
+
+
+def moe_layer_activation_delta(w: Workload, layout: Layout) -> float:
+    """Bytes one MoE layer keeps for one micro-batch beyond a dense layer (the MoE MLP's
+    terms minus the dense MLP's), recompute none / selective."""
+    x = MoEShape.of(w.model)
+    full_rows = layout.local_tokens(w.seq_len)  # s/cp b, the all-gathered rows under sp
+    tokens = full_rows / (layout.tp if layout.sp else 1)
+    moe = sum(moe_activation_terms(x, tokens, full_rows, w.elem, layout.tp, layout.sp)
+              .values())
+    return moe - dense_mlp_activation_bytes(x, full_rows, w.elem, layout.tp)
+
+
+def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float) -> Memory:
+    """``mem`` of a dense stage corrected for its MoE layers: parameters and states (the
+    experts' optimizer states sharded over edp at stage 1), activations."""
+    delta, experts = moe_stage_params(w, layout, mem.stage)
+    wb, gb, ob = state_bytes_per_param(w, layout)
+    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero,
+                                      layout.edp if layout.zero else 1)
+    act = mem.activations
+    if layout.recompute != "full":
+        layers = MoEShape.of(w.model).stage_moe_layers(layout.pp, mem.stage)
+        act += flight * layers * moe_layer_activation_delta(w, layout)
+    return dataclasses.replace(
+        mem, params=mem.params + delta * wb + experts * ewb,
+        grads=mem.grads + delta * gb + experts * egb,
+        optimizer=mem.optimizer + delta * ob + experts * eob, activations=act)
 
 
 def memory_per_device(w: Workload, layout: Layout) -> Memory:

@@ -18,6 +18,12 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
              communication per layer (:mod:`colonnade.analysis.cp_comm`: ring p2p beyond its
              overlap with each ring step's block attention, or all_to_all's 8 all-to-alls),
              reported as ``Timing.cp_comm``; gradients are reduced over dp x cp.
+  moe      = each MoE layer of the stage (:mod:`colonnade.analysis.moe`): its MLP's forward
+             FLOPs replace the dense MLP's (T/t tokens routed per rank, tp requires sp),
+             backward ``backward_ratio`` x; plus the dispatch's bytes (all_to_all or
+             all_gather, forward + backward) at the ep group's link, 4 (all_to_all) or 6
+             (all_gather) collectives' latency, exposed (not overlapped), reported as
+             ``Timing.ep_comm``.
   tp comm  = per layer 2 all-reduces (or all-gather + reduce-scatter pairs with sp) of T h E
              bytes forward, 2 backward, +2 with full recompute: 8 T h E (t-1)/t bytes per
              device without recompute (the issue's term), exposed (not overlapped).
@@ -64,7 +70,8 @@ from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import stage_params, stage_state_bytes
+from colonnade.analysis.memory import moe_stage_params, stage_params, stage_state_bytes
+from colonnade.analysis.moe import MoEShape, dispatch_bytes, mlp_forward_flops_per_token
 from colonnade.models.counts import (
     LayerShape,
 )
@@ -93,6 +100,9 @@ class Timing:
     cp_comm: float = 0.0
     """Exposed cp attention communication (ring p2p beyond its overlap, or all-to-alls),
     part of the steady time like ``tp_comm``."""
+    ep_comm: float = 0.0
+    """Exposed MoE token dispatch (all-to-all or all-gather over ep), part of the steady
+    time like ``tp_comm``."""
 
     def as_dict(self) -> dict[str, float]:
         """Plain dict for JSON."""
@@ -108,6 +118,22 @@ class _Stage:
     wgrad: float
     comm: float  # tp communication inside fwd + bwd
     cp: float = 0.0  # exposed cp attention communication inside bwd (fwd + bwd traffic)
+    ep: float = 0.0  # exposed MoE dispatch communication inside fwd + bwd
+
+
+def moe_layer_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:
+    """(forward compute seconds an MoE layer adds over a dense layer, its dispatch seconds
+    forward + backward) for one micro-batch on one rank (module docstring)."""
+    x = MoEShape.of(w.model)
+    tokens = layout.local_tokens(w.seq_len) / layout.tp  # routed by this rank (sp under tp)
+    moe, dense = mlp_forward_flops_per_token(x)
+    delta = tokens * (moe - dense) / c.flops_per_s(w.precision)
+    sent = dispatch_bytes(x, tokens, w.elem, layout.ep, w.moe_dispatcher)
+    if sent == 0:
+        return delta, 0.0
+    bw, lat = c.link(layout.ep, min(layout.ep, c.gpus_per_node))
+    calls = 4 if w.moe_dispatcher == "all_to_all" else 6
+    return delta, sent / bw + calls * (layout.ep - 1) * lat
 
 
 def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> tuple[float,
@@ -180,6 +206,13 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     ring = cp_comm(w, layout, c).exposed_s  # cp attention's exposed traffic, fwd + bwd
     fwd_s = layers * (fwd + comm_f)
     bwd_s = layers * (bwd + comm_b + ring)
+    ep_s = 0.0
+    if w.model.moe:
+        n_moe = MoEShape.of(w.model).stage_moe_layers(layout.pp,
+                                                      "max" if stage == "middle" else stage)
+        delta, ep_s = (n_moe * v for v in moe_layer_s(w, layout, c))
+        fwd_s += delta + ep_s / 2
+        bwd_s += c.backward_ratio * delta + ep_s / 2
     wgrad = layers * weights_s  # the weight-gradient GEMMs: the forward's shapes, transposed
     comm = layers * (comm_f + comm_b)
     if stage in ("first", "only"):
@@ -197,7 +230,7 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
         bwd_s += roof + host - head_f + head_comm
         wgrad += head_gemm_s(w, layout, c.head())
         comm += head_comm
-    return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm, cp=layers * ring)
+    return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm, cp=layers * ring, ep=ep_s)
 
 
 def _stage_names(pp: int) -> list[str]:
@@ -327,7 +360,9 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     names = _stage_names(layout.pp)
     stages = [_stage_costs(w, layout, c, n) for n in names]
     steady, bubble, tp_comm = _pipeline(layout, m, stages)
-    cp_s = m * max(stages, key=lambda st: st.fwd + st.bwd).cp  # the slowest stage's, as above
+    slowest = max(stages, key=lambda st: st.fwd + st.bwd)
+    cp_s = m * slowest.cp  # the slowest stage's, as above
+    ep_s = m * slowest.ep
     p2p = p2p_full = 0.0
     if layout.pp > 1:
         tokens = layout.local_tokens(w.seq_len)
@@ -338,7 +373,7 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         hops = 2 * (layout.pp - 1)
         p2p_full = 2 * (m * layout.vp + layout.pp - 1) * one
         p2p = hops * one if w.overlap_p2p else p2p_full
-    params = max(stage_params(w.shape, layout, n) for n in names)
+    params = max(_dense_stage_params(w, layout, n) for n in names)
     dp, dp_full = _dp_exposed(w, layout, c, params, stages[0], m)
     opt = _optimizer_s(w, layout, c, params)
     extra = step_collectives_s(w, layout, c)
@@ -346,26 +381,37 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     # ranks wait for the slowest at every blocking collective: a measured fraction of the
     # compute between them (the whole step's compute is cut into such segments)
     total = (steady + bubble + p2p + dp + opt + extra + c.step_overhead_s
-             + skew * (steady - tp_comm - cp_s))
+             + skew * (steady - tp_comm - cp_s - ep_s))
     if c.compute_units and layout.world > c.compute_units:
         # Compute (and the optimizer) time-shares the cores; the communication waits then
         # follow on top (a rank blocked in a collective gives its core to the others, but
         # its partner only answers once it has had its own share).
-        own = sum(m * (st.fwd + st.bwd - st.comm - st.cp)  # one rank per stage, tp cp dp copies
-                  + _optimizer_s(w, layout, c, stage_params(w.shape, layout, n))
+        own = sum(m * (st.fwd + st.bwd - st.comm - st.cp - st.ep)  # one rank per stage
+                  + _optimizer_s(w, layout, c, _dense_stage_params(w, layout, n))
                   for st, n in zip(stages, names, strict=True))
         busy = own * layout.tp * layout.cp * layout.dp / c.compute_units
-        waits = tp_comm + cp_s + p2p_full + dp_full + extra
+        waits = tp_comm + cp_s + ep_s + p2p_full + dp_full + extra
         total = max(total, busy * (1 + skew) + waits + c.step_overhead_s)
         if layout.tp > 1:
             # a tp group synchronises every ~ms: its members progress only while co-scheduled,
             # so the critical path's compute (the slowest stage and the fill/drain) runs at
             # cores / ranks speed, not just the step's summed work
             share = layout.world / c.compute_units
-            crit = share * (1 + skew) * (steady - tp_comm - cp_s + bubble + opt)
-            total = max(total, crit + tp_comm + cp_s + p2p_full + dp + extra
+            crit = share * (1 + skew) * (steady - tp_comm - cp_s - ep_s + bubble + opt)
+            total = max(total, crit + tp_comm + cp_s + ep_s + p2p_full + dp + extra
                         + c.step_overhead_s)
     total = max(total, launch_floor_s(w, layout, c))  # kernels shorter than their launches
-    return Timing(compute=steady - tp_comm - cp_s, tp_comm=tp_comm, bubble=bubble, p2p=p2p,
-                  dp_comm=dp, optimizer=opt, overhead=total - (steady + bubble + p2p + dp + opt),
-                  total=total, cp_comm=cp_s)
+    return Timing(compute=steady - tp_comm - cp_s - ep_s, tp_comm=tp_comm, bubble=bubble,
+                  p2p=p2p, dp_comm=dp, optimizer=opt,
+                  overhead=total - (steady + bubble + p2p + dp + opt), total=total,
+                  cp_comm=cp_s, ep_comm=ep_s)
+
+
+def _dense_stage_params(w: Workload, layout: Layout, stage: str) -> float:
+    """Parameters of ``stage`` reduced over dp x cp with the dense stage's ZeRO sharding:
+    the stage's dense parameters with its MoE layers' non-expert change.  (The routed
+    experts' own reduction over edp is not timed yet.)"""
+    if stage == "middle":
+        stage = "first"
+    base = stage_params(w.shape, layout, stage)
+    return base + (moe_stage_params(w, layout, stage)[0] if w.model.moe else 0.0)

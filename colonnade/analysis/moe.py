@@ -1,0 +1,283 @@
+"""Mixture-of-experts terms of the planner: parameters, active parameters, expert memory per
+rank, MoE activations, dispatch bytes, FLOPs.
+
+Notation: h hidden, E routed experts, k top-k, f_e routed expert width, f_s shared expert width
+(0: none), f the dense MLP width, c the MLP's h x f matrices (3 gated SwiGLU, 2 plain GELU),
+n_moe the MoE layers (``ModelConfig.is_moe_layer``), t tp, ep expert-parallel degree,
+edp = t cp dp / ep (expert_tp = 1), e bytes per activation element, T the tokens of one
+micro-batch one rank routes (s/cp b, / t under sp).
+
+Parameters of one MoE layer's MLP (it replaces the dense MLP; attention and norms unchanged):
+    router      E h (+ E for the sigmoid router's selection bias: a parameter without gradient)
+    routed      E (c h f_e (+ (c - 1) f_e + h with biases))
+    shared      c h f_s (+ (c - 1) f_s + h with biases) when f_s > 0, + h for its gate
+Dense MLP: c h f (+ (c - 1) f + h).  The model's total is the dense model's with every MoE
+layer's MLP replaced; the ACTIVE parameters per token count k of the E routed experts
+(total - n_moe routed (1 - k/E)).
+Forward FLOPs per token of an MoE layer's MLP: 2 (E h + k c h f_e + c h f_s (+ h gate)),
+against the dense 2 c h f; backward 2x (the :mod:`colonnade.models.counts` convention).
+
+Per rank (fullest pipeline stage, L_moe of its MoE layers): routed experts E/ep per layer
+(expert_tp = 1: whole experts), so L_moe E/ep routed-expert parameters, with their own
+model-state bytes: W + G + O/S_e, S_e = edp at ZeRO stage 1 (the expert optimizer states are
+sharded over expert_dp), 1 at stage 0; router and shared gate replicated, the shared expert
+tp-split like the dense MLP.
+
+Activations an MoE layer keeps per micro-batch (recompute none / selective) in place of the
+dense MLP's column input E s b h and its 2 (c - 1) E s b f / t: the layer input E T h, the
+router's fp32 copy of it 4 T h (16-bit models only) and its fp32 probabilities 4 T E, the
+dispatched token copies E T k h (uniform routing: T k rows reach each rank on average), the
+experts' hidden 2 (c - 1) E T k f_e, their outputs E T k h (kept by the weighted combine),
+and the shared expert 2 (c - 1) E T f_s / t plus its all-gathered input E s b h under sp.
+Full recompute keeps only the layer input, as for a dense layer.
+
+Dispatch bytes one rank sends per MoE layer and micro-batch (uniform routing, e the model's
+element bytes):
+    all_to_all  forward dispatch + combine 2 T k h e (ep - 1)/ep, backward the same:
+                4 T k h e (ep - 1)/ep (the split-size exchange, ep int64, is left out).
+    all_gather  forward all-gather of the tokens (ep - 1) T h e with their routing (ep - 1)
+                T k (8 + 4) (int64 ids, fp32 weights) and reduce-scatter of the outputs
+                (ep - 1) T h e; backward the transposes of both and the weights' gradient
+                (ep - 1) T k 4: 4 (ep - 1) T h e + (ep - 1) T k 16.
+Both are 0 at ep = 1.  Nothing here is measured yet: the layer and dispatchers are checked
+against these formulas by tests/analysis/test_moe*.py as they land.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from colonnade.config.sections import ModelConfig
+from colonnade.models.counts import LayerShape, total_params
+
+
+def dense_model(model: ModelConfig) -> ModelConfig:
+    """``model`` with every MLP dense (num_experts = 0): the shape of its non-MoE parts."""
+    return dataclasses.replace(model, num_experts=0) if model.moe else model
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The numbers of a model's MoE layers the formulas need (module docstring notation)."""
+
+    hidden: int
+    """h."""
+    experts: int
+    """E, routed experts per MoE layer (0: a dense model)."""
+    top_k: int
+    """k, experts per token."""
+    expert_ffn: int
+    """f_e, routed expert width."""
+    shared_ffn: int
+    """f_s, shared expert width (0: none)."""
+    shared_gate: bool
+    """The shared expert's output is gated (a [1, h] weight)."""
+    sigmoid: bool
+    """Sigmoid router: an [E] selection bias parameter (no gradient)."""
+    dense_ffn: int
+    """f, the dense MLP width (first dense layers, and what an MoE layer replaces)."""
+    matrices: int
+    """c, h x f matrices of one MLP (3 gated, 2 plain)."""
+    bias: bool
+    """Linear layers have biases."""
+    moe_layers: tuple[int, ...]
+    """Global indices of the MoE layers."""
+    layers: int
+    """All layers, l."""
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> MoEShape:
+        """Resolve ``model``'s MoE facts (the MLP kind from its dense architecture)."""
+        dense = LayerShape.of(dense_model(model))
+        return cls(hidden=model.hidden_size, experts=model.num_experts,
+                   top_k=model.moe_top_k if model.moe else 0,
+                   expert_ffn=model.expert_ffn_size if model.moe else 0,
+                   shared_ffn=model.moe_shared_expert_ffn_hidden_size if model.moe else 0,
+                   shared_gate=model.moe and model.moe_shared_expert_gate,
+                   sigmoid=model.moe and model.moe_router == "sigmoid",
+                   dense_ffn=dense.ffn, matrices=dense.mlp_matrices, bias=model.bias,
+                   moe_layers=tuple(i for i in range(model.num_layers)
+                                    if model.is_moe_layer(i)),
+                   layers=model.num_layers)
+
+    @property
+    def moe(self) -> bool:
+        """Any MoE layer."""
+        return bool(self.moe_layers)
+
+    def mlp_params(self, width: int) -> int:
+        """Parameters of one MLP of ``width``: c h f (+ (c - 1) f + h with biases)."""
+        if width == 0:
+            return 0
+        return self.matrices * self.hidden * width + (
+            (self.matrices - 1) * width + self.hidden if self.bias else 0)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's parameters."""
+        return self.mlp_params(self.expert_ffn)
+
+    @property
+    def routed_params(self) -> int:
+        """Routed experts of one MoE layer: E x one expert."""
+        return self.experts * self.expert_params
+
+    @property
+    def router_params(self) -> int:
+        """Router weight E h (+ the sigmoid router's E selection biases)."""
+        return self.experts * self.hidden + (self.experts if self.sigmoid else 0)
+
+    @property
+    def shared_params(self) -> int:
+        """Shared expert (+ its gate h)."""
+        return self.mlp_params(self.shared_ffn) + (self.hidden if self.shared_gate else 0)
+
+    @property
+    def moe_mlp_params(self) -> int:
+        """One MoE layer's MLP: router + routed + shared."""
+        return self.router_params + self.routed_params + self.shared_params
+
+    def moe_layers_in(self, first: int, count: int) -> int:
+        """MoE layers among global layers [first, first + count)."""
+        return sum(1 for i in self.moe_layers if first <= i < first + count)
+
+    def max_stage_moe_layers(self, pp: int) -> int:
+        """MoE layers of the pipeline stage holding the most (contiguous l/pp blocks; the
+        interleaved schedule's chunks are not told apart)."""
+        per = self.layers // pp
+        return max(self.moe_layers_in(j * per, per) for j in range(pp))
+
+    def stage_moe_layers(self, pp: int, stage: str) -> int:
+        """MoE layers of pipeline ``stage``: 'only' / 'first' (layers [0, l/pp)), 'last'
+        (the last l/pp), 'max' (the stage holding the most)."""
+        per = self.layers // pp
+        if stage == "max":
+            return self.max_stage_moe_layers(pp)
+        return self.moe_layers_in((pp - 1) * per if stage == "last" else 0, per)
+
+
+def moe_param_counts(model: ModelConfig) -> dict[str, int]:
+    """``total`` and ``active`` (per token) parameters, ``routed`` (all routed experts),
+    ``router``, ``shared``, per ``expert`` and ``moe_layers`` (module docstring)."""
+    x = MoEShape.of(model)
+    n = len(x.moe_layers)
+    dense = total_params(LayerShape.of(dense_model(model)))
+    total = dense + n * (x.moe_mlp_params - x.mlp_params(x.dense_ffn))
+    inactive = 0 if not x.moe else n * x.routed_params * (x.experts - x.top_k) // x.experts
+    return {"total": total, "active": total - inactive, "routed": n * x.routed_params,
+            "router": n * x.router_params, "shared": n * x.shared_params,
+            "expert": x.expert_params, "moe_layers": n}
+
+
+def mlp_forward_flops_per_token(x: MoEShape) -> tuple[float, float]:
+    """(MoE layer MLP, dense MLP) forward FLOPs per token: 2 (E h + k c h f_e + c h f_s
+    (+ h)) and 2 c h f."""
+    moe = 2.0 * (x.experts * x.hidden + x.top_k * x.matrices * x.hidden * x.expert_ffn
+                 + x.matrices * x.hidden * x.shared_ffn + (x.hidden if x.shared_gate else 0))
+    return moe, 2.0 * x.matrices * x.hidden * x.dense_ffn
+
+
+def moe_flops_delta_per_token(model: ModelConfig) -> float:
+    """Forward FLOPs per token the MoE layers add over the dense model (negative when the
+    active experts are narrower than the dense MLP): n_moe (MoE MLP - dense MLP)."""
+    x = MoEShape.of(model)
+    moe, dense = mlp_forward_flops_per_token(x)
+    return len(x.moe_layers) * (moe - dense)
+
+
+def active_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token with only the active experts counted (3 x forward):
+    the dense model's :func:`~colonnade.models.counts.flops_per_token` + 3 x the MoE delta."""
+    from colonnade.models.counts import flops_per_token
+
+    return flops_per_token(dense_model(model), seq_len) + 3.0 * moe_flops_delta_per_token(model)
+
+
+def edp(tp: int, cp: int, dp: int, ep: int) -> int:
+    """Expert data-parallel degree t cp dp / ep (expert_tp = 1)."""
+    inner = tp * cp * dp
+    if ep < 1 or inner % ep:
+        raise ValueError(f"parallel.ep={ep} must divide tp x cp x dp = {inner}.")
+    return inner // ep
+
+
+def expert_params_per_rank(x: MoEShape, pp: int, ep: int, stage: str = "max") -> float:
+    """Routed-expert parameters held by one rank of ``stage``: L_moe E/ep experts."""
+    if not x.moe:
+        return 0.0
+    if x.experts % ep:
+        raise ValueError(f"parallel.ep={ep} must divide model.num_experts={x.experts}.")
+    return float(x.stage_moe_layers(pp, stage) * (x.experts // ep) * x.expert_params)
+
+
+def moe_nonexpert_delta_per_rank(x: MoEShape, pp: int, tp: int, stage: str = "max"
+                                 ) -> float:
+    """Non-expert parameters one rank of ``stage`` holds beyond the dense model, per its MoE
+    layers: router (+ gate) replicated, shared expert / t, minus the dense MLP / t (its row
+    bias h replicated in both)."""
+    def local(width: int) -> float:
+        if width == 0:
+            return 0.0
+        sharded = x.matrices * x.hidden * width + ((x.matrices - 1) * width if x.bias else 0)
+        return sharded / tp + (x.hidden if x.bias else 0)
+
+    per = x.router_params + (x.hidden if x.shared_gate else 0) + local(x.shared_ffn)
+    return x.stage_moe_layers(pp, stage) * (per - local(x.dense_ffn))
+
+
+def moe_activation_terms(x: MoEShape, tokens: float, full_rows: float, elem: int, tp: int,
+                         sp: bool) -> dict[str, float]:
+    """Bytes one MoE layer's MLP keeps for backward beyond the layer's attention half, per
+    micro-batch on one rank (module docstring): ``tokens`` T routed by the rank,
+    ``full_rows`` s_l b (the all-gathered rows under sp)."""
+    k, h = x.top_k, x.hidden
+    terms = {"moe_input": elem * tokens * h,
+             "router_fp32_input": (4.0 * tokens * h) if elem < 4 else 0.0,
+             "router_probs": 4.0 * tokens * x.experts,
+             "dispatched": elem * tokens * k * h,
+             "expert_hidden": 2.0 * (x.matrices - 1) * elem * tokens * k * x.expert_ffn,
+             "expert_out": elem * tokens * k * h}
+    if x.shared_ffn:
+        terms["shared_hidden"] = 2.0 * (x.matrices - 1) * elem * full_rows * x.shared_ffn / tp
+        if sp and tp > 1:
+            terms["shared_input"] = elem * full_rows * h
+    return terms
+
+
+def dense_mlp_activation_bytes(x: MoEShape, full_rows: float, elem: int, tp: int) -> float:
+    """What the activation model counts for a dense MLP: its column input E s b h and
+    2 (c - 1) E s b f / t (:mod:`colonnade.analysis.activations`)."""
+    return elem * full_rows * x.hidden + 2.0 * (x.matrices - 1) * elem * full_rows \
+        * x.dense_ffn / tp
+
+
+def dispatch_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str
+                   ) -> float:
+    """Bytes one rank sends per MoE layer per micro-batch, forward + backward, for
+    ``kind`` 'all_to_all' or 'all_gather' (module docstring); 0 at ep = 1."""
+    if ep == 1 or not x.moe:
+        return 0.0
+    k, h = x.top_k, x.hidden
+    if kind == "all_to_all":
+        return 4.0 * tokens * k * h * elem * (ep - 1) / ep
+    if kind == "all_gather":
+        return 4.0 * (ep - 1) * tokens * h * elem + (ep - 1) * tokens * k * 16.0
+    raise ValueError(f"parallel.moe_dispatcher='{kind}' is unknown; use all_to_all or "
+                     "all_gather.")
+
+
+def step_dispatch_bytes(model: ModelConfig, tokens: float, microbatches: int, pp: int,
+                        elem: int, ep: int, kind: str) -> float:
+    """Dispatch bytes one rank of the fullest stage sends per step: its MoE layers x
+    micro-batches x :func:`dispatch_bytes`."""
+    x = MoEShape.of(model)
+    if not x.moe:
+        return 0.0
+    return x.max_stage_moe_layers(pp) * microbatches * dispatch_bytes(x, tokens, elem, ep, kind)
+
+
+def capacity_slots(capacity_factor: float, seq_len: int, top_k: int, experts: int) -> int:
+    """Slots per sequence and expert: C = ceil(c s k / E)."""
+    return math.ceil(capacity_factor * seq_len * top_k / experts)
