@@ -36,6 +36,12 @@ Storage modes (ZeRO-2 / ZeRO-3):
   a time) instead of ``p.data``; parameters may then be on the meta device: such a parameter is
   swapped in place (:func:`torch.utils.swap_tensors`, same Python object, its attributes kept)
   for a view of the buffer.
+
+Expert parameters (mixture of experts: a :class:`Sharding` splitting over "ep",
+:func:`is_expert_param`) never share a bucket with dense ones: a change of kind closes the open
+bucket. Expert buckets are reduced and (ZeRO-1) sharded over the expert-dp group, so they are
+padded to a multiple of ``expert_shard_count * ALIGN`` and split ``expert_shard_count`` ways
+(:attr:`Bucket.expert`, :meth:`FlatBuffers.count_of`); dense buckets use ``shard_count``.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class Bucket:
     end: int
     chunk: int
     params: list[nn.Parameter] = field(default_factory=list)
+    expert: bool = False
+    """Whether the bucket holds expert parameters (reduced over expert-dp, not dp x cp)."""
 
     @property
     def numel(self) -> int:
@@ -91,6 +99,12 @@ def _own_value(param: nn.Parameter) -> torch.Tensor:
     return initial_value(param) if param.is_meta else param.data
 
 
+def is_expert_param(param: nn.Parameter) -> bool:
+    """Whether ``param`` is a routed expert's weight: its Sharding splits over "ep"."""
+    sharding = getattr(param, "sharding", None)
+    return sharding is not None and "ep" in sharding.split_axes
+
+
 def param_key(param: nn.Parameter) -> str:
     """The layout-independent name of a parameter (its sharding key) or a placeholder."""
     sharding = getattr(param, "sharding", None)
@@ -107,14 +121,16 @@ class FlatBuffers:
     ``shard_rank`` (with ``shard_params``): keep that rank's shard at once, one bucket gathered
     at a time (else every bucket stays full until :meth:`keep_shard`). ``device``: where the
     buffers live (default: the parameters' device; the first initial value's when they are on
-    the meta device).
+    the meta device). ``expert_shard_count``: the shard count of expert buckets (ZeRO-1 over
+    expert-dp; default ``shard_count``).
     """
 
     def __init__(self, chunk_params: Sequence[Sequence[nn.Parameter]], bucket_size: int,
                  shard_count: int = 1, isolate: frozenset[str] = frozenset(), *,
                  full_grads: bool = True, shard_params: bool = False,
                  initial_values: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                 shard_rank: int | None = None, device: torch.device | None = None) -> None:
+                 shard_rank: int | None = None, device: torch.device | None = None,
+                 expert_shard_count: int | None = None) -> None:
         if bucket_size < 1:
             raise ValueError(f"parallel.bucket_size={bucket_size} must be >= 1 element")
         if shard_count < 1:
@@ -129,6 +145,13 @@ class FlatBuffers:
         if len({id(p) for p in params}) != len(params):
             raise ValueError("a parameter is listed twice; pass each parameter once")
         self.shard_count, self.bucket_size, self.isolate = shard_count, bucket_size, isolate
+        self.expert_shard_count = (expert_shard_count if expert_shard_count is not None
+                                   else shard_count)
+        if self.expert_shard_count < 1:
+            raise ValueError(f"expert_shard_count={self.expert_shard_count} must be >= 1")
+        if shard_params and any(is_expert_param(p) for p in params):
+            raise ValueError("ZeRO-3 (shard_params) does not hold expert parameters; "
+                             "set parallel.zero_stage to 0 or 1 for a mixture-of-experts model")
         self.full_grads, self.shard_params = full_grads, shard_params
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype_for(self.param_dtype)
@@ -160,13 +183,20 @@ class FlatBuffers:
                                           device=self.device)  # [N]
             self._attach()
 
-    def _pad(self, size: int) -> int:
-        unit = self.shard_count * ALIGN if self.shard_count > 1 else 1
+    def count_of(self, bucket: Bucket) -> int:
+        """How many ways ``bucket`` is sharded: ``expert_shard_count`` for an expert bucket,
+        ``shard_count`` otherwise."""
+        return self.expert_shard_count if bucket.expert else self.shard_count
+
+    def _pad(self, size: int, expert: bool = False) -> int:
+        count = self.expert_shard_count if expert else self.shard_count
+        unit = count * ALIGN if count > 1 else 1
         return -(-size // unit) * unit
 
     def _layout(self, chunk_params: Sequence[Sequence[nn.Parameter]]
                 ) -> tuple[list[Bucket], dict[int, Slot]]:
-        """Backward order: chunks last to first, parameters last to first within a chunk."""
+        """Backward order: chunks last to first, parameters last to first within a chunk; a
+        change between dense and expert parameters closes the open bucket."""
         buckets: list[Bucket] = []
         slots: dict[int, Slot] = {}
         offset = 0
@@ -174,11 +204,12 @@ class FlatBuffers:
             open_bucket: Bucket | None = None
             for p in reversed(list(chunk_params[chunk])):
                 alone = param_key(p) in self.isolate
-                if open_bucket is not None and alone:
+                expert = is_expert_param(p)
+                if open_bucket is not None and (alone or open_bucket.expert != expert):
                     offset = self._close(open_bucket, buckets)
                     open_bucket = None
                 if open_bucket is None:
-                    open_bucket = Bucket(len(buckets), offset, offset, chunk)
+                    open_bucket = Bucket(len(buckets), offset, offset, chunk, expert=expert)
                 slots[id(p)] = Slot(offset, offset + p.numel(), open_bucket.index)
                 open_bucket.params.append(p)
                 offset += p.numel()
@@ -191,7 +222,7 @@ class FlatBuffers:
         return buckets, slots
 
     def _close(self, bucket: Bucket, buckets: list[Bucket]) -> int:
-        bucket.end = bucket.start + self._pad(bucket.end - bucket.start)
+        bucket.end = bucket.start + self._pad(bucket.end - bucket.start, bucket.expert)
         buckets.append(bucket)
         return bucket.end
 
@@ -305,15 +336,18 @@ class FlatBuffers:
                            "buffers") from None
 
     def shard(self, bucket: Bucket, rank: int) -> tuple[int, int]:
-        """[lo, hi) of ``bucket`` owned by shard ``rank`` (the whole bucket when unsharded)."""
-        size = bucket.numel // self.shard_count
+        """[lo, hi) of ``bucket`` owned by shard ``rank`` (the whole bucket when unsharded);
+        ``rank`` indexes the bucket's own shard group (expert-dp for an expert bucket)."""
+        size = bucket.numel // self.count_of(bucket)
         return bucket.start + rank * size, bucket.start + (rank + 1) * size
 
-    def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
-        """Ranges of the flat buffers this shard owns, merged where adjacent."""
+    def owned_ranges(self, rank: int, expert_rank: int | None = None) -> list[tuple[int, int]]:
+        """Ranges of the flat buffers this shard owns, merged where adjacent: shard ``rank`` of
+        each dense bucket, shard ``expert_rank`` (default ``rank``) of each expert bucket."""
         out: list[tuple[int, int]] = []
         for bucket in self.buckets:
-            lo, hi = self.shard(bucket, rank)
+            own = expert_rank if bucket.expert and expert_rank is not None else rank
+            lo, hi = self.shard(bucket, own)
             if out and out[-1][1] == lo:
                 out[-1] = (out[-1][0], hi)
             elif hi > lo:

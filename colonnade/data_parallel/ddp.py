@@ -36,6 +36,23 @@ parameters, gathered per bucket before use and freed after (:class:`ParamShards`
 :meth:`start_param_gather` / :meth:`finish_param_gather` do nothing there. The shard group is
 dp x cp, or under hybrid sharding (``zero_shard_size``) groups of that many ranks, the
 gradient shards then all-reduced over the replicate group.
+
+Mixture of experts (``expert_group``, the expert-dp group): expert parameters
+(:func:`~colonnade.data_parallel.buffer.is_expert_param`) have buckets of their own, reduced
+(DDP: all-reduce; ZeRO-1: reduce-scatter, then all-gather of the updated shards) over
+expert-dp instead of dp x cp, with the same overlap. Scaling: let the step's loss be
+L = (1 / D) sum_r L_r, D = dp x cp, L_r what rank r back-propagates (its micro-batches' mean
+loss; under sp the tp ranks of one sequence share one L_r, each back-propagating its own rows'
+part of it). A dense weight's gradient on rank r is dL_r/dw, and dL/dw = (1/D) sum over the D
+replicas: the dense reduction pre-scales by 1/D and sums. An expert weight lives on one rank of
+each expert-dp group (its ep rank); the dispatcher's all-to-all carries the token gradients of
+every rank of its ep group to it, so its local gradient is sum over those ranks' contributions,
+and the expert-dp replicas together see every token of the stage exactly once:
+dL/dw_e = (1/D) sum_{expert-dp replicas} g_local. Expert buckets are therefore pre-scaled by
+1 / D too (not 1 / edp; edp = tp x cp x dp / ep differs from D when ep != tp) and summed
+(``average_in_collective``: pre-scaled by edp / D, then averaged: the same number).
+Expert buckets shard over the whole expert-dp group (hybrid sharding applies to dense buckets
+only). ZeRO-2/3 do not hold expert parameters (the validator rejects them with MoE).
 """
 
 from __future__ import annotations
@@ -47,7 +64,13 @@ import torch.distributed as dist
 from torch import nn
 
 from colonnade.config.sections import Config, ParallelConfig
-from colonnade.data_parallel.buffer import Bucket, FlatBuffers, bucket_users, param_key
+from colonnade.data_parallel.buffer import (
+    Bucket,
+    FlatBuffers,
+    bucket_users,
+    is_expert_param,
+    param_key,
+)
 from colonnade.data_parallel.grad_shards import GradShards
 from colonnade.data_parallel.param_shards import ParamShards
 from colonnade.parallel.comm import CommGroup, Handle
@@ -78,23 +101,39 @@ class DataParallel:
     ``group`` is the gradient-reduction group (dp x cp) and, with ZeRO, the shard group
     (``shard_group``: hybrid sharding's group of ``zero_shard_size`` ranks when given, with
     ``replicate_group`` across the shard groups). ``isolate`` names parameters that get a
-    bucket of their own (the tied embedding and head when pp > 1).
+    bucket of their own (the tied embedding and head when pp > 1). ``expert_group``: the
+    expert-dp group reducing (and with ZeRO-1 sharding) the expert parameters' buckets; needed
+    when the chunks hold expert parameters, given for every rank of an MoE model.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], group: CommGroup, cfg: ParallelConfig,
                  isolate: frozenset[str] = frozenset(), *, shard_group: CommGroup | None = None,
-                 replicate_group: CommGroup | None = None) -> None:
+                 replicate_group: CommGroup | None = None,
+                 expert_group: CommGroup | None = None) -> None:
         self.cfg, self.zero = cfg, cfg.zero
         self.sharded = self.zero >= 1
         self.shard_group = shard_group if shard_group is not None else group
         self.replicate_group = replicate_group
         self.group = self.shard_group if self.sharded else group
         """The group of this rank's ZeRO shard (dp x cp without hybrid sharding; DDP: dp x cp)."""
-        self.buffers = FlatBuffers(chunk_parameters(chunks), cfg.bucket_size,
+        self.expert_group = expert_group
+        """Expert-dp: reduces (ZeRO-1: shards) the expert buckets (None: a dense model)."""
+        params = chunk_parameters(chunks)
+        if expert_group is None and any(is_expert_param(p) for ps in params for p in ps):
+            raise ValueError("the model has expert parameters (an 'ep' split) but no expert-dp "
+                             "group was given; build the groups with experts=True")
+        if expert_group is not None and self.zero >= 2:
+            raise ValueError(f"parallel.zero_stage={self.zero} does not support "
+                             "mixture-of-experts models; set parallel.zero_stage to 0 or 1")
+        self.buffers = FlatBuffers(params, cfg.bucket_size,
                                    self.group.size if self.sharded else 1, isolate,
                                    full_grads=self.zero < 2, shard_params=self.zero == 3,
-                                   shard_rank=max(self.group.rank, 0) if self.zero == 3 else None)
+                                   shard_rank=max(self.group.rank, 0) if self.zero == 3 else None,
+                                   expert_shard_count=(expert_group.size if self.sharded
+                                                       and expert_group is not None else None))
         self.buckets: list[Bucket] = self.buffers.buckets
+        self.grad_divisor = self.group.size * self.replicas
+        """D = dp x cp: every reduced gradient is a sum over ranks divided by D."""
         self.param_shards: ParamShards | None = None
         """ZeRO-3: the :class:`ParamShards` gathering and freeing parameter buckets."""
         self.grad_shards: GradShards | None = None
@@ -110,15 +149,45 @@ class DataParallel:
         """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
         self.alias = self.buffers.param_dtype == self.buffers.grad_dtype
         """Whether ``param.grad`` is the ``main_grad`` view (autograd adds into the buffer)."""
-        self.hooked = self.group.size > 1 or not self.alias
+        self.hooked = self.reduces or not self.alias
         """Whether post-accumulate hooks are registered (to reduce across ranks or to fold a
-        bf16 / fp16 gradient into main_grad); neither is needed for dp x cp = 1 in fp32/fp64."""
+        bf16 / fp16 gradient into main_grad); neither is needed for dp x cp = 1 in fp32/fp64
+        (and expert-dp = 1)."""
         if self.hooked:
             for p in self.buffers.params:  # hooks live as long as the parameters
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        if self.sharded and cfg.overlap_param_gather and self.group.size > 1:
+        if self.sharded and cfg.overlap_param_gather and self._gathers:
             self._install_pre_forward_hooks(chunks)
         self.zero_grad()
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's index in the expert-dp group (its expert buckets' ZeRO-1 shard)."""
+        return max(self.expert_group.rank, 0) if self.expert_group is not None else 0
+
+    @property
+    def _experts_reduce(self) -> bool:
+        """Whether expert buckets need a reduction or a rescale (edp > 1 or D > 1)."""
+        return self.expert_group is not None and any(b.expert for b in self.buckets) and (
+            self.expert_group.size > 1 or self.grad_divisor > 1)
+
+    @property
+    def reduces(self) -> bool:
+        """Whether the step's gradients need any collective or rescale at all."""
+        return self.group.size > 1 or self.replicas > 1 or self._experts_reduce
+
+    @property
+    def _gathers(self) -> bool:
+        """ZeRO-1: whether some bucket's shard group has more than one rank."""
+        return self.group.size > 1 or (self.expert_group is not None
+                                       and self.expert_group.size > 1)
+
+    def _group_of(self, bucket: Bucket) -> tuple[CommGroup, int]:
+        """The group reducing (and sharding) ``bucket`` and this rank's index in it."""
+        if bucket.expert:
+            assert self.expert_group is not None
+            return self.expert_group, self.expert_rank
+        return self.group, self.rank
 
     def _init_sharded_grads(self, chunks: Sequence[nn.Module]) -> None:
         """ZeRO-2/3: gradients through :class:`GradShards`; stage 3 builds ParamShards."""
@@ -213,7 +282,7 @@ class DataParallel:
         """Ranges of the flat buffers whose reduced gradient this rank holds after the sync."""
         if not self.sharded:
             return [(0, self.buffers.numel)]
-        return self.buffers.owned_ranges(self.rank)
+        return self.buffers.owned_ranges(self.rank, self.expert_rank)
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer and forget the previous step's sync state.
@@ -231,7 +300,7 @@ class DataParallel:
         for p in self.buffers.params:
             p.grad = p.main_grad if self.alias else None  # type: ignore[attr-defined]
         self.launched_in_backward = 0
-        if self.group.size > 1:
+        if self.reduces:
             self._reset()
 
     def _reset(self) -> None:
@@ -260,7 +329,7 @@ class DataParallel:
         if grad.data_ptr() != main.data_ptr():
             main.add_(grad)
             param.grad = main if grad.dtype == main.dtype else None
-        if not self._sync or self.group.size == 1:
+        if not self._sync or not self.reduces:
             return
         index = self.buffers.slot(param).bucket  # type: ignore[arg-type]
         if self._grad_handles[index] is not None:
@@ -277,22 +346,41 @@ class DataParallel:
     def _reduce_op(self) -> object:
         return dist.ReduceOp.AVG if self.cfg.average_in_collective else dist.ReduceOp.SUM
 
+    def _prescale(self, bucket: Bucket, group: CommGroup) -> float:
+        """The factor a bucket is multiplied by before its collective (see the module doc):
+        dense 1 / D (1 with ``average_in_collective``); expert 1 / D (edp / D when the
+        collective averages over edp)."""
+        if bucket.expert:
+            n = group.size if self.cfg.average_in_collective and group.size > 1 else 1
+            return n / self.grad_divisor
+        if self.group.size > 1 and not self.cfg.average_in_collective:
+            return 1.0 / self.grad_divisor
+        return 1.0
+
     def _launch_reduce(self, index: int) -> None:
         bucket = self.buckets[index]
         assert self.buffers.grad_data is not None
         data = self.buffers.grad_data[bucket.start:bucket.end]  # [bucket]
-        if self.group.size > 1 and not self.cfg.average_in_collective:
-            data.mul_(1.0 / (self.group.size * self.replicas))
+        group, rank = self._group_of(bucket)
+        scale = self._prescale(bucket, group)
+        if scale != 1.0:
+            data.mul_(scale)
         if self.sharded:
-            lo, hi = self.buffers.shard(bucket, self.rank)
+            lo, hi = self.buffers.shard(bucket, rank)
             out = self.buffers.grad_data[lo:hi]  # [bucket / n], aliases data
-            handle = self.group.reduce_scatter_into(out, data, op=self._reduce_op(),
-                                                    name="grad_bucket", async_op=True)
+            handle = group.reduce_scatter_into(out, data, op=self._reduce_op(),
+                                               name=self._name(bucket, "grad_bucket"),
+                                               async_op=True)
         else:
-            handle = self.group.all_reduce(data, op=self._reduce_op(), name="grad_bucket",
-                                           async_op=True)
+            handle = group.all_reduce(data, op=self._reduce_op(),
+                                      name=self._name(bucket, "grad_bucket"), async_op=True)
         assert handle is not None
         self._grad_handles[index] = handle
+
+    @staticmethod
+    def _name(bucket: Bucket, name: str) -> str:
+        """The comm-stats name of a bucket collective (expert buckets: ``expert_`` prefix)."""
+        return f"expert_{name}" if bucket.expert else name
 
     def finish_grad_sync(self) -> None:
         """Launch every bucket not launched yet (overlap off, or unused params), wait for all.
@@ -306,7 +394,7 @@ class DataParallel:
             if self.param_shards is not None:
                 self.param_shards.end_step()
             return
-        if self.group.size == 1 and self.replicas == 1:
+        if not self.reduces:
             return
         for index in range(len(self.buckets)):
             if self._grad_handles[index] is None:
@@ -316,8 +404,12 @@ class DataParallel:
             handle.wait()
         if self.replicate_group is not None and self.replicate_group.size > 1:
             op = self._reduce_op()
-            for grad in self.owned_grads():  # ZeRO-1 hybrid: average the shard over replicas
-                self.replicate_group.all_reduce(grad, op=op, name="grad_shard_replicas")
+            assert self.buffers.grad_data is not None
+            for bucket in self.buckets:  # ZeRO-1 hybrid: sum the dense shards over replicas
+                if not bucket.expert:
+                    lo, hi = self.buffers.shard(bucket, self.rank)
+                    self.replicate_group.all_reduce(self.buffers.grad_data[lo:hi], op=op,
+                                                    name="grad_shard_replicas")
         self._reset()
 
     # ------------------------------------------------------------------ parameters (ZeRO-1)
@@ -325,14 +417,18 @@ class DataParallel:
     def start_param_gather(self) -> None:
         """All-gather every bucket's updated shards into param_data, in forward order (one
         rank: its shard is the whole buffer, nothing to gather)."""
-        if not self.sharded or self.group.size == 1 or self.param_shards is not None:
+        if not self.sharded or not self._gathers or self.param_shards is not None:
             return
         assert self.buffers.param_data is not None
         for bucket in reversed(self.buckets):
-            lo, hi = self.buffers.shard(bucket, self.rank)
+            group, rank = self._group_of(bucket)
+            if group.size == 1:
+                continue
+            lo, hi = self.buffers.shard(bucket, rank)
             full = self.buffers.param_data[bucket.start:bucket.end]  # [bucket]
-            handle = self.group.all_gather_into(full, self.buffers.param_data[lo:hi],
-                                                name="param_bucket", async_op=True)
+            handle = group.all_gather_into(full, self.buffers.param_data[lo:hi],
+                                           name=self._name(bucket, "param_bucket"),
+                                           async_op=True)
             self._gather_handles[bucket.index] = handle
         if not self.cfg.overlap_param_gather:
             self.finish_param_gather()
@@ -373,7 +469,9 @@ def build_data_parallel(chunks: Sequence[nn.Module], config: Config,
                         groups: ProcessGroups) -> DataParallel:
     """The DataParallel of a run: reduction over dp x cp (ZeRO shards over the shard group,
     replicated over the replicate group under hybrid sharding), tied weights isolated when
-    pp > 1."""
+    pp > 1; an MoE model's expert buckets over expert-dp."""
     tied = config.model.tie_embeddings and config.parallel.pp > 1
+    experts = groups.expert_dp if config.model.moe else None
     return DataParallel(chunks, groups.dp_cp, config.parallel, TIED_KEYS if tied else frozenset(),
-                        shard_group=groups.shard_group, replicate_group=groups.zero_replicate)
+                        shard_group=groups.shard_group, replicate_group=groups.zero_replicate,
+                        expert_group=experts)

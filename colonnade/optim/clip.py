@@ -7,6 +7,8 @@ partial sums are then all-reduced over the model group (tp x pp). With ZeRO (any
 each rank of the shard group owns a disjoint range of the flat gradient (stage 2/3: its shard
 is the only gradient it has) and the sum runs over the shard group as well; under hybrid
 sharding the replicate group holds copies of the same shards and is not summed over.
+Expert parameters (an "ep" split) are counted on their own coordinates and summed over ep
+(see :mod:`colonnade.optim.distributed`).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ def owns_grad(param: torch.nn.Parameter, coords: Coords) -> bool:
     return sharding is None or sharding.owns(coords)
 
 
-def global_norm(local_sq: torch.Tensor, groups: Iterable[CommGroup]) -> torch.Tensor:
-    """sqrt of the sum over ``groups`` of per-rank sums of squares (float64 scalar)."""
+def global_sq(local_sq: torch.Tensor, groups: Iterable[CommGroup]) -> torch.Tensor:
+    """The sum over ``groups`` of per-rank sums of squares (float64 scalar)."""
     live = [g for g in groups if g.size > 1]
     if not live:  # one rank in every group: nothing to sum, no collective entered
-        return local_sq.detach().to(torch.float64).sqrt()
+        return local_sq.detach().to(torch.float64)
     total = local_sq.detach().to(torch.float64).reshape(1).clone()
     for group in live:
         group.all_reduce(total, name="grad_norm")
-    return total.sqrt()[0]
+    return total[0]
+
+
+def global_norm(local_sq: torch.Tensor, groups: Iterable[CommGroup]) -> torch.Tensor:
+    """sqrt of the sum over ``groups`` of per-rank sums of squares (float64 scalar)."""
+    return global_sq(local_sq, groups).sqrt()
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> float:

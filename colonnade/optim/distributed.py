@@ -21,6 +21,16 @@ and complete after the sync) and the parameters ``DataParallel.owned_params``; a
 are the persistent parameter shard itself, so an fp32 / fp64 model's master *is* the shard and a
 bf16 model's masters are cast into it after the update (written values are seen by the next
 gather). The norm is summed over tp, pp and the shard group (not hybrid sharding's replicas).
+
+Mixture of experts (``ddp.expert_group`` given): the owned ranges include this rank's expert
+buckets (its expert-dp shard of them under ZeRO-1, so the expert optimizer state is sharded
+over expert-dp). The squared norm is two sums, each counting every element once:
+    ||g||^2 = sum_dense g^2 (over tp, pp [, the dense shard group])
+            + sum_expert g^2 (over ep, pp [, expert-dp with ZeRO-1])
+An expert weight is split over ep and replicated over expert-dp (identical reduced gradients),
+so without ZeRO each rank counts all its local experts and only ep and pp are summed over.
+Both sums are taken on every rank of an MoE model (pipeline stages without expert layers add
+0), so the collectives match; the inf/NaN check sees the expert gradients through the norm.
 """
 
 from __future__ import annotations
@@ -32,12 +42,13 @@ import torch
 import torch.distributed as dist
 
 from colonnade.config.sections import OptimConfig
-from colonnade.data_parallel.buffer import param_key
+from colonnade.data_parallel.buffer import is_expert_param, param_key
 from colonnade.data_parallel.ddp import DataParallel
 from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW
-from colonnade.optim.clip import clip_coefficient, global_norm, owns_grad
+from colonnade.optim.clip import clip_coefficient, global_sq, owns_grad
 from colonnade.optim.lr import lr_at
 from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel.sharding import Coords, tp_coords
 
@@ -99,29 +110,45 @@ class DistributedOptimizer:
             self.masters.append(master)
             self.grads.append(grad)
             offset += n
-        self._index_segments(tp_coords(groups.tp.rank, groups.tp.size))
+        self.experts = ddp.expert_group is not None
+        """Whether the model has expert parameters (a second, expert norm sum is taken)."""
+        expert_coords = {"ep": (max(groups.ep.rank, 0), groups.ep.size)} if (
+            groups.ep is not None) else {}
+        self._index_segments(tp_coords(groups.tp.rank, groups.tp.size), expert_coords)
         self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
                                self.decayed, self._decay_groups())
         self.scaler: LossScaler = make_scaler(precision, cfg)
         self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
         """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
         hybrid sharding's replicate group (the replicas hold the same shard)."""
+        self.expert_norm_groups: list[CommGroup] = []
+        """Groups the expert squared norm is summed over: ep, pp and (ZeRO-1) expert-dp."""
+        if self.experts:
+            assert groups.ep is not None and ddp.expert_group is not None
+            self.expert_norm_groups = [groups.ep, groups.pp] + (
+                [ddp.expert_group] if ddp.sharded else [])
         self.step_count = 0
 
-    def _index_segments(self, coords: Coords) -> None:
-        """Views for weight decay (matrices), the norm (owned grads) and the inf check (rest)."""
+    def _index_segments(self, coords: Coords, expert_coords: Coords) -> None:
+        """Views for weight decay (matrices), the norm (owned grads: dense, expert) and the
+        inf check (rest); an expert parameter's ownership is judged on ``expert_coords``."""
         decayed: list[Interval] = []
         counted: list[Interval] = []
+        expert: list[Interval] = []
         rest: list[Interval] = []
         for i, (lo, hi) in enumerate(self.ranges):
             for p, a, b in self.ddp.buffers.segments(lo, hi):
                 interval = (i, a - lo, b - lo)
                 if p.ndim > 1:
                     decayed.append(interval)
-                (counted if owns_grad(p, coords) else rest).append(interval)
+                if is_expert_param(p):
+                    (expert if owns_grad(p, expert_coords) else rest).append(interval)
+                else:
+                    (counted if owns_grad(p, coords) else rest).append(interval)
         self.decayed_intervals = _merge(decayed)
         self.decayed = [self.masters[i][a:b] for i, a, b in self.decayed_intervals]
         self.counted = [self.grads[i][a:b] for i, a, b in _merge(counted)]
+        self.expert_counted = [self.grads[i][a:b] for i, a, b in _merge(expert)]
         self.uncounted = [self.grads[i][a:b] for i, a, b in _merge(rest)]
 
     def _decay_groups(self) -> list[AdamWGroup]:
@@ -167,10 +194,14 @@ class DistributedOptimizer:
 
         Each rank sums squares over the gradient entries it owns (tp-replicated parameters on
         tp rank 0, the tied head never, ZeRO-1 shards disjoint across dp) and the sums are
-        all-reduced over tp, pp (and dp with ZeRO-1).
+        all-reduced over tp, pp (and dp with ZeRO-1); an MoE model adds the expert sum
+        (all-reduced over ep, pp and, with ZeRO-1, expert-dp: see the module docstring).
         """
-        total = global_norm(self._sum_sq(self.counted), self.norm_groups)
-        norm = float(total) / self.scaler.scale
+        total = global_sq(self._sum_sq(self.counted), self.norm_groups)
+        if self.experts:
+            total = total + global_sq(self._sum_sq(self.expert_counted),
+                                      self.expert_norm_groups)
+        norm = float(total.sqrt()) / self.scaler.scale
         if isinstance(self.scaler, DynamicLossScaler):
             local_bad = not math.isfinite(norm) or not math.isfinite(
                 float(self._sum_sq(self.uncounted)))
