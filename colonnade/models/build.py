@@ -12,6 +12,7 @@ from colonnade.models.recompute import RecomputePlan
 from colonnade.models.recompute import install as install_recompute
 from colonnade.models.spec import ArchSpec, arch_spec
 from colonnade.models.stages import stage_chunks
+from colonnade.moe.state import MoEState
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel.context import ParallelContext
@@ -32,14 +33,18 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
                  dtype: torch.dtype | None = None, meta_params: bool = False
                  ) -> ParallelContext:
     """The ParallelContext every layer of this rank shares (``meta_params``: parameters are
-    built on the meta device, to be materialised one at a time later)."""
+    built on the meta device, to be materialised one at a time later). A mixture-of-experts
+    model gets its :class:`~colonnade.moe.state.MoEState` (``ctx.moe``, the dp x cp group for
+    the 'global' balancing loss) and the ep group (None when ``groups`` has no expert
+    groups: then every MoE layer holds all experts)."""
     par = config.parallel
+    moe = MoEState(dp_cp=groups.dp_cp) if config.model.moe else None
     return ParallelContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
                            rng=RNGTracker(config.training.seed),
                            dtype=dtype or param_dtype(config.training.precision),
                            device=device, comm_chunks=par.tp_comm_chunks, cp=groups.cp,
                            cp_attention=par.cp_attention, cp_overlap=par.cp_overlap,
-                           ep=groups.ep,
+                           ep=groups.ep, moe_dispatcher=par.moe_dispatcher, moe=moe,
                            param_device=torch.device("meta") if meta_params else None)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import ClassVar, Literal, Protocol, get_args
 
 from torch import nn
 
@@ -31,6 +31,7 @@ from colonnade.config.sections import ARCH_TRAITS, ModelConfig
 from colonnade.models.blocks import Attention
 from colonnade.models.mlps import GeluMLP, SwiGLUMLP
 from colonnade.models.norms import LayerNorm, RMSNorm
+from colonnade.moe.layer import MoELayer
 from colonnade.tensor_parallel.context import ParallelContext
 
 Positions = Literal["rope", "learned"]
@@ -110,11 +111,57 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 """The registered architectures, keyed by ``model.arch``."""
 
 
+class SwiGLUMoELayer(MoELayer):
+    """llama's mixture-of-experts MLP: SwiGLU experts, a SwiGLU shared expert."""
+
+    matrices: ClassVar[int] = 3
+    """h x f weight matrices per expert: gate, up, down."""
+    gated: ClassVar[bool] = True
+    """SwiGLU experts."""
+    shared_class = SwiGLUMLP
+    """The shared expert's dense MLP class."""
+
+
+class GeluMoELayer(MoELayer):
+    """gpt2's mixture-of-experts MLP: GELU experts (biases with ``model.bias``), a GELU shared
+    expert."""
+
+    matrices: ClassVar[int] = 2
+    """h x f weight matrices per expert: up, down."""
+    gated: ClassVar[bool] = False
+    """GELU experts."""
+    shared_class = GeluMLP
+    """The shared expert's dense MLP class."""
+
+
+MOE_MLPS: dict[str, MLPClass] = {"llama": SwiGLUMoELayer, "gpt2": GeluMoELayer}
+"""The mixture-of-experts MLP class of each registered architecture."""
+
+
+def moe_spec(dense: ArchSpec, cfg: ModelConfig) -> ArchSpec:
+    """``dense`` with the MLP of every MoE layer of ``cfg`` (``cfg.is_moe_layer(i)``)
+    replaced by the architecture's MoE layer (:data:`MOE_MLPS`)."""
+    if dense.name not in MOE_MLPS:
+        raise ValueError(f"model.arch={dense.name!r} has no mixture-of-experts layer; use one "
+                         f"of {list(MOE_MLPS)} or set model.num_experts=0")
+    moe_mlp = MOE_MLPS[dense.name]
+
+    def layer(index: int) -> LayerSpec:
+        base = dense.layer(index)
+        if not cfg.is_moe_layer(index):
+            return base
+        return LayerSpec(base.norm, base.attention, moe_mlp)
+
+    return ArchSpec(dense.name, dense.positions, dense.final_norm, layer)
+
+
 def arch_spec(cfg: ModelConfig) -> ArchSpec:
-    """The registered spec of ``cfg.arch``."""
+    """The spec of ``cfg``: the registered spec of ``cfg.arch``, with the MoE layers of a
+    mixture-of-experts model (``cfg.moe``) swapped in (:func:`moe_spec`)."""
     if cfg.arch not in ARCH_SPECS:
         raise ValueError(f"model.arch={cfg.arch!r} has no spec; use one of {list(ARCH_SPECS)}")
-    return ARCH_SPECS[cfg.arch]
+    dense = ARCH_SPECS[cfg.arch]
+    return moe_spec(dense, cfg) if cfg.moe else dense
 
 
 def _check_registry() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +51,15 @@ class ParallelContext:
     ep: CommGroup | None = None
     """The expert-parallel group (token all-to-all of mixture-of-experts layers, see
     :class:`~colonnade.parallel.dims.ParallelDims`' expert view); None without expert groups."""
+    moe_dispatcher: str = "all_to_all"
+    """How mixture-of-experts layers move tokens to their experts' ep ranks: 'all_to_all' or
+    'all_gather' (``parallel.moe_dispatcher``)."""
+    moe: Any = None
+    """The mutable mixture-of-experts state of this rank (a
+    :class:`colonnade.moe.state.MoEState`: the aux-loss gradient scale the training step sets,
+    the per-layer statistics sink), or None: MoE layers then attach no auxiliary loss and record
+    nothing (evaluation, generation, tests of a bare layer). Typed ``Any`` because the moe
+    package sits above this one (tests/test_layering.py)."""
 
     @property
     def tp(self) -> int:
@@ -60,6 +70,16 @@ class ParallelContext:
     def tp_rank(self) -> int:
         """This rank's index in tp."""
         return self.group.rank
+
+    @property
+    def ep_size(self) -> int:
+        """ep degree (1 without an ep group)."""
+        return self.ep.size if self.ep is not None else 1
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in ep (0 without an ep group)."""
+        return self.ep.rank if self.ep is not None else 0
 
     @property
     def cp_size(self) -> int:
@@ -75,4 +95,12 @@ class ParallelContext:
         """A parameter holding this rank's shard (its coordinates on the axes that split
         parameters: tp today) of its seeded full initial value."""
         return make_param(sharding, tp_coords(self.tp_rank, self.tp), self.seed, std, kind,
+                          self.dtype, self.param_device or self.device, self.device)
+
+    def expert_param(self, sharding: Sharding, std: float, kind: str = "normal"
+                     ) -> nn.Parameter:
+        """A routed-expert parameter: this rank's shard on the ep axis (coordinates
+        ``{"ep": (ep_rank, ep)}``; expert weights are never split over tp, expert_tp = 1) of
+        its seeded full initial value, identical in every layout."""
+        return make_param(sharding, {"ep": (self.ep_rank, self.ep_size)}, self.seed, std, kind,
                           self.dtype, self.param_device or self.device, self.device)

@@ -1,0 +1,97 @@
+"""The routed experts of one mixture-of-experts layer, stacked, this rank's E_local of them.
+
+With E experts split over ep ranks, ep rank r holds experts ``[r E_local, (r+1) E_local)``,
+``E_local = E / ep``, as slices of stacked weights whose full shapes are those of the
+single-process model (``Sharding(splits=(("ep", 0),))``), so every layout starts from the same
+bits: the seeded initialisation blocks tile the expert dim.
+
+Per expert e (f = ``model.expert_ffn_size``, h the hidden size), on its rows x_e [n_e, h]:
+
+* gated (llama, SwiGLU): ``y_e = (silu(x_e G_e^T) * (x_e U_e^T)) D_e^T``, with
+  ``gate`` G [E, f, h], ``up`` U [E, f, h], ``down`` D [E, h, f];
+* plain (gpt2, GELU): ``y_e = gelu_tanh(x_e U_e^T + u_e) D_e^T + d_e``, with ``up`` U
+  [E, f, h], ``down`` D [E, h, f] and, with ``model.bias``, ``up_bias`` u [E, f] and
+  ``down_bias`` d [E, h] (zeros at init).
+
+Initialisation: normal(0, init_std) for gate and up, the scaled output std
+(:func:`~colonnade.tensor_parallel.sharding.output_std`) for down, as the dense MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colonnade.config.sections import ModelConfig
+from colonnade.moe.grouped_gemm import grouped_mm, host_counts
+from colonnade.tensor_parallel.context import ParallelContext
+from colonnade.tensor_parallel.sharding import Sharding, output_std
+
+EP_SPLIT: tuple[tuple[str, int], ...] = (("ep", 0),)
+"""Every routed-expert tensor is split over ep along its expert dim (dim 0)."""
+
+
+def is_gated(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s experts are gated (SwiGLU) rather than plain (GELU): the
+    architecture's ``gated_mlp`` trait."""
+    traits = cfg.traits
+    if traits is None:
+        raise ValueError(f"model.arch={cfg.arch!r} has no traits; cannot build its experts")
+    return traits.gated_mlp
+
+
+class GroupedExperts(nn.Module):
+    """E_local experts' stacked weights (see the module docstring for names and maths).
+
+    ``gated`` None: from the architecture (:func:`is_gated`).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str,
+                 gated: bool | None = None) -> None:
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
+        if e % ctx.ep_size:
+            raise ValueError(f"model.num_experts={e} is not divisible by parallel.ep="
+                             f"{ctx.ep_size}")
+        self.gated = is_gated(cfg) if gated is None else gated
+        self.num_local = e // ctx.ep_size
+        self.first = ctx.ep_rank * self.num_local
+        """Global id of this rank's first expert."""
+        std, out_std = cfg.init_std, output_std(cfg.init_std, cfg.num_layers)
+
+        def param(name: str, shape: tuple[int, ...], sd: float, kind: str = "normal"
+                  ) -> nn.Parameter:
+            return ctx.expert_param(Sharding(f"{key}.{name}", shape, splits=EP_SPLIT), sd, kind)
+
+        self.gate = param("gate", (e, f, h), std) if self.gated else None
+        self.up = param("up", (e, f, h), std)
+        self.down = param("down", (e, h, f), out_std)
+        bias = cfg.bias and not self.gated
+        self.up_bias = param("up_bias", (e, f), 0.0, "zeros") if bias else None
+        self.down_bias = param("down_bias", (e, h), 0.0, "zeros") if bias else None
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | Sequence[int]
+                ) -> torch.Tensor:
+        """tokens [t_e, h] sorted by local expert, counts [E_local] (rows per local expert,
+        a tensor or host ints) -> [t_e, h], each row through its expert."""
+        sizes = host_counts(counts)
+        up = grouped_mm(tokens, self.up, sizes)  # [t_e, f]
+        if self.up_bias is not None:
+            up = up + _rows(self.up_bias, sizes, tokens.shape[0])
+        if self.gate is not None:
+            hidden = F.silu(grouped_mm(tokens, self.gate, sizes)) * up  # [t_e, f]
+        else:
+            hidden = F.gelu(up, approximate="tanh")
+        out = grouped_mm(hidden, self.down, sizes)  # [t_e, h]
+        if self.down_bias is not None:
+            out = out + _rows(self.down_bias, sizes, tokens.shape[0])
+        return out
+
+
+def _rows(bias: torch.Tensor, sizes: list[int], total: int) -> torch.Tensor:
+    """Per-expert bias [E_local, n] repeated over each expert's rows -> [t_e, n]."""
+    counts = torch.tensor(sizes, device=bias.device)
+    return bias.repeat_interleave(counts, dim=0, output_size=total)
