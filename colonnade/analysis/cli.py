@@ -15,7 +15,7 @@ from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.hardware import ALIASES, PRESETS, get_cluster
 from colonnade.analysis.layout import ZERO_STAGES, Workload
 from colonnade.analysis.search import RECOMPUTE, SCHEDULES, Constraints, PlanError, plan
-from colonnade.config.choices import CP_ATTENTIONS, PRECISIONS
+from colonnade.config.choices import CP_ATTENTIONS, MOE_DISPATCHERS, PRECISIONS
 from colonnade.config.load import ConfigError, load_config
 from colonnade.config.sections import Config
 
@@ -41,7 +41,8 @@ cluster and a number of GPUs, plan tries every tensor / pipeline / data parallel
 micro-batch size, recompute mode, pipeline schedule, sequence parallelism, ZeRO stage (0-3)
 and, with --cp, context parallelism (ring or all-to-all attention), predicts each one's
 memory per GPU and step time (an analytic model: parameters, gradients, optimizer states,
-ZeRO buffers, activations; compute, tp/cp/pp/dp communication, pipeline bubble), drops
+ZeRO buffers, activations; compute, tp/cp/pp/dp communication, pipeline bubble; for an
+MoE model, with --ep, the experts per rank and the token dispatch), drops
 those that do not fit in memory and prints the fastest first, then the `colonnade train`
 flags (best: ...) that run the best one."""
 
@@ -114,6 +115,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--cp-attention", default="ring",
                    help="cp attention kinds to search at cp > 1 (comma list of ring, "
                    "all_to_all)")
+    f.add_argument("--ep", default="1",
+                   help="expert-parallel degrees to search for an MoE model (comma list, e.g. "
+                   "1,2,4: each MoE layer's experts split over ep ranks folded inside tp x cp "
+                   "x dp; the expert states are sharded over edp = tp cp dp / ep at ZeRO 1)")
+    f.add_argument("--moe-dispatcher", choices=MOE_DISPATCHERS, default=None,
+                   help="token dispatcher under ep > 1 (default: the config's "
+                   "parallel.moe_dispatcher)")
     f.add_argument("--zero-shard-size", type=int,
                    help="hybrid sharding: shard stages >= 1 over groups of this many dp ranks")
     o = p.add_argument_group("output")
@@ -182,6 +190,8 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
             cfg, training=dataclasses.replace(cfg.training, precision=args.precision))
     w = Workload.from_config(cfg, global_batch=args.global_batch, seq_len=args.seq_len,
                              attention=args.attention)
+    if getattr(args, "moe_dispatcher", None):
+        w = dataclasses.replace(w, moe_dispatcher=args.moe_dispatcher)
     cons = Constraints(tp=args.tp, pp=args.pp, vp=args.vp, dp=args.dp,
                        micro_batch=args.micro_batch, max_tp=args.max_tp,
                        recompute=_list(args.recompute, RECOMPUTE, "--recompute"),
@@ -190,7 +200,8 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        reshard=_reshard(args.reshard), zero_shard_size=args.zero_shard_size,
                        cp=_degrees(args.cp, "--cp"),
                        cp_attention=_list(args.cp_attention, CP_ATTENTIONS,
-                                          "--cp-attention"))
+                                          "--cp-attention"),
+                       ep=_degrees(getattr(args, "ep", "1"), "--ep"))
     return w, cons
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import Memory, memory_per_device
+from colonnade.analysis.moe import moe_flops_delta_per_token
 from colonnade.analysis.timing import Timing, step_time
 from colonnade.models.counts import step_flops
 
@@ -60,7 +61,7 @@ class Estimate:
         lay = self.layout
         return {
             "layout": {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention,
-                       "pp": lay.pp, "vp": lay.vp, "dp": lay.dp,
+                       "pp": lay.pp, "vp": lay.vp, "dp": lay.dp, "ep": lay.ep,
                        "micro_batch": lay.micro_batch, "zero": lay.zero,
                        "reshard_after_forward": lay.reshard if lay.zero == 3 else None,
                        "zero_shard_size": lay.zero_shard_size,
@@ -77,6 +78,16 @@ class Estimate:
         }
 
 
+def moe_step_flops(w: Workload, recompute: str) -> float:
+    """FLOPs per step the MoE layers add over the dense shape (active experts only: k of E,
+    + router and shared expert, - the dense MLP): B s (3 + [full recompute]) x the forward
+    delta per token (:func:`colonnade.analysis.moe.moe_flops_delta_per_token`)."""
+    if not w.model.moe:
+        return 0.0
+    passes = 4.0 if recompute == "full" else 3.0
+    return float(w.global_batch) * w.seq_len * passes * moe_flops_delta_per_token(w.model)
+
+
 def estimate(w: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     """Predict memory and step time of ``layout`` (assumed valid; see search.check_layout)."""
     m = w.shape
@@ -86,8 +97,9 @@ def estimate(w: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         memory=memory_per_device(w, layout),
         timing=step_time(w, layout, cluster),
         capacity=cluster.memory_bytes,
-        hardware_flops=step_flops(m, w.seq_len, w.global_batch, layout.recompute),
-        model_flops=step_flops(m, w.seq_len, w.global_batch, "none"),
+        hardware_flops=step_flops(m, w.seq_len, w.global_batch, layout.recompute)
+        + moe_step_flops(w, layout.recompute),
+        model_flops=step_flops(m, w.seq_len, w.global_batch, "none") + moe_step_flops(w, "none"),
         tokens=w.global_batch * w.seq_len,
         peak_flops=peak,
     )

@@ -9,8 +9,8 @@ from typing import Any
 
 from colonnade.analysis.estimate import Estimate
 from colonnade.analysis.hardware import GIB
+from colonnade.analysis.moe import moe_param_counts
 from colonnade.analysis.search import Plan
-from colonnade.models.counts import total_params
 
 COLUMNS = ("#", "tp", "cp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute", "sp", "zero",
            "mem GiB", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble", "comm")
@@ -19,10 +19,11 @@ COLUMNS = ("#", "tp", "cp", "pp", "vp", "dp", "mb", "m", "schedule", "recompute"
 def row_cells(rank: int, e: Estimate, global_batch: int) -> list[str]:
     """The table cells of one estimate."""
     lay, t = e.layout, e.timing
-    comm = (t.tp_comm + t.cp_comm + t.p2p + t.dp_comm) / t.total
+    comm = (t.tp_comm + t.cp_comm + t.ep_comm + t.p2p + t.dp_comm) / t.total
     cp = f"{lay.cp}{'a2a' if lay.cp_attention == 'all_to_all' else ''}" if lay.cp > 1 else "1"
     return [
-        str(rank), str(lay.tp), cp, str(lay.pp), str(lay.vp), str(lay.dp), str(lay.micro_batch),
+        str(rank), str(lay.tp), cp, str(lay.pp), str(lay.vp),
+        str(lay.dp) + (f"/ep{lay.ep}" if lay.ep > 1 else ""), str(lay.micro_batch),
         str(lay.microbatches(global_batch)), lay.schedule if lay.pp > 1 else "-",
         lay.recompute, "y" if lay.sp else "-", lay.zero_label(),
         f"{e.memory.total / GIB:.1f}", f"{e.step_s:.3g}", f"{e.tokens_per_s:,.0f}",
@@ -36,7 +37,8 @@ def header(p: Plan) -> str:
     w, c = p.workload, p.cluster
     m = w.model
     return (f"{m.arch} l={m.num_layers} h={m.hidden_size} a={m.num_heads} kv={m.kv_heads} "
-            f"V={m.vocab_size} ({total_params(w.shape) / 1e9:.2f}B params), seq {w.seq_len}, "
+            f"V={m.vocab_size} ({moe_param_counts(w.model)['total'] / 1e9:.2f}B params), "
+            f"seq {w.seq_len}, "
             f"global batch {w.global_batch}, {w.precision}, attention={w.attention}\n"
             f"{p.gpus} x {c.device} ({c.memory_gib:g} GiB, {c.peak_tflops:g} TFLOP/s peak, "
             f"efficiency {c.efficiency:g}"
@@ -84,7 +86,7 @@ def plan_to_json(p: Plan, top: int) -> dict[str, Any]:
                      "global_batch": w.global_batch, "precision": w.precision,
                      "attention": w.attention, "overlap_grad_reduce": w.overlap_grad_reduce,
                      "overlap_param_gather": w.overlap_param_gather,
-                     "overlap_p2p": w.overlap_p2p, "params": total_params(w.shape)},
+                     "overlap_p2p": w.overlap_p2p, "params": moe_param_counts(w.model)['total']},
         "cluster": dataclasses.asdict(p.cluster),
         "gpus": p.gpus,
         "candidates": p.candidates,

@@ -8,6 +8,9 @@ vp > 1, pp > 1 and m a multiple of pp; sp needs tp > 1 and s divisible by tp; Ze
 Context parallelism (``Constraints.cp``, default cp = 1 only): cp x tp divides N; s % 2cp == 0
 (s % 2cp t under sp); all_to_all needs (a/t) % cp == 0 and (g/t) % cp == 0 or cp % (g/t) == 0;
 ring is not searched with attention dropout (the validator rejects it).
+Mixture of experts (``Constraints.ep``, default ep = 1 only): ep divides tp x cp x dp and the
+experts; tp > 1 needs sp; ZeRO stages 0 and 1 only (the team's validator rules); a dense model
+is searched at ep = 1 only.
 Stages trade memory for dp communication (timing._dp_exposed): the ranking by step time
 within the memory cap picks the lowest stage that fits unless its communication hides.
 tp is kept within one node unless ``max_tp`` says otherwise (a tp group across nodes is never
@@ -23,9 +26,9 @@ from colonnade.analysis.estimate import Estimate, estimate
 from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import ZERO_STAGES, Layout, Workload
 from colonnade.analysis.memory import memory_per_device
+from colonnade.analysis.moe import moe_param_counts
 from colonnade.config.choices import RECOMPUTE_MODES
 from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
-from colonnade.models.counts import total_params
 
 RECOMPUTE = RECOMPUTE_MODES
 """Recompute modes searched, least recomputation first."""
@@ -54,6 +57,8 @@ class Constraints:
     """Context-parallel degrees searched (``colonnade plan --cp 1,2,4``)."""
     cp_attention: tuple[str, ...] = ("ring",)
     """cp attention kinds searched at cp > 1 ('ring', 'all_to_all')."""
+    ep: tuple[int, ...] = (1,)
+    """Expert-parallel degrees searched for an MoE model (``colonnade plan --ep 1,2,4``)."""
     reshard: tuple[bool | None, ...] = (None,)
     """Stage 3's reshard_after_forward values searched (None: the default for the pp)."""
     zero_shard_size: int | None = None
@@ -181,11 +186,26 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                     for sp in cons.sp:
                         if sp and (tp == 1 or not cp_shape_ok(w, tp, cp, kind, sp=True)):
                             continue
+                        if w.model.moe and tp > 1 and not sp:
+                            continue  # MoE under tp needs sp (distinct tokens per tp rank)
                         for z, rs in _zero_options(dp * cp, cons):
-                            yield Layout(tp=tp, cp=cp, cp_attention=kind, pp=pp, vp=vp, dp=dp,
-                                         micro_batch=mb, zero=z, recompute=rc, sp=sp,
-                                         schedule=sched, reshard_after_forward=rs,
-                                         zero_shard_size=cons.zero_shard_size if z else None)
+                            if w.model.moe and z > 1:
+                                continue  # ZeRO 2/3 with experts: not supported
+                            for ep in _ep_options(w, tp * cp * dp, cons):
+                                yield Layout(tp=tp, cp=cp, cp_attention=kind, pp=pp, vp=vp,
+                                             dp=dp, ep=ep, micro_batch=mb, zero=z,
+                                             recompute=rc, sp=sp, schedule=sched,
+                                             reshard_after_forward=rs,
+                                             zero_shard_size=cons.zero_shard_size if z
+                                             else None)
+
+
+def _ep_options(w: Workload, inner: int, cons: Constraints) -> list[int]:
+    """Expert-parallel degrees valid for ``inner`` = tp x cp x dp ranks of a stage: those of
+    ``cons.ep`` dividing both it and the experts (only 1 for a dense model)."""
+    if not w.model.moe:
+        return [1]
+    return [ep for ep in cons.ep if inner % ep == 0 and w.model.num_experts % ep == 0]
 
 
 def check_workload(w: Workload) -> None:
@@ -241,7 +261,8 @@ def _fit_error(w: Workload, gpus: int, c: Cluster, cons: Constraints,
     hint = (f"at least {need} GPUs (the first power-of-two multiple of {gpus} that fits)"
             if need else "a device with more memory")
     return PlanError(
-        f"the model ({total_params(w.shape) / 1e9:.2f}B parameters, seq_len={w.seq_len}, "
+        f"the model ({moe_param_counts(w.model)['total'] / 1e9:.2f}B parameters, "
+        f"seq_len={w.seq_len}, "
         f"global batch {w.global_batch}) fits on no layout of {gpus} x {c.name}: the smallest "
         f"memory per device is {mem['total']:.1f} GiB ({smallest.layout.short()}: params "
         f"{mem['params']:.1f}, grads {mem['grads']:.1f}, optimizer {mem['optimizer']:.1f}, "
