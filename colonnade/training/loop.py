@@ -29,6 +29,7 @@ from colonnade.training.metrics import (
     format_line,
     perplexity,
 )
+from colonnade.training.moe import begin_moe_step, end_moe_step
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
     forward_backward,
@@ -58,6 +59,7 @@ class Trainer:
         """Forward/backward every micro-batch, reduce gradients, update. Returns metrics."""
         set_train_mode(self.chunks, True)
         self.optimizer.zero_grad()
+        begin_moe_step(self.chunks, self.groups, self.optimizer.loss_scale, len(batches))
         plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
                         loss_scale=self.optimizer.loss_scale,
                         grad_sync=self.ddp.grad_sync_hook(len(batches)),
@@ -67,10 +69,11 @@ class Trainer:
         reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings,
                            self.ddp)
         info = self.optimizer.step()
+        moe = end_moe_step(self.chunks, self.config, self.groups, self.rt.device)
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        return {"loss": mean_loss(losses, self.groups, self.rt.device, batches), **info}
+        return {"loss": mean_loss(losses, self.groups, self.rt.device, batches), **info, **moe}
 
     def executor_options(self) -> ExecOptions:
         """Pipeline executor switches taken from the config."""

@@ -167,6 +167,7 @@ def format_line(rec: dict[str, Any]) -> str:
         parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
                   f"{rec['tokens_per_s']:,.0f} tok/s",
                   f"{rec['tflops_per_device']:.3f} TFLOP/s/dev", mfu]
+    parts += format_moe(rec)
     if "mem_peak_gib" in rec:
         parts.append(f"mem {rec['mem_peak_gib']:.2f} GiB")
     if "tokens" in rec:
@@ -174,3 +175,22 @@ def format_line(rec: dict[str, Any]) -> str:
         if "eta_s" in rec:
             parts.append(f"ETA {_duration(rec['eta_s'])}")
     return " | ".join(parts)
+
+
+def format_moe(rec: dict[str, Any]) -> list[str]:
+    """Compact console parts: worst max/mean load, dropped %, aux, and the per-expert load
+    (% of slots) of the most imbalanced layer."""
+    if "moe_load" not in rec:
+        return []
+    parts = [f"moe max/mean {rec['moe_load_max_mean']:.2f}",
+             f"drop {100 * rec['moe_dropped_frac']:.1f}%",
+             f"aux {rec['moe_aux_loss']:.4f}"]
+    if rec.get("moe_z_loss"):
+        parts.append(f"z {rec['moe_z_loss']:.2e}")
+    loads: dict[str, list[int]] = rec["moe_load"]
+    if loads:
+        layer = max(loads, key=lambda k: rec.get(f"moe/{k}/load_max_mean", 0.0))
+        total = max(sum(loads[layer]), 1)
+        shares = "/".join(f"{100 * v / total:.0f}" for v in loads[layer])
+        parts.append(f"load L{layer} {shares}%")
+    return parts

@@ -67,6 +67,7 @@ def init_runtime(config: Config) -> Runtime:
     dims = ParallelDims.from_config(config.parallel, world)
     groups = ProcessGroups.build(dims, config.parallel.timeout_s,
                                  tied_embeddings=config.model.tie_embeddings,
+                                 experts=config.model.moe,
                                  zero_shard_size=config.parallel.zero_shard_size)
     return Runtime(config, device, groups)
 

@@ -1,0 +1,283 @@
+"""Mixture-of-experts parity harness: tiny MoE configs, the single-process float64 reference
+and the rank body, both through the training step's MoE hooks (:mod:`colonnade.training.moe`).
+
+Reference (the single-process model of the same config and seed,
+:func:`~colonnade.models.build.build_reference`): micro-step j of a step is the dp
+micro-batches that the dp ranks run as their j-th, CONCATENATED into one micro-batch of
+b x dp samples (the contract: a 'global' aux loss counts every dp rank's tokens of the
+micro-step; for 'seq' and for the cross entropy the concatenation changes nothing). Each
+micro-step's summed loss is divided by N (the global batch's valid labels), the aux losses
+reach the gradients with scale 1 / m (m micro-steps), gradients are clipped by their plain L2
+norm, ``torch.optim.AdamW`` (decay on matrices only) updates, then the sigmoid routers' bias
+moves by the step's loads.
+
+Parallel side: every rank of a tp x cp x dp x pp layout with ep folded inside builds its
+chunks, takes micro-batches [r m, (r + 1) m) of each step (r its dp rank), and trains through
+DataParallel + DistributedOptimizer with :func:`begin_moe_step` / :func:`end_moe_step` around
+the step, as the Trainer does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from colonnade.checkpoint.export import gather_full
+from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
+from colonnade.data_parallel import build_data_parallel
+from colonnade.models.build import build_chunks, build_reference
+from colonnade.models.gpt import ModelChunk, valid_tokens
+from colonnade.models.params import unique_params
+from colonnade.moe.router import Router
+from colonnade.optim.clip import clip_coefficient
+from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.optim.lr import lr_at
+from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.plan import Batch
+from colonnade.tensor_parallel.sharding import Sharding
+from colonnade.training.moe import begin_moe_step, end_moe_step, install_moe_state
+from colonnade.training.step import mean_loss
+from tests.parity import VOCAB, random_steps, rel_err, resolved, tiny_model, train_step
+
+EXPERTS = 4
+"""Routed experts per MoE layer in every parity case."""
+CPU = torch.device("cpu")
+
+
+def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,
+               dp: int | None = None, sp: bool = False, schedule: str = "1f1b",
+               dispatcher: str = "all_to_all", capacity: float | None = None,
+               router: str = "softmax", top_k: int = 2, aux: float = 0.01,
+               aux_type: str = "global", z_loss: float = 1e-3, bias_rate: float = 1e-3,
+               shared: int = 0, zero_stage: int = 0, microbatches: int = 2,
+               steps: int = 3, layers: int | None = None) -> Config:
+    """A resolved, validated config of a tiny MoE model (h = 32, 4 heads, 4 experts of width
+    32, every layer MoE, vocab 101, seq 16, micro-batch 2) on tp x dp x pp ranks (dp default:
+    max(ep / tp, 1)); ep folds inside tp x dp."""
+    dp = dp if dp is not None else max(ep // tp, 1)
+    model = dataclasses.replace(
+        tiny_model(arch, layers=layers or max(2, pp * vp)), num_experts=EXPERTS,
+        moe_top_k=top_k, moe_ffn_hidden_size=32, moe_router=router,
+        moe_router_bias_update_rate=bias_rate, moe_aux_loss_coeff=aux,
+        moe_aux_loss_type=aux_type, moe_z_loss_coeff=z_loss, moe_capacity_factor=capacity,
+        moe_shared_expert_ffn_hidden_size=shared)
+    parallel = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule, ep=ep,
+                              moe_dispatcher=dispatcher, zero_stage=zero_stage,
+                              use_distributed_optimizer=zero_stage >= 1)
+    training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
+                              microbatches=microbatches, precision="fp64", seed=11,
+                              eval_interval=0)
+    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, clip_grad=0.05)
+    config = Config(model=model, parallel=parallel, training=training, optim=optim)
+    return resolved(config, tp * dp * pp)
+
+
+def make_batches(config: Config, seed: int = 5) -> list[list[Batch]]:
+    """Per step, the global batch's micro-batches (microbatches x dp of them)."""
+    tr = config.training
+    count = (tr.microbatches or 1) * int(config.parallel.dp or 1)
+    return random_steps(tr.steps, count, tr.micro_batch_size, tr.seq_len, VOCAB, seed=seed)
+
+
+def starve_last_expert(chunks: list[ModelChunk]) -> None:
+    """Make expert E-1 receive no token at initialisation under top-1 routing: its router row
+    becomes the mean of the others' (its logit is then the mean of theirs, below their
+    largest). Run before the data-parallel buffers are built."""
+    with torch.no_grad():
+        for module in _routers(chunks):
+            module.weight[-1].copy_(module.weight[:-1].mean(0))
+
+
+def _routers(chunks: list[ModelChunk]) -> list[Router]:
+    return [m for c in chunks for m in c.modules() if isinstance(m, Router)]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+_REFERENCE: dict[str, dict[str, Any]] = {}
+
+
+def reference_run(config: Config, step_batches: list[list[Batch]],
+                  starve: bool = False) -> dict[str, Any]:
+    """Single-process float64 AdamW (cached per model, training, optim, data): per-step
+    token-mean loss and MoE log fields, step 0's gradients before clipping, final parameters
+    (expert_bias included)."""
+    key = repr((config.model, config.training, config.optim, config.parallel.dp, starve,
+                [[(t.sum().item(), lab.sum().item()) for t, lab in s] for s in step_batches]))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference(config, step_batches, starve)
+    return _REFERENCE[key]
+
+
+def _micro_steps(batches: list[Batch], dp: int) -> list[Batch]:
+    """The dp ranks' j-th micro-batches concatenated, for each j (rank r runs [r m, (r+1) m))."""
+    m = len(batches) // dp
+    return [(torch.cat([batches[r * m + j][0] for r in range(dp)]),
+             torch.cat([batches[r * m + j][1] for r in range(dp)])) for j in range(m)]
+
+
+def _reference(config: Config, step_batches: list[list[Batch]], starve: bool
+               ) -> dict[str, Any]:
+    model = build_reference(config, torch.float64)
+    if starve:
+        starve_last_expert([model])
+    single = ProcessGroups.single()
+    install_moe_state([model], single)
+    model.train()
+    o = config.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
+         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    losses, moe, grads = [], [], {}
+    for step, batches in enumerate(step_batches):
+        micro = _micro_steps(batches, int(config.parallel.dp or 1))
+        opt.zero_grad()
+        begin_moe_step([model], single, 1.0, len(micro))
+        n = max(int(sum(valid_tokens(lab) for _, lab in micro)), 1)
+        total = 0.0
+        for tokens, labels in micro:
+            loss = model(tokens, labels, reduction="sum")
+            (loss / n).backward()
+            total += float(loss.detach())
+        losses.append(total / n)
+        if step == 0:
+            grads = {p.sharding.key: p.grad.detach().clone()  # type: ignore[attr-defined]
+                     for p in params}
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        coef = clip_coefficient(norm, o.clip_grad)
+        for p in params:
+            p.grad.mul_(coef)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, config.training.steps, o)
+        opt.step()
+        moe.append(end_moe_step([model], config, single, CPU))
+    state = {p.sharding.key: p.detach().clone()  # type: ignore[attr-defined]
+             for p in model.parameters()}
+    return {"losses": losses, "moe": moe, "grads": grads, "params": state}
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def gather_tensor(t: torch.Tensor, sharding: Sharding, groups: ProcessGroups) -> torch.Tensor:
+    """The full tensor of a parameter (or gradient) shard: over ep for an expert weight
+    (split on its ep dim), else over tp."""
+    if "ep" not in sharding.split_axes:
+        return gather_full(t, sharding, groups.tp).double()
+    ep = groups.ep
+    assert ep is not None
+    dim = dict(sharding.splits)["ep"]
+    moved = t.detach().movedim(dim, 0).contiguous()  # [E/ep, ...]
+    out = moved.new_empty((moved.shape[0] * ep.size, *moved.shape[1:]))
+    ep.all_gather_into(out, moved, name="gather_full")
+    shards = [c.movedim(0, dim) for c in out.chunk(ep.size, dim=0)]
+    return sharding.unshard(shards, {"ep": ep.size}).double()
+
+
+def gathered(chunks: list[nn.Module], groups: ProcessGroups,
+             grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full parameters (or gradients of the trained ones) of this rank's chunks, by name."""
+    out: dict[str, torch.Tensor] = {}
+    for p in unique_params(chunks):
+        if grads and not p.requires_grad:
+            continue
+        t = p.grad if grads else p
+        key = p.sharding.key  # type: ignore[attr-defined]
+        if t is None:
+            raise AssertionError(f"{key} has no gradient")
+        out[key] = gather_tensor(t, p.sharding, groups)  # type: ignore[attr-defined]
+    return out
+
+
+def rank_train(config: Config, step_batches: list[list[Batch]],
+               starve: bool = False) -> dict[str, Any]:
+    """Rank body: train this rank's part; returns per-step losses (:func:`mean_loss`) and
+    MoE log fields (the same on every rank), step 0's gathered gradients (without ZeRO) and
+    the gathered parameters after the last step."""
+    torch.set_num_threads(1)
+    par = config.parallel
+    dims = ParallelDims.from_config(par, par.tp * par.cp * int(par.dp or 1) * par.pp)
+    groups = ProcessGroups.build(dims, experts=True)
+    chunks = build_chunks(config, groups, dtype=torch.float64)
+    if starve:
+        starve_last_expert(chunks)
+    install_moe_state(chunks, groups)
+    for chunk in chunks:
+        chunk.train()
+    ddp = build_data_parallel(chunks, config, groups)
+    opt = DistributedOptimizer(ddp, config.optim, groups, config.training.steps,
+                               config.training.precision)
+    m, r = config.training.microbatches or 1, groups.dp_rank
+    losses, moe, grads = [], [], {}
+    for step, batches in enumerate(step_batches):
+        mine = batches[r * m:(r + 1) * m]
+        begin_moe_step(chunks, groups, opt.loss_scale, len(mine))
+
+        def keep_grads(step: int = step) -> None:
+            if step == 0 and par.zero_stage == 0:
+                grads.update(gathered(chunks, groups, grads=True))
+
+        step_losses, _ = train_step(chunks, ddp, opt, groups, config, step, mine,
+                                    before_optim=keep_grads)
+        losses.append(mean_loss(step_losses, groups, CPU, mine))
+        moe.append(end_moe_step(chunks, config, groups, CPU))
+    ddp.finish_param_gather()
+    return {"rank": groups.rank, "losses": losses, "moe": moe, "grads": grads,
+            "params": gathered(chunks, groups)}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+FLOOR = 1e-3
+"""Relative-error floor for parameters and gradients (a tensor that is exactly zero in the
+reference holds rounding noise on both sides)."""
+
+
+def merged(results: list[dict[str, Any]], what: str) -> dict[str, torch.Tensor]:
+    """Every rank's ``what`` ('params' or 'grads') in one dict (replicas agree to 1e-13)."""
+    out: dict[str, torch.Tensor] = {}
+    for res in results:
+        for key, value in res[what].items():
+            if key in out:
+                err = rel_err(value, out[key], 1e-30)
+                assert err < 1e-13, f"replicas disagree on {what} {key}: {err:.3e}"
+            out[key] = value
+    return out
+
+
+def worst_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Largest relative error (floored at :data:`FLOOR` x the largest reference norm)."""
+    assert sorted(got) == sorted(want), f"names differ: {sorted(set(got) ^ set(want))}"
+    floor = FLOOR * max(float(t.double().norm()) for t in want.values())
+    return max(rel_err(got[k], ref, floor) for k, ref in want.items())
+
+
+def check_parity(results: list[dict[str, Any]], ref: dict[str, Any],
+                 tol: float = 1e-10) -> dict[str, float]:
+    """Assert every rank's losses and MoE fields equal the reference's (loads and drops
+    exactly, aux losses to ``tol``), and the gathered gradients (step 0) and final parameters
+    to ``tol``; returns the worst errors."""
+    errs = {"loss": 0.0, "aux": 0.0}
+    for res in results:
+        for got, want in zip(res["losses"], ref["losses"], strict=True):
+            errs["loss"] = max(errs["loss"], abs(got - want) / abs(want))
+        for got, want in zip(res["moe"], ref["moe"], strict=True):
+            assert got["moe_load"] == want["moe_load"], (got["moe_load"], want["moe_load"])
+            for key, value in want.items():
+                if key.endswith(("load_balance", "z_loss", "dropped_frac", "load_max_mean")):
+                    err = abs(got[key] - value) / max(abs(value), 1e-30)
+                    errs["aux"] = max(errs["aux"], err if value else abs(got[key]))
+    if ref["grads"] and all(res["grads"] for res in results):
+        errs["grads"] = worst_error(merged(results, "grads"), ref["grads"])
+    errs["params"] = worst_error(merged(results, "params"), ref["params"])
+    for what, err in errs.items():
+        assert err <= tol, f"{what}: relative error {err:.3e} > {tol:g} ({errs})"
+    return errs
