@@ -29,7 +29,7 @@ from colonnade.training.metrics import (
     format_line,
     perplexity,
 )
-from colonnade.training.moe import begin_moe_step, end_moe_step
+from colonnade.training.moe import begin_moe_step, end_moe_step, install_moe_state
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
     forward_backward,
@@ -48,6 +48,7 @@ class Trainer:
         cfg = self.config
         self.data = data
         self.chunks: list[ModelChunk] = build_chunks(cfg, self.groups, rt.device)
+        install_moe_state(self.chunks, self.groups)  # MoE: aux-loss scale and stats sink
         if data is not None:  # data.reset_position_ids / reset_attention_mask need the EOD id
             install_doc_reset(self.chunks, cfg.data, data.tokenizer)
         self.ddp = build_data_parallel(self.chunks, cfg, self.groups)
