@@ -84,7 +84,7 @@ TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
     ("expert_tp_vs_stage", 2, {"parallel": {"expert_tp": 4}},
      ["parallel.ep=1 x parallel.expert_tp=4 = 4 does not divide", "lower expert_tp"]),
     ("ep_without_experts", 2, {"parallel": {"ep": 2, "expert_tp": 1}},
-     ["parallel.ep=2: no layer has experts yet", "set ep=1"]),
+     ["parallel.ep=2 needs a mixture-of-experts model", "set ep=1"]),
     ("expert_tp_positive", 1, {"parallel": {"expert_tp": 0}},
      ["parallel.expert_tp=0 must be >= 1"]),
     ("order_names_ep_with_ep", 2, {"parallel": {"ep": 2, "order": "tp-cp-ep-dp-pp"}},
