@@ -11,6 +11,9 @@ activation factor 1/cp against cp = 1, the cp attention's bytes per step per ran
 exposed time on a cluster preset (the planner's time model: cpu-local on CPU, a100-80gb
 otherwise); with ``training.memory_limit_gb`` a line says whether the estimate fits (train
 refuses a run that does not, naming what fits: :mod:`colonnade.analysis.memory_limit`).
+For a mixture-of-experts model an MoE block gives the parameters total / active per token,
+the experts per rank (E/ep per MoE layer, their state bytes with ZeRO-1 over expert_dp) and
+the token dispatch's MB per step per rank (:mod:`colonnade.analysis.moe`).
 Nothing is written, prepared or launched. (It lives in the planner, above training, because it
 reuses the planner's memory model.)
 """
@@ -26,11 +29,19 @@ from colonnade.analysis.hardware import GIB, get_cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import (
     memory_per_device,
+    moe_stage_params,
     stage_params,
+    stage_state_bytes,
     state_bytes_per_param,
     zero_paper_bytes,
 )
 from colonnade.analysis.memory_limit import memory_limit_line
+from colonnade.analysis.moe import (
+    MoEShape,
+    active_flops_per_token,
+    moe_param_counts,
+    step_dispatch_bytes,
+)
 from colonnade.analysis.timing import step_time
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
@@ -68,6 +79,8 @@ def memory_lines(config: Config, world: int) -> list[str]:
     layout = Layout.from_config(config, world)
     mem = memory_per_device(workload, layout)
     params = stage_params(workload.shape, layout, mem.stage)
+    if config.model.moe:
+        params += sum(moe_stage_params(workload, layout, mem.stage))
     gib = mem.gib()
     lines = [f"memory per rank (planner's model, {mem.stage} stage, "
              f"{config.training.precision}): {params:,.0f} parameters",
@@ -105,6 +118,41 @@ def cp_line(config: Config, world: int) -> str | None:
             f"({act / GIB:.3f} GiB per rank, {act1 / GIB:.3f} at cp 1; ratio "
             f"{act / act1:.3f}), {kind} {mb:,.1f} MB/step per rank{overlap}, exposed "
             f"~{exposed:.3g} ms on {cluster.name} (the planner's time model)")
+
+
+def moe_lines(config: Config, world: int) -> list[str]:
+    """The MoE block: parameters total / active, experts and their states per rank, the
+    dispatch's bytes per step per rank (empty for a dense model)."""
+    m = config.model
+    if not m.moe:
+        return []
+    workload = Workload.from_config(config)
+    layout = Layout.from_config(config, world)
+    counts, x = moe_param_counts(m), MoEShape.of(m)
+    layers = x.max_stage_moe_layers(layout.pp)
+    experts = m.num_experts // layout.ep
+    _, expert_params = moe_stage_params(workload, layout, "first" if layout.pp > 1 else "only")
+    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero,
+                                      layout.edp if layout.zero else 1)
+    tokens = layout.local_tokens(workload.seq_len) / layout.tp
+    mbs = layout.microbatches(workload.global_batch)
+    mb = step_dispatch_bytes(m, tokens, mbs, layout.pp, workload.elem, layout.ep,
+                             workload.moe_dispatcher) / 1e6
+    dense = active_flops_per_token(m, workload.seq_len)
+    return [
+        f"moe: {counts['moe_layers']} MoE layers of {m.num_experts} experts (top {m.moe_top_k}"
+        f", expert width {m.expert_ffn_size}"
+        + (f", shared {m.moe_shared_expert_ffn_hidden_size}" if x.shared_ffn else "")
+        + f"): {counts['total']:,} parameters total, {counts['active']:,} active per token "
+        f"({counts['active'] / counts['total']:.1%}); {dense / 1e9:.3g} GFLOPs per token "
+        "(active experts, forward + backward)",
+        f"  experts per rank: {experts} per MoE layer x {layers} layer(s) (ep {layout.ep}, "
+        f"expert_dp {layout.edp}) = {expert_params:,.0f} parameters, "
+        f"{expert_params * (ewb + egb + eob) / GIB:.3f} GiB of weights + grads + optimizer"
+        + (f" (optimizer sharded over expert_dp {layout.edp})" if layout.zero else ""),
+        f"  dispatch ({workload.moe_dispatcher}): {mb:,.2f} MB/step per rank sent "
+        "(forward + backward, uniform routing)" + ("; none at ep 1" if layout.ep == 1 else ""),
+    ]
 
 
 def data_lines(config: Config) -> list[str]:
@@ -147,6 +195,7 @@ def dry_run(config: Config, world: int) -> str:
         f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "
         f"{dims.dp}); {tr.steps} steps = {tr.steps * tokens:,} tokens",
         *memory_lines(config, world),
+        *moe_lines(config, world),
         *[line for line in (cp_line(config, world), memory_limit_line(config, world)) if line],
         *data_lines(config),
     ]
