@@ -504,7 +504,8 @@ def _moe_fields(m: ModelConfig) -> list[str]:
                              ("moe_ffn_hidden_size", 1, m.expert_ffn_size)):
         if value < low:
             out.append(f"model.{name}={value} must be >= {low}.")
-    if m.num_layers >= 1 and not any(map(m.is_moe_layer, range(m.num_layers))):
+    if m.moe_layer_freq >= 1 and m.num_layers >= 1 and not any(
+            map(m.is_moe_layer, range(m.num_layers))):
         out.append(f"model.moe_first_dense_layers={m.moe_first_dense_layers} leaves no MoE "
                    f"layer among model.num_layers={m.num_layers}; lower it or set "
                    "model.num_experts=0.")
