@@ -1,0 +1,140 @@
+"""The grouped GEMM and the stacked experts on their own.
+
+* grouped_mm (both paths) against a per-row reference ``y_i = x_i w_{e(i)}^T`` built by
+  gathering each row's expert weight: float64 (the loop), float32 (``torch._grouped_mm`` where
+  this build has it), forward and gradients, with experts that get no row;
+* GroupedExperts' initial weights: the ep shards of every ep layout (1, 2, 4) put together
+  equal the single-process experts bit for bit, gate/up at init_std and down at the output std;
+* GroupedExperts' forward against plain per-expert SwiGLU / GELU(+bias) MLPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colonnade.config.sections import ModelConfig
+from colonnade.moe.experts import GroupedExperts
+from colonnade.moe.grouped_gemm import grouped_mm, grouped_mm_loop, grouped_mm_supported
+from colonnade.parallel.comm import CommGroup, CommStats
+from colonnade.parallel.rng import RNGTracker
+from colonnade.tensor_parallel.context import ParallelContext
+from colonnade.tensor_parallel.sharding import output_std
+from tests.parity import tiny_model
+
+COUNTS = [3, 0, 5, 0, 4]  # experts 1 and 3 get no row
+
+
+def _problem(dtype: torch.dtype, inp: int = 32, out: int = 48
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(COUNTS), inp, generator=gen, dtype=torch.float64).to(dtype)
+    w = torch.randn(len(COUNTS), out, inp, generator=gen, dtype=torch.float64).to(dtype)
+    g = torch.randn(sum(COUNTS), out, generator=gen, dtype=torch.float64).to(dtype)
+    return x, w, g
+
+
+def _per_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y_i = x_i w_{e(i)}^T, each row's expert weight gathered: [t, out, in] x [t, in]."""
+    owner = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))  # [t]
+    return torch.einsum("toi,ti->to", w[owner], x)
+
+
+def _grads(fn: object, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = fn(xs, ws)  # type: ignore[operator]
+    y.backward(g)
+    assert xs.grad is not None and ws.grad is not None
+    return y.detach(), xs.grad, ws.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grouped_mm_matches_per_row_products(dtype: torch.dtype) -> None:
+    x, w, g = _problem(dtype)
+    got = _grads(lambda a, b: grouped_mm(a, b, torch.tensor(COUNTS)), x, w, g)
+    want = _grads(_per_row, x, w, g)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        err = float((a - b).double().norm() / b.double().norm())
+        assert err <= tol, f"{dtype} {name}: {err}"
+    assert torch.all(got[2][1] == 0) and torch.all(got[2][3] == 0), "empty experts' dw"
+
+
+def test_kernel_and_loop_agree_in_fp32() -> None:
+    """Where torch._grouped_mm runs on this machine (CPU float32), it equals the loop."""
+    x, w, g = _problem(torch.float32)
+    loop = _grads(lambda a, b: grouped_mm_loop(a, b, COUNTS), x, w, g)
+    assert grouped_mm_supported("cpu", torch.float32) == hasattr(torch, "_grouped_mm")
+    assert not grouped_mm_supported("cpu", torch.float64)
+    fast = _grads(lambda a, b: grouped_mm(a, b, COUNTS), x, w, g)
+    for name, a, b in zip(("y", "dx", "dw"), fast, loop, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-6, name
+
+
+def test_grouped_mm_rejects_counts_not_matching_rows() -> None:
+    x, w, _ = _problem(torch.float64)
+    with pytest.raises(ValueError, match="do not match"):
+        grouped_mm_loop(x, w, [1, 2, 3, 4, 5])
+
+
+def _context(ep: int, rank: int) -> ParallelContext:
+    stats = CommStats()
+    return ParallelContext(group=CommGroup("tp", [0], None, stats, 0), sp=False, seed=7,
+                           rng=RNGTracker(7), dtype=torch.float64,
+                           ep=CommGroup("ep", list(range(ep)), None, stats, rank))
+
+
+def _model(arch: str, bias: bool = False) -> ModelConfig:
+    return dataclasses.replace(tiny_model(arch, bias=bias), num_experts=4, moe_top_k=2,
+                               moe_ffn_hidden_size=24)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_expert_init_identical_in_every_ep_layout(arch: str) -> None:
+    cfg = _model(arch, bias=arch == "gpt2")
+    single = dict(GroupedExperts(cfg, _context(1, 0), "layers.0.mlp.experts").named_parameters())
+    names = ["gate", "up", "down"] if arch == "llama" else ["up", "down", "up_bias", "down_bias"]
+    assert sorted(single) == sorted(names)
+    for ep in (2, 4):
+        shards = [GroupedExperts(cfg, _context(ep, r), "layers.0.mlp.experts") for r in range(ep)]
+        for name in names:
+            parts = [getattr(s, name) for s in shards]
+            assert all(p.shape[0] == 4 // ep for p in parts)
+            assert all(p.sharding.splits == (("ep", 0),) for p in parts)  # type: ignore[attr-defined]
+            assert torch.equal(torch.cat([p.detach() for p in parts]), single[name].detach()), (
+                f"ep{ep} {name}")
+        assert [s.first for s in shards] == [r * (4 // ep) for r in range(ep)]
+    std, out_std = cfg.init_std, output_std(cfg.init_std, cfg.num_layers)
+    assert abs(float(single["up"].detach().std()) - std) < 0.1 * std
+    assert abs(float(single["down"].detach().std()) - out_std) < 0.1 * out_std
+    assert math.isclose(out_std, std / math.sqrt(2 * cfg.num_layers))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_grouped_experts_forward_matches_plain_mlps(arch: str) -> None:
+    cfg = _model(arch, bias=arch == "gpt2")
+    experts = GroupedExperts(cfg, _context(1, 0), "k")
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)  # non-zero biases too
+    counts = [2, 0, 3, 1]
+    x = torch.randn(6, cfg.hidden_size, dtype=torch.float64)
+    got = experts(x, torch.tensor(counts))
+    rows, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x[start:start + n]
+        start += n
+        if arch == "llama":
+            assert experts.gate is not None
+            h = F.silu(xe @ experts.gate[e].T) * (xe @ experts.up[e].T)
+            rows.append(h @ experts.down[e].T)
+        else:
+            assert experts.up_bias is not None and experts.down_bias is not None
+            h = F.gelu(xe @ experts.up[e].T + experts.up_bias[e], approximate="tanh")
+            rows.append(h @ experts.down[e].T + experts.down_bias[e])
+    assert torch.allclose(got, torch.cat(rows), rtol=1e-12, atol=1e-14)
