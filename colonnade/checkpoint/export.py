@@ -25,10 +25,23 @@ from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel.sharding import Sharding
 
 
-def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup) -> torch.Tensor:
+def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup,
+                ep: CommGroup | None = None) -> torch.Tensor:
     """All-gather the tp shards of a tensor and undo padding: the logical full tensor (a
-    parameter split over no other axis, or one whose other axes have degree 1)."""
+    parameter split over no other axis, or one whose other axes have degree 1). An expert
+    weight (split over "ep" on dim 0, [E/ep, ...] here) is gathered over ``ep`` instead
+    (expert tp is 1): [E, ...]."""
     check_materialised(t, sharding)
+    if "ep" in sharding.split_axes:
+        if sharding.dim is not None:
+            raise NotImplementedError(f"{sharding.key}: gathering an expert weight split over "
+                                      "expert tp as well")
+        if ep is None or ep.size == 1:
+            return sharding.unshard([t.detach()], {"ep": 1})
+        local = t.detach().contiguous()  # [E/ep, ...]
+        out = local.new_empty((local.shape[0] * ep.size, *local.shape[1:]))  # [E, ...]
+        ep.all_gather_into(out, local, name="gather_full_experts")
+        return sharding.unshard(list(out.chunk(ep.size, dim=0)), {"ep": ep.size})
     if sharding.dim is None or group.size == 1:
         return sharding.unshard([t.detach()], {})
     moved = t.detach().movedim(sharding.dim, 0).contiguous()  # [n/tp, ...]
@@ -84,7 +97,7 @@ def full_state(chunks: list[nn.Module], groups: ProcessGroups,
             seen.add(id(p))
             sharding: Sharding = p.sharding  # type: ignore[attr-defined]
             local = p if ranges is None else shard_local(p, ranges.get(id(p), []), ddp.group)
-            out[sharding.key] = gather_full(local, sharding, groups.tp).contiguous()
+            out[sharding.key] = gather_full(local, sharding, groups.tp, groups.ep).contiguous()
     return out
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face interop: ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` directories.
+"""Hugging Face interop: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` and
+``Qwen2MoeForCausalLM`` directories (the MoE forms: :mod:`~colonnade.checkpoint.hf_moe`).
 
 An HF directory holds ``config.json``, ``model.safetensors`` (or an index + shards) and
 tokenizer files. Each architecture's HF form (class name, config.json fields, where each of
@@ -13,7 +14,8 @@ Meta's original checkpoints, which HF's own conversion script already undid), tr
 
 Loading an HF directory into any parallel layout: :func:`load_hf_into_chunks` reads, for each
 of this rank's parameters, only the box of its tp shard (:class:`HFRef` says where that box
-lies in the HF tensor), one slice at a time.
+lies in the HF tensor), one slice at a time; an expert weight the box of its ep shard (the
+experts [ep_rank E/ep, (ep_rank + 1) E/ep), each expert one HF tensor).
 Writing one (config.json, generation config, tokenizer with special tokens, dtype) is
 :mod:`colonnade.hf_export`, which uses :func:`hf_config_from_model` and :func:`hf_tensors`:
 the HF tensors are assembled one at a time, each from its Colonnade tensors fetched one at a
@@ -37,12 +39,14 @@ from safetensors import safe_open
 from torch import nn
 
 from colonnade.checkpoint.format import CheckpointError
-from colonnade.checkpoint.hf_archs import HF_FORMATS, HFRef, hf_format
+from colonnade.checkpoint.hf_archs import HFRef
+from colonnade.checkpoint.hf_moe import ALL_FORMATS
+from colonnade.checkpoint.hf_moe import format_for as hf_format
 from colonnade.checkpoint.pieces import Box, pad_to_local
+from colonnade.checkpoint.sharded import rank_coords
 from colonnade.config.sections import ModelConfig
 from colonnade.models.params import unique_params
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.tensor_parallel.sharding import tp_coords
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
@@ -57,10 +61,10 @@ def is_hf_dir(path: str | Path) -> bool:
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of an HF config.json (Llama or GPT-2); rejects what Colonnade cannot run."""
     arch = (hf.get("architectures") or [""])[0]
-    for fmt in HF_FORMATS.values():
+    for fmt in ALL_FORMATS.values():
         if fmt.hf_class == arch:
             return fmt.read_config(hf)
-    known = " or ".join(fmt.hf_class for fmt in HF_FORMATS.values())
+    known = " or ".join(fmt.hf_class for fmt in ALL_FORMATS.values())
     raise ValueError(f"config.json: architecture {arch!r} is not supported ({known})")
 
 
@@ -91,7 +95,13 @@ def hf_slice(ref: HFRef, box: Box, stored: tuple[int, ...]) -> tuple[slice, ...]
 
 def take_box(get: Callable[[str, tuple[slice, ...]], torch.Tensor],
              shape_of: Callable[[str], tuple[int, ...]], ref: HFRef, box: Box) -> torch.Tensor:
-    """Box ``box`` of our tensor, read as one slice of the HF tensor through ``get``."""
+    """Box ``box`` of our tensor, read as one slice of the HF tensor through ``get`` (a
+    stacked-experts tensor: one slice of each expert's HF tensor in the box, stacked)."""
+    if ref.experts:
+        (o0, *offsets), (n0, *shape) = box
+        sub = (tuple(offsets), tuple(shape))
+        return torch.stack([take_box(get, shape_of, one, sub)
+                            for one in ref.per_expert()[o0:o0 + n0]])  # [n0, ...]
     values = get(ref.name, hf_slice(ref, box, shape_of(ref.name)))
     return values.t().contiguous() if ref.transpose else values
 
@@ -106,7 +116,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 
     out = {}
     for ours, ref in hf_refs(cfg).items():
-        full = ref.our_shape(shape_of(ref.name))
+        full = ref.our_shape(shape_of(ref.tensor_name()))
         out[ours] = take_box(get, shape_of, ref, ((0,) * len(full), full))
     return out
 
@@ -126,12 +136,16 @@ HFSpec = tuple[str, tuple[int, ...], torch.dtype]
 
 def hf_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, HFRef]]]:
     """HF tensor name -> the (our key, ref) parts it is made of, in block order, sorted by
-    HF name (the order :func:`hf_tensors` yields them)."""
+    HF name (the order :func:`hf_tensors` yields them); a stacked-experts tensor's HF tensors
+    (one per expert, ``ref.expert`` = j) are consecutive, sorted by its name pattern and j."""
     out: dict[str, list[tuple[str, HFRef]]] = {}
-    for ours, ref in hf_refs(cfg).items():
-        out.setdefault(ref.name, []).append((ours, ref))
-    return {name: sorted(parts, key=lambda part: part[1].block)
-            for name, parts in sorted(out.items())}
+    order: dict[str, tuple[str, int]] = {}
+    for ours, stacked in hf_refs(cfg).items():
+        for ref in stacked.per_expert():
+            out.setdefault(ref.name, []).append((ours, ref))
+            order[ref.name] = (stacked.name, -1 if ref.expert is None else ref.expert)
+    return {name: sorted(out[name], key=lambda part: part[1].block)
+            for name in sorted(out, key=order.__getitem__)}
 
 
 def hf_specs(cfg: ModelConfig, shape_of: ShapeOf, dtype: torch.dtype) -> list[HFSpec]:
@@ -139,8 +153,9 @@ def hf_specs(cfg: ModelConfig, shape_of: ShapeOf, dtype: torch.dtype) -> list[HF
     (reversed when stored transposed) and the parts are concatenated along the last dim."""
     out = []
     for name, parts in hf_parts(cfg).items():
-        shapes = [shape_of(ours)[::-1] if ref.transpose else shape_of(ours)
-                  for ours, ref in parts]
+        ours_shapes = [(shape_of(ours)[1:] if ref.expert is not None else shape_of(ours), ref)
+                       for ours, ref in parts]
+        shapes = [shape[::-1] if ref.transpose else shape for shape, ref in ours_shapes]
         out.append((name, (*shapes[0][:-1], sum(s[-1] for s in shapes)), dtype))
     return out
 
@@ -149,13 +164,24 @@ def hf_tensors(cfg: ModelConfig, get: TensorGet, specs: Sequence[HFSpec]
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of :func:`hf_specs` one at a time: each part ``get(ours)`` (fetched when
     needed, dropped once copied) written transposed or not into its block of the last dim.
-    Equal to :func:`to_hf_state` of the full tensors."""
+    Equal to :func:`to_hf_state` of the full tensors. A stacked-experts tensor [E, ...] is
+    fetched once for its E consecutive HF tensors (expert j's is its slice j) and kept until
+    another key is asked for: besides the HF tensor, at most one part or one stacked tensor is
+    alive."""
     parts_of = hf_parts(cfg)
+    kept: dict[str, torch.Tensor] = {}
     for name, shape, dtype in specs:
         out = torch.empty(shape, dtype=dtype)
         at = 0
         for ours, ref in parts_of[name]:
-            part = get(ours)
+            if ref.expert is None:
+                kept.clear()
+                part = get(ours)
+            else:
+                if ours not in kept:
+                    kept.clear()
+                    kept[ours] = get(ours)
+                part = kept[ours][ref.expert]
             part = part.t() if ref.transpose else part
             n = part.shape[-1]
             out[..., at:at + n] = part
@@ -294,7 +320,6 @@ def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
     """
     reader = HFReader(directory)
     refs = hf_refs(reader.config)
-    coords = tp_coords(groups.tp.rank, groups.tp.size)
     shards = getattr(ddp, "param_shards", None) if ddp is not None else None
     ranges: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
     if shards is not None:
@@ -303,6 +328,7 @@ def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
             ranges.setdefault(id(q), []).append((lo, hi, values))
     for p in unique_params(chunks):
         s = p.sharding  # type: ignore[attr-defined]
+        coords = rank_coords(groups, sharding=s)  # tp, or ep for an expert weight
         value = _hf_local(reader, refs, s, coords, p.dtype, directory)  # [local_shape]
         with torch.no_grad():
             if shards is None:
@@ -321,7 +347,7 @@ def _hf_local(reader: HFReader, refs: dict[str, HFRef], s: Any, coords: dict[str
     if s.key not in refs:
         raise CheckpointError(f"{directory}: tensor '{s.key}' missing")
     ref = refs[s.key]
-    theirs = ref.our_shape(reader.shape(ref.name))
+    theirs = ref.our_shape(reader.shape(ref.tensor_name()))
     if theirs != s.full_shape:
         raise CheckpointError(f"{directory}: tensor '{s.key}' has shape {theirs} but the "
                               f"model expects {s.full_shape}; the [model] config does not "

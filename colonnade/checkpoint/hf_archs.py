@@ -35,12 +35,30 @@ class HFRef:
     transpose: bool = False
     block: int = 0
     blocks: int = 1
+    experts: int = 0
+    """Stacked experts: our tensor [E, ...] is ``experts`` HF tensors, expert j's [...] named
+    ``name.format(j=j)`` (Mixtral's ``experts.{j}.w1``); 0: one HF tensor."""
+    expert: int | None = None
+    """This HF tensor holds expert ``expert``'s slice (our dim 0) of a stacked tensor
+    (:meth:`per_expert` makes these; the export side)."""
+
+    def tensor_name(self, j: int = 0) -> str:
+        """The HF tensor holding (expert ``j`` of) our values."""
+        return self.name.format(j=j) if self.experts else self.name
 
     def our_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
-        """Our full shape for the HF tensor's shape ``stored``."""
+        """Our full shape for the HF tensor's shape ``stored`` (one expert's when stacked)."""
         shape = list(stored)
         shape[-1] //= self.blocks
-        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+        ours = tuple(reversed(shape)) if self.transpose else tuple(shape)
+        return (self.experts, *ours) if self.experts else ours
+
+    def per_expert(self) -> list[HFRef]:
+        """One ref per HF tensor: expert j's slice for a stacked ref, else ``[self]``."""
+        if not self.experts:
+            return [self]
+        return [HFRef(self.name.format(j=j), self.transpose, self.block, self.blocks, 0, j)
+                for j in range(self.experts)]
 
 
 @dataclass(frozen=True)
@@ -205,7 +223,8 @@ HF_FORMATS: dict[str, HFFormat] = {
 
 
 def hf_format(cfg: ModelConfig) -> HFFormat:
-    """The HF form of ``cfg.arch``."""
+    """The HF form of ``cfg.arch`` (dense models; :func:`colonnade.checkpoint.hf_moe.
+    format_for` also knows the mixture-of-experts classes)."""
     if cfg.arch not in HF_FORMATS:
         raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face form (one of "
                          f"{list(HF_FORMATS)})")

@@ -4,14 +4,16 @@ Who writes what (each logical element is written exactly once), all from each pa
 :class:`~colonnade.tensor_parallel.sharding.Sharding` and this rank's coordinates
 (:func:`rank_coords`): a piece is written by the ranks that split it (each its box) and, of the
 ranks holding identical copies, by index 0 of every replicated axis (``Sharding.owns``: tp rank
-0 of a tp-replicated parameter, dp rank 0 of the dp replicas); the last stage's copy of a tied
-embedding never (``tied_copy``: it equals the first stage's). With a dp-sharded optimizer
-(ZeRO-1/2/3) every rank of the shard group writes the flat ranges of the optimizer state it
-owns; under hybrid sharding (``zero_shard_size``) only index 0 of the replicate group does (the
-other replicas hold the same ranges). ZeRO-3 parameters have no full local tensor: each rank
-writes, the same way, the flat ranges ``[lo, hi)`` of each flattened local tp shard it keeps
-(``DataParallel.owned_param_segments``); stages 0-2 keep one replicated local shard per tp
-rank, written by dp rank 0.
+0 of a tp-replicated parameter, dp rank 0 of the dp replicas; an expert weight, split over ep,
+has expert-view coordinates: its ep shard is written by expert_dp rank 0 of the ranks holding
+it, and with ZeRO-1 each expert_dp rank writes its range of the expert optimizer state); the
+last stage's copy of a tied embedding never (``tied_copy``: it equals the first stage's). With
+a dp-sharded optimizer (ZeRO-1/2/3) every rank of the shard group writes the flat ranges of the
+optimizer state it owns; under hybrid sharding (``zero_shard_size``) only index 0 of the
+replicate group does (the other replicas hold the same ranges). ZeRO-3 parameters have no full
+local tensor: each rank writes, the same way, the flat ranges ``[lo, hi)`` of each flattened
+local tp shard it keeps (``DataParallel.owned_param_segments``); stages 0-2 keep one replicated
+local shard per tp rank, written by dp rank 0.
 
 Loading reads, for each of this rank's parameters, the box of its shard (ZeRO-3: only the
 flat ranges its shard holds), and the flat range its optimizer asks for, whatever layout and
@@ -50,21 +52,50 @@ def optim_name(key: str, state: str) -> str:
     return f"optim/{key}/{state}"
 
 
-def rank_coords(groups: ProcessGroups, dp: bool = False) -> dict[str, tuple[int, int]]:
-    """This rank's coordinates on the axes a checkpoint distinguishes: tp (which splits or
-    replicates each parameter) and, with ``dp``, the dp x cp replicas (dp rank 0 writes)."""
+def is_expert(sharding: Sharding) -> bool:
+    """An expert weight (split over ep): it lives in the expert view of the layout."""
+    return "ep" in sharding.split_axes
+
+
+def rank_coords(groups: ProcessGroups, dp: bool = False,
+                sharding: Sharding | None = None) -> dict[str, tuple[int, int]]:
+    """This rank's coordinates on the axes a checkpoint distinguishes, for ``sharding``'s
+    parameter (None: a dense one).
+
+    Dense view: tp (which splits or replicates each parameter) and, with ``dp``, the dp x cp
+    replicas (dp rank 0 writes). Expert view (:func:`is_expert`): ep (which experts, block
+    ``ep_rank`` of dim 0), the expert tp group as "tp" (degree 1 today) and, with ``dp``, the
+    expert_dp replicas (edp rank 0 writes each expert piece, once per ep shard)."""
+    if sharding is not None and is_expert(sharding):
+        return _expert_coords(groups, dp)
     coords = tp_coords(groups.tp.rank, groups.tp.size)
     if dp:
         coords["dp"] = (groups.dp_cp.rank, groups.dp_cp.size)
     return coords
 
 
-def shard_coords(groups: ProcessGroups) -> dict[str, tuple[int, int]]:
-    """Coordinates of a rank writing ZeRO shards (its own flat ranges): tp, and under hybrid
-    sharding the replicate group as a replicated axis, so only its index 0 writes."""
-    coords = rank_coords(groups)
+def _expert_coords(groups: ProcessGroups, dp: bool) -> dict[str, tuple[int, int]]:
+    """Expert-view coordinates: {"ep", "tp" (expert tp), "dp" (expert dp, with ``dp``)};
+    groups built without the expert groups count as ep = 1, expert_dp = dp x cp."""
+    ep, etp = groups.ep, groups.expert_tp
+    coords = {"ep": (ep.rank, ep.size) if ep is not None else (0, 1),
+              "tp": (etp.rank, etp.size) if etp is not None else (0, 1)}
+    if dp:
+        edp = groups.expert_dp if groups.expert_dp is not None else groups.dp_cp
+        coords["dp"] = (edp.rank, edp.size)
+    return coords
+
+
+def shard_coords(groups: ProcessGroups,
+                 sharding: Sharding | None = None) -> dict[str, tuple[int, int]]:
+    """Coordinates of a rank writing ZeRO shards (its own flat ranges) of ``sharding``'s
+    parameter: tp (expert: ep and expert tp; ZeRO-1 shards expert state over expert_dp, so
+    every expert_dp rank writes), and under hybrid sharding of a dense parameter the replicate
+    group as a replicated axis, so only its index 0 writes."""
+    coords = rank_coords(groups, sharding=sharding)
     replicate = groups.zero_replicate
-    if replicate is not None and replicate.size > 1:
+    expert = sharding is not None and is_expert(sharding)
+    if replicate is not None and replicate.size > 1 and not expert:
         coords["dp"] = (max(replicate.rank, 0), replicate.size)
     return coords
 
@@ -80,9 +111,9 @@ def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
     ``ddp``'s persistent shard: :func:`sharded_model_entries`)."""
     if _param_shards(ddp) is not None:
         return sharded_model_entries(ddp, groups)
-    coords = rank_coords(groups, dp=True)
-    entries = (shard_entry(model_name(p.sharding.key), p.detach(), p.sharding, coords)
-               for p in unique_params(chunks))  # type: ignore[attr-defined]
+    entries = (shard_entry(model_name(p.sharding.key), p.detach(), p.sharding,  # type: ignore[attr-defined]
+                           rank_coords(groups, True, p.sharding))  # type: ignore[attr-defined]
+               for p in unique_params(chunks))
     return [e for e in entries if e is not None]
 
 
@@ -93,10 +124,10 @@ def sharded_model_entries(ddp: Any, groups: ProcessGroups) -> list[Entry]:
     [lo, hi) of the flattened padded local tp shard. Each becomes the piece
     :func:`flat_piece` describes (padding rows cut off; a range of padding only is dropped),
     written by every shard-group rank and, of hybrid replicas, by replicate index 0."""
-    coords = shard_coords(groups)
     out = []
     for p, lo, hi, values in ddp.owned_param_segments():
         s: Sharding = p.sharding
+        coords = shard_coords(groups, s)
         if not s.owns(coords):
             continue
         piece, keep = flat_piece(s, coords, (lo, hi))
@@ -126,10 +157,12 @@ def shard_entry(name: str, local: torch.Tensor, sharding: Sharding,
 def optim_entries(optimizer: Any, groups: ProcessGroups) -> list[Entry]:
     """The optimizer-state pieces this rank writes (views of the live state); with a
     dp-sharded optimizer (ZeRO-1) every dp rank writes the ranges it owns."""
-    coords = shard_coords(groups) if dp_sharded(optimizer) else rank_coords(groups, dp=True)
+    sharded = dp_sharded(optimizer)
     out = []
     for key, states in logical_state(optimizer).items():
         for state, sl in states.items():
+            coords = (shard_coords(groups, sl.sharding) if sharded
+                      else rank_coords(groups, True, sl.sharding))
             entry = _optim_entry(key, state, sl, coords)
             if entry is not None:
                 out.append(entry)
@@ -185,19 +218,20 @@ def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: Proces
                ddp: Any = None) -> None:
     """Copy every parameter of this rank's chunks from the checkpoint (any saved layout and
     stage); with ZeRO-3 (``ddp.param_shards``) only the ranges of this rank's shard."""
-    coords = rank_coords(groups)
     shards = _param_shards(ddp)
     if shards is not None:
         shards.free_all()  # a bucket still gathered would keep the old values
         with torch.no_grad():
             for p, lo, hi, values in ddp.owned_param_segments():
                 s = p.sharding
-                value = read_local(reader, model_name(s.key), s, coords, values.dtype, (lo, hi))
+                value = read_local(reader, model_name(s.key), s, rank_coords(groups, sharding=s),
+                                   values.dtype, (lo, hi))
                 values.copy_(value.to(values.device))  # [hi - lo]
         return
     for p in unique_params(chunks):
         s: Sharding = p.sharding  # type: ignore[attr-defined]
-        value = read_local(reader, model_name(s.key), s, coords, p.dtype)
+        value = read_local(reader, model_name(s.key), s, rank_coords(groups, sharding=s),
+                           p.dtype)
         with torch.no_grad():
             p.copy_(value.to(p.device))
 
@@ -206,7 +240,6 @@ def load_optimizer(reader: CheckpointReader | None, optimizer: Any, chunks: list
                    groups: ProcessGroups, step_count: int) -> None:
     """Fill the optimizer from the checkpoint; ``reader=None`` (or missing state) re-syncs
     masters from the model parameters and zeroes the moments."""
-    coords = rank_coords(groups)
     shardings = {p.sharding.key: p.sharding for p in unique_params(chunks)}  # type: ignore[attr-defined]
     optimizer.step_count = step_count
 
@@ -214,6 +247,7 @@ def load_optimizer(reader: CheckpointReader | None, optimizer: Any, chunks: list
         name = optim_name(key, state)
         if reader is None or not reader.has(name):
             return None
-        return read_local(reader, name, shardings[key], coords, flat=flat)
+        s = shardings[key]
+        return read_local(reader, name, s, rank_coords(groups, sharding=s), flat=flat)
 
     load_logical_state(optimizer, read)

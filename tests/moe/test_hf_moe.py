@@ -1,0 +1,161 @@
+"""Hugging Face interop for mixture-of-experts models: random tiny ``MixtralForCausalLM`` and
+``Qwen2MoeForCausalLM`` (shared expert + gate, q/k/v biases, a dense first layer, top k not
+renormalised) made here, imported, compared logit for logit with transformers, exported back
+losslessly, and loaded into an ep2 run (and exported from it) with the same logits."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+VOCAB, SEQ, HIDDEN = 67, 12, 32
+
+
+def _hf_model(kind: str) -> Any:
+    """A random transformers MoE model (no download), every weight randomised."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                  rope_theta=500.0, num_experts_per_tok=2, tie_word_embeddings=False)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=4,
+                                         rms_norm_eps=1e-5)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2MoeConfig(
+            **common, intermediate_size=56, moe_intermediate_size=24, num_experts=4,
+            shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[0],
+            decoder_sparse_step=1, qkv_bias=True, rms_norm_eps=1e-6)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 and p.shape[0] == HIDDEN
+                                                 else 0.0))
+    return model.eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def _save(model: Any, directory: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_import_logits_and_lossless_round_trip(tmp_path: Path, kind: str) -> None:
+    """HF -> Colonnade: config mapped, logits equal transformers'; -> HF again: the same
+    tensor names and bytes, a config transformers loads, identical logits."""
+    from safetensors.torch import load_file
+
+    from colonnade.checkpoint.convert import from_hf
+    from colonnade.checkpoint.export import load_exported
+    from colonnade.hf_export import to_hf
+
+    model = _hf_model(kind)
+    hf_dir = _save(model, tmp_path / "hf")
+    from_hf(hf_dir, tmp_path / "ck")
+    cfg, ours = load_exported(tmp_path / "ck")
+    m = cfg.model
+    assert (m.num_experts, m.moe_top_k, m.moe_router) == (4, 2, "softmax")
+    if kind == "mixtral":
+        assert (m.expert_ffn_size, m.moe_norm_topk_prob, m.qkv_bias) == (48, True, False)
+    else:
+        assert (m.expert_ffn_size, m.ffn_size, m.moe_shared_expert_ffn_hidden_size) == (24, 56, 40)
+        assert (m.moe_norm_topk_prob, m.qkv_bias, m.moe_first_dense_layers) == (False, True, 1)
+        assert [m.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    tokens = _tokens()
+    with torch.no_grad():
+        ref = model(tokens).logits  # [b, s, V]
+        err = float((ours.full_logits(tokens) - ref).abs().max())
+    assert err <= 5e-5, f"max |logits diff| {err:.2e}"  # fp32, |logits| ~ 10
+    assert float(ref.abs().max()) > 1.0
+
+    out = to_hf(tmp_path / "ck", tmp_path / "hf2")
+    a, b = load_file(str(hf_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert any(".experts.3." in k for k in a)  # per-expert layout, as the Hub stores it
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = type(model).from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(again(tokens).logits, ref)
+
+
+def _ep2_logits(hf_dir: str, out_dir: str) -> torch.Tensor | None:
+    """Rank side (2 ranks, ep=2: each rank holds 2 of the 4 experts of every MoE layer): load
+    the HF dir, forward the same tokens on both ranks (tokens cross ranks in the all-to-all),
+    return rank 0's logits [b, s, V]; then export the live run to ``out_dir``."""
+    from colonnade.checkpoint.hf import load_hf_into_chunks, read_hf
+    from colonnade.config.sections import Config, ParallelConfig, TrainingConfig
+    from colonnade.config.validate import resolve
+    from colonnade.hf_export import write_hf_from_run
+    from colonnade.models.build import build_chunks
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.parallel.groups import ProcessGroups
+
+    torch.set_num_threads(1)
+    model_cfg, _ = read_hf(hf_dir)
+    cfg = resolve(Config(model=model_cfg, parallel=ParallelConfig(ep=2),
+                         training=TrainingConfig(precision="fp32")), world_size=2)
+    groups = ProcessGroups.build(ParallelDims.from_config(cfg.parallel, 2), experts=True)
+    (chunk,) = build_chunks(cfg, groups)
+    expert = chunk.get_parameter("layers.1.mlp.experts.gate")
+    assert expert.shape[0] == 2  # E / ep experts on this rank
+    load_hf_into_chunks([chunk], groups, hf_dir)
+    chunk.eval()
+    with torch.no_grad():
+        logits = chunk(_tokens()).transpose(0, 1)[..., :VOCAB].contiguous()  # [b, s, V]
+    write_hf_from_run(out_dir, cfg.model, [chunk], groups)
+    return logits if groups.world.rank == 0 else None
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_ep2_load_and_live_export(run_ranks: Callable[..., list[Any]], tmp_path: Path,
+                                  kind: str) -> None:
+    """An imported model split over ep2 gives transformers' logits; exporting the live ep2
+    run writes back the original tensors."""
+    from safetensors.torch import load_file
+
+    model = _hf_model(kind)
+    hf_dir = _save(model, tmp_path / "hf")
+    with torch.no_grad():
+        ref = model(_tokens()).logits
+    out = [r for r in run_ranks(2, _ep2_logits, str(hf_dir), str(tmp_path / "live"))
+           if r is not None]
+    err = float((out[0] - ref).abs().max())
+    assert err <= 5e-5, f"max |logits diff| {err:.2e}"  # fp32, |logits| ~ 10
+    a = load_file(str(hf_dir / "model.safetensors"))
+    b = load_file(str(tmp_path / "live" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_what_hf_cannot_express_is_refused() -> None:
+    """A sigmoid router, capacity, or a Qwen2-MoE layer pattern HF cannot say: named."""
+    from colonnade.checkpoint.hf import hf_config_from_model
+    from colonnade.config.sections import ModelConfig
+
+    base = dict(arch="llama", num_layers=4, hidden_size=32, num_heads=4, num_experts=4)
+    with pytest.raises(ValueError, match="moe_router='sigmoid'"):
+        hf_config_from_model(ModelConfig(**base, moe_router="sigmoid"))
+    with pytest.raises(ValueError, match="moe_capacity_factor"):
+        hf_config_from_model(ModelConfig(**base, moe_capacity_factor=1.0))
+    qwen = dict(base, moe_shared_expert_ffn_hidden_size=8, moe_shared_expert_gate=True,
+                moe_layer_freq=2)
+    with pytest.raises(ValueError, match="moe_first_dense_layers=2"):
+        hf_config_from_model(ModelConfig(**qwen, moe_first_dense_layers=2))
+    ok = hf_config_from_model(ModelConfig(**qwen, moe_first_dense_layers=3))
+    assert ok["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert (ok["decoder_sparse_step"], ok["mlp_only_layers"]) == (2, [1])
+    assert hf_config_from_model(ModelConfig(**base))["architectures"] == ["MixtralForCausalLM"]
