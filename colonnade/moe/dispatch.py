@@ -21,7 +21,8 @@ Combine is the adjoint gather with the weights::
 (dropped slots add 0: the token keeps only its residual). It is computed by copying the
 weighted rows w y into a zero [t k, h] buffer at their slot ids and summing over k, so every
 token's sum runs over c in order (deterministic, no atomic adds). Both directions are plain
-autograd (index_select / index_copy): gradients reach x, y and ``routing.weight``.
+autograd (index_select / index_copy with distinct indices, see :func:`slot_rows`, so the
+backward is deterministic too): gradients reach x, y and ``routing.weight``.
 
 Dispatchers (:func:`make_dispatcher`), both exact and differentiable, giving the same rows in
 the same order (expert-major, then source rank, then slot):
@@ -120,6 +121,18 @@ def sort_slots(expert: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.T
     return ids[order], sorted_expert
 
 
+def slot_rows(x: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+    """x [t, h], slots [m] (ids i k + c, distinct) -> rows x[slot // k] [m, h].
+
+    Read through the slot-expanded [t k, h] copy of x so that every index is distinct: the
+    backward is then a collision-free index_add followed by a sum over k, deterministic on
+    every device (gathering x[slot // k] directly would accumulate a token's k copies with
+    atomic adds on CUDA).
+    """
+    t, h = x.shape
+    return x.unsqueeze(1).expand(t, k, h).reshape(t * k, h).index_select(0, slots)  # [m, h]
+
+
 def weighted_sum(y: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
     """out[i] = sum_c weight[i, c] y[row of slot i k + c] (0 for slots absent from ``slots``).
@@ -170,7 +183,7 @@ class AllToAllDispatcher(Dispatcher):
         n, e_l = self.ep.size, self.local_experts
         slots, sorted_expert = sort_slots(routing.expert, keep)  # [m]
         loads = torch.bincount(sorted_expert, minlength=self.num_experts)  # [E]
-        rows = x.index_select(0, torch.div(slots, k, rounding_mode="floor"))  # [m, h]
+        rows = slot_rows(x, slots, k)  # [m, h]
         handle = DispatchHandle(slots, routing.weight, t, x.dtype, [], loads, t * k,
                                 t * k - slots.numel())
         if n == 1:
@@ -272,7 +285,7 @@ class AllGatherDispatcher(Dispatcher):
         counts = torch.bincount(sorted_local, minlength=e_l)  # [E_l]
         handle = DispatchHandle(slots, gw, t, x.dtype, [int(v) for v in counts.tolist()],
                                 loads, t * k, t * k - kept.numel(), padded=big_t)
-        tokens = gx.index_select(0, torch.div(slots, k, rounding_mode="floor"))  # [t_e, h]
+        tokens = slot_rows(gx, slots, k)  # [t_e, h]
         return tokens, counts, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -79,14 +79,17 @@ def _route(t: int, e: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Te
     return scores.topk(K, dim=1).indices, torch.rand(t, K, generator=gen, dtype=torch.float64)
 
 
-def _rank_data(n: int, drops: bool) -> list[dict[str, torch.Tensor]]:
-    """Every rank's x [t_r, h], experts, weights [t_r, K], keep (None: dropless), g [t_r, h]."""
+def _rank_data(n: int, drops: bool, idle_rank: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Every rank's x [t_r, h], experts, weights [t_r, K], keep (None: dropless), g [t_r, h].
+    ``idle_rank``: no token chooses an expert of the last ep rank (it receives no row)."""
     e, gen = EXPERTS[n], torch.Generator().manual_seed(1000 + n)
     out = []
     for r in range(n):
         t = 5 + 3 * r
         x = torch.randn(t, H, generator=gen, dtype=torch.float64)
         ids, w = _route(t, e, gen)
+        if idle_rank:  # K distinct experts of rank 0's E / n per token
+            ids = torch.stack([torch.randperm(e // n, generator=gen)[:K] for _ in range(t)])
         keep = torch.rand(t, K, generator=gen) < 0.7
         g = torch.randn(t, H, generator=gen, dtype=torch.float64)
         out.append(dict(x=x, ids=ids, w=w, g=g, keep=keep if drops else None))
@@ -131,11 +134,11 @@ def _stats(groups: ProcessGroups) -> dict[str, tuple[int, int, float]]:
             for key, s in groups.stats.snapshot().items() if key.startswith("ep/")}
 
 
-def _dispatch_rank(n: int, kind: str, drops: bool) -> dict[str, Any]:
+def _dispatch_rank(n: int, kind: str, drops: bool, idle_rank: bool = False) -> dict[str, Any]:
     groups = ProcessGroups.build(ParallelDims(dp=n, ep=n), timeout_s=60.0, experts=True)
     assert groups.ep is not None and groups.ep.size == n
     r, e = groups.ep.rank, EXPERTS[n]
-    data = _rank_data(n, drops)
+    data = _rank_data(n, drops, idle_rank)
     mine = data[r]
     x, w = mine["x"].clone().requires_grad_(), mine["w"].clone().requires_grad_()
     disp = make_dispatcher(kind, groups.ep, e)
@@ -217,6 +220,22 @@ def test_dispatch_combine_matches_loop(run_ranks: Callable[..., list[Any]], n: i
     assert [sum(res["counts"]) for res in results] == [
         int(total_loads[r * (e // n):(r + 1) * (e // n)].sum()) for r in range(n)]
     assert int(total_loads[ZERO_EXPERT]) == 0 and int(total_loads[0]) > int(total_loads.min())
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_gather"])
+def test_rank_receiving_no_token(run_ranks: Callable[..., list[Any]], kind: str) -> None:
+    """ep 2, every slot routed to rank 0's experts: rank 1 computes nothing (empty rows in both
+    directions), forward and backward still match the loop."""
+    n, e = 2, EXPERTS[2]
+    data = _rank_data(n, drops=False, idle_rank=True)
+    assert all(int(d["ids"].max()) < e // n for d in data)
+    results = run_ranks(n, _dispatch_rank, n, kind, False, True)
+    assert results[1]["counts"] == [0] * (e // n)
+    for res, d in zip(results, data, strict=True):
+        assert res["same_rows"]
+        out, dx, dw = _reference(d["x"], d["ids"], d["w"], None, d["g"], e)
+        for got, want in zip((res["out"], res["dx"], res["dw"]), (out, dx, dw), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_one_rank_dispatch_is_a_local_permutation() -> None:
@@ -350,3 +369,23 @@ def test_capacity_single_rank_and_dropless() -> None:
     assert torch.equal(keep2.view(S, B, K), _loop_keep(full["ids"], 2))
     dropless = ModelConfig(num_experts=4, moe_top_k=K)
     assert capacity_keep(routing, dropless, ctx, S, B) is None
+
+
+def test_bf16_rows_combine_in_fp32_weights() -> None:
+    """bf16 x with fp32 weights: the output is bf16, its sum formed in fp32 (the rounding of
+    the bf16 result only), and the dispatched rows are x's rows exactly."""
+    ep = ProcessGroups.single().ep
+    assert ep is not None
+    data = _rank_data(1, drops=False)[0]
+    x = data["x"].to(torch.bfloat16)
+    w = data["w"].float()
+    disp = make_dispatcher("all_to_all", ep, EXPERTS[1])
+    tokens, _, handle = disp.dispatch(x, _Routing(data["ids"], w), None)
+    assert tokens.dtype == torch.bfloat16
+    assert torch.equal(tokens.double(), _expected_tokens([dict(data, x=x.double())], 0,
+                                                         EXPERTS[1]))
+    y = _apply(tokens.double(), handle.counts_host, 0, EXPERTS[1]).to(torch.bfloat16)
+    out = disp.combine(y, handle)
+    assert out.dtype == torch.bfloat16
+    want = disp.combine(y.double(), handle).to(torch.bfloat16)  # fp64 sum, rounded once
+    assert torch.equal(out, want)
