@@ -72,12 +72,10 @@ class Router(nn.Module):
     """x [t, h] -> :class:`Routing`. Parameters ``{key}.weight`` [E, h] (replicated; under sp
     its gradient is a partial sum over tp) and, for the sigmoid router, ``{key}.expert_bias``
     [E] (zeros, requires_grad False, kept in at least fp32; moved by
-    :func:`update_expert_bias`)."""
+    :func:`update_expert_bias`). ``model.moe_router`` is checked by config/validate.py."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> None:
         super().__init__()
-        if cfg.moe_router not in ("softmax", "sigmoid"):
-            raise ValueError(f"model.moe_router={cfg.moe_router!r}: use 'softmax' or 'sigmoid'")
         e, h = cfg.num_experts, cfg.hidden_size
         self.num_experts, self.k, self.kind = e, cfg.moe_top_k, cfg.moe_router
         self.norm_topk = cfg.moe_norm_topk_prob
@@ -193,7 +191,7 @@ def aux_losses(routing: Routing, cfg: ModelConfig, ctx: ParallelContext, seq_len
     gradients sum to the one-process gradient. Along dp each of the dp micro-batches counts
     this loss as its own (the objective is a mean over the global batch's micro-batches, see
     :func:`~colonnade.moe.state.attach_aux_loss`), so the backward multiplies by dp."""
-    state: MoEState | None = getattr(ctx, "moe", None)
+    state: MoEState | None = ctx.moe
     e, k = cfg.num_experts, cfg.moe_top_k
     out: dict[str, torch.Tensor] = {}
     balance = cfg.moe_aux_loss_coeff > 0
