@@ -192,18 +192,21 @@ class AllToAllDispatcher(Dispatcher):
         send_counts = loads.view(n, e_l).contiguous()  # [n, E_l]: block j -> rank j
         recv_counts = torch.empty_like(send_counts)  # [n, E_l]: from rank j, per local expert
         self.ep.all_to_all(recv_counts, send_counts, name="moe_counts")
-        handle.send_splits = [int(v) for v in send_counts.sum(1).tolist()]
-        handle.recv_splits = [int(v) for v in recv_counts.sum(1).tolist()]
+        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()  # one sync
+        handle.send_splits = [int(v) for v in host[:n]]
+        recv_host = [[int(v) for v in host[n + j * e_l:n + (j + 1) * e_l]] for j in range(n)]
+        handle.recv_splits = [sum(row) for row in recv_host]
+        handle.counts_host = [sum(row[i] for row in recv_host) for i in range(e_l)]
         recv = all_to_all(rows, self.ep, handle.send_splits, handle.recv_splits,
                           name="moe_dispatch")  # [t_e, h] source-major
         local = torch.arange(e_l, device=x.device).repeat(n)  # [n E_l]
-        row_expert = local.repeat_interleave(recv_counts.reshape(-1))  # [t_e]
+        row_expert = local.repeat_interleave(recv_counts.reshape(-1),
+                                             output_size=recv.shape[0])  # [t_e]
         order = torch.sort(row_expert, stable=True).indices  # [t_e] expert-major -> received
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         handle.unsort = unsort
         counts = recv_counts.sum(0)  # [E_l]
-        handle.counts_host = [int(v) for v in counts.tolist()]
         return recv.index_select(0, order), counts, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
