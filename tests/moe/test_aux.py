@@ -5,8 +5,9 @@ One process: the Switch/GShard balancing loss c E sum_i f_i P_i per sequence ('s
 the [s, b] order: row r belongs to sequence r mod b) or over all tokens ('global'), and the
 z-loss c mean(logsumexp^2), values and router-weight gradients against loops.
 
-Ranks (the rank pool): x [S, B, h] split along s over cp x tp (sp on: tp ranks hold different
-rows) and along b over dp (the trainer's dp x cp group in MoEState.dp_cp). For both aux types:
+Ranks (the rank pool; tp2, cp2, dp2, tp2 x dp2, cp2 x dp2): x [S, B, h] split along s over
+cp x tp (sp on: tp ranks hold different rows) and along b over dp (the trainer's dp x cp group
+in MoEState.dp_cp). For both aux types:
 'global' values equal the one-process value on every rank; 'seq' values agree inside a
 sequence group and their mean over dp equals it; z-loss equals it. Gradients: every rank's
 x-gradient equals dp x the one-process gradient of its rows, and the router-weight gradients
@@ -135,7 +136,11 @@ def _rank(tp: int, cp: int, dp: int) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize(("tp", "cp", "dp"), [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
+"""(tp, cp, dp) of the multi-rank checks."""
+
+
+@pytest.mark.parametrize(("tp", "cp", "dp"), LAYOUTS)
 def test_aux_losses_across_ranks_equal_one_process(run_ranks: Callable[..., list[Any]],
                                                    tp: int, cp: int, dp: int) -> None:
     results = run_ranks(tp * cp * dp, _rank, tp, cp, dp)
