@@ -31,14 +31,17 @@ experts' hidden 2 (c - 1) E T k f_e, their outputs E T k h (kept by the weighted
 and the shared expert 2 (c - 1) E T f_s / t plus its all-gathered input E s b h under sp.
 Full recompute keeps only the layer input, as for a dense layer.
 
-Dispatch bytes one rank sends per MoE layer and micro-batch (uniform routing, e the model's
-element bytes):
-    all_to_all  forward dispatch + combine 2 T k h e (ep - 1)/ep, backward the same:
-                4 T k h e (ep - 1)/ep (the split-size exchange, ep int64, is left out).
-    all_gather  forward all-gather of the tokens (ep - 1) T h e with their routing (ep - 1)
-                T k (8 + 4) (int64 ids, fp32 weights) and reduce-scatter of the outputs
-                (ep - 1) T h e; backward the transposes of both and the weights' gradient
-                (ep - 1) T k 4: 4 (ep - 1) T h e + (ep - 1) T k 16.
+Dispatch bytes one rank sends per MoE layer and micro-batch (CommGroup's wire bytes; e the
+model's element bytes, w = max(e, 4) the routing weights', R the rank's kept slots routed to
+experts of other ranks, E_l = E/ep):
+    all_to_all  the split counts 8 (ep - 1) E_l (int64), then the rows: forward the
+                dispatch R h e and the combine R' h e (R' the rows it computed for other
+                ranks), backward the same: 2 (R + R') h e + 8 (ep - 1) E_l; under uniform
+                routing R = R' = T k (ep - 1)/ep.
+    all_gather  forward the sizes 8 (ep - 1), the tokens (ep - 1) T h e, their weights
+                (ep - 1) T k w and ids (ep - 1) T k 8, the outputs' reduce-scatter
+                (ep - 1) T h e; backward the transposes of the tokens', weights' and outputs'
+                collectives: (ep - 1) (4 T h e + 2 T k w + 8 T k + 8), independent of routing.
 Both are 0 at ep = 1.  Nothing here is measured yet: the layer and dispatchers are checked
 against these formulas by tests/analysis/test_moe*.py as they land.
 """
@@ -253,17 +256,38 @@ def dense_mlp_activation_bytes(x: MoEShape, full_rows: float, elem: int, tp: int
         * x.dense_ffn / tp
 
 
-def dispatch_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str
-                   ) -> float:
+def all_to_all_bytes(remote: float, hidden: int, elem: int, ep: int, local_experts: int,
+                     received: float | None = None) -> float:
+    """'all_to_all' wire bytes of one rank, one layer, forward + backward: the rows it sends
+    to other ranks' experts (``remote``, R) go out in the dispatch and in the combine's
+    backward, the rows it computed for other ranks (``received``, R'; None: = R, as under
+    uniform routing) in the combine and the dispatch's backward: 2 (R + R') h e +
+    8 (ep - 1) E_l."""
+    if ep == 1:
+        return 0.0
+    back = remote if received is None else received
+    return 2.0 * (remote + back) * hidden * elem + 8.0 * (ep - 1) * local_experts
+
+
+def all_gather_bytes(tokens: float, top_k: int, hidden: int, elem: int, ep: int) -> float:
+    """'all_gather' wire bytes of one rank, one layer, forward + backward (``tokens`` T, the
+    largest of the ep group's): (ep - 1) (4 T h e + 2 T k w + 8 T k + 8), w = max(e, 4)."""
+    w = max(elem, 4)
+    return (ep - 1) * (4.0 * tokens * hidden * elem + 2.0 * tokens * top_k * w
+                       + 8.0 * tokens * top_k + 8.0)
+
+
+def dispatch_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str) -> float:
     """Bytes one rank sends per MoE layer per micro-batch, forward + backward, for
-    ``kind`` 'all_to_all' or 'all_gather' (module docstring); 0 at ep = 1."""
+    ``kind`` 'all_to_all' (uniform routing) or 'all_gather' (module docstring); 0 at
+    ep = 1."""
     if ep == 1 or not x.moe:
         return 0.0
-    k, h = x.top_k, x.hidden
     if kind == "all_to_all":
-        return 4.0 * tokens * k * h * elem * (ep - 1) / ep
+        remote = tokens * x.top_k * (ep - 1) / ep
+        return all_to_all_bytes(remote, x.hidden, elem, ep, x.experts // ep)
     if kind == "all_gather":
-        return 4.0 * (ep - 1) * tokens * h * elem + (ep - 1) * tokens * k * 16.0
+        return all_gather_bytes(tokens, x.top_k, x.hidden, elem, ep)
     raise ValueError(f"parallel.moe_dispatcher='{kind}' is unknown; use all_to_all or "
                      "all_gather.")
 
