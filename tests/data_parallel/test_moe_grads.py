@@ -126,17 +126,20 @@ def local_slice(p: nn.Parameter, full: torch.Tensor, ep: CommGroup) -> torch.Ten
 
 
 def rank_moe(dp: int, ep: int, zero: bool, overlap: bool, avg: bool,
-             nan: bool = False) -> dict[str, Any]:
+             nan: bool = False, shard: int | None = None) -> dict[str, Any]:
     """Rank body: train the stand-in through DataParallel + DistributedOptimizer; errors
-    against the reference computed here (every rank has the same reference)."""
+    against the reference computed here (every rank has the same reference). ``shard``:
+    hybrid sharding's zero_shard_size (dense buckets only; experts shard over expert-dp)."""
     torch.set_num_threads(1)
-    groups = ProcessGroups.build(ParallelDims(dp=dp, ep=ep), experts=True)
+    groups = ProcessGroups.build(ParallelDims(dp=dp, ep=ep), experts=True,
+                                 zero_shard_size=shard)
     assert groups.ep is not None and groups.expert_dp is not None
     model = StandInMoE(groups.ep)
     cfg = ParallelConfig(dp=dp, ep=ep, use_distributed_optimizer=zero, bucket_size=40,
                          overlap_grad_reduce=overlap, overlap_param_gather=overlap,
-                         average_in_collective=avg)
-    ddp = DataParallel([model], groups.dp_cp, cfg, expert_group=groups.expert_dp)
+                         average_in_collective=avg, zero_shard_size=shard)
+    ddp = DataParallel([model], groups.dp_cp, cfg, expert_group=groups.expert_dp,
+                       shard_group=groups.shard_group, replicate_group=groups.zero_replicate)
     opt = DistributedOptimizer(ddp, OPTIM, groups, STEPS, "fp64")
     ref = reference(dp)
     r = groups.dp_cp.rank
@@ -222,6 +225,17 @@ def test_moe_grads_parity(run_ranks: Any, dp: int, ep: int, zero: bool, overlap:
                 "expert_numel"] // edp
         if overlap:
             assert res["launched"] == res["buckets"]
+
+
+def test_moe_hybrid_sharding(run_ranks: Any) -> None:
+    """ZeRO-1 with zero_shard_size=2 on dp4 x ep2: dense buckets shard over pairs and are
+    summed over the replicate group, expert buckets shard over expert-dp (2): same numbers."""
+    for res in run_ranks(4, rank_moe, 4, 2, True, True, False, False, 2):
+        assert res["grad_err"] < 1e-12 and res["param_err"] < 1e-12
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-12, abs=0)
+        assert res["ops"]["zero_shard/reduce_scatter/grad_bucket"] == 8 * res["dense_numel"]
+        assert res["ops"]["expert_dp/reduce_scatter/expert_grad_bucket"] == 8 * res[
+            "expert_numel"]
 
 
 def test_moe_nan_in_expert_grad_skips_everywhere(run_ranks: Any) -> None:
