@@ -45,8 +45,12 @@ from colonnade.config.load import ConfigError, config_from_dict, load_config, pa
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.spec import ARCH_SPECS
 
-RUN_FIELDS = ("hidden_dropout", "attention_dropout", "init_std")
-"""[model] fields that belong to the run, not to the weights: never taken from a checkpoint."""
+RUN_FIELDS = ("hidden_dropout", "attention_dropout", "init_std", "moe_aux_loss_coeff",
+              "moe_aux_loss_type", "moe_z_loss_coeff", "moe_capacity_factor",
+              "moe_router_bias_update_rate")
+"""[model] fields that belong to the run, not to the weights: never taken from a checkpoint
+(dropout, init, and the mixture-of-experts training recipe: balancing losses, capacity, the
+selection-bias rate)."""
 
 
 def is_weights_only(meta: dict[str, Any]) -> bool:
@@ -124,6 +128,8 @@ def _comparable(model: ModelConfig, name: str) -> Any:
         return model.kv_heads
     if name == "ffn_hidden_size":
         return model.ffn_size
+    if name == "moe_ffn_hidden_size":
+        return model.expert_ffn_size
     return getattr(model, name)
 
 
@@ -161,9 +167,14 @@ def with_init_from(config: Config, explicit: Collection[str] | None = None) -> C
 
 
 TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                 "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias")
+                 "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias", "qkv_bias",
+                 "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                 "moe_first_dense_layers", "moe_router", "moe_shared_expert_ffn_hidden_size",
+                 "moe_shared_expert_gate")
 """[model] fields that decide which tensors a model has and their shapes (and max_seq_len for
-a learned position table, gpt2's): a checkpoint loads only into a model equal in all of them."""
+a learned position table, gpt2's): a checkpoint loads only into a model equal in all of them.
+The MoE ones decide which layers have experts, how many and how wide, the shared expert and its
+gate, and (sigmoid router) the expert_bias tensor."""
 
 
 def _position_table(model: ModelConfig) -> bool:

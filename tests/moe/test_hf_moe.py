@@ -159,3 +159,58 @@ def test_what_hf_cannot_express_is_refused() -> None:
     assert ok["architectures"] == ["Qwen2MoeForCausalLM"]
     assert (ok["decoder_sparse_step"], ok["mlp_only_layers"]) == (2, [1])
     assert hf_config_from_model(ModelConfig(**base))["architectures"] == ["MixtralForCausalLM"]
+
+
+def _init_from_logits(source: str) -> torch.Tensor | None:
+    """Rank side (2 ranks, ep=2): a Trainer whose model comes from ``checkpoint.init_from``
+    (an HF directory or the Colonnade checkpoint converted from it), weights loaded by
+    ``init_weights``; rank 0's logits [b, s, V]."""
+    from colonnade.checkpoint.finetune import init_weights, with_init_from
+    from colonnade.config.sections import (
+        CheckpointConfig,
+        Config,
+        ParallelConfig,
+        TrainingConfig,
+    )
+    from colonnade.config.validate import resolve, validate
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.parallel.groups import ProcessGroups
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+
+    torch.set_num_threads(1)
+    cfg = Config(checkpoint=CheckpointConfig(init_from=source), parallel=ParallelConfig(ep=2),
+                 training=TrainingConfig(precision="fp32", seq_len=SEQ, micro_batch_size=2,
+                                         eval_interval=0))
+    cfg = validate(resolve(with_init_from(cfg), 2), 2)
+    groups = ProcessGroups.build(ParallelDims.from_config(cfg.parallel, 2), experts=True)
+    trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
+    init_weights(trainer, source)
+    (chunk,) = trainer.chunks
+    chunk.eval()
+    with torch.no_grad():
+        logits = chunk(_tokens()).transpose(0, 1)[..., :VOCAB].contiguous()  # [b, s, V]
+    return logits if groups.world.rank == 0 else None
+
+
+def test_cli_convert_and_init_from_ep2(run_ranks: Callable[..., list[Any]],
+                                       tmp_path: Path) -> None:
+    """``colonnade convert --from-hf / --to-hf`` on Qwen2-MoE, and ``--init-from`` of both the
+    HF directory and the converted checkpoint into an ep2 run: transformers' logits."""
+    from safetensors.torch import load_file
+
+    from colonnade.cli import main
+
+    model = _hf_model("qwen2_moe")
+    hf_dir = _save(model, tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "o")]) == 0
+    a = load_file(str(hf_dir / "model.safetensors"))
+    b = load_file(str(tmp_path / "o" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        ref = model(_tokens()).logits
+    for source in (hf_dir, tmp_path / "ck"):
+        out = [r for r in run_ranks(2, _init_from_logits, str(source)) if r is not None]
+        err = float((out[0] - ref).abs().max())
+        assert err <= 5e-5, f"{source.name}: max |logits diff| {err:.2e}"
