@@ -48,7 +48,8 @@ EXPERTS = 4
 CPU = torch.device("cpu")
 
 
-def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,
+def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp: int = 1,
+               vp: int = 1,
                dp: int | None = None, sp: bool = False, schedule: str = "1f1b",
                dispatcher: str = "all_to_all", capacity: float | None = None,
                router: str = "softmax", top_k: int = 2, aux: float = 0.01,
@@ -56,16 +57,16 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, pp: int = 1, vp
                shared: int = 0, zero_stage: int = 0, microbatches: int = 2,
                steps: int = 3, layers: int | None = None) -> Config:
     """A resolved, validated config of a tiny MoE model (h = 32, 4 heads, 4 experts of width
-    32, every layer MoE, vocab 101, seq 16, micro-batch 2) on tp x dp x pp ranks (dp default:
-    max(ep / tp, 1)); ep folds inside tp x dp."""
-    dp = dp if dp is not None else max(ep // tp, 1)
+    32, every layer MoE, vocab 101, seq 16, micro-batch 2) on tp x cp x dp x pp ranks (dp
+    default: max(ep / (tp cp), 1)); ep folds inside tp x cp x dp."""
+    dp = dp if dp is not None else max(ep // (tp * cp), 1)
     model = dataclasses.replace(
         tiny_model(arch, layers=layers or max(2, pp * vp)), num_experts=EXPERTS,
         moe_top_k=top_k, moe_ffn_hidden_size=32, moe_router=router,
         moe_router_bias_update_rate=bias_rate, moe_aux_loss_coeff=aux,
         moe_aux_loss_type=aux_type, moe_z_loss_coeff=z_loss, moe_capacity_factor=capacity,
         moe_shared_expert_ffn_hidden_size=shared)
-    parallel = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule, ep=ep,
+    parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule, ep=ep,
                               moe_dispatcher=dispatcher, zero_stage=zero_stage,
                               use_distributed_optimizer=zero_stage >= 1)
     training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
@@ -73,7 +74,13 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, pp: int = 1, vp
                               eval_interval=0)
     optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, clip_grad=0.05)
     config = Config(model=model, parallel=parallel, training=training, optim=optim)
-    return resolved(config, tp * dp * pp)
+    return resolved(config, tp * cp * dp * pp)
+
+
+def world_size(config: Config) -> int:
+    """Ranks of the config's layout: tp x cp x dp x pp (ep folds inside)."""
+    par = config.parallel
+    return par.tp * par.cp * int(par.dp or 1) * par.pp
 
 
 def make_batches(config: Config, seed: int = 5) -> list[list[Batch]]:
@@ -203,7 +210,7 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
     the gathered parameters after the last step."""
     torch.set_num_threads(1)
     par = config.parallel
-    dims = ParallelDims.from_config(par, par.tp * par.cp * int(par.dp or 1) * par.pp)
+    dims = ParallelDims.from_config(par, world_size(config))
     groups = ProcessGroups.build(dims, experts=True)
     chunks = build_chunks(config, groups, dtype=torch.float64)
     if starve:

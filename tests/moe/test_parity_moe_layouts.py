@@ -1,7 +1,8 @@
-"""Float64 parity of the MoE model with ep composed with tp (+sp), pp (1F1B, interleaved),
-expert data parallelism with ZeRO-1 and all of tp x pp x ep on 8 ranks, against the
-single-process run (tests/moe/harness.py): losses, expert loads, drops and aux losses every
-step, step 0's gathered gradients (without ZeRO) and the parameters after 3 AdamW steps."""
+"""Float64 parity of the MoE model with ep composed with tp (+sp), cp (ep spanning the cp
+ranks), pp (1F1B, interleaved), expert data parallelism with ZeRO-1 and all of tp x pp x ep on
+8 ranks, against the single-process run (tests/moe/harness.py): losses, expert loads, drops
+and aux losses every step, step 0's gathered gradients (without ZeRO) and the parameters after
+3 AdamW steps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from tests.moe.harness import check_parity, make_batches, moe_config, rank_train, reference_run
+from tests.moe.harness import (
+    check_parity,
+    make_batches,
+    moe_config,
+    rank_train,
+    reference_run,
+    world_size,
+)
 
 CASES: dict[str, dict[str, Any]] = {
     "ep2-tp2-sp-dp2": {"ep": 2, "tp": 2, "sp": True, "dp": 2, "aux_type": "seq"},
@@ -21,6 +29,8 @@ CASES: dict[str, dict[str, Any]] = {
                             "microbatches": 4, "aux_type": "seq"},
     "ep2-edp2-zero1": {"ep": 2, "dp": 4, "zero_stage": 1, "router": "sigmoid",
                        "bias_rate": 1e-2},
+    "ep2-cp2-ring": {"ep": 2, "cp": 2, "aux_type": "seq"},
+    "ep4-cp2-dp2-global": {"ep": 4, "cp": 2, "dp": 2, "dispatcher": "all_gather"},
     "ep2-tp2-pp2-8ranks": {"ep": 2, "tp": 2, "sp": True, "pp": 2, "dp": 2, "capacity": 1.0},
 }
 
@@ -31,8 +41,7 @@ def test_moe_layout_parity(name: str, run_ranks: Callable[..., list[Any]]) -> No
     config = moe_config(**case)
     batches = make_batches(config)
     ref = reference_run(config, batches)
-    par = config.parallel
-    results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, config, batches)
+    results = run_ranks(world_size(config), rank_train, config, batches)
     errs = check_parity(results, ref)
     assert ("grads" in errs) == (case.get("zero_stage", 0) == 0), errs
     if case.get("capacity"):
