@@ -43,6 +43,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2xtp2-sp-chunks2-ring-llama": dict(config=dict(arch="llama", tp=2, sp=True,
                                                       tp_comm_chunks=2)),
     "cp2xdp2-zero1-ring": dict(config=dict(arch="llama", dp=2, zero_stage=1)),
+    "cp2xdp2-zero1-a2a-gpt2": dict(config=dict(arch="gpt2", dp=2, zero_stage=1,
+                                               cp_attention="all_to_all")),
     "cp2xdp2-zero3-a2a-gpt2": dict(config=dict(arch="gpt2", dp=2, zero_stage=3,
                                                cp_attention="all_to_all")),
     "cp2-ring-full-recompute": dict(config=dict(arch="gpt2", recompute="full")),

@@ -33,6 +33,11 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2xtp2xpp2-sp-ring-gpt2": dict(config=dict(arch="gpt2", pp=2, tp=2, sp=True,
                                                  microbatches=2, dropout=0.1,
                                                  attention_dropout=0.0)),
+    "cp2xtp2xpp2-sp-a2a-llama": dict(config=dict(arch="llama", pp=2, tp=2, sp=True,
+                                                 microbatches=2, cp_attention="all_to_all")),
+    "cp2xpp2-1f1b-a2a-full-recompute": dict(config=dict(arch="gpt2", pp=2, microbatches=3,
+                                                        cp_attention="all_to_all",
+                                                        recompute="full")),
 }
 
 
