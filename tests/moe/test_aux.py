@@ -123,6 +123,7 @@ def _rank(tp: int, cp: int, dp: int) -> list[dict[str, Any]]:
     s_l, b_l = S // (cp * tp), B // dp
     rows = slice(chunk * s_l, (chunk + 1) * s_l)
     cols = slice(groups.dp_rank * b_l, (groups.dp_rank + 1) * b_l)
+    groups.stats.reset()
     out = []
     for router_kind, aux_type in KINDS:
         cfg = _cfg(router_kind, aux_type)
@@ -133,6 +134,8 @@ def _rank(tp: int, cp: int, dp: int) -> list[dict[str, Any]]:
         out.append({"aux": {k: float(v.detach()) for k, v in aux.items()}, "x": x.grad,
                     "w": router.weight.grad, "rows": rows, "cols": cols,
                     "dp_rank": groups.dp_rank})
+    ops = groups.stats.snapshot()
+    out[0]["calls"] = {k: v["calls"] for k, v in ops.items() if k.endswith("all_reduce/moe_aux")}
     return out
 
 
@@ -144,6 +147,10 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
 def test_aux_losses_across_ranks_equal_one_process(run_ranks: Callable[..., list[Any]],
                                                    tp: int, cp: int, dp: int) -> None:
     results = run_ranks(tp * cp * dp, _rank, tp, cp, dp)
+    # one all-reduce per group per reduction: 'seq' + z: sequence groups, then the global
+    # groups (z); 'global' + z: the global groups once (counts, probs and z together)
+    calls = 6 * (tp > 1) + 2 * (cp > 1) + 4 * (cp * dp > 1)
+    assert all(sum(r[0]["calls"].values()) == calls for r in results), results[0][0]["calls"]
     for i, (router_kind, aux_type) in enumerate(KINDS):
         ref = _one_process(router_kind, aux_type)
         ranks = [res[i] for res in results]
