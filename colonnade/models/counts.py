@@ -28,6 +28,16 @@ FLOPs (a multiply-add counts 2) per token of one layer's forward pass:
 For gpt2 with f = 4h: per iteration with full recompute
     F = 4 * B s l (24h^2 + 4sh) + 3 * B s 2hV = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)),
 exactly Narayanan et al. 2021 eq. (3); without recompute 72 B s l h^2 (1 + s/(6h) + V/(12 l h)).
+
+Mixture of experts (E routed experts of width f_e, k per token, shared expert width f_s, n_moe
+MoE layers): an MoE layer's MLP replaces the dense k h f block by
+    router E h (+ E: the sigmoid router's selection bias, a parameter without gradient),
+    E routed experts of k h f_e (+ (k - 1) f_e + h with biases: gpt2),
+    a shared expert k h f_s (+ biases) and its gate h when configured;
+the ACTIVE parameters per token count k of the E routed experts. Forward FLOPs per token of
+the MoE MLP: 2 (E h + top_k k h f_e + k h f_s (+ h for the gate)), so the model FLOPs per token
+(MFU) count only the active experts. :class:`LayerShape` stays the dense shape; the MoE terms
+are added by :func:`param_count`, :func:`active_param_count` and :func:`flops_per_token`.
 """
 
 from __future__ import annotations
@@ -174,14 +184,61 @@ def total_params(m: LayerShape) -> int:
     return m.layers * layer_params(m) + embedding_params(m) + head_params(m)
 
 
+def mlp_params(m: LayerShape, width: int) -> int:
+    """One MLP of ``width`` f: k h f (+ (k - 1) f + h with biases); 0 when width is 0."""
+    if width <= 0:
+        return 0
+    return m.mlp_matrices * m.hidden * width + (
+        (m.mlp_matrices - 1) * width + m.hidden if m.bias else 0)
+
+
+def moe_layer_count(cfg: ModelConfig) -> int:
+    """n_moe, the MoE layers of ``cfg`` (0 for a dense model)."""
+    return sum(1 for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+
+
+def moe_mlp_params(cfg: ModelConfig) -> dict[str, int]:
+    """One MoE layer's MLP parameters: ``router`` (E h, + E selection biases with the sigmoid
+    router), ``routed`` (E experts), ``shared`` (shared expert + gate)."""
+    m, e, h = LayerShape.of(cfg), cfg.num_experts, cfg.hidden_size
+    shared = cfg.moe_shared_expert_ffn_hidden_size
+    return {"router": e * h + (e if cfg.moe_router == "sigmoid" else 0),
+            "routed": e * mlp_params(m, cfg.expert_ffn_size),
+            "shared": mlp_params(m, shared) + (h if shared > 0 and cfg.moe_shared_expert_gate
+                                               else 0)}
+
+
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters of ``cfg``'s model: ``embedding`` (+ positions), ``layers`` (all of them),
-    ``head`` (final norm + untied head), ``total``."""
+    """Parameters of ``cfg``'s model: ``embedding`` (+ positions), ``layers`` (all of them,
+    MoE layers with all their experts), ``head`` (final norm + untied head), ``total``."""
     m = LayerShape.of(cfg)
-    out = {"embedding": embedding_params(m), "layers": m.layers * layer_params(m),
-           "head": head_params(m)}
+    layers = m.layers * layer_params(m)
+    if cfg.moe:
+        layers += moe_layer_count(cfg) * (sum(moe_mlp_params(cfg).values())
+                                          - mlp_params(m, m.ffn))
+    out = {"embedding": embedding_params(m), "layers": layers, "head": head_params(m)}
     out["total"] = sum(out.values())
     return out
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token passes through: the total less the E - k routed experts it skips in
+    every MoE layer (the total for a dense model)."""
+    total = param_count(cfg)["total"]
+    if not cfg.moe:
+        return total
+    routed = moe_mlp_params(cfg)["routed"]
+    skipped = routed * (cfg.num_experts - cfg.moe_top_k) // cfg.num_experts
+    return total - moe_layer_count(cfg) * skipped
+
+
+def moe_mlp_forward_flops_per_token(cfg: ModelConfig) -> float:
+    """One MoE layer's MLP forward FLOPs per token: 2 (E h + top_k k h f_e + k h f_s (+ h))."""
+    m, h = LayerShape.of(cfg), cfg.hidden_size
+    shared = cfg.moe_shared_expert_ffn_hidden_size
+    return 2.0 * (cfg.num_experts * h + cfg.moe_top_k * m.mlp_matrices * h * cfg.expert_ffn_size
+                  + m.mlp_matrices * h * shared
+                  + (h if shared > 0 and cfg.moe_shared_expert_gate else 0))
 
 
 def layer_forward_flops_per_token(m: LayerShape, seq_len: int) -> float:
@@ -222,7 +279,12 @@ def step_flops(m: LayerShape, seq_len: int, global_batch: int, recompute: str) -
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward = 3 x forward, no recompute):
-    3 (l (2 matrix params + 4 s h) + 2 h V); what MFU divides by."""
+    3 (l (2 matrix params + 4 s h) + 2 h V); what MFU divides by. Each MoE layer counts its
+    active MLP (:func:`moe_mlp_forward_flops_per_token`) instead of the dense one."""
     m = LayerShape.of(cfg)
     per_layer = 3.0 * layer_forward_flops_per_token(m, seq_len)
-    return m.layers * per_layer + 3.0 * logits_forward_flops_per_token(m)
+    total = m.layers * per_layer + 3.0 * logits_forward_flops_per_token(m)
+    if cfg.moe:
+        dense_mlp = 2.0 * m.mlp_matrices * m.hidden * m.ffn  # the dense MLP's matmuls
+        total += 3.0 * moe_layer_count(cfg) * (moe_mlp_forward_flops_per_token(cfg) - dense_mlp)
+    return total
