@@ -81,6 +81,35 @@ def _run(cfg: Any, load: str | None, save: str | None, count: int,
     return {"losses": losses, "params": params, "step": trainer.step}
 
 
+def _written_once(root: str) -> int:
+    """Check that every stored tensor's pieces cover it exactly once (their element counts sum
+    to its size: an expert piece written by two expert_dp replicas would exceed it); returns
+    the expert weights' piece count per tensor."""
+    import math
+
+    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.format import CheckpointReader
+
+    reader = CheckpointReader(resolve_checkpoint(root))
+    counts = set()
+    for name, info in reader.tensors.items():
+        stored = sum(math.prod(p["shape"]) if p["flat"] is None else p["flat"][1] - p["flat"][0]
+                     for p in info["pieces"])
+        assert stored == math.prod(reader.full_shape(name)), name
+        if name.startswith("model/") and ".experts." in name:
+            counts.add(len(info["pieces"]))
+    reader.close()
+    assert len(counts) == 1, counts
+    return counts.pop()
+
+
+def _optim_names(root: str) -> list[str]:
+    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.format import CheckpointReader
+
+    return list(CheckpointReader(resolve_checkpoint(root)).tensors)
+
+
 def _close(got: list[float], want: list[float]) -> None:
     assert len(got) == len(want)
     for x, y in zip(got, want, strict=True):
@@ -99,6 +128,8 @@ def test_resume_across_ep_tp_dp_pp_and_zero(run_ranks: Callable[..., list[Any]],
     _close(ep4["losses"], want[2:3])
     edp2 = run_ranks(4, _run, _config(2, dp=4), b, c, 1)[0]  # step 4, expert_dp 2
     _close(edp2["losses"], want[3:4])
+    assert (_written_once(a), _written_once(b), _written_once(c)) == (2, 4, 2)  # one per ep
+    assert any(".experts." in n and n.startswith("optim/") for n in _optim_names(c))
     one = run_ranks(1, _run, _config(1, dp=1, zero=0), c, None, 1)[0]  # step 5, one process
     _close(one["losses"], want[4:5])
     for key, value in ref["params"].items():
