@@ -56,3 +56,25 @@ def test_tiny_moe_ep2_equals_one_process(corpus: tuple[Path, Path], tmp_path: Pa
                 a[f"moe/{layer}/load_balance"], rel=TOL)
             assert 0.0099 < b[f"moe/{layer}/load_balance"] < 0.03  # coeff 0.01 x E sum f P
         assert b["moe_dropped_frac"] == 0.0  # dropless
+
+
+def test_moe_log_fields_by_hand() -> None:
+    """moe_metrics / format_moe on hand rows: 2 layers (ids 1, 3), E = 4; columns loads [4],
+    dropped, routed, micro-batches / stage, load_balance and z_loss sums / stage."""
+    import torch
+
+    from colonnade.training.metrics import format_line
+    from colonnade.training.moe import moe_metrics
+
+    rows = torch.tensor([[10.0, 10, 10, 10, 0, 40, 2, 0.02, 0.002],
+                         [25.0, 5, 5, 5, 4, 40, 2, 0.04, 0.0]], dtype=torch.float64)
+    got = moe_metrics(rows, [1, 3], 4)
+    assert got["moe_load"] == {"1": [10, 10, 10, 10], "3": [25, 5, 5, 5]}
+    assert got["moe/1/load_max_mean"] == 1.0 and got["moe/3/load_max_mean"] == 2.5
+    assert got["moe/3/dropped_frac"] == 0.1 and got["moe_dropped_frac"] == 4 / 80
+    assert got["moe/1/load_balance"] == pytest.approx(0.01)  # sum 0.02 over 2 micro-batches
+    assert got["moe_aux_loss"] == pytest.approx(0.03) and got["moe_z_loss"] == pytest.approx(1e-3)
+    assert got["moe_load_max_mean"] == 2.5
+    line = format_line({"step": 1, "loss": 2.0, **got})
+    assert "moe max/mean 2.50 | drop 5.0% | aux 0.0300 | z 1.00e-03 | load L3 62/12/12/12%" \
+        in line, line
