@@ -38,10 +38,11 @@ Storage modes (ZeRO-2 / ZeRO-3):
   for a view of the buffer.
 
 Expert parameters (mixture of experts: a :class:`Sharding` splitting over "ep",
-:func:`is_expert_param`) never share a bucket with dense ones: a change of kind closes the open
-bucket. Expert buckets are reduced and (ZeRO-1) sharded over the expert-dp group, so they are
-padded to a multiple of ``expert_shard_count * ALIGN`` and split ``expert_shard_count`` ways
-(:attr:`Bucket.expert`, :meth:`FlatBuffers.count_of`); dense buckets use ``shard_count``.
+:func:`is_expert_param`) never share a bucket with dense ones: each chunk's dense parameters
+are laid out first, then its expert parameters (both in backward order). Expert buckets are
+reduced and (ZeRO-1) sharded over the expert-dp group, so they are padded to a multiple of
+``expert_shard_count * ALIGN`` and split ``expert_shard_count`` ways (:attr:`Bucket.expert`,
+:meth:`FlatBuffers.count_of`); dense buckets use ``shard_count``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Bucket:
     params: list[nn.Parameter] = field(default_factory=list)
     expert: bool = False
     """Whether the bucket holds expert parameters (reduced over expert-dp, not dp x cp)."""
+    first: int = 0
+    """Forward position (in its chunk) of the bucket's first parameter in forward order."""
 
     @property
     def numel(self) -> int:
@@ -195,31 +198,45 @@ class FlatBuffers:
 
     def _layout(self, chunk_params: Sequence[Sequence[nn.Parameter]]
                 ) -> tuple[list[Bucket], dict[int, Slot]]:
-        """Backward order: chunks last to first, parameters last to first within a chunk; a
-        change between dense and expert parameters closes the open bucket."""
+        """Backward order: chunks last to first, parameters last to first within a chunk.
+        Each chunk is two regions, its dense parameters then its expert parameters (Megatron's
+        separate expert buffer, per chunk), so buckets of either kind fill up to
+        ``bucket_size`` across layers (a dense model has one region per chunk)."""
         buckets: list[Bucket] = []
         slots: dict[int, Slot] = {}
         offset = 0
         for chunk in reversed(range(len(chunk_params))):
-            open_bucket: Bucket | None = None
-            for p in reversed(list(chunk_params[chunk])):
-                alone = param_key(p) in self.isolate
-                expert = is_expert_param(p)
-                if open_bucket is not None and (alone or open_bucket.expert != expert):
-                    offset = self._close(open_bucket, buckets)
-                    open_bucket = None
-                if open_bucket is None:
-                    open_bucket = Bucket(len(buckets), offset, offset, chunk, expert=expert)
-                slots[id(p)] = Slot(offset, offset + p.numel(), open_bucket.index)
-                open_bucket.params.append(p)
-                offset += p.numel()
-                open_bucket.end = offset
-                if alone or open_bucket.end - open_bucket.start >= self.bucket_size:
-                    offset = self._close(open_bucket, buckets)
-                    open_bucket = None
-            if open_bucket is not None:
-                offset = self._close(open_bucket, buckets)
+            forward = list(chunk_params[chunk])
+            index = {id(p): i for i, p in enumerate(forward)}
+            for expert in (False, True):
+                region = [p for p in reversed(forward) if is_expert_param(p) == expert]
+                offset = self._region(region, chunk, expert, index, offset, buckets, slots)
         return buckets, slots
+
+    def _region(self, params: list[nn.Parameter], chunk: int, expert: bool,
+                index: dict[int, int], offset: int, buckets: list[Bucket],
+                slots: dict[int, Slot]) -> int:
+        """Lay ``params`` (backward order, one kind) out from ``offset`` into new buckets;
+        returns the offset after them. ``index``: forward position of each parameter."""
+        open_bucket: Bucket | None = None
+        for p in params:
+            alone = param_key(p) in self.isolate
+            if open_bucket is not None and alone:
+                offset = self._close(open_bucket, buckets)
+                open_bucket = None
+            if open_bucket is None:
+                open_bucket = Bucket(len(buckets), offset, offset, chunk, expert=expert)
+            slots[id(p)] = Slot(offset, offset + p.numel(), open_bucket.index)
+            open_bucket.params.append(p)
+            open_bucket.first = index[id(p)]  # decreasing: the last one is the smallest
+            offset += p.numel()
+            open_bucket.end = offset
+            if alone or open_bucket.end - open_bucket.start >= self.bucket_size:
+                offset = self._close(open_bucket, buckets)
+                open_bucket = None
+        if open_bucket is not None:
+            offset = self._close(open_bucket, buckets)
+        return offset
 
     def _close(self, bucket: Bucket, buckets: list[Bucket]) -> int:
         bucket.end = bucket.start + self._pad(bucket.end - bucket.start, bucket.expert)

@@ -420,7 +420,7 @@ class DataParallel:
         if not self.sharded or not self._gathers or self.param_shards is not None:
             return
         assert self.buffers.param_data is not None
-        for bucket in reversed(self.buckets):
+        for bucket in sorted(self.buckets, key=lambda b: (b.chunk, b.first)):  # forward
             group, rank = self._group_of(bucket)
             if group.size == 1:
                 continue

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from colonnade.config.sections import OptimConfig, ParallelConfig
+from colonnade.data_parallel.buffer import ALIGN, FlatBuffers
 from colonnade.data_parallel.ddp import DataParallel
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
@@ -262,3 +263,25 @@ def test_expert_params_need_expert_group_and_zero_le_1() -> None:
     assert [b.expert for b in ddp.buckets].count(True) >= 1
     assert all(all(("ep" in p.sharding.split_axes) == b.expert for p in b.params)  # type: ignore[attr-defined]
                for b in ddp.buckets)
+
+
+def test_expert_region_layout() -> None:
+    """Each chunk: its dense parameters, then its expert parameters, each kind filling its
+    buckets across layers in backward order; expert buckets padded for expert-dp shards."""
+    def param(key: str, n: int, expert: bool) -> nn.Parameter:
+        p = nn.Parameter(torch.zeros(2, n))
+        p.sharding = Sharding(key, (2, n), splits=(("ep", 0),) if expert else ())  # type: ignore[attr-defined]
+        return p
+
+    d1, e1, d2, e2 = param("d1", 3, False), param("e1", 5, True), param("d2", 7, False), \
+        param("e2", 11, True)
+    buffers = FlatBuffers([[d1, e1, d2, e2]], bucket_size=10**6, shard_count=4,
+                          expert_shard_count=2)
+    assert [(b.expert, b.params) for b in buffers.buckets] == [(False, [d2, d1]),
+                                                               (True, [e2, e1])]
+    dense, expert = buffers.buckets
+    assert (dense.numel, expert.numel) == (4 * ALIGN, 2 * ALIGN)
+    assert (dense.first, expert.first) == (0, 1)
+    assert buffers.owned_ranges(3, 1) == [(3 * ALIGN, 4 * ALIGN), (5 * ALIGN, 6 * ALIGN)]
+    assert buffers.owned_ranges(3, 0) == [(3 * ALIGN, 5 * ALIGN)]  # merged across kinds
+    assert buffers.shard(expert, 1) == (4 * ALIGN + ALIGN, 4 * ALIGN + 2 * ALIGN)
