@@ -130,9 +130,10 @@ def dense_equivalent_flops(shape: Shape) -> tuple[float, float]:
 def plain_moe(x: torch.Tensor, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
               down: torch.Tensor, k: int) -> torch.Tensor:
     """Plain-PyTorch MoE (the loop everybody writes first): x [t, h], router [E, h], gate /
-    up [E, f, h], down [E, h, f]; softmax over the E logits (fp32), top-k, renormalised,
+    up [E, f, h], down [E, h, f]; softmax over the E logits (fp32, or fp64), top-k, renormalised,
     out[i] = sum_c w_ic down_e (silu(gate_e x_i) * up_e x_i) looping over experts."""
-    probs = torch.softmax(F.linear(x, router).float(), dim=-1)  # [t, E]
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 logits (fp64 for fp64 runs)
+    probs = torch.softmax(F.linear(x.to(acc), router.to(acc)), dim=-1)  # [t, E]
     weight, expert = probs.topk(k, dim=-1)  # [t, k]
     weight = (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
     out = torch.zeros_like(x)
