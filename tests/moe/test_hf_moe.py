@@ -214,3 +214,24 @@ def test_cli_convert_and_init_from_ep2(run_ranks: Callable[..., list[Any]],
         out = [r for r in run_ranks(2, _init_from_logits, str(source)) if r is not None]
         err = float((out[0] - ref).abs().max())
         assert err <= 5e-5, f"{source.name}: max |logits diff| {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_float64_logits(tmp_path: Path, kind: str) -> None:
+    """In float64 too (transformers' eager experts; its grouped_mm has no fp64). Both routers
+    take softmax in fp32 (ours of fp32 logits, transformers' of fp64 logits cast to fp32), so
+    the routing weights agree to ~1e-7 relative and the logits to ~1e-6 (|logits| ~ 6)."""
+    from colonnade.checkpoint.convert import from_hf
+    from colonnade.checkpoint.export import load_exported
+
+    model = _hf_model(kind)
+    from_hf(_save(model, tmp_path / "hf"), tmp_path / "ck")
+    model.set_experts_implementation("eager")
+    model = model.double()
+    _, ours = load_exported(tmp_path / "ck", dtype=torch.float64)
+    tokens = _tokens()
+    with torch.no_grad():
+        ref = model(tokens).logits  # [b, s, V] float64
+        err = float((ours.full_logits(tokens) - ref).abs().max())
+    assert ref.dtype == torch.float64 and float(ref.abs().max()) > 1.0
+    assert err <= 2e-5, f"max |logits diff| {err:.2e}"
