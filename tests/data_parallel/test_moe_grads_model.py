@@ -37,13 +37,18 @@ CASES: dict[str, dict[str, Any]] = {
     "tp2sp-dp2-ep2-zero1": {"ep": 2, "dp": 2, "tp": 2, "sp": True, "zero_stage": 1},
     "pp2-dp2-ep2-zero1": {"ep": 2, "dp": 2, "pp": 2, "zero_stage": 1},
     "dp2-ep1-gpt2-shared": {"ep": 1, "dp": 2, "arch": "gpt2", "shared": 16},
+    "pp2-dense-stage0-dp2-ep2-zero1": {"ep": 2, "dp": 2, "pp": 2, "zero_stage": 1,
+                                       "layers": 4, "first_dense": 2},
 }
 
 
 def case_config(case: dict[str, Any]) -> Config:
     """The harness config of ``case`` with small buckets and the overlap switch."""
-    args = {k: v for k, v in case.items() if k != "overlap"}
+    args = {k: v for k, v in case.items() if k not in ("overlap", "first_dense")}
     config = moe_config(**args)
+    if "first_dense" in case:  # stage 0 of pp2 holds no expert (its norm sum adds 0)
+        config = dataclasses.replace(config, model=dataclasses.replace(
+            config.model, moe_first_dense_layers=case["first_dense"]))
     overlap = case.get("overlap", True)
     parallel = dataclasses.replace(config.parallel, bucket_size=2000,
                                    overlap_grad_reduce=overlap, overlap_param_gather=overlap)
@@ -114,7 +119,7 @@ def test_moe_model_grads(name: str, run_ranks: Callable[..., list[Any]]) -> None
         assert abs(norm - ref_norm) <= 1e-11 * ref_norm, (norm, ref_norm)
         assert norm > config.optim.clip_grad  # clipping is active
         assert res["no_grad_in_buffers"]
-        assert res["expert_numel"] > 0
+        assert res["expert_numel"] > 0 or "first_dense" in case
         ops, edp = res["ops"], res["edp"]
         assert ops.get(f"dp_cp/{kind}/grad_bucket") == 8 * res["dense_numel"]
         if edp > 1:
@@ -129,6 +134,8 @@ def test_moe_model_grads(name: str, run_ranks: Callable[..., list[Any]]) -> None
             assert res["launched"] == res["buckets"]
     if not zero:
         assert "grads" in errs
+    if "first_dense" in case:  # one stage without experts, one with
+        assert sorted({res["expert_numel"] > 0 for res in results}) == [False, True]
 
 
 def test_moe_model_bf16(run_ranks: Callable[..., list[Any]]) -> None:
