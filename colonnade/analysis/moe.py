@@ -24,12 +24,16 @@ sharded over expert_dp), 1 at stage 0; router and shared gate replicated, the sh
 tp-split like the dense MLP.
 
 Activations an MoE layer keeps per micro-batch (recompute none / selective) in place of the
-dense MLP's column input E s b h and its 2 (c - 1) E s b f / t: the layer input E T h, the
-router's fp32 copy of it 4 T h (16-bit models only) and its fp32 probabilities 4 T E, the
-dispatched token copies E T k h (uniform routing: T k rows reach each rank on average), the
-experts' hidden 2 (c - 1) E T k f_e, their outputs E T k h (kept by the weighted combine),
-and the shared expert 2 (c - 1) E T f_s / t plus its all-gathered input E s b h under sp.
-Full recompute keeps only the layer input, as for a dense layer.
+dense MLP's column input E s b h and its 2 (c - 1) E s b f / t (A = max(E, 4)): the layer
+input E T h, the router's fp32 copy of it 4 T h (16-bit models only) and its probabilities
+A T E, the routing (int64 ids and slot ids 16 T k, top-k weights A T k, their sum A T when
+renormalised, the weights in slot order E T k), the dispatched token copies E T k h (uniform
+routing: T k rows reach each rank on average), the experts' hidden 2 (c - 1) E T k f_e, their
+outputs E T k h and the weighted rows E T k h of the combine; with the z-loss the logits and
+log-sum-exp A T (E + 1), with the balancing loss 2 A E; the shared expert 2 (c - 1) E T f_s / t
+(its input is the layer input) plus its all-gathered input E s b h under sp.  Measured
+(tests/analysis/test_moe.py: saved-tensor hooks on the steady layer, llama / gpt2, with a
+shared expert) within 1%.  Full recompute keeps only the layer input, as for a dense layer.
 
 Dispatch bytes one rank sends per MoE layer and micro-batch (CommGroup's wire bytes; e the
 model's element bytes, w = max(e, 4) the routing weights', R the rank's kept slots routed to
@@ -89,6 +93,12 @@ class MoEShape:
     """Global indices of the MoE layers."""
     layers: int
     """All layers, l."""
+    z_loss: bool = False
+    """The router z-loss is on (keeps the logits and their log-sum-exp for backward)."""
+    aux_loss: bool = False
+    """The load-balancing loss is on."""
+    norm_topk: bool = True
+    """The k kept weights are renormalised (keeps their sum)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> MoEShape:
@@ -103,7 +113,9 @@ class MoEShape:
                    dense_ffn=dense.ffn, matrices=dense.mlp_matrices, bias=model.bias,
                    moe_layers=tuple(i for i in range(model.num_layers)
                                     if model.is_moe_layer(i)),
-                   layers=model.num_layers)
+                   layers=model.num_layers, z_loss=model.moe_z_loss_coeff > 0,
+                   aux_loss=model.moe_aux_loss_coeff > 0,
+                   norm_topk=model.moe_norm_topk_prob or model.moe_router == "sigmoid")
 
     @property
     def moe(self) -> bool:
@@ -234,18 +246,27 @@ def moe_activation_terms(x: MoEShape, tokens: float, full_rows: float, elem: int
                          sp: bool) -> dict[str, float]:
     """Bytes one MoE layer's MLP keeps for backward beyond the layer's attention half, per
     micro-batch on one rank (module docstring): ``tokens`` T routed by the rank,
-    ``full_rows`` s_l b (the all-gathered rows under sp)."""
-    k, h = x.top_k, x.hidden
-    terms = {"moe_input": elem * tokens * h,
-             "router_fp32_input": (4.0 * tokens * h) if elem < 4 else 0.0,
-             "router_probs": 4.0 * tokens * x.experts,
-             "dispatched": elem * tokens * k * h,
-             "expert_hidden": 2.0 * (x.matrices - 1) * elem * tokens * k * x.expert_ffn,
-             "expert_out": elem * tokens * k * h}
+    ``full_rows`` s_l b (the all-gathered rows under sp); A = max(E, 4)."""
+    k, h, e, a = x.top_k, x.hidden, elem, max(elem, 4)
+    terms = {"moe_input": e * tokens * h,
+             "router_fp32_input": (4.0 * tokens * h) if e < 4 else 0.0,
+             "router_probs": a * tokens * x.experts,
+             # int64 expert ids [T, k] and kept slot ids [T k], the top-k weights [T, k]
+             # (+ their sum when renormalised), the weights in slot order [T k, 1]
+             "routing": 16.0 * tokens * k + a * tokens * k + (a * tokens if x.norm_topk else 0)
+             + e * tokens * k,
+             "dispatched": e * tokens * k * h,
+             "expert_hidden": 2.0 * (x.matrices - 1) * e * tokens * k * x.expert_ffn,
+             "expert_out": e * tokens * k * h,
+             "combine_rows": e * tokens * k * h}
+    if x.z_loss:
+        terms["z_loss"] = a * tokens * (x.experts + 1)  # fp32 logits [T, E], logsumexp [T]
+    if x.aux_loss:
+        terms["aux_loss"] = 2.0 * a * x.experts  # f_i and P_i
     if x.shared_ffn:
-        terms["shared_hidden"] = 2.0 * (x.matrices - 1) * elem * full_rows * x.shared_ffn / tp
+        terms["shared_hidden"] = 2.0 * (x.matrices - 1) * e * full_rows * x.shared_ffn / tp
         if sp and tp > 1:
-            terms["shared_input"] = elem * full_rows * h
+            terms["shared_input"] = e * full_rows * h
     return terms
 
 

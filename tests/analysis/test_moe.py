@@ -2,7 +2,8 @@
 built model and measurement: parameter counts (total, active) equal the meta-built model's;
 Mixtral 8x7B's published 46.7B / 12.9B; experts per rank and their ZeRO-1 state bytes over
 expert_dp; the dispatch's wire bytes measured on 2 ranks (both dispatchers) equal the formula
-exactly; plan --ep and the dry run's MoE block."""
+exactly; the bytes an MoE layer saves for backward as modelled; plan --ep and the dry run's
+MoE block."""
 
 from __future__ import annotations
 
@@ -14,17 +15,24 @@ from typing import Any
 import pytest
 import torch
 
+from colonnade.analysis.activations import ActivationShape, layer_bytes
 from colonnade.analysis.cli import add_plan_arguments
 from colonnade.analysis.cli import build as build_plan
 from colonnade.analysis.cli import main as plan_main
 from colonnade.analysis.dry_run import dry_run
 from colonnade.analysis.hardware import get_cluster
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import memory_per_device, stage_state_bytes
+from colonnade.analysis.measure import SavedTensorMeter, relative_error
+from colonnade.analysis.memory import (
+    memory_per_device,
+    moe_layer_activation_delta,
+    stage_state_bytes,
+)
 from colonnade.analysis.moe import (
     MoEShape,
     all_gather_bytes,
     all_to_all_bytes,
+    dense_model,
     dispatch_bytes,
     expert_params_per_rank,
     moe_param_counts,
@@ -189,3 +197,24 @@ def test_dry_run_moe_block() -> None:
     assert f"{counts['total']:,} parameters total, {counts['active']:,} active" in text
     assert "experts per rank: 2 per MoE layer x 2 layer(s) (ep 2, expert_dp 1)" in text
     assert "dispatch (all_to_all):" in text
+
+
+@pytest.mark.parametrize("arch,shared", [("llama", 0), ("llama", 48), ("gpt2", 0)])
+def test_moe_layer_activations_measured(arch: str, shared: int) -> None:
+    """Bytes the last MoE layer saves for backward (saved-tensor hooks, float64, ep 1,
+    aux + z-loss on) = the dense layer's model with the MoE MLP's terms in place of the
+    dense MLP's (memory.moe_layer_activation_delta), within 2%."""
+    config = moe_config(arch=arch, ep=1, shared=shared)
+    (chunk,) = build_chunks(config, ProcessGroups.build(ParallelDims()), dtype=torch.float64)
+    chunk.train()
+    b, s, vocab = 2, config.training.seq_len, config.model.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    tokens, labels = (torch.randint(0, vocab, (b, s), generator=gen) for _ in range(2))
+    with SavedTensorMeter([chunk]) as meter:
+        loss = chunk(tokens, labels, reduction="sum")
+    loss.backward()
+    measured = list(meter.per_layer().values())[-1]
+    shape = ActivationShape.from_model(dense_model(config.model), s, b, dtype=torch.float64)
+    predicted = layer_bytes(shape) + moe_layer_activation_delta(
+        Workload.from_config(config), Layout(micro_batch=b))
+    assert relative_error(measured, predicted) <= 0.02, (measured, predicted)
