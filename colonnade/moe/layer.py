@@ -35,7 +35,7 @@ from torch import nn
 from colonnade.config.sections import ModelConfig
 from colonnade.moe.dispatch import capacity_keep, make_dispatcher
 from colonnade.moe.experts import GroupedExperts
-from colonnade.moe.router import Router, aux_losses
+from colonnade.moe.router import Router, Routing, aux_losses
 from colonnade.moe.state import attach_aux_loss
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.tensor_parallel.context import ParallelContext
@@ -98,25 +98,39 @@ class MoELayer(nn.Module):
         s_local, b, h = x.shape
         flat = x.reshape(s_local * b, h)  # [t, h], rows in [s_l, b] order
         routing = self.router(flat)
-        keep = capacity_keep(routing, self.cfg, self.ctx, s_local, b)  # [t, k] or None
-        tokens, counts, handle = self.dispatcher.dispatch(flat, routing, keep)  # [t_e, h]
-        routed = self.dispatcher.combine(self.experts(tokens, counts), handle)  # [t, h]
+        routed, keep = self._routed(flat, routing, s_local, b)  # [t, h]
         out = routed.view(s_local, b, h)
         if self.shared is not None:
             shared = self.shared(x)  # [s(/tp), b, h]
             if self.shared_gate is not None:
                 shared = shared * self.shared_gate(x)
             out = out + shared
-        state = self.ctx.moe
-        if state is None:
+        if self.ctx.moe is None:
             return out
+        return self._aux_and_record(out, routing, keep, s_local, b)
+
+    @torch.compiler.disable
+    def _routed(self, flat: torch.Tensor, routing: Routing, s_local: int, b: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Capacity, dispatch, experts and combine: flat [t, h] -> (routed output [t, h],
+        keep [t, k] or None). Eager under torch.compile: data-dependent token counts and
+        ep collectives (through CommGroup) that dynamo cannot trace."""
+        keep = capacity_keep(routing, self.cfg, self.ctx, s_local, b)  # [t, k] or None
+        tokens, counts, handle = self.dispatcher.dispatch(flat, routing, keep)  # [t_e, h]
+        return self.dispatcher.combine(self.experts(tokens, counts), handle), keep
+
+    @torch.compiler.disable
+    def _aux_and_record(self, out: torch.Tensor, routing: Routing, keep: torch.Tensor | None,
+                        s_local: int, b: int) -> torch.Tensor:
+        """``out`` carrying this micro-batch's auxiliary losses into backward (scaled by
+        ``ctx.moe.aux_scale``), its statistics recorded. Eager under torch.compile (the aux
+        losses' reductions go through CommGroup)."""
         aux = aux_losses(routing, self.cfg, self.ctx, s_local, b)
         if aux:
-            out = attach_aux_loss(out, torch.stack(list(aux.values())).sum(), state)
+            out = attach_aux_loss(out, torch.stack(list(aux.values())).sum(), self.ctx.moe)
         self._record(routing.expert, keep, aux)
         return out
 
-    @torch.compiler.disable
     def _record(self, expert: torch.Tensor, keep: torch.Tensor | None,
                 aux: dict[str, torch.Tensor]) -> None:
         """Record this micro-batch's loads (routed slots per expert, before capacity, [E]),
