@@ -120,6 +120,8 @@ class LayerShape:
     """Dropout on the residual branches (and embedding output)."""
     attention_dropout: bool
     """Dropout on the attention probabilities."""
+    qkv_bias: bool = False
+    """Biases on q, k, v only (model.qkv_bias; model.bias already has them)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> LayerShape:
@@ -130,7 +132,7 @@ class LayerShape:
             ffn=model.ffn_size, vocab=model.vocab_size, max_seq_len=model.max_seq_len,
             tied=model.tie_embeddings, bias=model.bias,
             hidden_dropout=model.hidden_dropout > 0,
-            attention_dropout=model.attention_dropout > 0,
+            attention_dropout=model.attention_dropout > 0, qkv_bias=model.qkv_bias,
         )
 
     @property
@@ -161,6 +163,8 @@ def layer_params(m: LayerShape) -> int:
     biases = 0
     if m.bias:
         biases = (h + 2 * m.kv_hidden) + h + (m.mlp_matrices - 1) * m.ffn + h
+    elif m.qkv_bias:
+        biases = h + 2 * m.kv_hidden
     return layer_matrix_params(m) + biases + layer_norm_params(m)
 
 
