@@ -38,9 +38,10 @@ the same order (expert-major, then source rank, then slot):
   the n sizes), the kept expert ids (dropped = -1) and the weights, keeps the slots of its own
   experts, and after the experts forms the weighted per-token sums of its experts' outputs for
   all n T gathered tokens; a reduce-scatter over ep adds the n ranks' contributions and hands
-  each rank its own T rows. Wire per rank: (n-1) T (h + k) itemsize + 8 (n-1) (T k + 1)
-  forward gathers, (n-1) T h the reduce-scatter; backward the adjoint collectives
-  (reduce-scatters of dx, dw, all-gather of dout). Bytes grow with n: for small ep.
+  each rank its own T rows. Wire bytes per rank (i_x, i_w the itemsizes of x and of the
+  weights): forward gathers (n-1) (8 + T h i_x + T k i_w + 8 T k), reduce-scatter
+  (n-1) T h i_x; backward the adjoint collectives (reduce-scatters of dx, dw: (n-1) T h i_x,
+  (n-1) T k i_w; all-gather of dout: (n-1) T h i_x). Bytes grow with n: for small ep.
 
 Capacity (:func:`capacity_keep`, ``model.moe_capacity_factor`` = c): each sequence (length s)
 gives each expert C = ceil(c s k / E) slots, taken by its slots in order of token position,
