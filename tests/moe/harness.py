@@ -28,7 +28,7 @@ from torch import nn
 from colonnade.checkpoint.export import gather_full
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
-from colonnade.models.build import build_chunks, build_reference
+from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.models.gpt import ModelChunk, valid_tokens
 from colonnade.models.params import unique_params
 from colonnade.moe.router import Router
@@ -55,7 +55,7 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
                router: str = "softmax", top_k: int = 2, aux: float = 0.01,
                aux_type: str = "global", z_loss: float = 1e-3, bias_rate: float = 1e-3,
                shared: int = 0, zero_stage: int = 0, microbatches: int = 2,
-               steps: int = 3, layers: int | None = None) -> Config:
+               steps: int = 3, layers: int | None = None, precision: str = "fp64") -> Config:
     """A resolved, validated config of a tiny MoE model (h = 32, 4 heads, 4 experts of width
     32, every layer MoE, vocab 101, seq 16, micro-batch 2) on tp x cp x dp x pp ranks (dp
     default: max(ep / (tp cp), 1)); ep folds inside tp x cp x dp."""
@@ -70,7 +70,7 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
                               moe_dispatcher=dispatcher, zero_stage=zero_stage,
                               use_distributed_optimizer=zero_stage >= 1)
     training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
-                              microbatches=microbatches, precision="fp64", seed=11,
+                              microbatches=microbatches, precision=precision, seed=11,
                               eval_interval=0)
     optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, clip_grad=0.05)
     config = Config(model=model, parallel=parallel, training=training, optim=optim)
@@ -206,13 +206,13 @@ def gathered(chunks: list[nn.Module], groups: ProcessGroups,
 def rank_train(config: Config, step_batches: list[list[Batch]],
                starve: bool = False) -> dict[str, Any]:
     """Rank body: train this rank's part; returns per-step losses (:func:`mean_loss`) and
-    MoE log fields (the same on every rank), step 0's gathered gradients (without ZeRO) and
-    the gathered parameters after the last step."""
+    MoE log fields (the same on every rank), step 0's gathered gradients (float64 without
+    ZeRO) and the gathered parameters after the last step."""
     torch.set_num_threads(1)
     par = config.parallel
     dims = ParallelDims.from_config(par, world_size(config))
     groups = ProcessGroups.build(dims, experts=True)
-    chunks = build_chunks(config, groups, dtype=torch.float64)
+    chunks = build_chunks(config, groups, dtype=param_dtype(config.training.precision))
     if starve:
         starve_last_expert(chunks)
     install_moe_state(chunks, groups)
@@ -228,7 +228,7 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         begin_moe_step(chunks, groups, opt.loss_scale, len(mine))
 
         def keep_grads(step: int = step) -> None:
-            if step == 0 and par.zero_stage == 0:
+            if step == 0 and par.zero_stage == 0 and config.training.precision == "fp64":
                 grads.update(gathered(chunks, groups, grads=True))
 
         step_losses, _ = train_step(chunks, ddp, opt, groups, config, step, mine,
