@@ -134,6 +134,8 @@ class DataParallel:
         self.buckets: list[Bucket] = self.buffers.buckets
         self.grad_divisor = self.group.size * self.replicas
         """D = dp x cp: every reduced gradient is a sum over ranks divided by D."""
+        self.reduces = self._needs_reduction()
+        """Whether any bucket needs a collective or a rescale (else the sync does nothing)."""
         self.param_shards: ParamShards | None = None
         """ZeRO-3: the :class:`ParamShards` gathering and freeing parameter buckets."""
         self.grad_shards: GradShards | None = None
@@ -165,16 +167,12 @@ class DataParallel:
         """This rank's index in the expert-dp group (its expert buckets' ZeRO-1 shard)."""
         return max(self.expert_group.rank, 0) if self.expert_group is not None else 0
 
-    @property
-    def _experts_reduce(self) -> bool:
-        """Whether expert buckets need a reduction or a rescale (edp > 1 or D > 1)."""
-        return self.expert_group is not None and any(b.expert for b in self.buckets) and (
+    def _needs_reduction(self) -> bool:
+        """Whether the step's gradients need any collective or rescale at all: dp x cp > 1,
+        or expert buckets with edp > 1 or D > 1 (their 1 / D)."""
+        experts = self.expert_group is not None and any(b.expert for b in self.buckets) and (
             self.expert_group.size > 1 or self.grad_divisor > 1)
-
-    @property
-    def reduces(self) -> bool:
-        """Whether the step's gradients need any collective or rescale at all."""
-        return self.group.size > 1 or self.replicas > 1 or self._experts_reduce
+        return self.group.size > 1 or self.replicas > 1 or experts
 
     @property
     def _gathers(self) -> bool:
