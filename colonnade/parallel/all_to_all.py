@@ -27,13 +27,15 @@ import torch
 from colonnade.parallel.comm import CommGroup
 
 
-def exchange_splits(in_splits: list[int], group: CommGroup, name: str = "splits") -> list[int]:
+def exchange_splits(in_splits: list[int], group: CommGroup, name: str = "splits",
+                    device: torch.device | None = None) -> list[int]:
     """Every rank's ``in_splits`` -> this rank's ``out_splits``: ``out[j]`` = the rows rank j
-    sends here. One equal-split all-to-all of n int64 counts (8 (n-1) wire bytes)."""
+    sends here. One equal-split all-to-all of n int64 counts (8 (n-1) wire bytes), on
+    ``device`` (NCCL moves only device tensors: pass the data's device there)."""
     if len(in_splits) != group.size:
         raise ValueError(f"{len(in_splits)} split sizes for group '{group.name}' of "
                          f"{group.size} ranks; give one per rank")
-    send = torch.tensor(in_splits, dtype=torch.int64)  # [n]
+    send = torch.tensor(in_splits, dtype=torch.int64, device=device)  # [n]
     recv = torch.empty_like(send)  # [n]
     group.all_to_all(recv, send, name=name)
     return [int(v) for v in recv.tolist()]
@@ -90,6 +92,6 @@ def all_to_all(x: torch.Tensor, group: CommGroup, in_splits: list[int] | None = 
     if group.size == 1:
         return x
     if in_splits is not None and out_splits is None:
-        out_splits = exchange_splits(in_splits, group, f"{name}_splits")
+        out_splits = exchange_splits(in_splits, group, f"{name}_splits", x.device)
     out: torch.Tensor = OpAllToAll.apply(x, group, in_splits, out_splits, name)
     return out
