@@ -33,7 +33,7 @@ def _args(corpus: tuple[Path, Path], run: Path, **extra: object) -> list[str]:
 
 def test_tiny_moe_ep2_equals_one_process(corpus: tuple[Path, Path], tmp_path: Path) -> None:
     one, two = tmp_path / "ep1", tmp_path / "ep2"
-    status, out1 = run_cli(["train", *_args(corpus, one, parallel__ep=1,
+    status, out1 = run_cli(["train", *_args(corpus, one, parallel__ep=1, parallel__dp=1,
                                             training__microbatches=4)])
     assert status == 0, out1
     status, out2 = run_cli(["train", "--nproc", "2", *_args(corpus, two)])
