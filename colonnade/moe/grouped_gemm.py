@@ -53,9 +53,19 @@ def _kernel(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Ten
 @functools.cache
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward, correctly, on this device type
-    and dtype (tried once on a tiny problem with an empty group, then remembered)."""
+    and dtype (tried once on a tiny problem with an empty group, then remembered; safe to
+    call first inside a checkpointed forward or a backward)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    # identity saved-tensor hooks: a first call inside a checkpointed forward must not add
+    # the probe's tensors to the checkpoint's (recomputation would not save them again)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+            torch.enable_grad():
+        return _probe(device_type, dtype)
+
+
+def _probe(device_type: str, dtype: torch.dtype) -> bool:
+    """The tiny forward and backward of :func:`grouped_mm_supported`."""
     try:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(5, 16, generator=gen).to(device_type, dtype).requires_grad_(True)
