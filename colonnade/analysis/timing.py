@@ -23,7 +23,9 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
              backward ``backward_ratio`` x; plus the dispatch's bytes (all_to_all or
              all_gather, forward + backward) at the ep group's link, 4 (all_to_all) or 6
              (all_gather) collectives' latency, exposed (not overlapped), reported as
-             ``Timing.ep_comm``.
+             ``Timing.ep_comm``.  The routed experts' gradients are reduced over expert_dp
+             (edp = t cp dp / ep ranks) and their ZeRO-1 states sharded over it
+             (:func:`_expert_dp_s`: dp communication and optimizer time).
   tp comm  = per layer 2 all-reduces (or all-gather + reduce-scatter pairs with sp) of T h E
              bytes forward, 2 backward, +2 with full recompute: 8 T h E (t-1)/t bytes per
              device without recompute (the issue's term), exposed (not overlapped).
@@ -64,7 +66,7 @@ hides behind them unless they are shorter: the step is at least :func:`launch_fl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
@@ -376,6 +378,9 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     params = max(_dense_stage_params(w, layout, n) for n in names)
     dp, dp_full = _dp_exposed(w, layout, c, params, stages[0], m)
     opt = _optimizer_s(w, layout, c, params)
+    if w.model.moe:
+        e_dp, e_full, e_opt = _expert_dp_s(w, layout, c, names, stages[0], m)
+        dp, dp_full, opt = dp + e_dp, dp_full + e_full, opt + e_opt
     extra = step_collectives_s(w, layout, c)
     skew = c.skew_fraction(layout.world)
     # ranks wait for the slowest at every blocking collective: a measured fraction of the
@@ -405,6 +410,19 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
                   p2p=p2p, dp_comm=dp, optimizer=opt,
                   overhead=total - (steady + bubble + p2p + dp + opt), total=total,
                   cp_comm=cp_s, ep_comm=ep_s)
+
+
+def _expert_dp_s(w: Workload, layout: Layout, c: Cluster, names: list[str], stage: _Stage,
+                 m: int) -> tuple[float, float, float]:
+    """(exposed, full) seconds of the routed experts' gradient reduction and their optimizer
+    seconds: :func:`_dp_exposed` / :func:`_optimizer_s` over expert_dp (edp = tp cp dp / ep
+    ranks, ZeRO-1 sharding over them) with the fullest stage's expert parameters, in the same
+    backward window as the dense reduction (each exposed part added)."""
+    experts = max(moe_stage_params(w, layout, "first" if n == "middle" else n)[1]
+                  for n in names)
+    elay = replace(layout, dp=layout.edp, cp=1, ep=1, zero_shard_size=None)
+    exposed, full = _dp_exposed(w, elay, c, experts, stage, m)
+    return exposed, full, _optimizer_s(w, elay, c, experts)
 
 
 def _dense_stage_params(w: Workload, layout: Layout, stage: str) -> float:
