@@ -55,7 +55,8 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
                router: str = "softmax", top_k: int = 2, aux: float = 0.01,
                aux_type: str = "global", z_loss: float = 1e-3, bias_rate: float = 1e-3,
                shared: int = 0, zero_stage: int = 0, microbatches: int = 2,
-               steps: int = 3, layers: int | None = None, precision: str = "fp64") -> Config:
+               steps: int = 3, layers: int | None = None, precision: str = "fp64",
+               recompute: str = "none") -> Config:
     """A resolved, validated config of a tiny MoE model (h = 32, 4 heads, 4 experts of width
     32, every layer MoE, vocab 101, seq 16, micro-batch 2) on tp x cp x dp x pp ranks (dp
     default: max(ep / (tp cp), 1)); ep folds inside tp x cp x dp."""
@@ -71,7 +72,7 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
                               use_distributed_optimizer=zero_stage >= 1)
     training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
                               microbatches=microbatches, precision=precision, seed=11,
-                              eval_interval=0)
+                              recompute=recompute, eval_interval=0)
     optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, clip_grad=0.05)
     config = Config(model=model, parallel=parallel, training=training, optim=optim)
     return resolved(config, tp * cp * dp * pp)

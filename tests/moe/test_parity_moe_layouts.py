@@ -1,8 +1,8 @@
 """Float64 parity of the MoE model with ep composed with tp (+sp), cp (ep spanning the cp
-ranks), pp (1F1B, interleaved), expert data parallelism with ZeRO-1 and all of tp x pp x ep on
-8 ranks, against the single-process run (tests/moe/harness.py): losses, expert loads, drops
-and aux losses every step, step 0's gathered gradients (without ZeRO) and the parameters after
-3 AdamW steps."""
+ranks), pp (1F1B, interleaved; full recompute), expert data parallelism with ZeRO-1 and all
+of tp x pp x ep on 8 ranks, against the single-process run (tests/moe/harness.py): losses,
+expert loads, drops and aux losses every step, step 0's gathered gradients (without ZeRO) and
+the parameters after 3 AdamW steps."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ CASES: dict[str, dict[str, Any]] = {
     "ep2-pp2-1f1b": {"ep": 2, "pp": 2, "dp": 2, "microbatches": 4},
     "ep2-pp2-interleaved": {"ep": 2, "pp": 2, "vp": 2, "dp": 2, "schedule": "interleaved_1f1b",
                             "microbatches": 4, "aux_type": "seq"},
+    "ep2-pp2-full-recompute-capacity": {"ep": 2, "pp": 2, "dp": 2, "recompute": "full",
+                                        "capacity": 1.0},
     "ep2-edp2-zero1": {"ep": 2, "dp": 4, "zero_stage": 1, "router": "sigmoid",
                        "bias_rate": 1e-2},
     "ep2-cp2-ring": {"ep": 2, "cp": 2, "aux_type": "seq"},
