@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from colonnade.analysis.activations import ActivationShape, layer_bytes
-from colonnade.analysis.cli import add_plan_arguments
+from colonnade.analysis.cli import add_plan_arguments, load_model_config
 from colonnade.analysis.cli import build as build_plan
 from colonnade.analysis.cli import main as plan_main
 from colonnade.analysis.dry_run import dry_run
@@ -39,6 +39,7 @@ from colonnade.analysis.moe import (
 )
 from colonnade.analysis.search import Constraints, layouts
 from colonnade.config.sections import ModelConfig
+from colonnade.config.validate import resolve, validate
 from colonnade.models.build import build_chunks, build_reference
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
@@ -170,8 +171,8 @@ def test_measured_dispatch_bytes(run_ranks: Callable[..., list[Any]], kind: str)
 
 
 def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
-    """--ep 1,2,4: MoE layouts at each ep dividing tp cp dp and E, sp under tp, ZeRO <= 1;
-    a dense model only at ep 1."""
+    """--ep 1,2,4: MoE layouts at each ep dividing tp cp dp and E, sp under tp, ZeRO <= 1,
+    each one a valid config; a dense model only at ep 1."""
     args = ["--model", "tiny-llama", "--set", "model.num_experts=4", "--cluster", "h100",
             "--gpus", "4", "--ep", "1,2,4", "--global-batch", "8", "--seq-len", "64"]
     parser = argparse.ArgumentParser()
@@ -182,6 +183,9 @@ def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
     assert {lay.ep for lay in found} == {1, 2, 4}
     assert all(lay.zero <= 1 and (lay.sp or lay.tp == 1) for lay in found)
     assert all((lay.tp * lay.cp * lay.dp) % lay.ep == 0 for lay in found)
+    base = load_model_config(parser.parse_args(args))
+    for lay in found:  # every planned MoE layout is a config the validator accepts
+        validate(resolve(lay.to_config(base, w), 4), 4)
     dense = dataclasses.replace(w, model=dataclasses.replace(w.model, num_experts=0))
     assert {lay.ep for lay in layouts(dense, 4, get_cluster("h100"), Constraints(ep=(1, 2)))
             } == {1}
