@@ -111,10 +111,13 @@ def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
     ``ddp``'s persistent shard: :func:`sharded_model_entries`)."""
     if _param_shards(ddp) is not None:
         return sharded_model_entries(ddp, groups)
-    entries = (shard_entry(model_name(p.sharding.key), p.detach(), p.sharding,  # type: ignore[attr-defined]
-                           rank_coords(groups, True, p.sharding))  # type: ignore[attr-defined]
-               for p in unique_params(chunks))
-    return [e for e in entries if e is not None]
+    out = []
+    for p in unique_params(chunks):
+        s: Sharding = p.sharding  # type: ignore[attr-defined]
+        entry = shard_entry(model_name(s.key), p.detach(), s, rank_coords(groups, True, s))
+        if entry is not None:
+            out.append(entry)
+    return out
 
 
 def sharded_model_entries(ddp: Any, groups: ProcessGroups) -> list[Entry]:
