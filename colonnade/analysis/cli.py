@@ -54,6 +54,8 @@ examples:
   colonnade plan --model configs/my-model.toml --cluster h100 --gpus 16 --tp 8 --json plan.json
   colonnade plan --model llama3-8b --cluster h100 --gpus 16 --seq-len 65536 \
       --max-seq-len 65536 --cp 1,2,4,8 --cp-attention ring,all_to_all
+  colonnade plan --model llama3-8b --set model.num_experts=8 --set model.moe_top_k=2 \
+      --cluster h100 --gpus 16 --ep 1,2,4,8          # an 8-expert MoE: ep searched
   colonnade plan --calibrate --save-cluster configs/clusters/cpu-local.toml   # this machine"""
 
 
