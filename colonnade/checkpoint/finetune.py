@@ -128,6 +128,8 @@ def _comparable(model: ModelConfig, name: str) -> Any:
         return model.kv_heads
     if name == "ffn_hidden_size":
         return model.ffn_size
+    if name in MOE_SHAPE_FIELDS and not model.moe:
+        return None  # a dense model: the MoE fields decide no tensor
     if name == "moe_ffn_hidden_size":
         return model.expert_ffn_size
     return getattr(model, name)
@@ -166,11 +168,13 @@ def with_init_from(config: Config, explicit: Collection[str] | None = None) -> C
     return dataclasses.replace(config, model=dataclasses.replace(mine, **taken))
 
 
+MOE_SHAPE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense_layers",
+                    "moe_router", "moe_shared_expert_ffn_hidden_size",
+                    "moe_shared_expert_gate")
+"""[model] fields that decide tensors only when model.num_experts > 0."""
 TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                  "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias", "qkv_bias",
-                 "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
-                 "moe_first_dense_layers", "moe_router", "moe_shared_expert_ffn_hidden_size",
-                 "moe_shared_expert_gate")
+                 "num_experts", *MOE_SHAPE_FIELDS)
 """[model] fields that decide which tensors a model has and their shapes (and max_seq_len for
 a learned position table, gpt2's): a checkpoint loads only into a model equal in all of them.
 The MoE ones decide which layers have experts, how many and how wide, the shared expert and its
