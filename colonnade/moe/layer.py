@@ -98,7 +98,7 @@ class MoELayer(nn.Module):
         s_local, b, h = x.shape
         flat = x.reshape(s_local * b, h)  # [t, h], rows in [s_l, b] order
         routing = self.router(flat)
-        routed, keep = self._routed(flat, routing, s_local, b)  # [t, h]
+        routed, dropped = self._routed(flat, routing, s_local, b)  # [t, h]
         out = routed.view(s_local, b, h)
         if self.shared is not None:
             shared = self.shared(x)  # [s(/tp), b, h]
@@ -107,20 +107,22 @@ class MoELayer(nn.Module):
             out = out + shared
         if self.ctx.moe is None:
             return out
-        return self._aux_and_record(out, routing, keep, s_local, b)
+        return self._aux_and_record(out, routing, dropped, s_local, b)
 
     @torch.compiler.disable
     def _routed(self, flat: torch.Tensor, routing: Routing, s_local: int, b: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, int]:
         """Capacity, dispatch, experts and combine: flat [t, h] -> (routed output [t, h],
-        keep [t, k] or None). Eager under torch.compile: data-dependent token counts and
-        ep collectives (through CommGroup) that dynamo cannot trace."""
+        token slots dropped by the capacity). Eager under torch.compile: data-dependent token
+        counts and ep collectives (through CommGroup) that dynamo cannot trace. The experts
+        take the dispatch's host counts (no extra device sync)."""
         keep = capacity_keep(routing, self.cfg, self.ctx, s_local, b)  # [t, k] or None
-        tokens, counts, handle = self.dispatcher.dispatch(flat, routing, keep)  # [t_e, h]
-        return self.dispatcher.combine(self.experts(tokens, counts), handle), keep
+        tokens, _, handle = self.dispatcher.dispatch(flat, routing, keep)  # [t_e, h]
+        y = self.experts(tokens, handle.counts_host)  # [t_e, h]
+        return self.dispatcher.combine(y, handle), handle.dropped
 
     @torch.compiler.disable
-    def _aux_and_record(self, out: torch.Tensor, routing: Routing, keep: torch.Tensor | None,
+    def _aux_and_record(self, out: torch.Tensor, routing: Routing, dropped: int,
                         s_local: int, b: int) -> torch.Tensor:
         """``out`` carrying this micro-batch's auxiliary losses into backward (scaled by
         ``ctx.moe.aux_scale``), its statistics recorded. Eager under torch.compile (the aux
@@ -128,15 +130,13 @@ class MoELayer(nn.Module):
         aux = aux_losses(routing, self.cfg, self.ctx, s_local, b)
         if aux:
             out = attach_aux_loss(out, torch.stack(list(aux.values())).sum(), self.ctx.moe)
-        self._record(routing.expert, keep, aux)
+        self._record(routing.expert, dropped, aux)
         return out
 
-    def _record(self, expert: torch.Tensor, keep: torch.Tensor | None,
+    def _record(self, expert: torch.Tensor, dropped: int,
                 aux: dict[str, torch.Tensor]) -> None:
-        """Record this micro-batch's loads (routed slots per expert, before capacity, [E]),
-        dropped and routed slot counts and aux losses in ``ctx.moe``."""
+        """Record this micro-batch in ``ctx.moe``: loads (routed slots per expert before the
+        capacity, [E], on the device), dropped and routed slot counts, the aux losses."""
         loads = torch.bincount(expert.reshape(-1), minlength=self.cfg.num_experts)  # [E]
-        dropped = int((~keep).sum()) if keep is not None else 0
         self.ctx.moe.record(self.key, loads, dropped, expert.numel(),
                             {name: value.detach() for name, value in aux.items()})
-
