@@ -69,8 +69,9 @@ def test_kernel_and_loop_agree_in_fp32() -> None:
     """Where torch._grouped_mm runs on this machine (CPU float32), it equals the loop."""
     x, w, g = _problem(torch.float32)
     loop = _grads(lambda a, b: grouped_mm_loop(a, b, COUNTS), x, w, g)
-    assert grouped_mm_supported("cpu", torch.float32) == hasattr(torch, "_grouped_mm")
-    assert not grouped_mm_supported("cpu", torch.float64)
+    assert not grouped_mm_supported("cpu", torch.float64)  # float64 always takes the loop
+    if torch.__version__ >= "2.9":  # this venv's build runs the CPU kernel: exercise it
+        assert grouped_mm_supported("cpu", torch.float32)
     fast = _grads(lambda a, b: grouped_mm(a, b, COUNTS), x, w, g)
     for name, a, b in zip(("y", "dx", "dw"), fast, loop, strict=True):
         assert float((a - b).norm() / b.norm()) <= 1e-6, name
