@@ -5,10 +5,11 @@ A bf16 llama MoE (hidden 64, 4 layers, 4 experts of width 64, vocab 512) trains 
 ep 2 on dp 2 (expert_dp 1) and dp 4 (expert_dp 2), ZeRO stage 0 and 1.  Each rank counts the
 unique storages it holds (as tests/data_parallel/test_zero_memory_measured.py does):
 parameters, gradients (main gradients and ``.grad``) and the optimizer's tensors; each must be
-within 10% of :func:`~colonnade.analysis.memory.stage_memory` of the same config, whose expert
+within 1% of :func:`~colonnade.analysis.memory.stage_memory` of the same config, whose expert
 parameters are E/ep per MoE layer with their optimizer states sharded over expert_dp at stage
 1 (the dense ones over dp).  The routed experts are ~60% of a rank's parameters at ep 1 here,
-so a wrong expert term would miss by far more than 10%.
+so a wrong expert term would miss by far more than 1% (measured: exact at stage 0,
+within 0.1% at stage 1: the shard padding).
 """
 
 from __future__ import annotations
@@ -79,4 +80,4 @@ def test_moe_state_bytes_match_the_formula(run_ranks: Callable[..., list[Any]], 
     for res in run_ranks(dp, measure, config):
         for kind, formula in (("params", want.params), ("grads", want.grads),
                               ("optimizer", want.optimizer)):
-            assert res[kind] == pytest.approx(formula, rel=0.10), (kind, res[kind], formula)
+            assert res[kind] == pytest.approx(formula, rel=0.01), (kind, res[kind], formula)
