@@ -222,3 +222,26 @@ def test_moe_layer_activations_measured(arch: str, shared: int) -> None:
     predicted = layer_bytes(shape) + moe_layer_activation_delta(
         Workload.from_config(config), Layout(micro_batch=b))
     assert relative_error(measured, predicted) <= 0.02, (measured, predicted)
+
+
+def test_time_model_moe_terms() -> None:
+    """The time model's MoE terms on h100: ep_comm = layers x micro-batches x (dispatch bytes
+    / link + 4 latencies) at ep 2, 0 at ep 1; the estimate's model FLOPs = the MoE-aware
+    counter's flops_per_token x tokens (active experts only)."""
+    from colonnade.analysis.estimate import estimate
+    from colonnade.analysis.timing import step_time
+    from colonnade.models.counts import flops_per_token
+
+    model = dataclasses.replace(MIXTRAL, num_layers=4)
+    w = Workload(model=model, seq_len=1024, global_batch=16)
+    c = get_cluster("h100")
+    lay = Layout(dp=8, ep=2, micro_batch=1)
+    m = lay.microbatches(w.global_batch)
+    tokens = float(w.seq_len)
+    sent = dispatch_bytes(MoEShape.of(model), tokens, 2, 2, "all_to_all")
+    bw, lat = c.link(2, 2)
+    assert step_time(w, lay, c).ep_comm == pytest.approx(4 * m * (sent / bw + 4 * lat))
+    assert step_time(w, dataclasses.replace(lay, ep=1), c).ep_comm == 0.0
+    est = estimate(w, lay, c)
+    assert est.model_flops == pytest.approx(flops_per_token(model, w.seq_len) * 16 * 1024,
+                                            rel=1e-12)
