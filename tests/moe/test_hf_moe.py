@@ -93,10 +93,11 @@ def test_import_logits_and_lossless_round_trip(tmp_path: Path, kind: str) -> Non
         assert torch.equal(again(tokens).logits, ref)
 
 
-def _ep2_logits(hf_dir: str, out_dir: str) -> torch.Tensor | None:
-    """Rank side (2 ranks, ep=2: each rank holds 2 of the 4 experts of every MoE layer): load
-    the HF dir, forward the same tokens on both ranks (tokens cross ranks in the all-to-all),
-    return rank 0's logits [b, s, V]; then export the live run to ``out_dir``."""
+def _ep2_logits(hf_dir: str, out_dir: str, tp: int = 1) -> torch.Tensor | None:
+    """Rank side (2 ranks, ep=2: each rank holds 2 of the 4 experts of every MoE layer; with
+    ``tp`` = 2 the dense weights are tp-split too, sp on, ep folded into tp): load the HF dir,
+    forward the same tokens on both ranks (tokens cross ranks in the all-to-all), return rank
+    0's logits [b, s, V]; then export the live run to ``out_dir``."""
     from colonnade.checkpoint.hf import load_hf_into_chunks, read_hf
     from colonnade.config.sections import Config, ParallelConfig, TrainingConfig
     from colonnade.config.validate import resolve
@@ -107,7 +108,9 @@ def _ep2_logits(hf_dir: str, out_dir: str) -> torch.Tensor | None:
 
     torch.set_num_threads(1)
     model_cfg, _ = read_hf(hf_dir)
-    cfg = resolve(Config(model=model_cfg, parallel=ParallelConfig(ep=2),
+    from colonnade.tensor_parallel import mappings as mp
+
+    cfg = resolve(Config(model=model_cfg, parallel=ParallelConfig(ep=2, tp=tp, sp=tp > 1),
                          training=TrainingConfig(precision="fp32")), world_size=2)
     groups = ProcessGroups.build(ParallelDims.from_config(cfg.parallel, 2), experts=True)
     (chunk,) = build_chunks(cfg, groups)
@@ -116,14 +119,15 @@ def _ep2_logits(hf_dir: str, out_dir: str) -> torch.Tensor | None:
     load_hf_into_chunks([chunk], groups, hf_dir)
     chunk.eval()
     with torch.no_grad():
-        logits = chunk(_tokens()).transpose(0, 1)[..., :VOCAB].contiguous()  # [b, s, V]
+        y = mp.gather_last(chunk(_tokens()), groups.tp)  # [s, b, V']
+        logits = y.transpose(0, 1)[..., :VOCAB].contiguous()  # [b, s, V]
     write_hf_from_run(out_dir, cfg.model, [chunk], groups)
     return logits if groups.world.rank == 0 else None
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize(("kind", "tp"), [("mixtral", 1), ("qwen2_moe", 1), ("qwen2_moe", 2)])
 def test_ep2_load_and_live_export(run_ranks: Callable[..., list[Any]], tmp_path: Path,
-                                  kind: str) -> None:
+                                  kind: str, tp: int) -> None:
     """An imported model split over ep2 gives transformers' logits; exporting the live ep2
     run writes back the original tensors."""
     from safetensors.torch import load_file
@@ -132,7 +136,7 @@ def test_ep2_load_and_live_export(run_ranks: Callable[..., list[Any]], tmp_path:
     hf_dir = _save(model, tmp_path / "hf")
     with torch.no_grad():
         ref = model(_tokens()).logits
-    out = [r for r in run_ranks(2, _ep2_logits, str(hf_dir), str(tmp_path / "live"))
+    out = [r for r in run_ranks(2, _ep2_logits, str(hf_dir), str(tmp_path / "live"), tp)
            if r is not None]
     err = float((out[0] - ref).abs().max())
     assert err <= 5e-5, f"max |logits diff| {err:.2e}"  # fp32, |logits| ~ 10
