@@ -1,11 +1,12 @@
 """Mixture of experts (issue 17) on CPU: one MoE layer against peers, then training steps.
 
     .venv/bin/python benchmarks/moe.py [--parts layer,model] [--rounds 3] [--steps 3]
-        [--hidden 128] [--experts 8] [--top-k 2] [--expert-ffn 256] [--tokens 512]
+        [--hidden 128] [--experts 8] [--top-k 2] [--expert-ffn 256] [--seq 128] [--batch 4]
         [--no-deepspeed] [--quick] [--json PATH]
 
-Sized for a quiet 2-core machine in a few minutes (``--quick``: seconds, tiny shapes, one
-round; what the smoke test and a loaded machine run).  Ranks are gloo CPU processes with one
+Sized for a quiet 2-core machine: the defaults (3 rounds x 3 steps) take about a minute (a
+1-round, 1-step run of the default shapes took 14 s on a loaded machine; ``--quick``: tiny
+shapes, one round, seconds).  Larger runs: raise --hidden, --expert-ffn, --seq, --batch.  Ranks are gloo CPU processes with one
 compute thread each; ep 2 on 2 cores.
 
 Part 1, layer (forward + backward of one SwiGLU MoE layer, x [s, b, h] per rank, t = s b
@@ -168,6 +169,15 @@ DEEPSPEED_SETTING = (
     "step's largest expert load) crashed here at ep 2: its per-rank capacities differed and "
     "gloo's all_to_all aborted ('Received data size doesn't match expected size')")
 """How the DeepSpeed peer is configured, and why (recorded in the JSON)."""
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version, or why it cannot be imported."""
+    try:
+        import deepspeed
+    except Exception as err:  # recorded, not raised: the peer is optional
+        return f"not importable: {type(err).__name__}: {err}"
+    return str(deepspeed.__version__)
 
 
 def deepspeed_capacity_factor(shape: Shape) -> float:
@@ -402,17 +412,19 @@ def print_rows(title: str, rows: list[dict[str, Any]], base: str) -> None:
     """A plain table of the summary rows."""
     print(f"\n{title}")
     print(f"{'variant':<22}{'ranks':>6}{'median ms':>11}{'vs ' + base:>22}"
-          f"{'wire KB':>10}{'formula KB':>12}")
+          f"{'wire KB':>10}{'formula KB':>12}{'dispatch %':>12}")
     for r in rows:
         if "median_s" not in r:
             print(f"{r['name']:<22}  not run: {r.get('error', '?')}")
             continue
         ratio = r.get(f"vs_{base}", {}).get("ratio")
         formula = r.get("wire_exact_formula", r.get("wire_formula"))
+        share = r.get("dispatch_share")
         print(f"{r['name']:<22}{r['ranks']:>6}{r['median_s'] * 1e3:>11.2f}"
               f"{'' if ratio is None else f'{ratio:.3f}':>22}"
               f"{r.get('wire_bytes', 0) / 1e3:>10.1f}"
-              f"{'' if formula is None else f'{formula / 1e3:.1f}':>12}")
+              f"{'' if formula is None else f'{formula / 1e3:.1f}':>12}"
+              f"{'' if share is None else f'{share:.1%}':>12}")
 
 
 def interleaved(pools: RankPools, names: list[str], worlds: dict[str, int], rounds: int,
@@ -468,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.rounds):
                         runs[name] += run_deepspeed(world, shape, args.steps)
                 payload["deepspeed_setting"] = DEEPSPEED_SETTING
+                payload["deepspeed_version"] = deepspeed_version()
             payload["layer"] = summarize(runs, worlds, "colonnade_ep1")
             print_rows("one MoE layer, forward + backward", payload["layer"], "colonnade_ep1")
         if "model" in parts:
