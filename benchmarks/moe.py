@@ -6,8 +6,8 @@
 
 Sized for a quiet 2-core machine: the defaults (3 rounds x 3 steps) take about a minute (a
 1-round, 1-step run of the default shapes took 14 s on a loaded machine; ``--quick``: tiny
-shapes, one round, seconds).  Larger runs: raise --hidden, --expert-ffn, --seq, --batch.  Ranks are gloo CPU processes with one
-compute thread each; ep 2 on 2 cores.
+shapes, one round, seconds).  Larger runs: raise --hidden, --expert-ffn, --seq, --batch.
+Ranks are gloo CPU processes with one compute thread each; ep 2 on 2 cores.
 
 Part 1, layer (forward + backward of one SwiGLU MoE layer, x [s, b, h] per rank, t = s b
 tokens, softmax top-k router, dropless, fp32):
