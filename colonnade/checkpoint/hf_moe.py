@@ -200,9 +200,10 @@ def _check(cfg: ModelConfig, key: str) -> None:
 def moe_format_key(cfg: ModelConfig) -> str:
     """Which HF MoE class a llama MoE model is: Qwen2-MoE with a gated shared expert (or
     q/k/v biases), Mixtral when every layer is MoE and the top k are renormalised."""
-    if cfg.arch != "llama":
+    traits = cfg.traits
+    if traits is None or not (traits.rope and traits.gated_mlp):  # RoPE + SwiGLU experts
         raise ValueError(f"model.arch={cfg.arch!r} with experts has no Hugging Face form "
-                         "(Mixtral and Qwen2-MoE are llama-like)")
+                         "(Mixtral and Qwen2-MoE are llama-like: RoPE, SwiGLU experts)")
     if cfg.moe_shared_expert_ffn_hidden_size or cfg.qkv_bias:
         if not cfg.moe_shared_expert_gate or not cfg.moe_shared_expert_ffn_hidden_size:
             raise ValueError("Qwen2-MoE needs a gated shared expert (model."
