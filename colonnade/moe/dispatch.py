@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ from colonnade.context_parallel.layout import zigzag_index, zigzag_order
 from colonnade.parallel.all_to_all import all_to_all
 from colonnade.parallel.comm import CommGroup
 from colonnade.tensor_parallel.context import ParallelContext
-from colonnade.tensor_parallel.mappings import seq_all_gather, seq_reduce_scatter
+from colonnade.tensor_parallel.mappings import gather_seq, reduce_scatter_seq, seq_all_gather
 
 
 class RoutedSlots(Protocol):
@@ -220,38 +220,9 @@ class AllToAllDispatcher(Dispatcher):
         return weighted_sum(y, handle.slots, handle.weight, handle.dtype)
 
 
-class _OpGather(torch.autograd.Function):
-    """All-gather along dim 0 forward ([T, ...] -> [n T, ...]), reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, name: str) -> torch.Tensor:
-        ctx.group, ctx.name = group, name
-        return seq_all_gather(x, group, name)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return seq_reduce_scatter(grads[0], ctx.group, f"{ctx.name}_grad"), None, None
-
-
-class _OpReduceScatter(torch.autograd.Function):
-    """Reduce-scatter along dim 0 forward ([n T, ...] -> [T, ...]), all-gather backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, name: str) -> torch.Tensor:
-        ctx.group, ctx.name = group, name
-        return seq_reduce_scatter(x, group, name)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return seq_all_gather(grads[0], ctx.group, f"{ctx.name}_grad"), None, None
-
-
 def _gather(x: torch.Tensor, group: CommGroup, name: str) -> torch.Tensor:
     """Differentiable all-gather along dim 0 (x itself for a group of one)."""
-    if group.size == 1:
-        return x
-    out: torch.Tensor = _OpGather.apply(x, group, name)
-    return out
+    return gather_seq(x, group, name, f"{name}_grad")
 
 
 def _pad_rows(x: torch.Tensor, rows: int, value: float = 0.0) -> torch.Tensor:
@@ -298,7 +269,7 @@ class AllGatherDispatcher(Dispatcher):
         full = weighted_sum(y, handle.slots, handle.weight, handle.dtype)  # [n T, h]
         if self.ep.size == 1:
             return full
-        out: torch.Tensor = _OpReduceScatter.apply(full, self.ep, "moe_combine")  # [T, h]
+        out = reduce_scatter_seq(full, self.ep, "moe_combine", "moe_combine_grad")  # [T, h]
         return out[: handle.num_tokens]
 
 

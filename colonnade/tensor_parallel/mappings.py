@@ -108,29 +108,32 @@ class OpG(torch.autograd.Function):
 
 
 class OpGSeq(torch.autograd.Function):
-    """g (sequence parallel): all-gather along dim 0 forward, reduce-scatter backward."""
+    """g (sequence parallel): all-gather along dim 0 forward, reduce-scatter backward (also
+    the MoE all-gather dispatcher's token gather, under its own names)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        ctx.group = group
-        return seq_all_gather(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, name: str,
+                grad_name: str) -> torch.Tensor:
+        ctx.group, ctx.grad_name = group, grad_name
+        return seq_all_gather(x, group, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return seq_reduce_scatter(grad, ctx.group, "sp_gather_bwd"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return seq_reduce_scatter(grad, ctx.group, ctx.grad_name), None, None, None
 
 
 class OpGBarSeq(torch.autograd.Function):
     """g-bar (sequence parallel): reduce-scatter along dim 0 forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-        ctx.group = group
-        return seq_reduce_scatter(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: CommGroup, name: str,
+                grad_name: str) -> torch.Tensor:
+        ctx.group, ctx.grad_name = group, grad_name
+        return seq_reduce_scatter(x, group, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return seq_all_gather(grad, ctx.group, "sp_reduce_scatter_bwd"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return seq_all_gather(grad, ctx.group, ctx.grad_name), None, None, None
 
 
 class OpSplitSeq(torch.autograd.Function):
@@ -191,14 +194,18 @@ def reduce_from_tp(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     return x if group.size == 1 else OpG.apply(x, group)
 
 
-def gather_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g of sequence parallelism (the identity when tp = 1)."""
-    return x if group.size == 1 else OpGSeq.apply(x, group)
+def gather_seq(x: torch.Tensor, group: CommGroup, name: str = "sp_gather",
+               grad_name: str = "sp_gather_bwd") -> torch.Tensor:
+    """g of sequence parallelism (the identity for a group of one); ``name`` / ``grad_name``
+    label the forward all-gather and the backward reduce-scatter in the comm stats."""
+    return x if group.size == 1 else OpGSeq.apply(x, group, name, grad_name)
 
 
-def reduce_scatter_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
-    """g-bar of sequence parallelism (the identity when tp = 1)."""
-    return x if group.size == 1 else OpGBarSeq.apply(x, group)
+def reduce_scatter_seq(x: torch.Tensor, group: CommGroup, name: str = "sp_reduce_scatter",
+                       grad_name: str = "sp_reduce_scatter_bwd") -> torch.Tensor:
+    """g-bar of sequence parallelism (the identity for a group of one); names as in
+    :func:`gather_seq`."""
+    return x if group.size == 1 else OpGBarSeq.apply(x, group, name, grad_name)
 
 
 def split_seq(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
