@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import Any
 
+from colonnade.analysis.cli import add_plan_parser
 from colonnade.config.choices import DEVICES
 from colonnade.config.load import ConfigError, config_to_toml, field_docs, load_config
 from colonnade.config.sections import SECTIONS, Config
@@ -50,7 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colonnade", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a model (any tp/pp/dp layout)",
+    for add in (_add_train, _add_prepare, _add_generate, _add_convert, _add_plot, _add_bench,
+                add_plan_parser):
+        add(sub)
+    return p
+
+
+def _add_train(sub: Any) -> None:
+    """``colonnade train``."""
+    t = sub.add_parser("train", help="train a model (any tp/sp/cp/pp/dp/ep layout)",
                        description="Train. Any --section.field=value overrides the config. "
                        "--dry-run checks a config and shows what the run would be (model, "
                        "layout, memory per rank, data) without starting it.",
@@ -79,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "needed) and tokenizer (must be the data's); step, optimizer and data "
                    "start fresh (= --checkpoint.init_from=PATH; --checkpoint.load resumes)")
     _add_launch_args(t)
+
+
+def _add_prepare(sub: Any) -> None:
+    """``colonnade prepare``."""
     pr = sub.add_parser("prepare", help="tokenize text into an indexed dataset",
                         description="Tokenize data.input (files, folders, globs; text, jsonl, "
                         "json, csv, parquet, HF save_to_disk) into data.prepared_dir, which "
@@ -87,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prepare --data.input=my_texts/ --data.prepared_dir=data/mine",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("--config", help="TOML config file")
+
+
+def _add_generate(sub: Any) -> None:
+    """``colonnade generate``."""
     g = sub.add_parser("generate", help="sample text from a saved model",
                        description="Continue a prompt with a trained model (one process).")
     g.add_argument("model_dir", help="a checkpoint root (train --checkpoint.save=DIR) or one "
@@ -103,8 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (default) = cuda when a GPU is visible, "
                    "else cpu")
+
+
+def _add_convert(sub: Any) -> None:
+    """``colonnade convert``."""
     c = sub.add_parser("convert", help="Hugging Face <-> Colonnade checkpoint conversion",
-                       description="Convert LlamaForCausalLM / GPT2LMHeadModel directories. "
+                       description="Convert LlamaForCausalLM / GPT2LMHeadModel / "
+                       "MixtralForCausalLM / Qwen2MoeForCausalLM directories. "
                        "--to-hf writes config.json, generation_config.json, model.safetensors "
                        "and the tokenizer (tokenizer.json, tokenizer_config.json, "
                        "special_tokens_map.json; bos/eos/pad = its end-of-document token) "
@@ -116,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="with --to-hf: tensor dtype of model.safetensors and config.json's "
                    "torch_dtype (default: as stored in the checkpoint)")
+
+
+def _add_plot(sub: Any) -> None:
+    """``colonnade plot``."""
     pl = sub.add_parser("plot", help="draw loss, perplexity, tokens/s and LR curves to a PNG",
                         description="Read each RUN_DIR's metrics.jsonl and write one PNG: "
                         "training and validation loss, validation perplexity, tokens/s and "
@@ -126,18 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR",
                     help="a run's logging.dir (or its metrics.jsonl)")
     pl.add_argument("--out", default="plot.png", help="PNG to write (default: plot.png)")
+
+
+def _add_bench(sub: Any) -> None:
+    """``colonnade bench``."""
     b = sub.add_parser("bench", help="list or run the side-by-side benchmark scripts",
                        description="Without NAME, list benchmarks/*.py; with it, run that "
                        "script with the remaining options (NAME --help lists them).")
     b.add_argument("name", nargs="?", help="benchmark to run, e.g. planner_cpu")
     b.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the script")
-    try:
-        from colonnade.analysis.cli import add_plan_parser
-
-        add_plan_parser(sub)
-    except ImportError:  # pragma: no cover - planner is part of the package
-        pass
-    return p
 
 
 def _load(args: argparse.Namespace, overrides: list[str]) -> Config:

@@ -148,29 +148,14 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     if not begin_run(cfg, trainer.step, rt.groups):  # a re-run of a finished run
         return {"history": [], "valid": [], "rank": rt.groups.rank, "finished": True}
     pending: PendingSave | None = None
-    writer = (MetricsWriter(log_cfg.dir, log_cfg.tensorboard, start_step=trainer.step,
-                            wandb_project=log_cfg.wandb_project,
-                            wandb_run_name=log_cfg.wandb_run_name,
-                            run_config=dataclasses.asdict(cfg))
-              if rt.is_logger else None)
-    if writer is not None and writer.dropped:
-        whose = (f"past step {trainer.step} (not this run's)" if trainer.step
-                 else "of an earlier run in this logging.dir")
-        print(f"colonnade: moved {writer.dropped} metrics.jsonl record(s) {whose} to "
-              "metrics.dropped.jsonl")
-    if rt.is_logger:
-        kept = write_run_config(log_cfg.dir, config_to_toml(cfg))
-        if kept:
-            print(f"colonnade: {kept}")
-        print(f"colonnade: {layout_text(cfg, rt.groups.dims.describe())} on {rt.device}, "
-              f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
-              f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
+    writer = _open_run_log(cfg, rt, trainer)
     tokens_per_step = int(tr.global_batch_size or 1) * tr.seq_len
-    flops_tok = flops_per_token(cfg.model, tr.seq_len)
     peak = peak_tflops(rt.device, param_dtype(tr.precision), log_cfg.peak_tflops)
     if peak is None and rt.is_logger:
         print(f"colonnade: MFU n/a: the peak TFLOP/s of {rt.device} is unknown (set "
               "--logging.peak_tflops=PEAK to report MFU)")
+    throughput = _Throughput(tokens_per_step, flops_per_token(cfg.model, tr.seq_len),
+                             rt.groups.world.size, peak)
     bar = _progress(tr.steps, log_cfg.progress and rt.is_logger)
     history: list[dict[str, Any]] = []
     valid_losses: list[tuple[int, float]] = []
@@ -180,14 +165,7 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     if monitor is not None:
         monitor.graceful_stop = True
     if tr.eval_interval:
-        valid_losses.append((trainer.step, trainer.evaluate()))
-        if writer is not None:
-            loss0 = valid_losses[-1][1]
-            rec0 = {"step": trainer.step, "valid_loss": loss0, "valid_ppl": perplexity(loss0),
-                    **clock.fields(trainer.step)}
-            if trainer.step == 0:  # a resume's step already has its record
-                writer.write(rec0)
-            print(format_line(rec0), flush=True)
+        valid_losses.append(_first_eval(trainer, writer, clock))
     while trainer.step < tr.steps:
         if monitor is not None:
             monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
@@ -211,12 +189,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop:
             synchronize(rt.device)
             dt = (time.perf_counter() - window_start) / max(1, window_steps)
-            tps = tokens_per_step / dt
-            rec = {"step": step, **metrics, "step_time_s": dt, "tokens_per_s": tps,
-                   "tflops_per_device": tps * flops_tok / 1e12 / rt.groups.world.size,
+            rec = {"step": step, **metrics, **throughput.fields(dt),
                    **memory_stats(rt.device), **clock.fields(step)}
-            if peak:  # unknown peak (a CPU): no MFU rather than a guessed one
-                rec["mfu"] = rec["tflops_per_device"] / peak
             if evaluate:
                 rec["valid_loss"] = valid_losses[-1][1]
                 rec["valid_ppl"] = perplexity(rec["valid_loss"])
@@ -236,6 +210,65 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         writer.close()
     return {"history": history, "valid": valid_losses, "rank": rt.groups.rank,
             "interrupted": stop}
+
+
+def _first_eval(trainer: Trainer, writer: MetricsWriter | None, clock: RunClock
+                ) -> tuple[int, float]:
+    """The validation loss before the first step (logged; written unless resuming, whose
+    step already has its record): (step, loss)."""
+    loss = trainer.evaluate()
+    if writer is not None:
+        rec = {"step": trainer.step, "valid_loss": loss, "valid_ppl": perplexity(loss),
+               **clock.fields(trainer.step)}
+        if trainer.step == 0:
+            writer.write(rec)
+        print(format_line(rec), flush=True)
+    return trainer.step, loss
+
+
+def _open_run_log(cfg: Config, rt: Runtime, trainer: Trainer) -> MetricsWriter | None:
+    """On the logging rank: the metrics writer (records past the resumed step moved aside,
+    said), the run's config.toml, and the start-up line naming the layout; None elsewhere."""
+    if not rt.is_logger:
+        return None
+    log_cfg, tr = cfg.logging, cfg.training
+    writer = MetricsWriter(log_cfg.dir, log_cfg.tensorboard, start_step=trainer.step,
+                           wandb_project=log_cfg.wandb_project,
+                           wandb_run_name=log_cfg.wandb_run_name,
+                           run_config=dataclasses.asdict(cfg))
+    if writer.dropped:
+        whose = (f"past step {trainer.step} (not this run's)" if trainer.step
+                 else "of an earlier run in this logging.dir")
+        print(f"colonnade: moved {writer.dropped} metrics.jsonl record(s) {whose} to "
+              "metrics.dropped.jsonl")
+    kept = write_run_config(log_cfg.dir, config_to_toml(cfg))
+    if kept:
+        print(f"colonnade: {kept}")
+    print(f"colonnade: {layout_text(cfg, rt.groups.dims.describe())} on {rt.device}, "
+          f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
+          f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
+    return writer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Throughput:
+    """What a logged step's speed fields are computed from."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    world: int
+    peak: float | None
+    """Peak TFLOP/s of one device; None (a CPU): no MFU rather than a guessed one."""
+
+    def fields(self, step_time_s: float) -> dict[str, float]:
+        """step_time_s, tokens_per_s, tflops_per_device (model FLOPs over every rank) and,
+        with a known peak, mfu."""
+        tps = self.tokens_per_step / step_time_s
+        out = {"step_time_s": step_time_s, "tokens_per_s": tps,
+               "tflops_per_device": tps * self.flops_per_token / 1e12 / self.world}
+        if self.peak:
+            out["mfu"] = out["tflops_per_device"] / self.peak
+        return out
 
 
 def final_summary(result: dict[str, Any]) -> str:
