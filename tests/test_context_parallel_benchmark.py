@@ -7,21 +7,16 @@ per-round ratios, memory ratios and the first-loss check."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
+from tests.bench_import import load_benchmark
 
 NAME = "bench_context_parallel"
 """The module name the benchmark is loaded under (``context_parallel`` would be found as
@@ -29,16 +24,8 @@ tests/context_parallel by the ranks, which import rank functions by module name 
 
 
 def _bench() -> ModuleType:
-    """Import benchmarks/context_parallel.py without keeping its environment defaults."""
-    if NAME in sys.modules:
-        return sys.modules[NAME]
-    spec = importlib.util.spec_from_file_location(NAME, BENCH / "context_parallel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(os.environ), mock.patch.object(sys, "path", [str(BENCH), *sys.path]):
-        sys.modules[NAME] = module
-        spec.loader.exec_module(module)
-    return module
+    """benchmarks/context_parallel.py (see :func:`tests.bench_import.load_benchmark`)."""
+    return load_benchmark("context_parallel.py", NAME)
 
 
 def _peer() -> ModuleType:

@@ -6,13 +6,8 @@ the summary's per-round medians and ratios."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
-import sys
-from pathlib import Path
 from types import ModuleType
-from unittest import mock
 
 import pytest
 import torch
@@ -23,22 +18,14 @@ from colonnade.config.validate import resolve, validate
 from colonnade.models.build import build_chunks
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from tests.bench_import import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 NAME = "bench_moe"
 
 
 def _bench() -> ModuleType:
-    """Import benchmarks/moe.py without keeping its environment defaults."""
-    if NAME in sys.modules:
-        return sys.modules[NAME]
-    spec = importlib.util.spec_from_file_location(NAME, BENCH / "moe.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(os.environ), mock.patch.object(sys, "path", [str(BENCH), *sys.path]):
-        sys.modules[NAME] = module
-        spec.loader.exec_module(module)
-    return module
+    """benchmarks/moe.py (see :func:`tests.bench_import.load_benchmark`)."""
+    return load_benchmark("moe.py", NAME)
 
 
 def test_plain_peer_equals_colonnade_layer() -> None:
