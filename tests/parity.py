@@ -23,6 +23,8 @@ import torch.distributed as dist
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
+from colonnade.optim.clip import clip_coefficient
+from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
@@ -173,3 +175,29 @@ def train_step(chunks: list[Any], ddp: Any, opt: Any, groups: ProcessGroups, con
     if before_optim is not None:
         before_optim()
     return losses, opt.step()
+
+
+def reference_adamw(params: list[torch.nn.Parameter], config: Config) -> torch.optim.AdamW:
+    """torch.optim.AdamW over ``params`` with Colonnade's decay rule (matrices decay,
+    vectors such as norms and biases do not) and the config's optim settings."""
+    o = config.optim
+    return torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
+         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def reference_update(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+                     config: Config, step: int) -> torch.Tensor:
+    """The single-process reference's update after its backward: clip the gradients of
+    ``params`` to ``optim.clip_grad`` by their global norm, set the step's learning rate,
+    take the optimizer step. Returns the norm before clipping (0-d)."""
+    o = config.optim
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+    coef = clip_coefficient(norm, o.clip_grad)
+    for p in params:
+        p.grad.mul_(coef)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, config.training.steps, o)
+    opt.step()
+    return norm

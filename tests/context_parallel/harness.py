@@ -27,9 +27,7 @@ from colonnade.models.blocks import DocReset
 from colonnade.models.build import build_chunks, build_reference
 from colonnade.models.compile import compiled_layers
 from colonnade.models.gpt import valid_tokens
-from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
-from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.pipeline.plan import Batch
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
@@ -38,6 +36,8 @@ from tests.parity import (
     VOCAB,
     random_steps,
     rank_groups,
+    reference_adamw,
+    reference_update,
     rel_err,
     resolved,
     tiny_model,
@@ -118,12 +118,8 @@ def _reference(config: Config, step_batches: list[list[Batch]],
     model = build_reference(config, torch.float64)
     model.doc_reset = doc_reset
     model.train()
-    o = config.optim
     params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    opt = reference_adamw(params, config)
     losses = []
     for step, batches in enumerate(step_batches):
         opt.zero_grad()
@@ -135,13 +131,7 @@ def _reference(config: Config, step_batches: list[list[Batch]],
             (loss / n).backward()
             total += float(loss.detach())
         losses.append(total / n)
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        coef = clip_coefficient(norm, o.clip_grad)
-        for p in params:
-            p.grad.mul_(coef)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.training.steps, o)
-        opt.step()
+        reference_update(params, opt, config, step)
     state = {p.sharding.key: p.detach().clone() for p in params}  # type: ignore[attr-defined]
     return {"losses": losses, "params": state}
 

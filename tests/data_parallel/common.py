@@ -18,13 +18,19 @@ from colonnade.checkpoint.export import full_state
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
 from colonnade.models.build import build_chunks, build_reference, param_dtype
-from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
-from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch
-from tests.parity import VOCAB, random_steps, resolved, tiny_model, train_step
+from tests.parity import (
+    VOCAB,
+    random_steps,
+    reference_adamw,
+    reference_update,
+    resolved,
+    tiny_model,
+    train_step,
+)
 from tests.parity import rank_groups as shared_rank_groups
 
 
@@ -86,12 +92,8 @@ def reference_run(config: Config, step_batches: list[list[Batch]]) -> dict[str, 
 
 def _reference(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any]:
     model = build_reference(config, torch.float64)
-    o = config.optim
     params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    opt = reference_adamw(params, config)
     losses, norms = [], []
     for step, batches in enumerate(step_batches):
         opt.zero_grad()
@@ -101,14 +103,7 @@ def _reference(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any
             (loss / len(batches)).backward()
             total += float(loss.detach())
         losses.append(total / len(batches))
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        norms.append(float(norm))
-        coef = clip_coefficient(norm, o.clip_grad)
-        for p in params:
-            p.grad.mul_(coef)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.training.steps, o)
-        opt.step()
+        norms.append(float(reference_update(params, opt, config, step)))
     state = {p.sharding.key: p.detach().clone() for p in params}  # type: ignore[attr-defined]
     return {"losses": losses, "norms": norms, "params": state}
 

@@ -32,16 +32,23 @@ from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.models.gpt import ModelChunk, valid_tokens
 from colonnade.models.params import unique_params
 from colonnade.moe.router import Router
-from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.distributed import DistributedOptimizer
-from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch
 from colonnade.tensor_parallel.sharding import Sharding
 from colonnade.training.moe import begin_moe_step, end_moe_step, install_moe_state
 from colonnade.training.step import mean_loss
-from tests.parity import VOCAB, random_steps, rel_err, resolved, tiny_model, train_step
+from tests.parity import (
+    VOCAB,
+    random_steps,
+    reference_adamw,
+    reference_update,
+    rel_err,
+    resolved,
+    tiny_model,
+    train_step,
+)
 
 EXPERTS = 4
 """Routed experts per MoE layer in every parity case."""
@@ -137,12 +144,8 @@ def _reference(config: Config, step_batches: list[list[Batch]], starve: bool
     single = ProcessGroups.single()
     install_moe_state([model], single)
     model.train()
-    o = config.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    opt = reference_adamw(params, config)
     losses, moe, grads = [], [], {}
     for step, batches in enumerate(step_batches):
         micro = _micro_steps(batches, int(config.parallel.dp or 1))
@@ -158,13 +161,7 @@ def _reference(config: Config, step_batches: list[list[Batch]], starve: bool
         if step == 0:
             grads = {p.sharding.key: p.grad.detach().clone()  # type: ignore[attr-defined]
                      for p in params}
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        coef = clip_coefficient(norm, o.clip_grad)
-        for p in params:
-            p.grad.mul_(coef)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.training.steps, o)
-        opt.step()
+        reference_update(params, opt, config, step)
         moe.append(end_moe_step([model], config, single, CPU))
     state = {p.sharding.key: p.detach().clone()  # type: ignore[attr-defined]
              for p in model.parameters()}
