@@ -16,7 +16,8 @@ sits below models, so the dense MLP classes are injected: :mod:`colonnade.models
 the llama / gpt2 MoE layers over SwiGLUMLP / GeluMLP). With a
 :class:`~colonnade.moe.state.MoEState` on the context (``ctx.moe``), the auxiliary losses
 ride on the output into backward (:func:`~colonnade.moe.state.attach_aux_loss`) and the
-layer's loads and drops are recorded; without one (evaluation, a bare layer) neither happens.
+layer's loads and drops are recorded (the trainer clears them at the start of every step, so
+an evaluation's forwards never reach a step's log); without one (a bare layer) neither happens.
 
 Activation recomputation re-runs the whole layer (the router has no randomness, so the same
 tokens go to the same experts and the dispatch collectives run again in the same order on
