@@ -107,6 +107,7 @@ from workloads import (
 )
 
 from colonnade.analysis.memory import model_state_bytes
+from colonnade.device import keep_host_pages
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
@@ -386,6 +387,7 @@ def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
     """Rank function: build ``name`` fresh, run ``warmup`` steps (the first two give the
     global losses of the check), then time ``steps`` steps."""
     torch.set_num_threads(1)
+    keep_host_pages()  # every variant under the allocator settings Colonnade's trainer uses
     gc.collect()
     rank = dist.get_rank()
     data = batches(w, warmup + steps, micro, dp=DP, rank=rank)

@@ -71,6 +71,7 @@ from workloads import (
     plain_model,
 )
 
+from colonnade.device import keep_host_pages
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
@@ -188,6 +189,7 @@ def _known_everywhere(loss: float) -> float:
 def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """On each rank: build every variant, steps 1-2 (losses checked), interleaved rounds."""
     torch.set_num_threads(1)
+    keep_host_pages()  # every variant under the allocator settings Colonnade's trainer uses
     w = WORKLOADS[spec["workload"]]
     groups = ProcessGroups.build(ParallelDims(pp=PP), tied_embeddings=w.tied)
     full = plain_model(w)

@@ -67,6 +67,7 @@ from workloads import (
     plain_optimizer,
 )
 
+from colonnade.device import keep_host_pages
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.loop import Trainer
 from colonnade.training.setup import Runtime
@@ -175,6 +176,7 @@ def bench(w: Workload, micro: int, threads: list[int], peers: list[str], pairs: 
           warmup: int, clip: float) -> dict[str, Any]:
     """Build every side once, check their losses agree, then time per thread count."""
     torch.set_num_threads(1)
+    keep_host_pages()  # every side under the allocator settings Colonnade's trainer uses
     sides: dict[str, StepFn] = {"colonnade": colonnade_side(w, micro, clip)}
     for peer in peers:
         sides[peer] = plain_side(w, peer == "plain_fused", clip)

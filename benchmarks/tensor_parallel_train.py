@@ -86,6 +86,7 @@ from workloads import (
     plain_optimizer,
 )
 
+from colonnade.device import keep_host_pages
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
@@ -307,6 +308,7 @@ def _count(name: str, step: Step, data: list[Batch], groups: ProcessGroups) -> d
 def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """On each rank: build every variant, steps 1-2 (losses checked), count bytes, rounds."""
     torch.set_num_threads(1)
+    keep_host_pages()  # every variant under the allocator settings Colonnade's trainer uses
     w = WORKLOADS[spec["workload"]]
     groups = ProcessGroups.build(ParallelDims(tp=TP), tied_embeddings=w.tied)
     names = spec["variants"]

@@ -193,13 +193,13 @@ class ModelChunk(nn.Module):
         if labels is None:
             return logits
         labels = local_labels(labels, self.ctx)  # [b, s/cp]
-        loss = cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size,
-                             self.label_smoothing)  # [s, b]
-        if reduction == "sum":
-            return loss.sum()
-        if reduction != "mean":
+        if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-        return loss.sum() / valid_tokens(labels).clamp(min=1)
+        loss = cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size,
+                             self.label_smoothing, reduction="sum")  # [] summed over [s, b]
+        if reduction == "sum":
+            return loss
+        return loss / valid_tokens(labels).clamp(min=1)
 
     def _doc(self, inputs: torch.Tensor, tokens: torch.Tensor | None) -> DocContext | None:
         """Position ids and attention mask of the micro-batch (None without doc_reset while

@@ -106,14 +106,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: CommGroup, vocab: int,
-                  smoothing: float = 0.0) -> torch.Tensor:
+                  smoothing: float = 0.0, reduction: str = "none") -> torch.Tensor:
     """Per-token loss [s, b] of vocab-split logits [s, b, V'/tp] against targets [s, b]
-    (0 where the target is IGNORE_INDEX); fp32 for bf16/fp16 logits, gradient in the logits'
-    dtype. One tp rank and V' = V: ``F.cross_entropy`` over the [s b, V] view (see the module
-    docstring); else :func:`vocab_parallel_cross_entropy`."""
+    (0 where the target is IGNORE_INDEX), or its sum (``reduction='sum'``, a scalar); fp32 for
+    bf16/fp16 logits, gradient in the logits' dtype. One tp rank and V' = V:
+    ``F.cross_entropy`` over the [s b, V] view (see the module docstring), reducing inside
+    the kernel when summing (~8% faster forward + backward than summing its per-token output
+    on issue 19's [2048, 1024] logits); else :func:`vocab_parallel_cross_entropy`."""
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction={reduction!r} must be 'none' or 'sum'")
     if group.size > 1 or logits.shape[-1] != vocab:
-        return vocab_parallel_cross_entropy(logits, targets, group, vocab, smoothing)
+        loss = vocab_parallel_cross_entropy(logits, targets, group, vocab, smoothing)
+        return loss.sum() if reduction == "sum" else loss
     work = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    loss = F.cross_entropy(work.reshape(-1, vocab), targets.reshape(-1), reduction="none",
-                           ignore_index=IGNORE_INDEX, label_smoothing=smoothing)  # [s b]
-    return loss.view(targets.shape)  # [s, b]
+    loss = F.cross_entropy(work.reshape(-1, vocab), targets.reshape(-1), reduction=reduction,
+                           ignore_index=IGNORE_INDEX, label_smoothing=smoothing)  # [s b] or []
+    return loss if reduction == "sum" else loss.view(targets.shape)  # [s, b]

@@ -13,7 +13,7 @@ from colonnade.config.sections import Config
 from colonnade.data import collate
 from colonnade.data_parallel import build_data_parallel
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
-from colonnade.device import memory_stats, peak_tflops, synchronize
+from colonnade.device import keep_host_pages, memory_stats, peak_tflops, synchronize
 from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
@@ -46,6 +46,8 @@ class Trainer:
     def __init__(self, rt: Runtime, data: Data | None = None) -> None:
         self.rt, self.config, self.groups = rt, rt.config, rt.groups
         cfg = self.config
+        if rt.device.type == "cpu":
+            keep_host_pages()  # no page faults re-mapping each step's activations
         self.data = data
         self.chunks: list[ModelChunk] = build_chunks(cfg, self.groups, rt.device)
         install_moe_state(self.chunks, self.groups)  # MoE: aux-loss scale and stats sink
