@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from colonnade.config.choices import tied_across_stages
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
@@ -171,7 +172,8 @@ def train_step(chunks: list[Any], ddp: Any, opt: Any, groups: ProcessGroups, con
     if after_backward is not None:
         after_backward()
     ddp.finish_grad_sync()
-    reduce_sp_and_tied(chunks, groups, config.model.tie_embeddings, ddp)
+    reduce_sp_and_tied(chunks, groups, tied_across_stages(config.model.tie_embeddings,
+                                                          config.parallel.schedule), ddp)
     if before_optim is not None:
         before_optim()
     return losses, opt.step()

@@ -9,7 +9,21 @@ from __future__ import annotations
 
 ARCHS: tuple[str, ...] = ("llama", "gpt2")
 """model.arch: decoder architectures (colonnade.models.spec declares each)."""
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULE_PLACEMENT: dict[str, str] = {"zbv": "v"}
+"""Schedules whose virtual stages are not in the "loop" placement (models.stages)."""
+
+
+def schedule_placement(schedule: str) -> str:
+    """The virtual-stage placement of ``schedule``: "v" for zbv, else "loop"."""
+    return SCHEDULE_PLACEMENT.get(schedule, "loop")
+
+
+def tied_across_stages(tie_embeddings: bool, schedule: str) -> bool:
+    """Whether a tied output head lives on another pipeline rank than the embedding (then the
+    embedding group all-reduces their gradients): tied, unless the schedule's "v" placement
+    keeps both on stage 0 (one Parameter there)."""
+    return tie_embeddings and schedule_placement(schedule) == "loop"
 """parallel.schedule: pipeline schedules (colonnade.pipeline.schedules builds each)."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp64")
 """training.precision: parameter / compute dtypes (colonnade.models.build maps each)."""

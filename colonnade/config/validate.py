@@ -290,11 +290,14 @@ def _context(c: Config, _: int | None) -> list[str]:
 def _pipeline(c: Config, _: int | None) -> list[str]:
     p, m, out = c.parallel, c.model, []
     chunks = p.pp * p.vp
-    if p.vp > 1 and p.schedule != "interleaved_1f1b":
-        out.append(f"parallel.vp={p.vp} needs parallel.schedule='interleaved_1f1b' (got "
-                   f"'{p.schedule}'); or set vp=1.")
+    if p.vp > 1 and p.schedule not in ("interleaved_1f1b", "zbv"):
+        out.append(f"parallel.vp={p.vp} needs parallel.schedule='interleaved_1f1b' or 'zbv' "
+                   f"(got '{p.schedule}'); or set vp=1.")
     if p.schedule == "interleaved_1f1b" and p.vp == 1:
         out.append("parallel.schedule='interleaved_1f1b' needs parallel.vp >= 2 chunks per stage.")
+    if p.schedule == "zbv" and p.vp != 2:
+        out.append(f"parallel.schedule='zbv' places two chunks per stage in a V (stage s holds "
+                   f"virtual stages s and 2 pp - 1 - s); set parallel.vp=2 (got {p.vp}).")
     if p.vp > 1 and p.pp == 1:
         out.append("parallel.vp > 1 needs parallel.pp > 1.")
     if p.pipeline_layout is None:
@@ -454,8 +457,9 @@ def _compile(c: Config, _: int | None) -> list[str]:
         out.append(f"training.compile=true needs a C++ compiler ({which}): TorchInductor "
                    "builds its CPU kernels (and Triton its GPU launchers) with it; install one "
                    "(e.g. apt-get install g++) or set training.compile=false.")
-    if c.parallel.schedule == "zb_h1":
-        out.append("training.compile=true does not go with parallel.schedule='zb_h1': the "
+    if c.parallel.schedule in ("zb_h1", "zbv"):
+        out.append(f"training.compile=true does not go with parallel.schedule="
+                   f"'{c.parallel.schedule}': the "
                    "zero-bubble split walks each backward twice (input gradients, then weight "
                    "gradients), but a compiled layer's backward is one node that computes all "
                    "its gradients at once and frees its saved buffers; use schedule '1f1b' or "

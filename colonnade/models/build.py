@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from colonnade.config.choices import PRECISIONS
+from colonnade.config.choices import PRECISIONS, schedule_placement
 from colonnade.config.sections import Config
 from colonnade.models.compile import compile_layers
 from colonnade.models.gpt import ModelChunk
@@ -16,6 +16,7 @@ from colonnade.moe.state import MoEState
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel.context import ParallelContext
+from colonnade.tensor_parallel.layers import share_tied_across
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64,
@@ -81,7 +82,7 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     ctx = make_context(config, groups, device, dtype, meta_params=meta)
     spec = spec if spec is not None else arch_spec(config.model)
     specs = stage_chunks(config.model.num_layers, par.pp, par.vp, groups.pp_rank,
-                         par.pipeline_layout)
+                         par.pipeline_layout, schedule_placement(par.schedule))
     chunks: list[ModelChunk] = []
     for layers, first, last in specs:
         chunk = ModelChunk(config.model, ctx, layers, first=first, last=last,
@@ -93,6 +94,7 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
                 for name, buf in module.named_buffers(recurse=False):
                     module._buffers[name] = buf.to(device)
         chunks.append(chunk)
+    share_tied_across(chunks)  # the "v" placement: embedding and head on one rank
     install_recompute(chunks, RecomputePlan.from_config(config.training))
     if config.training.compile:
         compile_layers(chunks)

@@ -5,10 +5,17 @@ are F (forward), B (backward: input grad, plus the weight grad unless the schedu
 W (weight grad only, zero-bubble schedules). Communication actions move one micro-batch's
 activation (direction "F") or activation gradient (direction "B") between neighbouring stages.
 
-Virtual stages (Megatron's interleaving): with pp stages and vp chunks per stage, chunk c of
-stage s is virtual stage v = c * pp + s. Activations flow v -> v + 1, gradients v -> v - 1, and
-the last virtual stage (c = vp - 1, s = pp - 1) computes the loss. Hence a forward message always
-goes from stage s to stage (s + 1) % pp and a backward message from s to (s - 1) % pp.
+Virtual stages: with pp stages and vp chunks per stage, a *placement* says which virtual stage
+chunk c of stage s holds. Activations flow v -> v + 1, gradients v -> v - 1, and the last
+virtual stage (v = pp vp - 1) computes the loss.
+
+* "loop" (Megatron's interleaving, every schedule but zbv): v = c * pp + s. A forward message
+  always goes from stage s to stage (s + 1) % pp and a backward message from s to (s - 1) % pp.
+* "v" (ZB-V, vp = 2): chunk 0 of stage s is v = s, chunk 1 is v = 2 pp - 1 - s, so the
+  virtual stages run down the stages and back up: stage 0 holds the first and the last one.
+  Chunk 0 sends forward to s + 1, chunk 1 to s - 1; at the turn (v = pp - 1 -> pp) the
+  message stays on stage pp - 1 (a *local* message: sender and receiver are the same stage,
+  handed over without p2p).
 
 A communication action carries the micro-batch and the *local* chunk of the compute it feeds
 (RECV_F before F, RECV_B before B) or comes from (SEND_F after F, SEND_B after B), plus its peer
@@ -21,6 +28,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+from colonnade.models.stages import PLACEMENTS, locate, virtual_stage
+
+__all__ = ["PLACEMENTS", "Action", "Kind", "ScheduleError", "comm", "compute", "format_schedule",
+           "locate", "peer_of", "virtual_stage"]
 
 
 class ScheduleError(ValueError):
@@ -54,23 +66,20 @@ _SHORT: dict[Kind, str] = {
 }
 
 
-def virtual_stage(stage: int, chunk: int, pp: int) -> int:
-    """Virtual stage index v = chunk * pp + stage (Megatron's interleaved layout)."""
-    return chunk * pp + stage
+def peer_of(kind: Kind, stage: int, pp: int, chunk: int = 0, placement: str = "loop") -> int:
+    """Peer stage of a communication action of ``kind`` posted on ``stage`` for local ``chunk``.
 
-
-def peer_of(kind: Kind, stage: int, pp: int) -> int:
-    """Peer stage of a communication action of `kind` posted on `stage`.
-
-    Forward traffic goes to the next stage (s + 1) % pp and comes from (s - 1) % pp; backward
-    traffic the other way round. The wrap-around links stage pp - 1 (chunk c) to stage 0
-    (chunk c + 1).
+    Forward traffic goes to the stage of virtual stage v + 1 and comes from that of v - 1;
+    backward traffic the other way round. Under "loop" that is (s + 1) % pp and (s - 1) % pp
+    whatever the chunk (the wrap-around links stage pp - 1, chunk c, to stage 0, chunk c + 1);
+    under "v" the direction flips for chunk 1 and the turn is the stage itself.
     """
-    if kind in (Kind.SEND_F, Kind.RECV_B):
-        return (stage + 1) % pp
-    if kind in (Kind.RECV_F, Kind.SEND_B):
-        return (stage - 1) % pp
-    raise ScheduleError(f"{kind.value} is a compute action and has no peer stage")
+    if kind not in (Kind.SEND_F, Kind.RECV_B, Kind.RECV_F, Kind.SEND_B):
+        raise ScheduleError(f"{kind.value} is a compute action and has no peer stage")
+    step = 1 if kind in (Kind.SEND_F, Kind.RECV_B) else -1
+    if placement == "loop":
+        return (stage + step) % pp
+    return locate(virtual_stage(stage, chunk, pp, placement) + step, pp, placement)[0]
 
 
 @dataclass(frozen=True)
@@ -144,9 +153,10 @@ def compute(kind: Kind, microbatch: int, chunk: int = 0) -> Action:
     return Action(kind, microbatch, chunk)
 
 
-def comm(kind: Kind, microbatch: int, chunk: int, stage: int, pp: int) -> Action:
+def comm(kind: Kind, microbatch: int, chunk: int, stage: int, pp: int,
+         placement: str = "loop") -> Action:
     """A communication action posted on `stage`, its peer derived with `peer_of`."""
-    return Action(kind, microbatch, chunk, peer_of(kind, stage, pp))
+    return Action(kind, microbatch, chunk, peer_of(kind, stage, pp, chunk, placement))
 
 
 def format_schedule(lists: Sequence[Sequence[Action]], compute_only: bool = False) -> str:

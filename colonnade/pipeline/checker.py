@@ -3,7 +3,8 @@
 `check_schedule(lists, pp, vp, m)` verifies, in this order, and raises `ScheduleError` with a
 precise description of the first violation:
 1. shape: pp lists, micro-batch in [0, m), chunk in [0, vp), each comm action's peer is the
-   neighbour `peer_of` derives (forward traffic to s + 1, backward to s - 1, modulo pp);
+   neighbour `peer_of` derives for the placement (loop: forward traffic to s + 1, backward to
+   s - 1, modulo pp; v: chunk 1 the other way, the turn local);
 2. completeness, per stage: exactly one F and one B of every (micro-batch, chunk), and exactly
    one W if the schedule splits the backward (any W anywhere); B after its F, W after its B;
 3. FIFO matching and deadlock freedom: all stages are replayed together with asynchronous sends
@@ -47,7 +48,8 @@ class ScheduleReport:
         return sum(self.num_actions)
 
 
-def _check_shape(lists: Sequence[Sequence[Action]], pp: int, vp: int, m: int) -> None:
+def _check_shape(lists: Sequence[Sequence[Action]], pp: int, vp: int, m: int,
+                 placement: str) -> None:
     if len(lists) != pp:
         raise ScheduleError(f"expected one action list per stage (pp={pp}), got {len(lists)}")
     for s, actions in enumerate(lists):
@@ -58,9 +60,10 @@ def _check_shape(lists: Sequence[Sequence[Action]], pp: int, vp: int, m: int) ->
                 raise ScheduleError(
                     f"stage {s} action #{i} {a}: micro-batch must be < m={m} and chunk < vp={vp}"
                 )
-            if a.is_comm and a.peer != peer_of(a.kind, s, pp):
+            want = peer_of(a.kind, s, pp, a.chunk, placement) if a.is_comm else None
+            if a.is_comm and a.peer != want:
                 raise ScheduleError(
-                    f"stage {s} action #{i} {a}: peer must be stage {peer_of(a.kind, s, pp)} "
+                    f"stage {s} action #{i} {a}: peer must be stage {want} "
                     f"for {a.kind.value} with pp={pp}, got {a.peer}"
                 )
 
@@ -109,7 +112,8 @@ def _check_compute(
     return peak_f, peak_w
 
 
-def _check_comm(stage: int, actions: Sequence[Action], pp: int, vp: int) -> None:
+def _check_comm(stage: int, actions: Sequence[Action], pp: int, vp: int,
+                placement: str) -> None:
     """Each F/B has exactly the receives before and sends after that its virtual stage needs."""
     last = pp * vp - 1
     # (comm kind, compute kind, needed(v), must come before the compute)
@@ -122,7 +126,7 @@ def _check_comm(stage: int, actions: Sequence[Action], pp: int, vp: int) -> None
     for comm_kind, kind, needed, before in rules:
         comm_pos = _positions(stage, actions, comm_kind)
         for item, i in _positions(stage, actions, kind).items():
-            v = virtual_stage(stage, item[1], pp)
+            v = virtual_stage(stage, item[1], pp, placement)
             name = f"{kind.value}{item[0]}c{item[1]} (virtual stage {v}, action #{i})"
             if not needed(v):
                 if item in comm_pos:
@@ -137,14 +141,16 @@ def _check_comm(stage: int, actions: Sequence[Action], pp: int, vp: int) -> None
                 )
 
 
-def check_schedule(lists: Sequence[Sequence[Action]], pp: int, vp: int, m: int) -> ScheduleReport:
-    """Check completeness, dependencies, FIFO matching and deadlock freedom (module docstring)."""
-    _check_shape(lists, pp, vp, m)
+def check_schedule(lists: Sequence[Sequence[Action]], pp: int, vp: int, m: int,
+                   placement: str = "loop") -> ScheduleReport:
+    """Check completeness, dependencies, FIFO matching and deadlock freedom (module docstring)
+    of lists in ``placement`` (:mod:`~colonnade.pipeline.actions`)."""
+    _check_shape(lists, pp, vp, m, placement)
     splits_w = any(a.kind == Kind.W for actions in lists for a in actions)
     peaks = [_check_compute(s, actions, vp, m, splits_w) for s, actions in enumerate(lists)]
-    replay(lists, lambda stage, a: 1.0)
+    replay(lists, lambda stage, a: 1.0, placement=placement)
     for s, actions in enumerate(lists):
-        _check_comm(s, actions, pp, vp)
+        _check_comm(s, actions, pp, vp, placement)
     return ScheduleReport(
         pp=pp,
         vp=vp,

@@ -39,9 +39,10 @@ in-flight count (1F1B: min(p - s, m)), plus, for ZB-H1, up to s + 1 pending W gr
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from colonnade.pipeline.p2p import (
     PipeComm,
     StageProgram,
     message_shape,
+    received_message,
     stage_program,
 )
 from colonnade.pipeline.plan import (
@@ -64,7 +66,12 @@ from colonnade.pipeline.plan import (
     set_rng_context,
     with_tokens,
 )
-from colonnade.pipeline.schedules import add_comm, interleaved_items, schedule_lists
+from colonnade.pipeline.schedules import (
+    add_comm,
+    interleaved_items,
+    placement_of,
+    schedule_lists,
+)
 from colonnade.pipeline.split_backward import (
     PendingWeightGrad,
     backward_input,
@@ -110,21 +117,28 @@ class ExecResult:
         return sum(t.end - t.start for t in self.timeline)
 
 
-def forward_only_lists(pp: int, vp: int, m: int) -> list[list[Action]]:
+def forward_only_lists(pp: int, vp: int, m: int, placement: str = "loop"
+                       ) -> list[list[Action]]:
     """Action lists of an inference pass: every (micro-batch, chunk) forward, no backward.
 
-    Items run in Megatron's interleaved order (chunk-major within micro-batch groups), the same
-    on every stage, so each item's input comes from an item earlier in that order.
+    "loop": items run in Megatron's interleaved order (chunk-major within micro-batch groups),
+    the same on every stage, so each item's input comes from an item earlier in that order.
+    "v": every micro-batch's chunk 0, then every chunk 1 (a chunk-1 input comes back up from
+    the stage below, which sent it asynchronously).
     """
-    return [list(actions) for actions in _forward_only(pp, vp, m)]
+    return [list(actions) for actions in _forward_only(pp, vp, m, placement)]
 
 
 @lru_cache(maxsize=32)
-def _forward_only(pp: int, vp: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """:func:`forward_only_lists` computed once per (pp, vp, m), immutable."""
-    items = interleaved_items(pp, vp, m, backward=False)
-    return tuple(tuple(add_comm([compute(Kind.F, mb, c) for mb, c in items], s, pp, vp))
-                 for s in range(pp))
+def _forward_only(pp: int, vp: int, m: int,
+                  placement: str = "loop") -> tuple[tuple[Action, ...], ...]:
+    """:func:`forward_only_lists` computed once per (pp, vp, m, placement), immutable."""
+    if placement == "v":
+        items = [(mb, c) for c in range(vp) for mb in range(m)]
+    else:
+        items = interleaved_items(pp, vp, m, backward=False)
+    return tuple(tuple(add_comm([compute(Kind.F, mb, c) for mb, c in items], s, pp, vp,
+                                placement)) for s in range(pp))
 
 
 @dataclass(frozen=True)
@@ -147,11 +161,17 @@ class StageSteps:
     accumulate: bool
     """The computes are exactly F0 B0 F1 B1 ... on one chunk with no p2p (pp = vp = 1): the
     executor runs them as a plain gradient-accumulation loop."""
+    placement: str = "loop"
+    """The virtual-stage placement of the lists (:mod:`~colonnade.pipeline.actions`)."""
+    local: frozenset[Message] = frozenset()
+    """Messages this stage sends to itself (the "v" turn), handed over without p2p."""
+    local_sends: Mapping[tuple[Kind, Item], Message] = field(default_factory=dict)
+    """(F or B, (micro-batch, chunk)) whose output is a local message -> that message."""
 
 
-def _consumed(a: Action, stage: int, pp: int, vp: int) -> Message | None:
+def _consumed(a: Action, stage: int, pp: int, vp: int, placement: str) -> Message | None:
     """The message compute ``a`` waits for (None if it takes none)."""
-    v = virtual_stage(stage, a.chunk, pp)
+    v = virtual_stage(stage, a.chunk, pp, placement)
     if a.kind == Kind.F and v > 0:
         return Message("F", a.microbatch, a.chunk)
     if a.kind == Kind.B and v < pp * vp - 1:
@@ -160,17 +180,22 @@ def _consumed(a: Action, stage: int, pp: int, vp: int) -> Message | None:
 
 
 def build_stage_steps(lists: Sequence[Sequence[Action]], stage: int, vp: int,
-                      overlap: bool) -> StageSteps:
-    """:class:`StageSteps` of ``stage`` for any action lists (uncached)."""
+                      overlap: bool, placement: str = "loop") -> StageSteps:
+    """:class:`StageSteps` of ``stage`` for any action lists in ``placement`` (uncached)."""
     pp = len(lists)
     computes = tuple(a for a in lists[stage] if a.is_compute)
-    program = stage_program(lists, stage, overlap)
+    program = stage_program(lists, stage, overlap, placement)
     pairs = tuple(a for k in range(len(computes) // 2)
                   for a in (compute(Kind.F, k), compute(Kind.B, k)))
     has_p2p = any(point for point in program.posts)
-    return StageSteps(program, computes, tuple(_consumed(a, stage, pp, vp) for a in computes),
+    local_sends = {(Kind.F if a.kind == Kind.SEND_F else Kind.B, (a.microbatch, a.chunk)):
+                   received_message(a, stage, pp, placement)[1]
+                   for a in lists[stage] if a.is_send and a.peer_stage == stage}
+    return StageSteps(program, computes,
+                      tuple(_consumed(a, stage, pp, vp, placement) for a in computes),
                       any(a.kind == Kind.W for a in computes), has_p2p,
-                      vp == 1 and not has_p2p and computes == pairs)
+                      vp == 1 and not has_p2p and computes == pairs, placement,
+                      frozenset(local_sends.values()), MappingProxyType(local_sends))
 
 
 @lru_cache(maxsize=128)
@@ -178,8 +203,10 @@ def stage_steps(schedule: str, pp: int, vp: int, m: int, stage: int, overlap: bo
                 train: bool) -> StageSteps:
     """:class:`StageSteps` of a named schedule (``train``) or the forward-only pass, computed
     once per key: the same object for the same arguments."""
-    lists = schedule_lists(schedule, pp, vp, m) if train else _forward_only(pp, vp, m)
-    return build_stage_steps(lists, stage, vp, overlap)
+    placement = placement_of(schedule)
+    lists = (schedule_lists(schedule, pp, vp, m) if train
+             else _forward_only(pp, vp, m, placement))
+    return build_stage_steps(lists, stage, vp, overlap, placement)
 
 
 def release_output(y: torch.Tensor) -> torch.Tensor:
@@ -223,13 +250,14 @@ class StageExecutor:
                 ctx.dtype, self.device, in_order=options.in_order)
         self.stash: dict[Item, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outbox: dict[tuple[Kind, Item], torch.Tensor] = {}
+        self.inbox: dict[Message, torch.Tensor] = {}  # local messages (the "v" turn)
         self.pending_w: dict[Item, PendingWeightGrad] = {}
         self.accumulators: dict[int, dict[Any, torch.nn.Parameter]] = {}  # chunk -> grad nodes
         self.losses: dict[int, torch.Tensor] = {}  # detached 0-d, copied to host at the end
         self.result = ExecResult([], 0.0, 0.0)
 
     def _virtual(self, chunk: int) -> int:
-        return virtual_stage(self.stage, chunk, self.pp)
+        return virtual_stage(self.stage, chunk, self.pp, self.steps.placement)
 
     def run(self) -> ExecResult:
         """Execute every action; returns losses, timings and memory peaks."""
@@ -256,7 +284,7 @@ class StageExecutor:
             comm.finish()
         self._sync()
         self.result.end = time.perf_counter()
-        if self.stash or self.pending_w or self.outbox:
+        if self.stash or self.pending_w or self.outbox or self.inbox:
             raise RuntimeError(f"stage {self.stage}: schedule left work undone: stashes "
                                f"{sorted(self.stash)}, pending W {sorted(self.pending_w)}")
         self.result.losses = host_losses([self.losses[k] for k in sorted(self.losses)])
@@ -292,7 +320,20 @@ class StageExecutor:
         """The tensor a send action ships; frees the stage's copy of a sent activation."""
         assert a is not None
         kind = Kind.F if a.kind == Kind.SEND_F else Kind.B
-        t = self.outbox.pop((kind, (a.microbatch, a.chunk)))
+        return self._take(kind, (a.microbatch, a.chunk))
+
+    def _hand_over(self, kind: Kind, item: Item) -> None:
+        """A local message (the "v" turn): move compute ``item``'s output from the outbox to
+        the inbox, as a send to this stage would (the activation's values then live on in the
+        receiving chunk's input only, as after a p2p send)."""
+        msg = self.steps.local_sends.get((kind, item))
+        if msg is not None:
+            self.inbox[msg] = self._take(kind, item)
+
+    def _take(self, kind: Kind, item: Item) -> torch.Tensor:
+        """Pop an output from the outbox for shipping; frees the stage's copy of an
+        activation (output deallocation)."""
+        t = self.outbox.pop((kind, item))
         if kind == Kind.B:
             return t
         if self.train and self.options.deallocate:
@@ -304,11 +345,11 @@ class StageExecutor:
         a, msg = self.steps.computes[i], self.steps.inputs[i]
         if self.options.record:
             begin = time.perf_counter()
-            received = None if msg is None or self.comm is None else self.comm.wait(msg)
+            received = self._receive(msg)
             start = time.perf_counter()
             self.result.recv_wait += start - begin
         else:
-            received = None if msg is None or self.comm is None else self.comm.wait(msg)
+            received = self._receive(msg)
             start = 0.0
         if a.kind == Kind.F:
             self._forward(a.microbatch, a.chunk, received)
@@ -319,6 +360,14 @@ class StageExecutor:
         if self.options.record:
             self._sync()
             self.result.timeline.append(ActionTime(a, start, time.perf_counter()))
+
+    def _receive(self, msg: Message | None) -> torch.Tensor | None:
+        """The input message of a compute: from the inbox when local, else from p2p."""
+        if msg is None:
+            return None
+        if msg in self.steps.local:
+            return self.inbox.pop(msg)
+        return None if self.comm is None else self.comm.wait(msg)
 
     def _forward(self, k: int, c: int, x: torch.Tensor | None) -> None:
         chunk = self.chunks[c]
@@ -339,6 +388,7 @@ class StageExecutor:
         else:
             y = chunk(inputs, tokens=tokens)  # tokens: document boundaries (doc_reset)
             self.outbox[(Kind.F, (k, c))] = y
+            self._hand_over(Kind.F, (k, c))
         if self.train:
             self.stash[(k, c)] = (x, y)
             self.result.peak_stashed = max(self.result.peak_stashed, len(self.stash))
@@ -364,6 +414,7 @@ class StageExecutor:
                 raise RuntimeError(f"stage {self.stage}: no input gradient for micro-batch {k} "
                                    f"chunk {c}")
             self.outbox[(Kind.B, (k, c))] = dx
+            self._hand_over(Kind.B, (k, c))
 
     def _weight(self, k: int, c: int) -> None:
         if self.plan.grad_sync is not None:
@@ -387,7 +438,7 @@ def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
     elif len(lists) != pp:
         raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
     else:
-        steps = build_stage_steps(lists, stage, vp, opts.overlap)
+        steps = build_stage_steps(lists, stage, vp, opts.overlap, placement_of(plan.schedule))
     if train:
         plan = with_tokens(plan, batches)  # the loss divisor N, counted over dp when unset
     return StageExecutor(chunks, batches, plan, steps, train=train, options=opts).run()

@@ -37,9 +37,11 @@ def _check_points(program: StageProgram) -> None:
                                         f"{program.consumer_point(op)} but posted at {point}")
 
 
-def executor_groups(lists: Sequence[Sequence[Action]], overlap: bool) -> list[list[Group]]:
-    """Per stage, the ordered p2p groups the executor posts for ``lists``."""
-    programs = p2p_program(tuple(tuple(a) for a in lists), overlap)
+def executor_groups(lists: Sequence[Sequence[Action]], overlap: bool,
+                    placement: str = "loop") -> list[list[Group]]:
+    """Per stage, the ordered p2p groups the executor posts for ``lists`` (in ``placement``;
+    local messages take no p2p operation)."""
+    programs = p2p_program(tuple(tuple(a) for a in lists), overlap, placement)
     for program in programs:
         _check_points(program)
     return [program.groups for program in programs]

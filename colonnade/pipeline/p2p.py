@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from colonnade.parallel.comm import CommGroup, Handle
-from colonnade.pipeline.actions import Action, Kind, ScheduleError, virtual_stage
+from colonnade.pipeline.actions import Action, Kind, ScheduleError, locate, virtual_stage
 from colonnade.pipeline.simulate import replay
 
 Shape = tuple[int, ...]
@@ -126,10 +126,13 @@ def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool,
     return (s // tp if sp else s, b, hidden)
 
 
-def received_message(sender: Action, src: int, pp: int) -> tuple[int, Message]:
-    """(receiving stage, message) of a send action posted on stage ``src``."""
-    v = virtual_stage(src, sender.chunk, pp) + (1 if sender.kind == Kind.SEND_F else -1)
-    dst, chunk = v % pp, v // pp
+def received_message(sender: Action, src: int, pp: int,
+                     placement: str = "loop") -> tuple[int, Message]:
+    """(receiving stage, message) of a send action posted on stage ``src`` (lists in
+    ``placement``)."""
+    v = virtual_stage(src, sender.chunk, pp, placement) + (1 if sender.kind == Kind.SEND_F
+                                                           else -1)
+    dst, chunk = locate(v, pp, placement)
     if dst != sender.peer_stage:
         raise ScheduleError(f"stage {src}: {sender} sends to stage {sender.peer} but virtual stage "
                             f"{v} lives on stage {dst}")
@@ -144,15 +147,17 @@ def recv_message(a: Action) -> Message:
 Key = tuple[float, int, int]  # (send time, sending stage, index of the send in its list)
 
 
-def _message_keys(lists: Sequence[Sequence[Action]]) -> dict[tuple[int, Message], Key]:
+def _message_keys(lists: Sequence[Sequence[Action]],
+                  placement: str) -> dict[tuple[int, Message], Key]:
     """(receiving stage, message) -> the message's global key (module docstring, step 1)."""
     pp = len(lists)
-    timeline = replay(lists, lambda stage, a: 1.0)  # raises on a deadlock or FIFO mismatch
+    # raises on a deadlock or FIFO mismatch
+    timeline = replay(lists, lambda stage, a: 1.0, placement=placement)
     keys: dict[tuple[int, Message], Key] = {}
     for src, events in enumerate(timeline):
         for e in events:
             if e.action.is_send:
-                dst, msg = received_message(e.action, src, pp)
+                dst, msg = received_message(e.action, src, pp, placement)
                 if (dst, msg) in keys:
                     raise ScheduleError(f"stage {src} sends {msg} to stage {dst} twice")
                 keys[(dst, msg)] = (e.start, src, e.index)
@@ -160,17 +165,22 @@ def _message_keys(lists: Sequence[Sequence[Action]]) -> dict[tuple[int, Message]
 
 
 def _stage_ops(lists: Sequence[Sequence[Action]], stage: int,
-               keys: dict[tuple[int, Message], Key]) -> list[tuple[Key, Op, int, int]]:
+               keys: dict[tuple[int, Message], Key],
+               placement: str) -> list[tuple[Key, Op, int, int]]:
     """(key, op, earliest point, latest point) of each p2p action of ``stage``: a send may be
-    posted once the compute before it ran, a receive must be posted before the compute after."""
+    posted once the compute before it ran, a receive must be posted before the compute after.
+    Local messages (peer = this stage: the "v" placement's turn) take no p2p operation; the
+    executor hands them over (:func:`local_messages`)."""
     pp = len(lists)
     out: list[tuple[Key, Op, int, int]] = []
     point = 0  # number of computes before the action
     for a in lists[stage]:
         if a.is_compute:
             point += 1
+        elif a.peer_stage == stage:
+            continue
         elif a.is_send:
-            dst, msg = received_message(a, stage, pp)
+            dst, msg = received_message(a, stage, pp, placement)
             out.append((keys[(dst, msg)], Op("send", dst, msg, a), point, 10**9))
         else:
             msg = recv_message(a)
@@ -195,19 +205,27 @@ def _points(bounds: list[tuple[int, int, bool]], overlap: bool) -> list[int]:
     return points
 
 
-def stage_program(lists: Sequence[Sequence[Action]], stage: int, overlap: bool) -> StageProgram:
+def stage_program(lists: Sequence[Sequence[Action]], stage: int, overlap: bool,
+                  placement: str = "loop") -> StageProgram:
     """The groups ``stage`` posts and when (see the module docstring)."""
-    return p2p_program(tuple(tuple(a) for a in lists), overlap)[stage]
+    return p2p_program(tuple(tuple(a) for a in lists), overlap, placement)[stage]
+
+
+def local_messages(actions: Sequence[Action], stage: int) -> frozenset[Message]:
+    """Messages ``stage`` receives from itself (the "v" placement's turn: chunk 0's output is
+    chunk 1's input, chunk 1's input gradient chunk 0's output gradient)."""
+    return frozenset(recv_message(a) for a in actions if a.is_recv and a.peer_stage == stage)
 
 
 @lru_cache(maxsize=32)
-def p2p_program(lists: tuple[tuple[Action, ...], ...], overlap: bool) -> tuple[StageProgram, ...]:
-    """Every stage's :class:`StageProgram` for one step's action lists (cached: a schedule is
-    rebuilt every step with the same lists)."""
-    keys = _message_keys(lists)
+def p2p_program(lists: tuple[tuple[Action, ...], ...], overlap: bool,
+                placement: str = "loop") -> tuple[StageProgram, ...]:
+    """Every stage's :class:`StageProgram` for one step's action lists in ``placement``
+    (cached: a schedule is rebuilt every step with the same lists)."""
+    keys = _message_keys(lists, placement)
     out: list[StageProgram] = []
     for stage, actions in enumerate(lists):
-        ops = sorted(_stage_ops(lists, stage, keys), key=lambda x: x[0])
+        ops = sorted(_stage_ops(lists, stage, keys, placement), key=lambda x: x[0])
         groups: list[list[tuple[Key, Op, int, int]]] = []
         for entry in ops:
             if groups and groups[-1][0][0][0] == entry[0][0]:

@@ -13,9 +13,11 @@ Bubble (idle / ideal time, T_F = forward, T_B = backward of one micro-batch on o
   gpipe, 1f1b:        (p - 1) / m
   interleaved_1f1b:   (p - 1) / (v m) for m >= p (each chunk costs T / v)
   zb_h1:              (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W))   (Qi et al. 2024)
+  zbv:                ~0 for m >= 2p with T_F = T_B = T_W (two chunks per stage, V placement)
 Peak in-flight micro-batches (F done, B not done) on stage s: gpipe m; 1f1b and zb_h1
 min(p - s, m); interleaved min(2(p - s - 1) + (v - 1) g + 1, v m) chunk-activations, g the
-largest micro-batch group (g = p when m % p == 0, see `interleaved_groups`).
+largest micro-batch group (g = p when m % p == 0, see `interleaved_groups`); zbv at most 2p
+chunk-activations counted until their W (half a micro-batch's stage activations each).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from colonnade.config.choices import SCHEDULES as SCHEDULE_NAMES
+from colonnade.config.choices import schedule_placement
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, comm, compute, virtual_stage
+from colonnade.pipeline.zbv import zbv_orders
 
 ScheduleFn = Callable[[int, int, int, int], list[Action]]
 Item = tuple[int, int]  # (microbatch, chunk)
@@ -46,6 +50,12 @@ def _check_args(name: str, pp: int, vp: int, m: int, stage: int | None = None) -
                 "interleaved_1f1b needs parallel.pp >= 2 (with one stage every chunk would send to "
                 "itself); set parallel.vp=1 and use '1f1b'"
             )
+    elif name == "zbv":
+        if vp != 2:
+            raise ScheduleError(
+                f"zbv runs two chunks per stage (the V placement), so parallel.vp must be 2 "
+                f"(got vp={vp}); set parallel.vp=2"
+            )
     elif vp != 1:
         raise ScheduleError(
             f"schedule '{name}' runs one chunk per stage, so parallel.vp must be 1 (got vp={vp}); "
@@ -55,28 +65,31 @@ def _check_args(name: str, pp: int, vp: int, m: int, stage: int | None = None) -
         raise ScheduleError(f"{name}: stage must be in [0, parallel.pp={pp}), got {stage!r}")
 
 
-def add_comm(order: list[Action], stage: int, pp: int, vp: int) -> list[Action]:
+def add_comm(order: list[Action], stage: int, pp: int, vp: int,
+             placement: str = "loop") -> list[Action]:
     """Wrap each compute action of `stage` with the receives and sends it needs.
 
     RECV_F before F and SEND_F after F unless the virtual stage is first / last; RECV_B before B
-    and SEND_B after B unless the virtual stage is last / first. W never communicates.
+    and SEND_B after B unless the virtual stage is last / first. W never communicates. Peers
+    follow ``placement`` (:mod:`colonnade.pipeline.actions`).
     """
     last = pp * vp - 1
     out: list[Action] = []
     for a in order:
-        v = virtual_stage(stage, a.chunk, pp)
+        v = virtual_stage(stage, a.chunk, pp, placement)
+        mb, c = a.microbatch, a.chunk
         if a.kind == Kind.F:
             if v > 0:
-                out.append(comm(Kind.RECV_F, a.microbatch, a.chunk, stage, pp))
+                out.append(comm(Kind.RECV_F, mb, c, stage, pp, placement))
             out.append(a)
             if v < last:
-                out.append(comm(Kind.SEND_F, a.microbatch, a.chunk, stage, pp))
+                out.append(comm(Kind.SEND_F, mb, c, stage, pp, placement))
         elif a.kind == Kind.B:
             if v < last:
-                out.append(comm(Kind.RECV_B, a.microbatch, a.chunk, stage, pp))
+                out.append(comm(Kind.RECV_B, mb, c, stage, pp, placement))
             out.append(a)
             if v > 0:
-                out.append(comm(Kind.SEND_B, a.microbatch, a.chunk, stage, pp))
+                out.append(comm(Kind.SEND_B, mb, c, stage, pp, placement))
         else:
             out.append(a)
     return out
@@ -188,12 +201,27 @@ def zb_h1(pp: int, vp: int, m: int, stage: int) -> list[Action]:
     return add_comm(order, stage, pp, vp)
 
 
+def zbv(pp: int, vp: int, m: int, stage: int) -> list[Action]:
+    """Zero-bubble ZB-V (Qi et al. 2024) over vp = 2 chunks per stage in the "v" placement:
+    chunk 0 of stage s is virtual stage s, chunk 1 is 2 pp - 1 - s, so stage 0 holds both the
+    embedding and the loss and the turn at stage pp - 1 is a local hand-over. The backward is
+    split into B and W as in ZB-H1; the order is the list schedule of
+    :func:`colonnade.pipeline.zbv.zbv_orders`, whose peak in-flight memory is at most 2 pp
+    chunk-activations, 1F1B's on its first stage. With T_F = T_B = T_W the idle time per stage
+    is close to 0 once m >= 2 pp (the warm-up's (pp - 1) T_F remains for smaller m)."""
+    _check_args("zbv", pp, vp, m, stage)
+    return add_comm(list(zbv_orders(pp, m)[stage]), stage, pp, vp, "v")
+
+
 SCHEDULES: dict[str, ScheduleFn] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
+    "zbv": zbv,
 }
+placement_of = schedule_placement
+"""The virtual-stage placement of a schedule (``config.choices.schedule_placement``)."""
 if tuple(SCHEDULES) != SCHEDULE_NAMES:
     raise AssertionError("pipeline.schedules must build exactly config.choices.SCHEDULES")
 

@@ -46,11 +46,12 @@ class SimResult:
         return max(self.bubble_fraction)
 
 
-def _check_payload(sent: Action, src: int, recv: Action, dst: int, pp: int, k: int) -> None:
+def _check_payload(sent: Action, src: int, recv: Action, dst: int, pp: int, k: int,
+                   placement: str) -> None:
     """The k-th message on a channel must be what the k-th receive expects (FIFO matching)."""
     step = 1 if recv.direction == "F" else -1
-    v_sent = virtual_stage(src, sent.chunk, pp)
-    v_want = virtual_stage(dst, recv.chunk, pp) - step
+    v_sent = virtual_stage(src, sent.chunk, pp, placement)
+    v_want = virtual_stage(dst, recv.chunk, pp, placement) - step
     if sent.microbatch != recv.microbatch or v_sent != v_want:
         raise ScheduleError(
             f"FIFO mismatch on channel {recv.direction} {src}->{dst}: message #{k} was sent by "
@@ -83,8 +84,11 @@ def replay(
     lists: Sequence[Sequence[Action]],
     duration: Callable[[int, Action], float],
     t_comm: float = 0.0,
+    placement: str = "loop",
 ) -> list[list[TimedAction]]:
     """Run all stages under the execution model; return the timeline of every stage.
+    ``placement``: the virtual-stage placement the lists follow (:mod:`~colonnade.pipeline.
+    actions`); a local message (sender = receiver, the "v" turn) is a channel like any other.
 
     Raises `ScheduleError` on a bad peer, a FIFO payload mismatch, a deadlock (with the stuck
     state of every stage) or a message that is sent but never received.
@@ -109,7 +113,7 @@ def replay(
                 if k >= len(sent.get(key, [])):
                     break  # blocked; the sender re-queues this stage when it posts
                 arrival, msg = sent[key][k]
-                _check_payload(msg, a.peer_stage, a, s, pp, k)
+                _check_payload(msg, a.peer_stage, a, s, pp, k, placement)
                 used[key] = k + 1
                 end = max(start, arrival)
             elif a.is_send:
@@ -141,6 +145,7 @@ def simulate(
     t_b: float,
     t_w: float,
     t_comm: float = 0.0,
+    placement: str = "loop",
 ) -> SimResult:
     """Time a schedule with per-action durations (see module docstring) and return a SimResult.
 
@@ -158,7 +163,7 @@ def simulate(
             return t_b if splits[stage] else t_b + t_w
         return cost[a.kind]
 
-    timeline = replay(lists, duration, t_comm)
+    timeline = replay(lists, duration, t_comm, placement)
     makespan = max((t[-1].end for t in timeline if t), default=0.0)
     busy = tuple(sum(e.end - e.start for e in t if e.action.is_compute) for t in timeline)
     idle = tuple(makespan - b for b in busy)

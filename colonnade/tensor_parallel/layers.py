@@ -121,6 +121,22 @@ def tie_weights(root: nn.Module) -> None:
         module.pending_tie = None
 
 
+def share_tied_across(roots: list[nn.Module]) -> None:
+    """Tie across one rank's chunks: a tied copy (made by :func:`tie_weights` in a chunk that
+    does not hold the original) becomes the original Parameter when another chunk of the same
+    rank holds it (the "v" pipeline placement puts the embedding and the head on stage 0), so
+    the rank has one tensor and one gradient and no embedding-group all-reduce is needed."""
+    owners = {p.sharding.key: p for root in roots for p in root.parameters()
+              if not getattr(getattr(p, "sharding", None), "tied_copy", True)}
+    for root in roots:
+        for module in root.modules():
+            weight = getattr(module, "weight", None)
+            spec = getattr(weight, "sharding", None)
+            if (isinstance(module, ColumnParallelLinear) and spec is not None
+                    and spec.tied_copy and spec.key in owners):
+                module.weight = owners[spec.key]
+
+
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with the input features split across tp.
 

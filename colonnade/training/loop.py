@@ -8,6 +8,7 @@ from typing import Any
 
 from colonnade.checkpoint.finetune import check_tokenizers, init_weights
 from colonnade.checkpoint.training_state import PendingSave, save_training, start_from
+from colonnade.config.choices import tied_across_stages
 from colonnade.config.load import config_to_toml
 from colonnade.config.sections import Config
 from colonnade.data import collate
@@ -69,7 +70,8 @@ class Trainer:
                         options=self.executor_options())
         losses = forward_backward(self.chunks, batches, plan)
         self.ddp.finish_grad_sync()
-        reduce_sp_and_tied(self.chunks, self.groups, self.config.model.tie_embeddings,
+        reduce_sp_and_tied(self.chunks, self.groups, tied_across_stages(
+                               self.config.model.tie_embeddings, self.config.parallel.schedule),
                            self.ddp)
         info = self.optimizer.step()
         moe = end_moe_step(self.chunks, self.config, self.groups, self.rt.device)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from colonnade.checkpoint.finetune import with_init_from
-from colonnade.config.choices import DATA_FORMATS
+from colonnade.config.choices import DATA_FORMATS, tied_across_stages
 from colonnade.config.sections import Config
 from colonnade.config.validate import resolve, validate
 from colonnade.data import (
@@ -66,7 +66,8 @@ def init_runtime(config: Config) -> Runtime:
     torch.set_num_threads(cpu_threads(_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dims = ParallelDims.from_config(config.parallel, world)
     groups = ProcessGroups.build(dims, config.parallel.timeout_s,
-                                 tied_embeddings=config.model.tie_embeddings,
+                                 tied_embeddings=tied_across_stages(
+                                     config.model.tie_embeddings, config.parallel.schedule),
                                  experts=config.model.moe,
                                  zero_shard_size=config.parallel.zero_shard_size)
     return Runtime(config, device, groups)

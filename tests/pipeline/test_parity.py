@@ -181,7 +181,8 @@ def check(run_ranks: Callable[..., list[Any]], cfg: Config,
 CASES = [  # (pp, vp, schedule, m): m = pp, a multiple of pp, not a multiple
     (pp, vp, sched, m)
     for pp in (2, 4)
-    for vp, sched in ((1, "gpipe"), (1, "1f1b"), (1, "zb_h1"), (2, "interleaved_1f1b"))
+    for vp, sched in ((1, "gpipe"), (1, "1f1b"), (1, "zb_h1"), (2, "interleaved_1f1b"),
+                      (2, "zbv"))
     for m in (pp, 2 * pp, pp + 1)
 ]
 
