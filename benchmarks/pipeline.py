@@ -5,18 +5,20 @@
 
 ``--workload gpt2-tiny`` / ``llama-tiny`` (issue 19's workloads): FULL training steps (AdamW
 inside the timed step) at pp = 2 with 4 micro-batches, Colonnade's 1f1b / interleaved_1f1b /
-zb_h1 against torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B /
-ScheduleZBVZeroBubble on cuts of the plain torch.nn model, in benchmarks/pipeline_train.py (its
-docstring says how), written to benchmarks/results/pipeline_<workload>.json with a top-level
-"rows" list. The default ``--workload layers`` is the bubble analysis below (no optimizer).
+zb_h1 / zbv against torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B /
+ScheduleZBVZeroBubble (one run, the peer of both zb_h1 and zbv) on cuts of the plain torch.nn
+model, in benchmarks/pipeline_train.py (its docstring says how), written to
+benchmarks/results/pipeline_<workload>.json with a top-level "rows" list. The default
+``--workload layers`` is the bubble analysis below (no optimizer).
 
 For each pp, one pool of gloo CPU ranks (1 thread each) runs every variant on the same llama
-model and the same m micro-batches: Colonnade's gpipe, 1f1b, interleaved_1f1b (vp = 2) and
-zb_h1, and torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B
-(vp = 2, same layer placement) and ScheduleZBVZeroBubble (2 V-placed stages per rank). A step
-is forward + backward of all micro-batches (no optimizer). Variants are interleaved round by
-round (order rotated, and reversed every other round) after warm-up; numbers are medians over
-rounds.
+model and the same m micro-batches: Colonnade's gpipe, 1f1b, interleaved_1f1b (vp = 2), zb_h1
+and zbv (vp = 2, V placement: rank r holds virtual stages r and 2p - 1 - r), and
+torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (vp = 2,
+same layer placement) and ScheduleZBVZeroBubble (2 V-placed stages per rank: zbv's placement;
+built and timed once, the "vs torch" of both zb_h1 and zbv). A step is forward + backward of
+all micro-batches (no optimizer). Variants are interleaved round by round (order rotated, and
+reversed every other round) after warm-up; numbers are medians over rounds.
 
 Step time = last rank's end - first rank's start (one machine: perf_counter is one clock);
 tokens/s = m b s / step time. CPU time = process time summed over ranks (gloo threads included):
@@ -26,7 +28,10 @@ Bubble of a stage = idle / step = 1 - busy / step, busy = the stage's summed com
 (F, B, W, timestamped by the executor). Theory, as idle / step:
 * formula (equal stages): x / (1 + x) with x = idle / ideal = (p - 1) / m (gpipe, 1F1B),
   (p - 1) / (v m) (interleaved), (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) (ZB-H1,
-  T_* the measured mean durations of the stages after the first);
+  T_* the measured mean durations of the stages after the first); zbv has no closed form
+  here: its "formula" is its action lists replayed (colonnade.pipeline.simulate.simulate,
+  placement "v") with every stage at those mean chunk durations T_F, T_B, T_W (equal stages;
+  ~0 for m >= 2p when T_F = T_B = T_W);
 * sim: the same action lists replayed (colonnade.pipeline.simulate.replay) with each stage's
   measured mean F / B / W durations and free communication: what the schedule costs on this
   model's actual (unequal: embedding on the first stage, head + loss on the last) stages.
@@ -62,13 +67,17 @@ from colonnade.parallel.pool import RankPool
 from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute
 from colonnade.pipeline.plan import ExecOptions, StepPlan
-from colonnade.pipeline.schedules import build_schedule
-from colonnade.pipeline.simulate import replay
+from colonnade.pipeline.schedules import build_schedule, placement_of
+from colonnade.pipeline.simulate import replay, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
-OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}
+OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
+"""Colonnade schedule -> virtual stages per rank (vp)."""
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-         "interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleZBVZeroBubble"}
+         "interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleZBVZeroBubble",
+         "zbv": "ScheduleZBVZeroBubble"}
+"""Colonnade schedule -> its torch.distributed.pipelining peer; a class is run once, under the
+first schedule that names it (ZBV under zb_h1)."""
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -163,9 +172,11 @@ def bench_rank(args: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(args["threads"])
     groups = ProcessGroups.build(ParallelDims(pp=args["pp"]))
     runners: dict[str, Callable[[], dict[str, Any]]] = {}
+    built: set[str] = set()  # torch classes with a runner
     for sched in args["schedules"]:
         runners[f"colonnade/{sched}"] = colonnade_runner(args, groups, sched)
-        if args["torch"]:
+        if args["torch"] and TORCH[sched] not in built:  # ZBV once: zb_h1's and zbv's peer
+            built.add(TORCH[sched])
             runners[f"torch/{sched}"] = torch_runner(args, groups, sched)
     names = list(runners)
     out: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -184,6 +195,11 @@ def bench_rank(args: dict[str, Any]) -> dict[str, Any]:
 
 def _formula(schedule: str, p: int, m: int, means: dict[str, float]) -> float:
     """Textbook bubble as idle / step for equal stages (module docstring)."""
+    if schedule == "zbv":
+        lists = build_schedule("zbv", p, 2, m)
+        sim = simulate(lists, means.get("F", 0.0), means.get("B", 0.0), means.get("W", 0.0),
+                       placement="v")
+        return statistics.mean(sim.bubble_fraction)
     if schedule == "interleaved_1f1b":
         x = (p - 1) / (2 * m)
     elif schedule == "zb_h1":
@@ -201,7 +217,7 @@ def _simulated(schedule: str, p: int, m: int, stage_means: list[dict[str, float]
     def duration(stage: int, a: Any) -> float:
         return stage_means[stage].get(a.kind.value, 0.0)
 
-    timeline = replay(lists, duration)
+    timeline = replay(lists, duration, placement=placement_of(schedule))
     makespan = max(t[-1].end for t in timeline)
     busy = [sum(e.end - e.start for e in t if e.action.is_compute) for t in timeline]
     return statistics.mean(1 - b / makespan for b in busy)
@@ -233,10 +249,13 @@ def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[st
             means = [{k: statistics.median(run["mean"][k] for run in r["runs"][name])
                       for k in r["runs"][name][0]["mean"]} for r in per_stage]
             # ZB-H1's first stage has no input gradient: its B is empty and W is the whole
-            # backward, so T_F, T_B, T_W of the formula come from the other stages.
-            typical = means[1:] if sched == "zb_h1" and len(means) > 1 else means
+            # backward, so T_F, T_B, T_W of the formula come from the other stages (zbv's
+            # stage 0 holds that virtual stage too, and the head: the others are typical).
+            split = sched in ("zb_h1", "zbv")
+            typical = means[1:] if split and len(means) > 1 else means
             overall = {k: statistics.mean(s[k] for s in typical) for k in typical[0]}
-            report = check_schedule(build_schedule(sched, p, OURS[sched], m), p, OURS[sched], m)
+            report = check_schedule(build_schedule(sched, p, OURS[sched], m), p, OURS[sched], m,
+                                    placement_of(sched))
             row.update({
                 "bubble_measured": statistics.mean(bubbles),
                 "bubble_measured_per_stage": bubbles,
@@ -249,7 +268,8 @@ def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[st
             })
         rows.append(row)
     for row in rows:
-        twin = [r for r in rows if r["impl"] == "torch" and r["schedule"] == row["schedule"]]
+        twin = [r for r in rows
+                if r["impl"] == "torch" and r["torch_class"] == TORCH[row["schedule"]]]
         if row["impl"] == "colonnade" and twin:
             row["speedup_vs_torch"] = twin[0]["step_s"] / row["step_s"]
             row["cpu_efficiency_vs_torch"] = twin[0]["cpu_s"] / row["cpu_s"]

@@ -17,7 +17,16 @@ interleaved_1f1b   interleaved_1f1b, vp = 2         ScheduleInterleaved1F1B: ran
                    (rank r: chunks r, r + 2)        stages r, r + 2 (the same placement)
 zb_h1              zb_h1 (vp = 1)                   ScheduleZBVZeroBubble: rank r holds stages
                                                     r, 3 - r (V placement), 1 layer each
+zbv                zbv, vp = 2 (rank r: chunks      the same ScheduleZBVZeroBubble variant
+                   r, 3 - r: the V placement)       (one run serves both rows)
 =================  ===============================  ==========================================
+
+Colonnade's zbv places its virtual stages exactly like torch's ZBV stages: virtual stage v
+holds layers [v L/4, (v + 1) L/4), rank 0 holds v = 0 (embedding) and v = 3 (final norm,
+head and loss), rank 1 holds v = 1 and 2; so the two sides run the same cuts on the same
+ranks, and with gpt2's tied head both keep one embedding Parameter on rank 0 (no tied
+reduction). Torch variants are keyed by their class: ScheduleZBVZeroBubble is built and timed
+once and is the peer of both the "pp2 ZB-H1" and the "pp2 ZB-V" row.
 
 The torch stages are cuts of the plain model (:func:`cut`: the first holds the embedding, the
 last the final norm and head; ``PipelineStage`` on the pp group). Their loss is each
@@ -29,14 +38,17 @@ the pp group after the backward (Megatron's tied-embedding reduction; Colonnade 
 AdamW: fused kernels by default (``--peer-optimizer foreach``: PyTorch's default kernels).
 
 The first two steps of every variant run on the same batches from the same weights; their
-losses must agree with Colonnade's to 1e-5 (fp32) before anything is timed (step 2 checks the
-first AdamW update, and so the tied-gradient reduction, too). Variants are then interleaved
-round by round (order rotated, reversed every other round, ranks barrier-aligned); a round
-runs ``steps`` steps of each. Step time = last rank's end - first rank's start (one machine,
-one clock); CPU time = process time of both ranks (gloo threads included).
+losses must agree with Colonnade's to 1e-5 (fp32) before anything is timed: every Colonnade
+schedule's with the first schedule's, every torch variant's with each Colonnade schedule it is
+the peer of (step 2 checks the first AdamW update, and so the tied-gradient reduction, too).
+Variants are then interleaved round by round (order rotated, reversed every other round, ranks
+barrier-aligned); a round runs ``steps`` steps of each. Step time = last rank's end - first
+rank's start (one machine, one clock); CPU time = process time of both ranks (gloo threads
+included).
 
-Rows (for benchmarks/peer_table.py): per schedule, ``ratio`` = median over rounds of torch's
-step time / Colonnade's of the same round (> 1: Colonnade faster); ``ratio_cpu`` by CPU time.
+Rows (for benchmarks/peer_table.py): per Colonnade schedule, ``ratio`` = median over rounds of
+its torch peer's step time / Colonnade's of the same round (> 1: Colonnade faster);
+``ratio_cpu`` by CPU time. The ZB-H1 and ZB-V rows divide the same torch ZBV timings.
 """
 
 from __future__ import annotations
@@ -87,9 +99,11 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
     "1f1b": ("Schedule1F1B", 1, "pp2 1F1B"),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "pp2 interleaved"),
     "zb_h1": ("ScheduleZBVZeroBubble", 2, "pp2 ZB-H1"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "pp2 ZB-V"),
 }
-"""Colonnade schedule -> (torch schedule class, torch stages per rank, peer-table layout)."""
-COLONNADE_VP = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}
+"""Colonnade schedule -> (torch schedule class, torch stages per rank, peer-table layout);
+schedules sharing a torch class share one torch variant (``torch/<class>``)."""
+COLONNADE_VP = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
 """Colonnade's virtual stages per rank for each schedule."""
 
 Step = Callable[[list[Batch]], float]
@@ -111,13 +125,19 @@ def cut(full: PlainModel, layers: range, first: bool, last: bool) -> PlainModel:
     return stage
 
 
-def stage_ids(schedule: str, rank: int) -> list[int]:
-    """Global stage indices rank ``rank`` holds under torch's ``schedule`` (pp = 2)."""
-    if schedule == "1f1b":
+def stage_ids(cls_name: str, rank: int) -> list[int]:
+    """Global stage indices rank ``rank`` holds under torch's schedule class ``cls_name``
+    (pp = 2)."""
+    if cls_name == "Schedule1F1B":
         return [rank]
-    if schedule == "interleaved_1f1b":
+    if cls_name == "ScheduleInterleaved1F1B":
         return [rank, PP + rank]
     return [rank, 2 * PP - 1 - rank]  # ZBV: V placement
+
+
+def peer_name(schedule: str) -> str:
+    """The torch variant that is the peer of Colonnade's ``schedule``: ``torch/<class>``."""
+    return f"torch/{SCHEDULES[schedule][0]}"
 
 
 def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: PlainModel,
@@ -128,7 +148,7 @@ def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: Plain
 
     cls_name, per_rank, _ = SCHEDULES[schedule]
     count = PP * per_rank
-    ids = stage_ids(schedule, groups.pp_rank)
+    ids = stage_ids(cls_name, groups.pp_rank)
     size = w.layers // count
     mods = {v: cut(full, range(v * size, (v + 1) * size), v == 0, v == count - 1) for v in ids}
     tied: torch.Tensor | None = None  # this rank's copy of a tied weight split over ranks
@@ -186,6 +206,14 @@ def _known_everywhere(loss: float) -> float:
     return float(t[0])
 
 
+def _check_losses(name: str, got: list[float], ref: str, want: list[float]) -> None:
+    """Raise unless variant ``name``'s first losses equal ``ref``'s within LOSS_TOL (rel.)."""
+    for i, (loss, expect) in enumerate(zip(got, want, strict=True)):
+        if not math.isclose(loss, expect, rel_tol=LOSS_TOL):
+            raise AssertionError(f"step-{i + 1} loss of {name} {loss!r} differs from {ref}'s "
+                                 f"{expect!r} beyond {LOSS_TOL:g}")
+
+
 def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """On each rank: build every variant, steps 1-2 (losses checked), interleaved rounds."""
     torch.set_num_threads(1)
@@ -194,20 +222,23 @@ def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     groups = ProcessGroups.build(ParallelDims(pp=PP), tied_embeddings=w.tied)
     full = plain_model(w)
     steps: dict[str, Step] = {}
+    refs: dict[str, list[str]] = {}  # variant -> the Colonnade variants it must agree with
     for sched in spec["schedules"]:
-        steps[f"colonnade/{sched}"] = colonnade_variant(w, groups, sched)
-        steps[f"torch/{sched}"] = torch_variant(w, groups, sched, full, spec["optimizer"])
+        ours, peer = f"colonnade/{sched}", peer_name(sched)
+        steps[ours] = colonnade_variant(w, groups, sched)
+        refs[ours] = [f"colonnade/{spec['schedules'][0]}"]
+        if peer not in steps:  # one torch variant per class (ZBV: ZB-H1's and ZB-V's peer)
+            steps[peer] = torch_variant(w, groups, sched, full, spec["optimizer"])
+        refs.setdefault(peer, []).append(ours)
     data = batches(w, 4, w.global_batch // MICROBATCHES)
     first: dict[str, list[float]] = {}
     for name, step in steps.items():  # same weights, same batches
         first[name] = [step(data[0]), step(data[1])]
         if name.startswith("torch/"):
             first[name] = [_known_everywhere(x) for x in first[name]]
-        ref = first[f"colonnade/{name.split('/')[1]}"]
-        for i, (loss, want) in enumerate(zip(first[name], ref, strict=True)):
-            if not math.isclose(loss, want, rel_tol=LOSS_TOL):
-                raise AssertionError(f"step-{i + 1} loss of {name} {loss!r} differs from "
-                                     f"Colonnade's {want!r} beyond {LOSS_TOL:g}")
+    for name, want_from in refs.items():
+        for ref in want_from:
+            _check_losses(name, first[name], ref, first[ref])
     names = list(steps)
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     k = 2
@@ -246,7 +277,7 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
     rows = []
     for sched in spec["schedules"]:
         cls_name, _, layout = SCHEDULES[sched]
-        a, b = variants[f"colonnade/{sched}"], variants[f"torch/{sched}"]
+        a, b = variants[f"colonnade/{sched}"], variants[peer_name(sched)]
         rows.append({
             "layout": layout, "colonnade": a["tokens_per_s"],
             "peer": f"torch.distributed.pipelining {cls_name}",
@@ -268,12 +299,12 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"pp={summary['pp']} {w['name']}: {w['layers']} layers, h={w['hidden']}, "
           f"s={w['seq_len']}, V={w['vocab']}, {summary['microbatches']} micro-batches of "
           f"{summary['micro_batch']} ({summary['tokens_per_step']} tokens/step), full steps")
-    head = (f"{'variant':<26} {'step ms':>8} {'tokens/s':>9} {'tok/CPU-s':>9} "
+    head = (f"{'variant':<30} {'step ms':>8} {'tokens/s':>9} {'tok/CPU-s':>9} "
             f"{'step-1 loss':>12} {'step-2 loss':>12}")
     print(head)
     print("-" * len(head))
     for name, v in summary["variants"].items():
-        print(f"{name:<26} {1e3 * v['step_s']:>8.1f} {v['tokens_per_s']:>9.0f} "
+        print(f"{name:<30} {1e3 * v['step_s']:>8.1f} {v['tokens_per_s']:>9.0f} "
               f"{v['tokens_per_cpu_s']:>9.0f}"
               f" {v['first_losses'][0]:>12.7f} {v['first_losses'][1]:>12.7f}")
     for row in summary["rows"]:

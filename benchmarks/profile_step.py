@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 from workloads import WORKLOADS, Workload, batches, colonnade_config
 
+from colonnade.config.choices import tied_across_stages
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
@@ -65,8 +66,10 @@ LAYOUTS: dict[str, tuple[int, int, list[str]]] = {
     "pp2-interleaved": (2, 4, ["--parallel.pp=2", "--parallel.vp=2",
                                "--parallel.schedule=interleaved_1f1b"]),
     "pp2-zb": (2, 4, ["--parallel.pp=2", "--parallel.schedule=zb_h1"]),
+    "pp2-zbv": (2, 4, ["--parallel.pp=2", "--parallel.vp=2", "--parallel.schedule=zbv"]),
 }
-"""Issue 19's layouts: world size, micro-batches per rank per step, overrides."""
+"""Issue 19's layouts (and ZB-V, pp2-zbv): world size, micro-batches per rank per step,
+overrides."""
 CATEGORIES = ("matmul/linear", "attention", "elementwise+norm", "copies/layout", "loss",
               "optimizer", "communication", "autograd engine", "host rest")
 OPTIM_RANGE = "colonnade::optimizer"
@@ -152,7 +155,8 @@ def run_layout(workload: str, layout: str, warmup: int, steps: int) -> dict[str,
     else:
         dims = ParallelDims.from_config(cfg.parallel, world)
         groups = ProcessGroups.build(dims, cfg.parallel.timeout_s,
-                                     tied_embeddings=cfg.model.tie_embeddings)
+                                     tied_embeddings=tied_across_stages(
+                                         cfg.model.tie_embeddings, cfg.parallel.schedule))
     trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
     dp, dp_rank = groups.dp_cp.size, groups.dp_rank
     data = batches(w, warmup + 2 * steps, w.global_batch // (dp * micro), dp=dp, rank=dp_rank)

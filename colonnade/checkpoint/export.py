@@ -114,7 +114,8 @@ def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
 
     config, state = read_full_model(resolve_checkpoint(directory))
     config = dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, dp=1, tp=1, pp=1, vp=1, cp=1, sp=False, pipeline_layout=None))
+        config.parallel, dp=1, tp=1, pp=1, vp=1, cp=1, sp=False, pipeline_layout=None,
+        schedule="1f1b"))
     model = build_reference(config, dtype=dtype, device=device)
     load_full_state(model, state)
     return config, model

@@ -10,21 +10,9 @@ from __future__ import annotations
 ARCHS: tuple[str, ...] = ("llama", "gpt2")
 """model.arch: decoder architectures (colonnade.models.spec declares each)."""
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+"""parallel.schedule: pipeline schedules (colonnade.pipeline.schedules builds each)."""
 SCHEDULE_PLACEMENT: dict[str, str] = {"zbv": "v"}
 """Schedules whose virtual stages are not in the "loop" placement (models.stages)."""
-
-
-def schedule_placement(schedule: str) -> str:
-    """The virtual-stage placement of ``schedule``: "v" for zbv, else "loop"."""
-    return SCHEDULE_PLACEMENT.get(schedule, "loop")
-
-
-def tied_across_stages(tie_embeddings: bool, schedule: str) -> bool:
-    """Whether a tied output head lives on another pipeline rank than the embedding (then the
-    embedding group all-reduces their gradients): tied, unless the schedule's "v" placement
-    keeps both on stage 0 (one Parameter there)."""
-    return tie_embeddings and schedule_placement(schedule) == "loop"
-"""parallel.schedule: pipeline schedules (colonnade.pipeline.schedules builds each)."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp64")
 """training.precision: parameter / compute dtypes (colonnade.models.build maps each)."""
 AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
@@ -65,3 +53,15 @@ MOE_AUX_LOSS_TYPES: tuple[str, ...] = ("seq", "global")
 """model.moe_aux_loss_type: the tokens the load-balancing loss counts over."""
 MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "all_gather")
 """parallel.moe_dispatcher: how tokens reach their experts' ranks (colonnade.moe)."""
+
+
+def schedule_placement(schedule: str) -> str:
+    """The virtual-stage placement of ``schedule``: "v" for zbv, else "loop"."""
+    return SCHEDULE_PLACEMENT.get(schedule, "loop")
+
+
+def tied_across_stages(tie_embeddings: bool, schedule: str) -> bool:
+    """Whether a tied output head lives on another pipeline rank than the embedding (then the
+    embedding group all-reduces their gradients): tied, unless the schedule's "v" placement
+    keeps both on stage 0 (one Parameter there)."""
+    return tie_embeddings and schedule_placement(schedule) == "loop"

@@ -164,7 +164,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: layers split into pp stages."""
     vp: int = 1
-    """Virtual pipeline chunks per pp rank (interleaved schedule when > 1)."""
+    """Virtual pipeline chunks per pp rank: > 1 with 'interleaved_1f1b', exactly 2 with
+    'zbv'."""
     dp: int | None = None
     """Data-parallel degree; None derives it as world_size / (tp * pp * cp) (ep does not
     count: it is folded inside tp x cp x dp)."""
@@ -202,7 +203,9 @@ class ParallelConfig:
     default. The expert axes are derived inside each stage (etp fastest, then ep, then edp);
     the older spelling with 'ep' (e.g. 'tp-cp-ep-dp-pp') is accepted only while ep = 1."""
     schedule: str = "1f1b"
-    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved_1f1b' (needs vp > 1) or 'zb_h1'."""
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved_1f1b' (needs vp > 1), 'zb_h1' (1F1B
+    with the backward split into input and weight gradients) or 'zbv' (zero-bubble ZB-V: vp = 2
+    chunks per stage in a V, stage 0 holding both the embedding and the head)."""
     pipeline_layout: tuple[int, ...] | None = None
     """Layers per virtual stage (pp * vp entries, in virtual-stage order) for uneven splits."""
     use_distributed_optimizer: bool = False
@@ -419,8 +422,8 @@ class TrainingConfig:
     recipe): one graph shared by every layer, fused kernels, the results of eager mode up to
     floating-point reassociation (dropout masks identical). The first step pays the
     compilation (tens of seconds; cached on disk for the next run); needs a C++ compiler;
-    not with parallel.schedule='zb_h1'. Embedding, head, loss, collectives and dropout draws
-    stay eager (see colonnade.models.compile)."""
+    not with parallel.schedule='zb_h1' or 'zbv'. Embedding, head, loss, collectives and
+    dropout draws stay eager (see colonnade.models.compile)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -298,6 +298,10 @@ def _pipeline(c: Config, _: int | None) -> list[str]:
     if p.schedule == "zbv" and p.vp != 2:
         out.append(f"parallel.schedule='zbv' places two chunks per stage in a V (stage s holds "
                    f"virtual stages s and 2 pp - 1 - s); set parallel.vp=2 (got {p.vp}).")
+    if p.schedule == "zbv" and p.pp == 1:
+        out.append("parallel.schedule='zbv' needs parallel.pp >= 2 (got 1): it is a pipeline "
+                   "schedule over 2 pp virtual stages; set pp >= 2 with vp=2, or use "
+                   "schedule='1f1b' with pp=1.")
     if p.vp > 1 and p.pp == 1:
         out.append("parallel.vp > 1 needs parallel.pp > 1.")
     if p.pipeline_layout is None:

@@ -78,7 +78,9 @@ from colonnade.parallel.groups import ProcessGroups
 
 TIED_KEYS = frozenset({"embedding.word.weight"})
 """The tied word embedding, and the last stage's copy of it (the output head, same key:
-``Sharding.tied_copy``): a bucket of its own when pp > 1 (identical layout on both ends)."""
+``Sharding.tied_copy``): a bucket of its own when pp > 1 (identical layout on both ends). Under
+zbv's "v" placement the head is the embedding's own Parameter on stage 0 (no copy); its bucket
+stays its own, so ZeRO-3 gathers no other weight of chunk 0 for the head's chunk."""
 
 
 def chunk_parameters(chunks: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
@@ -93,6 +95,15 @@ def chunk_parameters(chunks: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
                 mine.append(p)
         out.append(mine)
     return out
+
+
+def shared_uses(chunks: Sequence[nn.Module]) -> dict[int, int]:
+    """id(parameter) -> number of ``chunks`` holding it, for those held by more than one."""
+    counts: dict[int, int] = {}
+    for chunk in chunks:
+        for p in chunk.parameters():  # each chunk lists a parameter once
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    return {key: n for key, n in counts.items() if n > 1}
 
 
 class DataParallel:
@@ -144,6 +155,11 @@ class DataParallel:
             self._init_sharded_grads(chunks)
             return
         self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._uses = shared_uses(chunks)
+        """Parameters read by more than one local chunk (the tied embedding and head of the
+        "v" pipeline placement, both on stage 0) -> that count: each chunk's backward
+        accumulates its own gradient, so the last micro-batch brings that many arrivals."""
+        self._arrivals: dict[int, int] = {}
         self._grad_handles: list[Handle | None] = [None] * len(self.buckets)
         self._gather_handles: list[Handle | None] = [None] * len(self.buckets)
         self._sync = False
@@ -202,7 +218,7 @@ class DataParallel:
         elif self.cfg.overlap_param_gather and self.group.size > 1:
             self._install_pre_forward_hooks(chunks)
         self.grad_shards = GradShards(self.buffers, self.group, self.replicate_group, self.cfg,
-                                      on_bucket_done=on_done)
+                                      on_bucket_done=on_done, uses=shared_uses(chunks))
         self.zero_grad()
 
     @property
@@ -304,6 +320,7 @@ class DataParallel:
     def _reset(self) -> None:
         for ready in self._ready:
             ready.clear()
+        self._arrivals.clear()
         self._grad_handles = [None] * len(self.buckets)
         self._sync = False
 
@@ -335,6 +352,11 @@ class DataParallel:
                 f"a gradient of {param_key(param)} arrived after its bucket's reduction was "  # type: ignore[arg-type]
                 "launched: the parameter is accumulated twice in the last micro-batch's "
                 "backward; set parallel.overlap_grad_reduce=false for this model")
+        need = self._uses.get(id(param), 1)
+        if need > 1:  # ready only once every chunk reading it has accumulated its part
+            self._arrivals[id(param)] = self._arrivals.get(id(param), 0) + 1
+            if self._arrivals[id(param)] < need:
+                return
         ready = self._ready[index]
         ready.add(id(param))
         if self.cfg.overlap_grad_reduce and len(ready) == len(self.buckets[index].params):

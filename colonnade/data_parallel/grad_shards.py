@@ -38,6 +38,11 @@ Completion triggers (the schedule never has to say when a micro-batch ends):
   micro-batch for its bucket: the previous, partial bucket is launched first (a parameter
   unused by a micro-batch, or one accumulated twice; the reduce-scatter is linear, so partial
   launches give the same sum);
+* a parameter read by several local chunks (``uses``: the tied embedding and head of the "v"
+  pipeline placement, one Parameter on stage 0) arrives once per chunk backward; its
+  arrivals are summed into the slot and it counts as arrived after ``uses`` of them (in
+  whatever micro-batches they come: the sum is linear), so its bucket is still launched m
+  times per step, not m x uses;
 * :meth:`GradShards.finish` (``DataParallel.finish_grad_sync``) launches every partial bucket
   and waits for all.
 Every dp rank runs the same program, so all of them issue the same collectives in the same
@@ -89,12 +94,14 @@ class GradShards:
     ``group``: the shard group (n ranks; ``buffers.shard_count == n``); ``replicate``: the
     replicate group of hybrid sharding (None: no replicas). ``on_bucket_done(i)`` is called
     when bucket i's gradients of a micro-batch are complete and launched (ZeRO-3 frees its
-    gathered parameters there).
+    gathered parameters there). ``uses``: id(parameter) -> arrivals that complete it, for
+    parameters read by more than one local chunk (``ddp.shared_uses``; others need one).
     """
 
     def __init__(self, buffers: FlatBuffers, group: CommGroup, replicate: CommGroup | None,
                  cfg: ParallelConfig, *, max_in_flight: int = 2,
-                 on_bucket_done: Callable[[int], None] | None = None) -> None:
+                 on_bucket_done: Callable[[int], None] | None = None,
+                 uses: dict[int, int] | None = None) -> None:
         if buffers.grad_data is not None:
             raise ValueError("GradShards needs FlatBuffers(full_grads=False)")
         if buffers.shard_count != group.size:
@@ -114,6 +121,8 @@ class GradShards:
                                  device=buffers.device)  # [sum_i L_i]
         self._full: list[torch.Tensor | None] = [None] * len(buffers.buckets)
         self._ready: list[set[int]] = [set() for _ in buffers.buckets]
+        self._uses = dict(uses or {})
+        self._partial: dict[int, int] = {}  # id(param) -> arrivals summed into its slot so far
         self._pending: deque[_InFlight] = deque()
         self._live = 0
         self.peak_transient_bytes = 0
@@ -159,9 +168,17 @@ class GradShards:
             self._full[index] = full
             self._count(full)
         start = self.buffers.buckets[index].start
+        seen = self._partial.pop(id(param), 0)
         with torch.no_grad():  # each slot written once per buffer (a repeat launches first)
-            full[slot.start - start:slot.end - start].copy_(grad.reshape(-1))
+            view = full[slot.start - start:slot.end - start]
+            if seen:  # a shared parameter's later arrival adds to the earlier ones
+                view.add_(grad.reshape(-1))
+            else:
+                view.copy_(grad.reshape(-1))
         param.grad = None
+        if seen + 1 < self._uses.get(id(param), 1):  # another local chunk still adds to it
+            self._partial[id(param)] = seen + 1
+            return
         ready = self._ready[index]
         ready.add(id(param))
         if self.cfg.overlap_grad_reduce and len(ready) == len(self.buffers.buckets[index].params):
@@ -211,7 +228,7 @@ class GradShards:
         for p in bucket.params:
             slot = self.buffers.slot(p)
             tail = max(tail, slot.end)
-            if id(p) not in ready:
+            if id(p) not in ready and self._partial.pop(id(p), None) is None:
                 full[slot.start - bucket.start:slot.end - bucket.start].zero_()
         full[tail - bucket.start:].zero_()
         ready.clear()
@@ -252,6 +269,7 @@ class GradShards:
                 self._full[index] = None
         for ready in self._ready:
             ready.clear()
+        self._partial.clear()
         self.shard.zero_()
         for p in self.buffers.params:
             p.grad = None

@@ -114,7 +114,8 @@ def build_reference(config: Config, dtype: torch.dtype | None = None,
 
     single = dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, tp=1, pp=1, vp=1, dp=1, sp=False,
-                                             tp_comm_chunks=1, pipeline_layout=None),
+                                             tp_comm_chunks=1, pipeline_layout=None,
+                                             schedule="1f1b"),
         training=dataclasses.replace(config.training, compile=False))
     (chunk,) = build_chunks(single, ProcessGroups.single(), device, dtype, spec)
     return chunk

@@ -96,7 +96,8 @@ class ExecResult:
     """What one step of the executor did on this stage."""
 
     losses: list[float]
-    """Per-micro-batch losses in micro-batch order (last stage only, else empty)."""
+    """Per-micro-batch losses in micro-batch order on the stage holding the last virtual stage
+    (pp - 1, or 0 under zbv); empty elsewhere."""
     start: float
     end: float
     timeline: list[ActionTime] = field(default_factory=list)
@@ -447,7 +448,8 @@ def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
 def run_pipeline(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan) -> list[float]:
     """Forward and backward of every micro-batch through ``plan.schedule``.
 
-    Returns this rank's per-micro-batch losses on the last pipeline stage, [] elsewhere.
+    Returns this rank's per-micro-batch losses on the stage holding the last virtual stage
+    (pp - 1; stage 0 under zbv), [] elsewhere.
     Executor switches come from ``plan.options`` (:class:`~colonnade.pipeline.plan.ExecOptions`).
     """
     return execute(chunks, batches, plan).losses
@@ -457,6 +459,7 @@ def run_pipeline_forward(chunks: list[ModelChunk], batches: list[Batch],
                          plan: StepPlan) -> list[float]:
     """Evaluation: forward every micro-batch through the pipeline (call under no_grad).
 
-    Returns the per-micro-batch losses on the last stage, [] elsewhere.
+    Returns the per-micro-batch losses on the stage holding the last virtual stage, []
+    elsewhere.
     """
     return execute(chunks, batches, plan, train=False).losses

@@ -117,6 +117,8 @@ def run_groups(groups: Sequence[Sequence[Group]]) -> int:
     return rounds
 
 
-def check_nccl(lists: Sequence[Sequence[Action]], overlap: bool) -> int:
-    """Prove the executor's posting for ``lists`` completes under NCCL; returns rounds taken."""
-    return run_groups(executor_groups(lists, overlap))
+def check_nccl(lists: Sequence[Sequence[Action]], overlap: bool,
+               placement: str = "loop") -> int:
+    """Prove the executor's posting for ``lists`` (in ``placement``) completes under NCCL;
+    returns the rounds taken."""
+    return run_groups(executor_groups(lists, overlap, placement))

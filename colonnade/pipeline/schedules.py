@@ -13,7 +13,8 @@ Bubble (idle / ideal time, T_F = forward, T_B = backward of one micro-batch on o
   gpipe, 1f1b:        (p - 1) / m
   interleaved_1f1b:   (p - 1) / (v m) for m >= p (each chunk costs T / v)
   zb_h1:              (p - 1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W))   (Qi et al. 2024)
-  zbv:                ~0 for m >= 2p with T_F = T_B = T_W (two chunks per stage, V placement)
+  zbv:                (p - 1) / (6 m) for p | m with T_F = T_B = T_W per stage (chunks of
+                      half a stage: half ZB-H1's (p - 1) / (3 m)), below ZB-H1's for m >= p
 Peak in-flight micro-batches (F done, B not done) on stage s: gpipe m; 1f1b and zb_h1
 min(p - s, m); interleaved min(2(p - s - 1) + (v - 1) g + 1, v m) chunk-activations, g the
 largest micro-batch group (g = p when m % p == 0, see `interleaved_groups`); zbv at most 2p
@@ -207,8 +208,9 @@ def zbv(pp: int, vp: int, m: int, stage: int) -> list[Action]:
     embedding and the loss and the turn at stage pp - 1 is a local hand-over. The backward is
     split into B and W as in ZB-H1; the order is the list schedule of
     :func:`colonnade.pipeline.zbv.zbv_orders`, whose peak in-flight memory is at most 2 pp
-    chunk-activations, 1F1B's on its first stage. With T_F = T_B = T_W the idle time per stage
-    is close to 0 once m >= 2 pp (the warm-up's (pp - 1) T_F remains for smaller m)."""
+    chunk-activations, 1F1B's on its first stage. With T_F = T_B = T_W = T per stage (T / 2
+    per chunk) the idle time per stage is (pp - 1) T / 2 when pp divides m, half ZB-H1's
+    (pp - 1) T, and below ZB-H1's for every m >= pp (``tests/pipeline/test_zbv.py``)."""
     _check_args("zbv", pp, vp, m, stage)
     return add_comm(list(zbv_orders(pp, m)[stage]), stage, pp, vp, "v")
 

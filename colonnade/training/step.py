@@ -31,8 +31,8 @@ def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
     pp = 1 is its degenerate case (1f1b on one stage: F0 B0 F1 B1 ..., plain gradient
     accumulation, no p2p). Each backward runs on the micro-batch's summed loss times
     ``plan.loss_multiplier()`` (``plan.tokens`` counted first when unset). Returned losses are
-    each micro-batch's mean over its valid tokens, known only on the last pipeline stage
-    (others return an empty list).
+    each micro-batch's mean over its valid tokens, known only on the stage holding the last
+    virtual stage (pp - 1; stage 0 under zbv; others return an empty list).
     """
     return run_pipeline(chunks, batches, plan)
 
@@ -40,13 +40,13 @@ def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
 @torch.no_grad()
 def forward_only(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan) -> list[float]:
     """Evaluation: forward every micro-batch through the executor (pp = 1 included), no
-    gradients; per-micro-batch means over valid tokens on the last stage."""
+    gradients; per-micro-batch means over valid tokens on the loss stage."""
     return run_pipeline_forward(chunks, batches, plan)
 
 
 def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
               batches: list[Batch] | None = None) -> float:
-    """Mean loss of the step over dp, made known on every rank (last stage contributes);
+    """Mean loss of the step over dp, made known on every rank (the loss stage contributes);
     reduced on ``device`` (NCCL reduces only device tensors). With ``batches`` (the step's
     micro-batches of this rank) each micro-batch's mean weighs by its valid tokens, giving
     the global token mean (0 when no label of the global batch is valid, rather than a NaN

@@ -33,6 +33,13 @@ class Layout:
     dp: int = 1
     sp: bool = False
     zero: bool = False
+    schedule: str = ""
+    """The pipeline schedule; empty: interleaved_1f1b when vp > 1, else 1f1b."""
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule this layout trains with."""
+        return self.schedule or ("interleaved_1f1b" if self.vp > 1 else "1f1b")
 
     @property
     def world(self) -> int:
@@ -41,7 +48,8 @@ class Layout:
 
     def __str__(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"vp{self.vp}", f"dp{self.dp}"]
-        return "".join(parts) + ("sp" if self.sp else "") + ("zero" if self.zero else "")
+        return ("".join(parts) + ("sp" if self.sp else "") + ("zero" if self.zero else "")
+                + (f"-{self.schedule}" if self.schedule else ""))
 
 
 def make_config(layout: Layout, precision: str = "fp64", arch: str = "llama",
@@ -51,7 +59,7 @@ def make_config(layout: Layout, precision: str = "fp64", arch: str = "llama",
                        seq=16, init_std=0.02, tie=tie)
     par = ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp, dp=layout.dp, sp=layout.sp,
                          use_distributed_optimizer=layout.zero, bucket_size=1000,
-                         schedule="interleaved_1f1b" if layout.vp > 1 else "1f1b")
+                         schedule=layout.pipeline_schedule)
     mb = GLOBAL_BATCH // (MICRO * layout.dp)
     tr = TrainingConfig(steps=6, seq_len=SEQ, micro_batch_size=MICRO, microbatches=mb,
                         global_batch_size=GLOBAL_BATCH, precision=precision, eval_interval=0)

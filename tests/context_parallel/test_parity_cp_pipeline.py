@@ -1,5 +1,6 @@
 """Context parallelism with pipeline parallelism (float64 parity, 3 AdamW steps): cp2 x pp2
-under 1f1b, interleaved 1f1b (vp 2) and the zero-bubble zb_h1 schedule, and cp2 x tp2 x pp2
+under 1f1b, interleaved 1f1b (vp 2), the zero-bubble zb_h1 and ZB-V (vp 2, tied gpt2 head on
+stage 0, document reset) schedules, and cp2 x tp2 x pp2
 (8 ranks, sp): p2p activations between stages are [s/cp(/tp), b, h], every stage's chunks
 take the micro-batch's full tokens for their positions / document boundaries, and the
 logged loss and the final parameters equal the single-process reference's to 1e-10."""
@@ -38,6 +39,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2xpp2-1f1b-a2a-full-recompute": dict(config=dict(arch="gpt2", pp=2, microbatches=3,
                                                         cp_attention="all_to_all",
                                                         recompute="full")),
+    "cp2xpp2-zbv-ring-gpt2-docs": dict(config=dict(arch="gpt2", pp=2, vp=2, schedule="zbv",
+                                                   microbatches=3, seq=32), docs=True),
 }
 
 

@@ -138,12 +138,15 @@ def test_tp2_dp2_sp_tied_parity(run_ranks: Callable[..., list[Any]], arch: str,
 
 @pytest.mark.parametrize("layout", [
     dict(pp=2, dp=2), dict(pp=2, dp=2, schedule="zb_h1"),
-    dict(pp=2, vp=2, dp=2, schedule="interleaved_1f1b"), dict(tp=2, pp=2, dp=2)],
-    ids=["pp2_dp2", "pp2_dp2_zb_h1", "pp2_vp2_dp2_interleaved", "tp2_pp2_dp2"])
+    dict(pp=2, vp=2, dp=2, schedule="interleaved_1f1b"), dict(tp=2, pp=2, dp=2),
+    dict(pp=2, vp=2, dp=2, schedule="zbv")],
+    ids=["pp2_dp2", "pp2_dp2_zb_h1", "pp2_vp2_dp2_interleaved", "tp2_pp2_dp2", "pp2_vp2_dp2_zbv"])
 def test_pipeline_dp_parity(run_ranks: Callable[..., list[Any]], layout: dict[str, Any]) -> None:
     """pp x dp (1F1B, zero-bubble H1 with split weight gradients, interleaved with 2 chunks per
-    stage) and tp x pp x dp on 8 ranks; tied gpt2 embedding across the pipeline ends, ZeRO-1
-    with overlap: the tied weight's own bucket keeps the two ends' shards aligned."""
+    stage, ZB-V) and tp x pp x dp on 8 ranks; tied gpt2 embedding across the pipeline ends, ZeRO-1
+    with overlap: the tied weight's own bucket keeps the two ends' shards aligned. Under ZB-V
+    the embedding and head are one Parameter on stage 0 whose gradient arrives once per chunk
+    in the last micro-batch: its bucket launches after both (from a hook, check_overlap)."""
     config = tiny_config(arch="gpt2", zero=True, bucket=2000, microbatches=4,
                          sp=layout.get("tp", 1) > 1, **layout)
     batches = make_batches(config)

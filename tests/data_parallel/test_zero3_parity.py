@@ -3,7 +3,8 @@ single-process AdamW, end to end through DataParallel + ParamShards + GradShards
 DistributedOptimizer.
 
 The layouts of the stage-2 matrix (tests/data_parallel/test_zero23_parity.py): dp2 and dp4,
-tp2 + sp x dp2, pp2 x dp2 with 1f1b, interleaved (vp2) and zb_h1, full recompute, llama and
+tp2 + sp x dp2, pp2 x dp2 with 1f1b, interleaved (vp2), zb_h1 and zbv (vp2, tied gpt2 head
+sharing the embedding on stage 0), full recompute, llama and
 gpt2 (tied embedding), 4 micro-batches, hybrid sharding dp4 with zero_shard_size=2, plus the
 gather switches (reshard_after_forward off, prefetch 0 and 2); loss, grad norm and parameters
 after 3 steps within 1e-10 of the reference (clipping active). One bf16 run within a looser
@@ -88,7 +89,7 @@ def test_zero3_tp2_sp_dp2_parity(run_ranks: Callable[..., list[Any]], arch: str)
 
 @pytest.mark.parametrize(("schedule", "vp", "arch"),
                          [("1f1b", 1, "gpt2"), ("interleaved_1f1b", 2, "gpt2"),
-                          ("zb_h1", 1, "llama")])
+                          ("zb_h1", 1, "llama"), ("zbv", 2, "gpt2")])
 def test_zero3_pp2_dp2_parity(run_ranks: Callable[..., list[Any]], schedule: str, vp: int,
                               arch: str) -> None:
     """pp2 x dp2 (window policy, the pp default): tied head bucket on both ends."""

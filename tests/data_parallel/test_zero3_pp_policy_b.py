@@ -64,13 +64,16 @@ def test_zero3_pp2_gather_policies(run_ranks: Callable[..., list[Any]]) -> None:
 
 
 @pytest.mark.parametrize(("schedule", "vp", "recompute"),
-                         [("zb_h1", 1, "full"), ("interleaved_1f1b", 2, "none")])
+                         [("zb_h1", 1, "full"), ("interleaved_1f1b", 2, "none"),
+                          ("zbv", 2, "full")])
 def test_zero3_pp2_reshard_schedules(run_ranks: Callable[..., list[Any]], schedule: str,
                                      vp: int, recompute: str) -> None:
     """reshard_after_forward under the other schedules. zb_h1: the input-gradient pass (B)
     accumulates no weight gradient, so its buckets complete (and are freed) in the weight pass
     (W), which with full recompute re-gathers them for the recomputation. Interleaved: two
-    chunks per rank, prefetch never crosses a chunk. Results equal the reference."""
+    chunks per rank, prefetch never crosses a chunk. zbv: two chunks per rank in a V, the tied
+    gpt2 embedding / head bucket read by both chunks of stage 0. Results equal the
+    reference."""
     base = tiny_config(arch="gpt2" if vp > 1 else "llama", dp=2, pp=2, vp=vp,
                        schedule=schedule, microbatches=M, steps=2, zero_stage=3, bucket=2000,
                        recompute=recompute)

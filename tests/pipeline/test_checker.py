@@ -145,3 +145,34 @@ def test_rejects_w_errors() -> None:
     del missing[0][_index(missing[0], "W1c0")]
     with pytest.raises(ScheduleError, match=r"stage 0: missing W1c0 \(the schedule splits B"):
         check_schedule(missing, 2, 1, 2)
+
+
+def test_report_numbers_zbv() -> None:
+    """pp=2, m=4 in the V: stage 0 (v 0 and 3) has 4 comm actions per micro-batch, stage 1
+    (v 1 and 2, the turn) 8, four of them local; peaks are chunk-activations."""
+    lists = build_schedule("zbv", 2, 2, 4)
+    report = check_schedule(lists, 2, 2, 4, placement="v")
+    assert report.splits_w and report.num_compute == (24, 24)
+    assert report.num_actions == (24 + 4 * 4, 24 + 8 * 4)
+    assert report.peak_in_flight == (3, 4) and report.peak_pending_w == (3, 4)
+    assert sum(a.is_comm and a.peer == 1 for a in lists[1]) == 4 * 4  # the local hand-overs
+
+
+def test_rejects_loop_peer_in_the_v() -> None:
+    """Stage 0's chunk-1 receive comes from stage 1 in the V; the loop's peer is named."""
+    lists = build_schedule("zbv", 3, 2, 3)
+    i = _index(lists[1], "sF0c1>0")
+    lists[1][i] = Action(Kind.SEND_F, 0, 1, peer=2)
+    with pytest.raises(ScheduleError, match=r"stage 1 action #\d+ sF0c1>2: peer must be stage 0"):
+        check_schedule(lists, 3, 2, 3, placement="v")
+
+
+def test_rejects_swapped_local_hand_over_at_the_turn() -> None:
+    """The turn's messages (stage pp - 1 to itself) are FIFO like any other channel."""
+    lists = build_schedule("zbv", 2, 2, 4)
+    s1 = lists[1]
+    a, b = _index(s1, "rF0c1<1"), _index(s1, "rF1c1<1")
+    s1[a], s1[b] = s1[b], s1[a]
+    with pytest.raises(ScheduleError, match=r"FIFO mismatch on channel F 1->1: message #0 was "
+                       r"sent by stage 1 as sF0c0>1 \(micro-batch 0, virtual stage 1\)"):
+        check_schedule(lists, 2, 2, 4, placement="v")

@@ -4,10 +4,15 @@ With one stage and one chunk the executor runs 1f1b (F0 B0 F1 B1 ...: plain grad
 accumulation, no p2p) whatever ``parallel.schedule`` says, and gives bit for bit the losses and
 gradients of a hand-written accumulation loop: backward of sum(CE over valid tokens) * dp / N per
 micro-batch, N the valid tokens of the step.
+
+ZB-V needs pp >= 2 (vp = 2 chunks per stage); its smallest pipelines, pp = 2 with m = 1, 2, 3
+micro-batches (fewer than, equal to and more than the stages), run one step on gloo ranks and
+give the single-process model's losses (on stage 0, which holds the head) and gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,13 +21,19 @@ import torch
 from colonnade.config.sections import Config, ModelConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.data.synthetic import random_batches
-from colonnade.models.build import build_reference
+from colonnade.models.build import build_chunks, build_reference
+from colonnade.models.params import grad_of, unique_params
+from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline import executor
 from colonnade.pipeline.actions import Kind
+from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.plan import ExecOptions, StepPlan
+from colonnade.pipeline.schedules import build_schedule
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
 from colonnade.training.step import forward_backward, forward_only
+from tests.parity import TOL, rel_err
+from tests.pipeline.test_parity import make_config, step_batches
 
 SEQ, MICRO, M = 16, 2, 3
 
@@ -93,3 +104,41 @@ def test_pp1_runs_the_degenerate_1f1b_whatever_the_schedule(schedule: str) -> No
     assert order == [(kind, k) for k in range(M) for kind in (Kind.F, Kind.B)]
     assert result.peak_stashed == 1 and result.peak_pending_w == 0
     assert len(result.losses) == M
+
+
+def rank_zbv_step(m: int) -> dict[str, Any]:
+    """One ZB-V step (pp = 2, float64, dropout): computes run, peaks, losses, gradients."""
+    torch.set_num_threads(1)
+    groups = ProcessGroups.build(ParallelDims(pp=2))
+    cfg = make_config(pp=2, vp=2, schedule="zbv", m=m, arch="gpt2")
+    chunks = build_chunks(cfg, groups)
+    res = executor.execute(chunks, step_batches(cfg, 0), StepPlan(groups, 0, "zbv"),
+                           options=ExecOptions(record=True))
+    return {"stage": groups.pp_rank, "computes": [str(t.action) for t in res.timeline],
+            "peaks": (res.peak_stashed, res.peak_pending_w), "losses": res.losses,
+            "grads": {p.sharding.key: grad_of(p).clone() for p in unique_params(chunks)}}
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_zbv_smallest_pipelines_match_the_reference(run_ranks: Callable[..., list[Any]],
+                                                    m: int) -> None:
+    cfg = make_config(pp=2, vp=2, schedule="zbv", m=m, arch="gpt2")
+    lists = build_schedule("zbv", 2, 2, m)
+    report = check_schedule(lists, 2, 2, m, placement="v")
+    ref = build_reference(cfg, torch.float64)
+    ref_losses = forward_backward([ref], step_batches(cfg, 0), StepPlan(ProcessGroups.single(), 0))
+    want = {p.sharding.key: grad_of(p) for p in unique_params([ref])}
+    seen: set[str] = set()
+    for r in run_ranks(2, rank_zbv_step, m):
+        s = r["stage"]
+        assert r["computes"] == [str(a) for a in lists[s] if a.is_compute]
+        assert r["peaks"] == (report.peak_in_flight[s], report.peak_pending_w[s])
+        assert len(r["computes"]) == 6 * m  # F, B, W of both chunks per micro-batch
+        if s == 0:
+            assert r["losses"] == pytest.approx(ref_losses, rel=1e-12)
+        else:
+            assert r["losses"] == []
+        for key, g in r["grads"].items():
+            assert rel_err(g, want[key], 1e-6) <= TOL, (s, key)
+            seen.add(key)
+    assert seen == set(want)

@@ -20,13 +20,13 @@ from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute, forward_only_lists, release_output
 from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
 from colonnade.pipeline.plan import ExecOptions, StepPlan
-from colonnade.pipeline.schedules import build_schedule
+from colonnade.pipeline.schedules import build_schedule, placement_of
 from colonnade.pipeline.simulate import replay
 from colonnade.pipeline.split_backward import backward_input, backward_weight, find_boundaries
 from colonnade.training.step import forward_backward, forward_only, set_train_mode
 from tests.pipeline.test_parity import make_config, step_batches
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
 
 
 def _chunk(arch: str, first: bool, last: bool) -> ModelChunk:
@@ -135,15 +135,22 @@ def test_pipe_comm_rejects_a_message_never_posted() -> None:
     assert message_shape((2, 16), 32, 2, False) == (16, 2, 32)
 
 
-@pytest.mark.parametrize(("pp", "vp", "m"), [(2, 1, 3), (4, 1, 4), (2, 2, 5), (4, 2, 8), (4, 2, 3)])
-def test_forward_only_lists_are_complete_and_deadlock_free(pp: int, vp: int, m: int) -> None:
-    lists = forward_only_lists(pp, vp, m)
+@pytest.mark.parametrize(("pp", "vp", "m", "placement"), [
+    (2, 1, 3, "loop"), (4, 1, 4, "loop"), (2, 2, 5, "loop"), (4, 2, 8, "loop"), (4, 2, 3, "loop"),
+    (2, 2, 1, "v"), (2, 2, 5, "v"), (4, 2, 8, "v"), (4, 2, 3, "v")])
+def test_forward_only_lists_are_complete_and_deadlock_free(pp: int, vp: int, m: int,
+                                                           placement: str) -> None:
+    lists = forward_only_lists(pp, vp, m, placement)
     for s, actions in enumerate(lists):
         fs = sorted((a.microbatch, a.chunk) for a in actions if a.kind == Kind.F)
         assert fs == sorted((k, c) for k in range(m) for c in range(vp)), f"stage {s}"
         assert all(a.kind in (Kind.F, Kind.RECV_F, Kind.SEND_F) for a in actions)
-    timeline = replay(lists, lambda stage, a: 1.0)  # raises on deadlock / FIFO mismatch
+    # raises on deadlock / FIFO mismatch
+    timeline = replay(lists, lambda stage, a: 1.0, placement=placement)
     assert sum(len(t) for t in timeline) == sum(len(a) for a in lists)
+    if placement == "v":  # the turn hands each micro-batch over on stage pp - 1, nowhere else
+        local = [sum(a.is_comm and a.peer == s for a in acts) for s, acts in enumerate(lists)]
+        assert local == [0] * (pp - 1) + [2 * m]
 
 
 def test_program_pairs_groups_like_megatron_1f1b() -> None:
@@ -191,41 +198,43 @@ def rank_executor_facts(pp: int, m: int) -> dict[str, Any]:
                 held[dealloc] = execute(chunks, batches, StepPlan(groups, 0, sched),
                                         options=opts).peak_output_bytes
             out["held"] = held
-        if sched == "interleaved_1f1b":
+        if vp == 2:  # evaluation through the loop and the V placements
             set_train_mode(chunks, False)
-            out["eval"] = forward_only(chunks, batches, StepPlan(groups, 0, sched))
+            out[sched]["eval"] = forward_only(chunks, batches, StepPlan(groups, 0, sched))
     return out
 
 
 def test_executor_peaks_bytes_and_losses(run_ranks: Callable[..., list[Any]]) -> None:
     pp, m = 4, 6
     results = run_ranks(pp, rank_executor_facts, pp, m)
+    msg_bytes = 16 * 2 * 32 * 8  # [s, b, h] float64
     for sched, vp in SCHEDULES:
+        placement = placement_of(sched)
         lists = build_schedule(sched, pp, vp, m)
-        report = check_schedule(lists, pp, vp, m)
+        report = check_schedule(lists, pp, vp, m, placement)
         cfg = make_config(pp=pp, vp=vp, schedule=sched, m=m)
         ref = build_reference(cfg, torch.float64)
         ref_losses = forward_backward([ref], step_batches(cfg, 0),
                                       StepPlan(ProcessGroups.single(), 0))
-        msg_bytes = 16 * 2 * 32 * 8  # [s, b, h] float64
+        loss_stage = 0 if placement == "v" else pp - 1  # the V's head is on stage 0
         for r in results:
             s, facts = r["stage"], r[sched]
             assert facts["peak"] == report.peak_in_flight[s], (sched, s)
             assert facts["peak_w"] == report.peak_pending_w[s], (sched, s)
-            sends = sum(a.is_send for a in lists[s])
+            sends = sum(a.is_send and a.peer != s for a in lists[s])  # the V's turn is local
             assert facts["sent"] == sends * msg_bytes, (sched, s)
             assert facts["computes"] == [str(a) for a in lists[s] if a.is_compute]
             assert facts["grads"]
-            if s == pp - 1:
+            if s == loss_stage:
                 torch.testing.assert_close(torch.tensor(facts["losses"]),
                                            torch.tensor(ref_losses), rtol=1e-12, atol=0)
             else:
                 assert facts["losses"] == []
+        if vp == 2:
+            ref_eval = forward_only([ref.eval()], step_batches(cfg, 0),
+                                    StepPlan(ProcessGroups.single(), 0))
+            for r in results:
+                expected = ref_eval if r["stage"] == loss_stage else []
+                assert r[sched]["eval"] == pytest.approx(expected, rel=1e-12), sched
     for r in results[:-1]:  # stages that send activations: only one float64 left per stash
         assert r["held"][False] == (m - 1) * msg_bytes and r["held"][True] == 8 * (m - 1)
-    cfg = make_config(pp=pp, vp=2, schedule="interleaved_1f1b", m=m)
-    ref = build_reference(cfg, torch.float64).eval()
-    ref_eval = forward_only([ref], step_batches(cfg, 0), StepPlan(ProcessGroups.single(), 0))
-    for r in results:
-        expected = ref_eval if r["stage"] == pp - 1 else []
-        assert r["eval"] == pytest.approx(expected, rel=1e-12)

@@ -170,3 +170,29 @@ def test_grad_accumulators_computed_once_stay_valid_for_later_forwards() -> None
         grads.append([dx] + [p.grad.clone() for p in params])
     for later in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], later, strict=True))
+
+
+def test_zbv_stage_steps_are_cached_with_the_v_turn_local() -> None:
+    """zbv pp=2 m=4: the steps carry the "v" placement; stage 1 (the turn) hands chunk 0's
+    activation and chunk 1's gradient over locally (2 m messages, no p2p op to itself);
+    stage 0 has no local message and consumes no input for F of chunk 0 and B of chunk 1."""
+    args = ("zbv", 2, 2, 4, 1, True, True)
+    steps = executor.stage_steps(*args)
+    assert steps is executor.stage_steps(*args) and steps.placement == "v"
+    assert steps.splits_w and steps.has_p2p and not steps.accumulate
+    assert steps.local == frozenset({p2p.Message(d, k, c) for k in range(4)
+                                     for d, c in (("F", 1), ("B", 0))})
+    assert dict(steps.local_sends) == {(Kind.F, (k, 0)): p2p.Message("F", k, 1) for k in
+                                       range(4)} | {(Kind.B, (k, 1)): p2p.Message("B", k, 0)
+                                                    for k in range(4)}
+    assert steps.local == p2p.local_messages(schedule_lists("zbv", 2, 2, 4)[1], 1)
+    assert all(op.peer == 0 for g in steps.program.groups for op in g)
+    first = executor.stage_steps("zbv", 2, 2, 4, 0, True, True)
+    assert first.local == frozenset() and not first.local_sends
+    inputs = {(str(a), None if m is None else m.direction) for a, m in
+              zip(first.computes, first.inputs, strict=True) if a.kind != Kind.W}
+    assert {a for a, d in inputs if d is None} == ({f"F{k}c0" for k in range(4)}
+                                                   | {f"B{k}c1" for k in range(4)})
+    evals = executor.stage_steps("zbv", 2, 2, 4, 1, False, False)
+    assert evals.placement == "v" and len(evals.local) == 4 and not evals.splits_w
+    assert [str(a) for a in evals.computes] == [f"F{k}c{c}" for c in (0, 1) for k in range(4)]

@@ -11,9 +11,9 @@ from colonnade.pipeline.actions import Action, ScheduleError
 from colonnade.pipeline.executor import forward_only_lists
 from colonnade.pipeline.nccl_model import Group, Op, check_nccl, executor_groups, run_groups
 from colonnade.pipeline.p2p import Message, received_message, recv_message
-from colonnade.pipeline.schedules import build_schedule
+from colonnade.pipeline.schedules import build_schedule, placement_of
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 
 
 def _f(k: int) -> Message:
@@ -45,29 +45,32 @@ def test_mismatched_payload_rejected() -> None:
         run_groups([[(Op("send", 1, _f(0)),)], [(Op("recv", 0, _f(1)),)]])
 
 
-def legacy_groups(lists: Sequence[Sequence[Action]], overlap: bool) -> list[list[Group]]:
+def legacy_groups(lists: Sequence[Sequence[Action]], overlap: bool,
+                  placement: str = "loop") -> list[list[Group]]:
     """The posting the executor used before issue 20 (main at 7723d49), rebuilt here as the
     negative case: one group per run of communication actions between two computes, holding
     the run's sends and its receives plus, with overlap, the next run's receives; receives
-    on a pair in the sender's send order."""
+    on a pair in the sender's send order. Local messages (the V's turn) take no op."""
     pp = len(lists)
     out: list[list[Group]] = []
     for stage, actions in enumerate(lists):
         stream: dict[int, list[Message]] = {}
         for src, acts in enumerate(lists):
             for a in acts:
-                if a.is_send and received_message(a, src, pp)[0] == stage:
-                    stream.setdefault(src, []).append(received_message(a, src, pp)[1])
+                if a.is_send and src != stage and a.peer == stage:
+                    stream.setdefault(src, []).append(received_message(a, src, pp,
+                                                                       placement)[1])
         posted = dict.fromkeys(stream, 0)
         runs: list[list[Action]] = [[]]
         for a in actions:
-            if a.is_comm:
+            if a.is_comm and a.peer != stage:
                 runs[-1].append(a)
-            else:
+            elif a.is_compute:
                 runs.append([])
         groups: list[Group] = []
         for i, run in enumerate(runs):
-            ops = [Op("send", *received_message(a, stage, pp)) for a in run if a.is_send]
+            ops = [Op("send", *received_message(a, stage, pp, placement)) for a in run
+                   if a.is_send]
             want = [a for a in run if a.is_recv] + (
                 [a for a in runs[i + 1] if a.is_recv] if overlap and i + 1 < len(runs) else [])
             for a in want:
@@ -86,7 +89,8 @@ def legacy_groups(lists: Sequence[Sequence[Action]], overlap: bool) -> list[list
 def test_legacy_overlap_posting_is_caught(name: str, vp: int, pp: int) -> None:
     """The pre-fix posting with overlap_p2p hangs on NCCL for every schedule; the model says so."""
     with pytest.raises(ScheduleError, match="NCCL p2p deadlock"):
-        run_groups(legacy_groups(build_schedule(name, pp, vp, 2 * pp), overlap=True))
+        run_groups(legacy_groups(build_schedule(name, pp, vp, 2 * pp), overlap=True,
+                                 placement=placement_of(name)))
 
 
 def test_legacy_interleaved_without_overlap_is_caught() -> None:
@@ -113,7 +117,7 @@ CASES = _cases()
 
 
 def test_case_matrix_covers_every_schedule() -> None:
-    assert {c[0] for c in CASES} == {n for n, _ in SCHEDULES} and len(CASES) == 24
+    assert {c[0] for c in CASES} == {n for n, _ in SCHEDULES} and len(CASES) == 30
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -121,18 +125,33 @@ def test_case_matrix_covers_every_schedule() -> None:
 def test_executor_posting_is_deadlock_free_under_nccl(name: str, pp: int, vp: int, m: int,
                                                       overlap: bool) -> None:
     lists = build_schedule(name, pp, vp, m)
-    groups = executor_groups(lists, overlap)
-    rounds = check_nccl(lists, overlap)
+    placement = placement_of(name)
+    groups = executor_groups(lists, overlap, placement)
+    rounds = check_nccl(lists, overlap, placement)
     assert rounds >= max(len(g) for g in groups)  # every group of every rank completed
     sent = sum(op.kind == "send" for gs in groups for g in gs for op in g)
-    assert sent == sum(a.is_send for actions in lists for a in actions)
+    # the V's turn (stage pp - 1 to itself) is handed over without p2p
+    assert sent == sum(a.is_send and a.peer != s for s, actions in enumerate(lists)
+                       for a in actions)
+    assert all(op.peer != s for s, gs in enumerate(groups) for g in gs for op in g)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("pp,vp,m", [(2, 1, 3), (4, 2, 8), (4, 2, 5)])
+@pytest.mark.parametrize("pp,vp,m,placement", [(2, 1, 3, "loop"), (4, 2, 8, "loop"),
+                                               (4, 2, 5, "loop"), (2, 2, 3, "v"),
+                                               (4, 2, 8, "v"), (4, 2, 5, "v")])
 def test_forward_only_posting_is_deadlock_free_under_nccl(pp: int, vp: int, m: int,
+                                                          placement: str,
                                                           overlap: bool) -> None:
-    assert check_nccl(forward_only_lists(pp, vp, m), overlap) > 0
+    assert check_nccl(forward_only_lists(pp, vp, m, placement), overlap, placement) > 0
+
+
+def test_check_nccl_needs_the_lists_placement() -> None:
+    """zbv lists read in the "loop" placement name the turn's message wrongly."""
+    lists = build_schedule("zbv", 2, 2, 4)
+    assert check_nccl(lists, True, "v") > 0
+    with pytest.raises(ScheduleError, match=r"FIFO mismatch on channel F 1->1"):
+        check_nccl(lists, True)
 
 
 def test_large_pipeline_is_deadlock_free() -> None:

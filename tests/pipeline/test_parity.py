@@ -8,6 +8,11 @@ gradients of every step and the parameters after 3 steps, each with relative err
 Every case runs with ``parallel.p2p_in_order``: each rank's p2p groups run one after another and
 a group completes only when all its operations have, as on NCCL, so a posting that would hang
 on GPUs hangs here too (the free gloo mode is checked to give the same numbers).
+
+ZB-V (``zbv``, vp 2, the "v" placement) runs through every path here: the schedule grid, tp
+(+sp) x dp, uneven layouts (entries per virtual stage in v order), the switches, recompute,
+masked loss, document reset and an ep2 MoE model; gpt2's tied head shares the embedding's
+Parameter on stage 0 (one tensor, one gradient, no embedding-group reduction).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import ExecOptions
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX
 from colonnade.training.step import mean_loss
+from tests.moe import harness as moe
 from tests.parity import (
     TOL,
     dims_of,
@@ -202,6 +208,9 @@ def test_schedule_parity(run_ranks: Callable[..., list[Any]], pp: int, vp: int, 
     (1, 2, False, "interleaved_1f1b", 2, "gpt2"),
     (2, 2, True, "1f1b", 1, "gpt2"),
     (2, 2, True, "zb_h1", 1, "llama"),
+    (2, 1, True, "zbv", 2, "gpt2"),  # ZB-V: tied head on stage 0 with tp-split vocabulary
+    (1, 2, False, "zbv", 2, "llama"),
+    (2, 2, True, "zbv", 2, "llama"),
 ])
 def test_combined_layout_parity(run_ranks: Callable[..., list[Any]], tp: int, dp: int, sp: bool,
                                 schedule: str, vp: int, arch: str) -> None:
@@ -212,6 +221,8 @@ def test_combined_layout_parity(run_ranks: Callable[..., list[Any]], tp: int, dp
 @pytest.mark.parametrize(("schedule", "vp", "layout"), [
     ("zb_h1", 1, (3, 1)),  # uneven stages
     ("interleaved_1f1b", 2, (2, 0, 1, 1)),  # a virtual stage without layers passes through
+    ("zbv", 2, (3, 1, 1, 1)),  # v order: stage 0 holds v0 (3 layers) and v3 (1 layer)
+    ("zbv", 2, (1, 2, 0, 2)),  # v2 (stage 1, chunk 1, after the local turn) passes through
 ])
 def test_uneven_layout_parity(run_ranks: Callable[..., list[Any]], schedule: str, vp: int,
                               layout: tuple[int, ...]) -> None:
@@ -221,21 +232,22 @@ def test_uneven_layout_parity(run_ranks: Callable[..., list[Any]], schedule: str
 
 @pytest.mark.parametrize(("schedule", "in_order"), [
     ("gpipe", True), ("1f1b", True), ("interleaved_1f1b", True), ("zb_h1", True),
-    ("interleaved_1f1b", False), ("zb_h1", False)])
+    ("interleaved_1f1b", False), ("zb_h1", False), ("zbv", True), ("zbv", False)])
 def test_switches_off_give_the_same_numbers(run_ranks: Callable[..., list[Any]],
                                             schedule: str, in_order: bool) -> None:
     """No p2p overlap, no output deallocation, with and without NCCL's in-order p2p: same
     numbers (a switch never changes results)."""
-    cfg = make_config(pp=2, vp=2 if schedule == "interleaved_1f1b" else 1, schedule=schedule,
-                      m=5, arch="gpt2")
+    cfg = make_config(pp=2, vp=2 if schedule in ("interleaved_1f1b", "zbv") else 1,
+                      schedule=schedule, m=5, arch="gpt2")
     check(run_ranks, cfg, ExecOptions(overlap=False, deallocate=False, in_order=in_order))
 
 
+@pytest.mark.parametrize(("schedule", "vp"), [("zb_h1", 1), ("zbv", 2)])
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_zero_bubble_with_recompute_parity(run_ranks: Callable[..., list[Any]],
-                                           recompute: str) -> None:
+                                           recompute: str, schedule: str, vp: int) -> None:
     """W after recomputed blocks (full: W runs one second pass, selective: per boundary)."""
-    cfg = make_config(pp=2, schedule="zb_h1", m=3, arch="gpt2")
+    cfg = make_config(pp=2, vp=vp, schedule=schedule, m=3, arch="gpt2")
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                 recompute=recompute))
     check(run_ranks, cfg)
@@ -249,6 +261,8 @@ MASKED = [  # (pp, vp, schedule, tp, dp, sp, zero, arch): loss-masked labels, un
     (2, 2, "interleaved_1f1b", 2, 1, True, False, "gpt2"),  # interleaved + tp + sp
     (2, 1, "zb_h1", 1, 2, False, False, "gpt2"),  # ZB-H1 + dp
     (2, 1, "gpipe", 1, 1, False, False, "llama"),
+    (2, 2, "zbv", 1, 2, False, True, "gpt2"),  # ZB-V + dp + ZeRO-1, tied head on stage 0
+    (2, 2, "zbv", 2, 1, True, False, "llama"),  # ZB-V + tp + sp
 ]
 
 
@@ -269,6 +283,8 @@ DOCS = [  # (pp, vp, schedule, tp, dp, sp, recompute, arch): documents reset at 
     (1, 1, "1f1b", 2, 2, True, "none", "gpt2"),  # learned positions under sp, attn dropout
     (2, 2, "interleaved_1f1b", 2, 1, True, "selective", "llama"),  # masked core recomputed
     (2, 1, "zb_h1", 1, 2, False, "full", "gpt2"),
+    (2, 2, "zbv", 1, 2, False, "selective", "gpt2"),
+    (2, 2, "zbv", 2, 1, True, "full", "llama"),
 ]
 
 
@@ -284,3 +300,16 @@ def test_document_reset_parity(run_ranks: Callable[..., list[Any]], pp: int, vp:
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                 recompute=recompute))
     check(run_ranks, cfg, masked=True, docs=True)
+
+
+def test_moe_zbv_parity(run_ranks: Callable[..., list[Any]]) -> None:
+    """ep2 x pp2 x dp2 under ZB-V (every layer MoE, 4 micro-batches): the expert all-to-alls
+    of the two chunks of a stage interleave with the split backward's B and W passes; losses,
+    expert loads, aux losses, step 0's gradients and the parameters equal the single-process
+    run (tests/moe/harness.py)."""
+    config = moe.moe_config(ep=2, pp=2, vp=2, dp=2, schedule="zbv", microbatches=4,
+                            aux_type="seq")
+    batches = moe.make_batches(config)
+    results = run_ranks(moe.world_size(config), moe.rank_train, config, batches)
+    errs = moe.check_parity(results, moe.reference_run(config, batches))
+    assert "grads" in errs, errs

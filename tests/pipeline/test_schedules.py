@@ -32,6 +32,15 @@ GRID = [
 ]
 
 
+def _peak_until_w(actions: list[Action]) -> int:
+    """Most chunk-activations held at once on a stage: +1 at F, -1 at W (split backward)."""
+    held = peak = 0
+    for a in actions:
+        held += {Kind.F: 1, Kind.W: -1}.get(a.kind, 0)
+        peak = max(peak, held)
+    return peak
+
+
 def _expected_peak(name: str, pp: int, vp: int, m: int, stage: int) -> int:
     if name == "gpipe":
         return m
@@ -43,6 +52,9 @@ def _expected_peak(name: str, pp: int, vp: int, m: int, stage: int) -> int:
 
 @pytest.mark.parametrize(("name", "pp", "vp", "m"), GRID)
 def test_grid_checks_or_raises_documented_error(name: str, pp: int, vp: int, m: int) -> None:
+    if name == "zbv":
+        _check_zbv_grid(pp, vp, m)
+        return
     if name != "interleaved_1f1b" and vp != 1:
         with pytest.raises(ScheduleError, match=r"parallel\.vp must be 1"):
             build_schedule(name, pp, vp, m)
@@ -58,6 +70,24 @@ def test_grid_checks_or_raises_documented_error(name: str, pp: int, vp: int, m: 
     assert report.num_compute == (per_item * vp * m,) * pp
     assert report.splits_w == (name == "zb_h1")
     assert report.peak_in_flight == tuple(_expected_peak(name, pp, vp, m, s) for s in range(pp))
+
+
+def _check_zbv_grid(pp: int, vp: int, m: int) -> None:
+    """zbv needs vp = 2; its lists check in the "v" placement, split W, and hold at most 2 pp
+    chunk-activations (F done, W not done) on every stage, reaching min(2 m, 2 pp)."""
+    if vp != 2:
+        with pytest.raises(ScheduleError, match=rf"parallel\.vp must be 2 \(got vp={vp}\)"):
+            build_schedule("zbv", pp, vp, m)
+        return
+    lists = build_schedule("zbv", pp, vp, m)
+    report = check_schedule(lists, pp, vp, m, placement="v")
+    assert report.num_compute == (3 * vp * m,) * pp and report.splits_w
+    until_w = [_peak_until_w(actions) for actions in lists]
+    assert max(until_w) == min(2 * m, 2 * pp) and all(p <= 2 * pp for p in until_w)
+    assert all(f <= w for f, w in zip(report.peak_in_flight, until_w, strict=True))
+    if pp >= 2:  # at pp = 1 both placements put v = c on chunk c
+        with pytest.raises(ScheduleError, match=r"FIFO mismatch|peer must be stage"):
+            check_schedule(lists, pp, vp, m)  # the "loop" placement misreads the V's messages
 
 
 def test_one_f_one_b_order_pp4_m6() -> None:
@@ -126,6 +156,8 @@ def test_zb_h1_order_pp4_m6() -> None:
         (("pipedream", 2, 1, 4), r"unknown pipeline schedule 'pipedream'.*1f1b"),
         (("gpipe", 2, 2, 4), r"parallel\.vp must be 1 \(got vp=2\).*interleaved_1f1b"),
         (("zb_h1", 2, 3, 4), r"parallel\.vp must be 1"),
+        (("zbv", 2, 1, 4), r"zbv runs two chunks per stage.*parallel\.vp must be 2 \(got vp=1\)"),
+        (("zbv", 4, 3, 8), r"set parallel\.vp=2"),
         (("interleaved_1f1b", 2, 1, 4), r"parallel\.vp >= 2.*'1f1b'"),
         (("interleaved_1f1b", 1, 2, 4), r"parallel\.pp >= 2"),
         (("1f1b", 2, 1, 0), r"training\.microbatches must be an integer >= 1, got 0"),
