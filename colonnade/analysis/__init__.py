@@ -8,7 +8,8 @@ the one activation-memory model and the tools that measure it.
 Modules: ``activations`` (bytes a layer keeps for backward, Korthikanti et al. per term),
 ``measure`` (saved-tensor and peak-memory meters that check it), ``memory`` (ZeRO accounting,
 activations per stage and schedule),
-``timing`` (compute, tp/pp/dp communication, bubble), ``efficiency`` (a GEMM's achieved
+``timing`` (compute, tp/pp/dp communication, bubble), ``zbv`` (ZB-V's step: its action lists
+replayed with each chunk's costs), ``efficiency`` (a GEMM's achieved
 fraction of peak against its arithmetic intensity), ``search`` (enumeration, ranking, errors),
 ``fit`` (Narayanan et al. Table 1, the efficiency fits, published H100 runs), ``report``
 (table, JSON, plot), ``calibrate`` (this machine), ``cli`` (`colonnade plan`).  Parameter and

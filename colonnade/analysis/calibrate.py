@@ -63,6 +63,7 @@ MORE_TINY_LAYOUTS: tuple[Layout, ...] = (
     Layout(micro_batch=4, recompute="selective"),
     Layout(pp=2, vp=2, schedule="interleaved_1f1b", micro_batch=4),
     Layout(pp=2, schedule="zb_h1", micro_batch=4),
+    Layout(pp=2, vp=2, schedule="zbv", micro_batch=4),
     Layout(pp=2, micro_batch=2),
     Layout(tp=2, micro_batch=8),
     Layout(dp=2, zero=1, micro_batch=4),

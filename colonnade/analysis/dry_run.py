@@ -30,6 +30,7 @@ from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import (
     memory_per_device,
     moe_stage_params,
+    stage_label,
     stage_params,
     stage_state_bytes,
     state_bytes_per_param,
@@ -82,7 +83,7 @@ def memory_lines(config: Config, world: int) -> list[str]:
     if config.model.moe:
         params += sum(moe_stage_params(workload, layout, mem.stage))
     gib = mem.gib()
-    lines = [f"memory per rank (planner's model, {mem.stage} stage, "
+    lines = [f"memory per rank (planner's model, {stage_label(mem.stage)} stage, "
              f"{config.training.precision}): {params:,.0f} parameters",
              "  " + zero_line(workload, layout)]
     kinds = ["params", "grads", "optimizer"]
@@ -129,9 +130,11 @@ def moe_lines(config: Config, world: int) -> list[str]:
     workload = Workload.from_config(config)
     layout = Layout.from_config(config, world)
     counts, x = moe_param_counts(m), MoEShape.of(m)
-    layers = x.max_stage_moe_layers(layout.pp)
+    zbv = layout.pp > 1 and layout.schedule == "zbv"
+    layers = x.max_stage_moe_layers(layout.pp, "v" if zbv else "loop")
     experts = m.num_experts // layout.ep
-    _, expert_params = moe_stage_params(workload, layout, "first" if layout.pp > 1 else "only")
+    stage = "only" if layout.pp == 1 else ("ends" if zbv else "first")
+    _, expert_params = moe_stage_params(workload, layout, stage)
     ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero,
                                       layout.edp if layout.zero else 1)
     tokens = layout.local_tokens(workload.seq_len) / layout.tp

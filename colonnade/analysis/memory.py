@@ -50,6 +50,17 @@ Micro-batches in flight on the first stage (which holds the most): 1 without pp,
 min(p, m) for 1F1B and ZB-H1 (layers per stage x p = all l layers), and for the interleaved
 schedule p (1 + (p-1)/(p v)) stage-equivalents (capped at m).
 The last stage also keeps the output logits and fp32 softmax, (E + 4) sbV/t.
+Zero-bubble schedules (ZB-H1, ZB-V) hold a micro-batch's activations until its W, not its B:
+B keeps the chunk's autograd graph (retain_graph) for W, plus the output gradient captured at
+each weight boundary (pipeline.split_backward).  ZB-H1's stage s holds p - s micro-batches
+between F and B and s between B and W, so every stage holds min(p, m), the last one too, with
+as many heads' logits and softmax plus their captured logit gradients, (2E + 4) sbV/t each.
+ZB-V (vp = 2, "v" placement, pipeline.zbv) holds at most 2 min(p, m) chunk-activations of
+l/(2p) layers on a stage other than 0 (min(p, m) stage-equivalents); its stage 0, 'ends',
+holds the embedding and the head (one copy when tied), so it is the fullest: its warm-up
+runs min(m, 2p - 1) chunk-0 forwards and every head chunk's F, B and W run back to back, so
+it holds min(m, 2p - 1) + 1 chunks ((min(m, 2p - 1) + 1) / 2 stage-equivalents) with as many
+embedding dropout masks, and one head's (2E + 4) sbV/t.
 Buffers: pipeline send/receive 2 E sbh, the sp all-gather output E sbh.
 Context parallelism (cp): the rank holds s/cp rows of every sample, so every activation and
 buffer term above is taken at s/cp (activations ~ x 1/cp: no s^2 term, plus the cp
@@ -147,7 +158,7 @@ def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
     (V h / t) on the first and last stages, else a layer's largest matrix."""
     h, t = m.hidden, layout.tp
     biggest = max(h * h, h * m.kv_hidden, h * m.ffn) / t
-    if stage in ("first", "last", "only"):
+    if stage in ("first", "last", "only", "ends"):
         biggest = max(biggest, m.vocab * h / t)
     return biggest
 
@@ -158,7 +169,7 @@ def largest_module(m: LayerShape, layout: Layout, stage: str) -> float:
     or head (V h / t)."""
     h, t = m.hidden, layout.tp
     biggest = max(m.mlp_matrices * h * m.ffn, 2 * h * h + 2 * h * m.kv_hidden) / t
-    if stage in ("first", "last", "only"):
+    if stage in ("first", "last", "only", "ends"):
         biggest = max(biggest, m.vocab * h / t)
     return biggest
 
@@ -188,7 +199,9 @@ def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float
 
 
 def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
-    """Parameters held by one device of ``stage`` ('first', 'last' or 'only')."""
+    """Parameters held by one device of ``stage`` ('first', 'last', 'only', or ZB-V's
+    'ends': stage 0 with the embedding and the head, one shared copy when tied; a 'middle'
+    stage holds the layers only)."""
     h, t = m.hidden, layout.tp
     replicated = layer_norm_params(m) + (2 * h if m.bias else 0)  # norms, row-parallel biases
     sharded = layer_params(m) - replicated
@@ -198,9 +211,9 @@ def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
     embed = (embedding_params(m) - positions) / t + positions
     norm = head_params(m) - (0 if m.tied else m.vocab * h)
     head_local = norm + (0 if m.tied else m.vocab * h / t)
-    if stage in ("first", "only"):
+    if stage in ("first", "only", "ends"):
         total += embed
-    if stage in ("last", "only"):
+    if stage in ("last", "only", "ends"):
         total += head_local
         if stage == "last" and m.tied:
             total += m.vocab * h / t  # the tied head's copy of the embedding on the last stage
@@ -215,15 +228,52 @@ def activation_shape(w: Workload, layout: Layout) -> ActivationShape:
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
-    """Micro-batches (in stage-equivalents) whose activations the first stage holds."""
+    """Micro-batches (in stage-equivalents) whose activations the first stage holds (ZB-V's
+    stage 0: min(m, 2p - 1) + 1 chunks of half a stage, held until their W)."""
     p, m = layout.pp, microbatches
     if p == 1:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
+    if layout.schedule == "zbv":
+        return (min(m, 2 * p - 1) + 1) / 2
     if layout.schedule == "interleaved_1f1b":
         return min(p * (1 + (p - 1) / (p * layout.vp)), float(m))
     return float(min(p, m))
+
+
+SPLIT_SCHEDULES = ("zb_h1", "zbv")
+"""Schedules that split the backward into B and W, holding activations until W."""
+
+
+def stage_flight(layout: Layout, microbatches: int, stage: str) -> float:
+    """Micro-batches (stage-equivalents) whose activations ``stage`` holds: the first / only /
+    ends stage :func:`in_flight`; another stage all m under GPipe, min(p, m) under the
+    zero-bubble schedules (held until W), else 1 (the last stage's B follows its F)."""
+    if stage in ("first", "only", "ends"):
+        return in_flight(layout, microbatches)
+    if layout.pp > 1 and layout.schedule == "gpipe":
+        return float(microbatches)
+    if layout.pp > 1 and layout.schedule in SPLIT_SCHEDULES:
+        return float(min(layout.pp, microbatches))
+    return 1.0
+
+
+def head_bytes(w: Workload, layout: Layout, microbatches: int) -> float:
+    """Bytes of the output logits and fp32 softmax, (E + 4) sbV/t for one micro-batch; under
+    a zero-bubble schedule the heads held until W (min(p, m) under ZB-H1, one under ZB-V, whose
+    head chunk runs F, B, W back to back), each with its captured logit gradient
+    (2E + 4) sbV/t."""
+    s, e = w.seq_len / layout.cp, w.elem
+    if layout.pp > 1 and layout.schedule in SPLIT_SCHEDULES:
+        held = 1 if layout.schedule == "zbv" else min(layout.pp, microbatches)
+        return held * (2 * e + 4) * float(s) * layout.micro_batch * w.shape.vocab / layout.tp
+    return (e + 4) * float(s) * layout.micro_batch * w.shape.vocab / layout.tp
+
+
+def stage_label(stage: str) -> str:
+    """A stage kind for reports ('ends' is ZB-V's stage 0 with the embedding and the head)."""
+    return "ends (embedding + head)" if stage == "ends" else stage
 
 
 @dataclass(frozen=True)
@@ -258,8 +308,8 @@ class Memory:
 
 
 def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
-    """Memory of one device of pipeline ``stage`` ('first', 'last', 'only'; a middle stage
-    holds no more than these)."""
+    """Memory of one device of pipeline ``stage`` ('first', 'last', 'only', ZB-V's 'ends'; a
+    middle stage holds no more than these)."""
     m = w.shape
     wb, gb, ob = state_bytes_per_param(w, layout)
     n = stage_params(m, layout, stage)
@@ -269,16 +319,15 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     layers = m.layers // layout.pp
     sbh = float(s) * micro * m.hidden
     shape = activation_shape(w, layout)
-    flight = in_flight(layout, mbs) if stage in ("first", "only") else (
-        float(mbs) if layout.schedule == "gpipe" and layout.pp > 1 else 1.0)
+    flight = stage_flight(layout, mbs, stage)
     if layout.recompute == "full":
         act = flight * layers * layer_bytes(shape, "full") + layer_bytes(shape, "none")
     else:
         act = flight * layers * layer_bytes(shape, layout.recompute)
-    if stage in ("first", "only") and m.hidden_dropout:
+    if stage in ("first", "only", "ends") and m.hidden_dropout:
         act += flight * sbh / (t if layout.sp else 1)  # embedding dropout mask
-    if stage in ("last", "only"):
-        act += (e + 4) * float(s) * micro * m.vocab / t  # logits + fp32 softmax
+    if stage in ("last", "only", "ends"):
+        act += head_bytes(w, layout, mbs)  # logits + fp32 softmax (+ held until W)
     buffers = (2 * e * sbh if layout.pp > 1 else 0.0) + (e * sbh if layout.sp else 0.0)
     grad_buckets, gathered = zero_buffer_bytes(w, layout, stage, n)
     mem = Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
@@ -324,9 +373,13 @@ def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float) -> Memory
 
 
 def memory_per_device(w: Workload, layout: Layout) -> Memory:
-    """Memory of the fullest stage (first or last; the only one without pp)."""
+    """Memory of the fullest stage (first or last; the only one without pp; ZB-V's stage 0,
+    'ends', whose layers hold as much as any other stage's and which adds the embedding and
+    the head)."""
     if layout.pp == 1:
         return stage_memory(w, layout, "only")
+    if layout.schedule == "zbv":
+        return stage_memory(w, layout, "ends")
     first = stage_memory(w, layout, "first")
     last = stage_memory(w, layout, "last")
     return first if first.total >= last.total else last

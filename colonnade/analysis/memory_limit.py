@@ -26,7 +26,7 @@ import dataclasses
 
 from colonnade.analysis.hardware import GIB
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import Memory, memory_per_device
+from colonnade.analysis.memory import Memory, memory_per_device, stage_label
 from colonnade.analysis.search import cp_shape_ok
 from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config
@@ -128,7 +128,8 @@ def limit_problem(config: Config, world: int) -> str | None:
         "training.micro_batch_size): the model states need more ranks: raise parallel.dp "
         "with parallel.zero_stage, parallel.tp or parallel.pp")
     return (f"training.memory_limit_gb={limit_gb:g}: this run needs an estimated "
-            f"{gib['total']:.3g} GiB per rank ({layout.short()}, {mem.stage} stage: {parts} "
+            f"{gib['total']:.3g} GiB per rank ({layout.short()}, {stage_label(mem.stage)} "
+            f"stage: {parts} "
             f"GiB; the planner's memory model), more than the limit. {advice}; or raise "
             "training.memory_limit_gb.")
 

@@ -158,18 +158,30 @@ class MoEShape:
         """MoE layers among global layers [first, first + count)."""
         return sum(1 for i in self.moe_layers if first <= i < first + count)
 
-    def max_stage_moe_layers(self, pp: int) -> int:
-        """MoE layers of the pipeline stage holding the most (contiguous l/pp blocks; the
-        interleaved schedule's chunks are not told apart)."""
+    def max_stage_moe_layers(self, pp: int, placement: str = "loop") -> int:
+        """MoE layers of the pipeline stage holding the most: contiguous l/pp blocks (the
+        interleaved schedule's chunks are not told apart), or with the "v" placement (ZB-V)
+        stage j's two chunks of l/(2 pp) layers, virtual stages j and 2 pp - 1 - j."""
+        if placement == "v":
+            return max(self.chunk_moe_layers(pp, 2, j)
+                       + self.chunk_moe_layers(pp, 2, 2 * pp - 1 - j) for j in range(pp))
         per = self.layers // pp
         return max(self.moe_layers_in(j * per, per) for j in range(pp))
 
-    def stage_moe_layers(self, pp: int, stage: str) -> int:
+    def chunk_moe_layers(self, pp: int, vp: int, v: int) -> int:
+        """MoE layers of virtual stage ``v`` of pp x vp (layers [v c, (v + 1) c), c = l/(pp vp))."""
+        per = self.layers // (pp * vp)
+        return self.moe_layers_in(v * per, per)
+
+    def stage_moe_layers(self, pp: int, stage: str, placement: str = "loop") -> int:
         """MoE layers of pipeline ``stage``: 'only' / 'first' (layers [0, l/pp)), 'last'
-        (the last l/pp), 'max' (the stage holding the most)."""
+        (the last l/pp), 'ends' (ZB-V's stage 0: the first and the last l/(2 pp)), 'max'
+        (the stage holding the most, in ``placement``)."""
         per = self.layers // pp
         if stage == "max":
-            return self.max_stage_moe_layers(pp)
+            return self.max_stage_moe_layers(pp, placement)
+        if stage == "ends":
+            return self.chunk_moe_layers(pp, 2, 0) + self.chunk_moe_layers(pp, 2, 2 * pp - 1)
         return self.moe_layers_in((pp - 1) * per if stage == "last" else 0, per)
 
 

@@ -3,8 +3,11 @@
 Valid means what colonnade's config rules accept (colonnade.config.validate): tp divides the
 query heads, the kv heads and the MLP width; pp * vp divides the layers; dp = N / (tp pp)
 divides the global batch and the micro-batch divides B / dp; the interleaved schedule needs
-vp > 1, pp > 1 and m a multiple of pp; sp needs tp > 1 and s divisible by tp; ZeRO stages
-1-3 need dp > 1 (stage 3 with reshard_after_forward's default: on without pp, off with pp).
+vp > 1, pp > 1 and m a multiple of pp; ZB-V runs vp = 2 only (two chunks per stage in a V,
+priced by replaying its lists: :mod:`colonnade.analysis.zbv`); sp needs tp > 1 and s
+divisible by tp;
+ZeRO stages 1-3 need dp > 1 (stage 3 with reshard_after_forward's default: on without pp, off
+with pp).
 Context parallelism (``Constraints.cp``, default cp = 1 only): cp x tp divides N; s % 2cp == 0
 (s % 2cp t under sp); all_to_all needs (a/t) % cp == 0 and (g/t) % cp == 0 or cp % (g/t) == 0;
 ring is not searched with attention dropout (the validator rejects it).
@@ -104,6 +107,8 @@ def _tp_options(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> list[i
 
 def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
                ) -> Iterator[tuple[str, int]]:
+    """(schedule, vp) pairs searched for pp stages of ``layers_per_stage`` layers and m
+    micro-batches (module docstring)."""
     if pp == 1:
         if cons.vp in (None, 1):
             yield "1f1b", 1
@@ -115,6 +120,9 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
             for v in divisors(layers_per_stage):
                 if v > 1 and cons.vp in (None, v):
                     yield sched, v
+        elif sched == "zbv":  # two chunks of l/(2 pp) layers per stage
+            if layers_per_stage % 2 == 0 and cons.vp in (None, 2):
+                yield sched, 2
         elif cons.vp in (None, 1):
             yield sched, 1
 

@@ -38,9 +38,14 @@ Pipeline (p stages, v chunks, m micro-batches; T_j = t_f + t_b of stage j per mi
   this is Narayanan's (p-1)/m (or (p-1)/(v m)) of the ideal time; with the head on the last
   stage (the usual bottleneck) the fill/drain is the cheaper stages', not the mean stage's.
   The stages are the first (embedding), p-2 middle ones (layers only) and the last (head).
+  ZB-V (vp = 2, the "v" placement): stage 0 holds the embedding and the head + loss, the
+  others two chunks of layers each; its step is the replay of its own action lists with
+  every chunk's F, B (input gradient) and W (weight-gradient GEMMs) seconds
+  (:mod:`colonnade.analysis.zbv`), the bubble being that makespan minus m T_k; it pays
+  ``split_backward_us`` like ZB-H1, and with tied embeddings no embedding/head all-reduce.
   p2p sends T h E / t bytes (scatter/gather, Narayanan et al.) and an intra-node all-gather
-  when tp > 1 without sp; 2 (p-1) transfers are exposed when p2p is overlapped, 2 (m v + p - 1)
-  when it is not.
+  when tp > 1 without sp; 2 f transfers are exposed when p2p is overlapped, 2 (m v + f)
+  when it is not, f = p-1 hops of fill (2 (p-1) for ZB-V: down and back up the V).
 Data parallel (:func:`_dp_exposed`): all-reduce of the gradient buffer (ZeRO-1: reduce-scatter
   of it + all-gather of the 16-bit weights).  With overlap, the reduction hides behind the last
   micro-batch's backward (the first micro-batch's forward for the weight all-gather), except the
@@ -66,7 +71,7 @@ hides behind them unless they are shorter: the step is at least :func:`launch_fl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 
 from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
@@ -74,9 +79,12 @@ from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import moe_stage_params, stage_params, stage_state_bytes
 from colonnade.analysis.moe import MoEShape, dispatch_bytes, mlp_forward_flops_per_token
+from colonnade.analysis.zbv import zbv_makespan
+from colonnade.config.choices import schedule_placement, tied_across_stages
 from colonnade.models.counts import (
     LayerShape,
 )
+from colonnade.models.stages import virtual_stage
 
 OPS_PER_LAYER = 24
 """Tensor operations in one layer's forward (2 norms, 4 attention and 2-3 MLP matmuls,
@@ -184,16 +192,19 @@ def head_fwd_bwd_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, floa
     return fwd + bwd, 3 * host, fwd + host
 
 
-def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
+def _layers_cost(w: Workload, layout: Layout, c: Cluster, layers: int, n_moe: int
+                 ) -> _Stage:
+    """Per-micro-batch costs of ``layers`` decoder layers (``n_moe`` of them MoE) on one
+    device: forward, backward (recompute, the zero-bubble split's host work), the
+    weight-gradient GEMMs, tp / cp / ep communication (module docstring)."""
     m, t = w.shape, layout.tp
     tokens = layout.local_tokens(w.seq_len)
     bw = c.bytes_per_s()
-    layers = m.layers // layout.pp
     weights_s, core_s = layer_gemm_s(w, layout, c)
     b_fwd, b_core = (tokens * x for x in _elementwise_bytes_per_token(m, w, layout))
     fwd = weights_s + core_s + b_fwd / bw + OPS_PER_LAYER * c.op_overhead_us * 1e-6
     bwd = c.backward_ratio * fwd
-    if layout.schedule == "zb_h1" and layout.pp > 1:
+    if layout.schedule in ("zb_h1", "zbv") and layout.pp > 1:
         bwd += c.split_backward_us * 1e-6  # the B / W split's host work
     if layout.recompute == "full":
         bwd += fwd
@@ -210,45 +221,114 @@ def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
     bwd_s = layers * (bwd + comm_b + ring)
     ep_s = 0.0
     if w.model.moe:
-        n_moe = MoEShape.of(w.model).stage_moe_layers(layout.pp,
-                                                      "max" if stage == "middle" else stage)
         delta, ep_s = (n_moe * v for v in moe_layer_s(w, layout, c))
         fwd_s += delta + ep_s / 2
         bwd_s += c.backward_ratio * delta + ep_s / 2
     wgrad = layers * weights_s  # the weight-gradient GEMMs: the forward's shapes, transposed
-    comm = layers * (comm_f + comm_b)
-    if stage in ("first", "only"):
-        emb = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
-        fwd_s, comm = fwd_s + emb, comm + emb
-    if stage in ("last", "only"):
-        roof, host, head_f = head_fwd_bwd_s(w, layout, c.head())
-        head_comm = c.all_reduce_s(tokens * m.hidden * w.elem, t, per_node)
-        # vocab-parallel cross entropy: all-reduce of the max [tokens] and of the packed
-        # (sum exp, target logit) [2, tokens], fp32, in the forward
-        ce = c.all_reduce_s(tokens * 4, t, per_node) + c.all_reduce_s(tokens * 8, t, per_node)
-        fwd_s += ce
-        comm += ce
-        fwd_s += head_f
-        bwd_s += roof + host - head_f + head_comm
-        wgrad += head_gemm_s(w, layout, c.head())
-        comm += head_comm
-    return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=comm, cp=layers * ring, ep=ep_s)
+    return _Stage(fwd=fwd_s, bwd=bwd_s, wgrad=wgrad, comm=layers * (comm_f + comm_b),
+                  cp=layers * ring, ep=ep_s)
 
 
-def _stage_names(pp: int) -> list[str]:
-    """Stage kinds of a pipeline, in order: 'only', or 'first', p-2 x 'middle', 'last'."""
-    return ["only"] if pp == 1 else ["first", *["middle"] * (pp - 2), "last"]
+def _embedding_cost(w: Workload, layout: Layout, c: Cluster) -> _Stage:
+    """The vocab-parallel embedding's forward all-reduce over tp (its lookup is free)."""
+    tokens = layout.local_tokens(w.seq_len)
+    emb = c.all_reduce_s(tokens * w.shape.hidden * w.elem, layout.tp,
+                         min(layout.tp, c.gpus_per_node))
+    return _Stage(fwd=emb, bwd=0.0, wgrad=0.0, comm=emb)
 
 
-def _pipeline(layout: Layout, m: int, stages: list[_Stage]) -> tuple[float, float, float]:
-    """(steady time, bubble time, of which tp comm in the steady part) of the slowest stage."""
+def _head_cost(w: Workload, layout: Layout, c: Cluster) -> _Stage:
+    """Output layer and vocab-parallel cross entropy: compute (:func:`head_fwd_bwd_s`), the
+    loss's 2 fp32 all-reduces in the forward (max [tokens], packed (sum exp, target logit)
+    [2, tokens]) and the input gradient's all-reduce in the backward."""
+    tokens = layout.local_tokens(w.seq_len)
+    t, per_node = layout.tp, min(layout.tp, c.gpus_per_node)
+    roof, host, head_f = head_fwd_bwd_s(w, layout, c.head())
+    head_comm = c.all_reduce_s(tokens * w.shape.hidden * w.elem, t, per_node)
+    ce = c.all_reduce_s(tokens * 4, t, per_node) + c.all_reduce_s(tokens * 8, t, per_node)
+    return _Stage(fwd=ce + head_f, bwd=roof + host - head_f + head_comm,
+                  wgrad=head_gemm_s(w, layout, c.head()), comm=ce + head_comm)
+
+
+def _plus(a: _Stage, b: _Stage) -> _Stage:
+    """Field-wise sum of two costs (a stage of several parts)."""
+    return _Stage(*(x + y for x, y in zip(astuple(a), astuple(b), strict=True)))
+
+
+def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
+    """Per-micro-batch costs of pipeline ``stage``: l/pp layers, plus the embedding on
+    'first' / 'only' / 'ends' and the head + loss on 'last' / 'only' / 'ends'."""
+    n_moe = 0
+    if w.model.moe:
+        n_moe = MoEShape.of(w.model).stage_moe_layers(
+            layout.pp, "max" if stage == "middle" else stage, _placement(layout))
+    cost = _layers_cost(w, layout, c, w.shape.layers // layout.pp, n_moe)
+    if stage in ("first", "only", "ends"):
+        cost = _plus(cost, _embedding_cost(w, layout, c))
+    if stage in ("last", "only", "ends"):
+        cost = _plus(cost, _head_cost(w, layout, c))
+    return cost
+
+
+def _placement(layout: Layout) -> str:
+    """The virtual-stage placement of the layout's schedule ("v" for zbv, else "loop")."""
+    return schedule_placement(layout.schedule) if layout.pp > 1 else "loop"
+
+
+def _zbv_chunks(w: Workload, layout: Layout, c: Cluster) -> list[tuple[_Stage, _Stage]]:
+    """Per stage, the costs of its two ZB-V chunks: chunk k of stage s is virtual stage
+    v (s on the way down, 2 pp - 1 - s on the way up) with l/(2 pp) layers and v's MoE
+    layers, plus the embedding on v = 0 and the head + loss on v = 2 pp - 1."""
+    pp, layers = layout.pp, w.shape.layers // (2 * layout.pp)
+    x = MoEShape.of(w.model) if w.model.moe else None
+    out = []
+    for s in range(pp):
+        pair = []
+        for k in range(2):
+            v = virtual_stage(s, k, pp, "v")
+            cost = _layers_cost(w, layout, c, layers,
+                                x.chunk_moe_layers(pp, 2, v) if x else 0)
+            if v == 0:
+                cost = _plus(cost, _embedding_cost(w, layout, c))
+            if v == 2 * pp - 1:
+                cost = _plus(cost, _head_cost(w, layout, c))
+            pair.append(cost)
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def _stage_names(pp: int, schedule: str = "1f1b") -> list[str]:
+    """Stage kinds of a pipeline, in order: 'only', or 'first', p-2 x 'middle', 'last'; ZB-V's
+    'ends' (embedding and head on stage 0) and p-1 x 'middle'."""
+    if pp == 1:
+        return ["only"]
+    if schedule == "zbv":
+        return ["ends", *["middle"] * (pp - 1)]
+    return ["first", *["middle"] * (pp - 2), "last"]
+
+
+def _pipeline(layout: Layout, m: int, stages: list[_Stage],
+              chunks: list[tuple[_Stage, _Stage]] | None = None
+              ) -> tuple[float, float, float]:
+    """(steady time, bubble time, of which tp comm in the steady part) of the slowest stage.
+
+    ZB-V: the bubble is the replayed makespan (:func:`colonnade.analysis.zbv.zbv_makespan`)
+    minus the steady time, with ``chunks`` the stages' chunk costs (default: each stage's
+    halves)."""
     v = layout.vp
     k = max(range(len(stages)), key=lambda j: stages[j].fwd + stages[j].bwd)
     worst = stages[k]
     steady = m * (worst.fwd + worst.bwd)
     steady_comm = m * worst.comm
     others = [st for j, st in enumerate(stages) if j != k]
-    if layout.schedule == "zb_h1":
+    if layout.schedule == "zbv" and layout.pp > 1:
+        if chunks is None:
+            half = [_Stage(*(x / 2 for x in astuple(st))) for st in stages]
+            chunks = [(h, h) for h in half]
+        span = zbv_makespan([tuple((ch.fwd, ch.bwd, ch.wgrad) for ch in pair)
+                             for pair in chunks], m)
+        bubble = max(span - steady, 0.0)
+    elif layout.schedule == "zb_h1":
         bubble = sum(max(st.fwd + st.bwd - 2 * st.wgrad, 0.0) for st in others)
     else:
         bubble = sum(st.fwd + st.bwd for st in others)
@@ -328,7 +408,8 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     grad-norm all-reduce (one float64) over tp, over pp, and over dp with ZeRO; the logged
     loss all-reduce ([2] float64) over the world; the fused sp-partial gradient all-reduce
     over tp (norm weights: (2 l/p + 1) h) with sp; the tied embedding/head gradient
-    all-reduce (V h / t) over the pp ends with tied embeddings."""
+    all-reduce (V h / t) over the pp ends with tied embeddings (not under ZB-V, whose stage 0
+    holds both ends: one shared copy)."""
     t, p, g = layout.tp, layout.pp, c.gpus_per_node
     m = w.shape
 
@@ -339,7 +420,7 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     total += ar(16, layout.world)
     if layout.sp and t > 1:
         total += ar((2 * m.layers / p + 1) * m.hidden * w.elem, t)
-    if m.tied and p > 1:
+    if p > 1 and tied_across_stages(m.tied, layout.schedule):  # ZB-V: one copy, stage 0
         total += ar(m.vocab * m.hidden / t * w.elem, 2)
     return total
 
@@ -359,9 +440,14 @@ def launch_floor_s(w: Workload, layout: Layout, c: Cluster) -> float:
 def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
     """Predicted seconds per optimizer step of ``layout`` (see the module docstring)."""
     m = layout.microbatches(w.global_batch)
-    names = _stage_names(layout.pp)
-    stages = [_stage_costs(w, layout, c, n) for n in names]
-    steady, bubble, tp_comm = _pipeline(layout, m, stages)
+    names = _stage_names(layout.pp, layout.schedule)
+    chunks = None
+    if layout.schedule == "zbv" and layout.pp > 1:
+        chunks = _zbv_chunks(w, layout, c)
+        stages = [_plus(*pair) for pair in chunks]
+    else:
+        stages = [_stage_costs(w, layout, c, n) for n in names]
+    steady, bubble, tp_comm = _pipeline(layout, m, stages, chunks)
     slowest = max(stages, key=lambda st: st.fwd + st.bwd)
     cp_s = m * slowest.cp  # the slowest stage's, as above
     ep_s = m * slowest.ep
@@ -372,8 +458,11 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         one = c.p2p_s(full / layout.tp, layout.world > c.gpus_per_node)
         if layout.tp > 1 and not layout.sp:
             one += c.gather_s(full, layout.tp, min(layout.tp, c.gpus_per_node), "all_gather")
-        hops = 2 * (layout.pp - 1)
-        p2p_full = 2 * (m * layout.vp + layout.pp - 1) * one
+        fill = layout.pp - 1
+        if layout.schedule == "zbv":
+            fill *= 2  # down and back up the V (the turn is a local hand-over)
+        hops = 2 * fill
+        p2p_full = 2 * (m * layout.vp + fill) * one
         p2p = hops * one if w.overlap_p2p else p2p_full
     params = max(_dense_stage_params(w, layout, n) for n in names)
     dp, dp_full = _dp_exposed(w, layout, c, params, stages[0], m)
@@ -428,8 +517,9 @@ def _expert_dp_s(w: Workload, layout: Layout, c: Cluster, names: list[str], stag
 def _dense_stage_params(w: Workload, layout: Layout, stage: str) -> float:
     """Parameters of ``stage`` reduced over dp x cp with the dense stage's ZeRO sharding:
     the stage's dense parameters with its MoE layers' non-expert change.  (The routed
-    experts' own reduction over edp is not timed yet.)"""
-    if stage == "middle":
+    experts' own reduction over edp is not timed yet.)  A middle stage counts as the first
+    one, except under ZB-V, whose middle stages hold layers only (stage 0 holds both ends)."""
+    if stage == "middle" and layout.schedule != "zbv":
         stage = "first"
     base = stage_params(w.shape, layout, stage)
     return base + (moe_stage_params(w, layout, stage)[0] if w.model.moe else 0.0)

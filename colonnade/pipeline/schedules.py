@@ -206,11 +206,12 @@ def zbv(pp: int, vp: int, m: int, stage: int) -> list[Action]:
     """Zero-bubble ZB-V (Qi et al. 2024) over vp = 2 chunks per stage in the "v" placement:
     chunk 0 of stage s is virtual stage s, chunk 1 is 2 pp - 1 - s, so stage 0 holds both the
     embedding and the loss and the turn at stage pp - 1 is a local hand-over. The backward is
-    split into B and W as in ZB-H1; the order is the list schedule of
-    :func:`colonnade.pipeline.zbv.zbv_orders`, whose peak in-flight memory is at most 2 pp
-    chunk-activations, 1F1B's on its first stage. With T_F = T_B = T_W = T per stage (T / 2
-    per chunk) the idle time per stage is (pp - 1) T / 2 when pp divides m, half ZB-H1's
-    (pp - 1) T, and below ZB-H1's for every m >= pp (``tests/pipeline/test_zbv.py``)."""
+    split into B and W as in ZB-H1; the order is the paper's warm-up / steady / cool-down
+    pattern of :func:`colonnade.pipeline.zbv.zbv_orders`, whose peak in-flight memory is at
+    most 2 pp chunk-activations, 1F1B's on its first stage. With T_F = T_B = T_W = T per stage
+    (T / 2 per chunk) the idle time per stage is (pp - 1) T / 2 when pp divides m >= 2 pp,
+    half ZB-H1's (pp - 1) T, never above ZB-H1's and below it for every m > pp
+    (``tests/pipeline/test_zbv.py``)."""
     _check_args("zbv", pp, vp, m, stage)
     return add_comm(list(zbv_orders(pp, m)[stage]), stage, pp, vp, "v")
 

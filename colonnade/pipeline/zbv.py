@@ -1,38 +1,34 @@
-"""The compute order of ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"):
-zero-bubble pipelining over two chunks per stage in the "v" placement.
+"""The compute order of ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory",
+section 6): zero-bubble pipelining over two chunks per stage in the "v" placement.
 
 Stage s holds virtual stages s (chunk 0) and 2 pp - 1 - s (chunk 1), so the first and the last
 virtual stage (embedding, and head + loss) are both on stage 0, and a micro-batch's forward runs
 down the stages and back up. The backward is split as in ZB-H1: B computes only the input
 gradient (what the previous virtual stage waits for), W the weight gradient (which nobody
-waits for), so W fills the idle slots a 1F1B order leaves.
+waits for).
 
-The order is built by list scheduling on unit-time actions (F = B = W = 1, communication free):
-at every time step each stage starts one action whose dependencies have finished -
-F(k, v) after F(k, v - 1), B(k, v) after F(k, v) and B(k, v + 1), W(k, v) after B(k, v) - the
-first ready one in a priority *rule* over (kind, chunk), each (kind, virtual stage) in
-micro-batch order. Memory: a stage holds one chunk-activation from an F until its W, at most
-L = 2 pp of them: the activation memory of 1F1B on its first stage (pp micro-batches of
-layers / pp), with chunks of layers / (2 pp). Chunk-1 forwards are never held back (their
-micro-batch is already in); a chunk-0 forward, which lets a new micro-batch in, is admitted by
+The order of stage s, over n = max(2 pp - 1, m) micro-batch slots (a slot k >= m is dropped
+afterwards: its actions are idle slots of the pattern), writing X0 / X1 for action X of chunk 0 /
+chunk 1, each kind and chunk in micro-batch order:
 
-* a cap: fewer than ``cap`` micro-batches on the stage with their chunk-0 F done and chunk-0 W
-  not (the peak is measured afterwards and the order kept only if it is <= L), or
-* a reservation: held + open + 2 <= L, held the chunk-activations (F done, W not), open the
-  micro-batches whose chunk-0 F ran and chunk-1 F did not; each admitted micro-batch keeps room
-  for its chunk-1 activation, so held <= L always and no chunk-1 forward waits for memory.
+  warm-up   2 (pp - s) - 1 times F0; s times (F1, F0); pp - s times (F1, B1, W1)
+  steady    while chunk-1 forwards lag or chunk-0 slots remain: F0 (if any left), B0, W0,
+            F1, B1, W1
+  cool-down s times (B0, B1); pp - s times (B0, W0); the remaining W1, then the remaining W0
 
-:func:`zbv_orders` runs the rule ``BACKWARD_FIRST`` with every cap 1 .. L and the rules
-``FORWARD_FIRST`` and ``WEIGHT_FIRST`` with the reservation, and keeps the shortest order. Timed
-with a stage's F = B = W = 1 (1/2 per chunk, ZB-H1's stage 1), no order beats 3 m + (pp - 1) / 2
-(stage pp - 1 starts (pp - 1) / 2 late, then has 3 m of work); the caps reach it when pp divides m,
-but for other m > pp they can take longer than ZB-H1's 3 m + pp - 1. The reservation rules were
-found by trying all 720 priority orders over pp 2..8, m 1..3 pp + 1: ``FORWARD_FIRST`` is the only
-one that alone never takes longer than ZB-H1 there and is shorter for every m >= pp, and
-``WEIGHT_FIRST`` the order that, added to it, cuts the summed makespan most (the union stays below
-ZB-H1 for every m >= pp measured, pp 2..8, m to 5 pp and 64). The orders are pure data;
-`check_schedule` proves them (FIFO, no deadlock) like every schedule, and
-``tests/pipeline/test_zbv.py`` checks their makespans against ZB-H1's.
+The warm-up fills the V: the chunk-0 forwards of stage s reach the turn and come back up to its
+chunk 1 just as it is ready for them, and from then on every stage alternates one F, B and W of
+each chunk, W right after its B (so a weight gradient's saved tensors are freed at once). The
+deferred W's of the cool-down fill the tail that 1F1B leaves idle. Memory: at most 2 pp
+chunk-activations held from F until W on any stage, each layers / (2 pp), i.e. 1F1B's first
+stage (pp micro-batches of layers / pp). Timed with F = B = W = 1/2 per chunk (a stage's
+F = B = W = 1, ZB-H1's unit) the replayed makespan is 3 m + (pp - 1) / 2 whenever pp divides
+m >= 2 pp, never above ZB-H1's 3 m + pp - 1, and below it for every m > pp
+(``tests/pipeline/test_zbv.py``). With the executor's costs (stage 0's chunk 0 has no input
+gradient: its B is empty and its W does the whole backward) W right after B also keeps that
+stage's long W's from delaying the next micro-batch; on issue 19's gpt2-tiny (pp = 2, m = 4)
+this order ran a step in ~282 ms where a unit-time list schedule took ~314 ms. The orders are
+pure data; `check_schedule` proves them (FIFO, no deadlock) like every schedule.
 """
 
 from __future__ import annotations
@@ -42,84 +38,58 @@ from functools import lru_cache
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, compute
 
 Order = tuple[tuple[Action, ...], ...]  # per stage, compute actions only
-Rule = tuple[tuple[Kind, int], ...]  # (kind, local chunk) by decreasing priority
-
-BACKWARD_FIRST: Rule = ((Kind.B, 1), (Kind.B, 0), (Kind.F, 1), (Kind.F, 0), (Kind.W, 1),
-                        (Kind.W, 0))
-"""Backward first (the gradient chain is the critical path), then forward, then W."""
-FORWARD_FIRST: Rule = ((Kind.F, 1), (Kind.F, 0), (Kind.B, 1), (Kind.W, 0), (Kind.B, 0),
-                       (Kind.W, 1))
-"""Forward as far as the reservation allows; chunk-0 W before chunk-0 B frees memory early."""
-WEIGHT_FIRST: Rule = ((Kind.W, 1), (Kind.F, 1), (Kind.F, 0), (Kind.B, 1), (Kind.B, 0),
-                      (Kind.W, 0))
-"""The head's W first (stage 0's memory), then forward, backward, the other W."""
+Slot = tuple[Kind, int, int]  # (kind, micro-batch slot, local chunk)
 
 
-def _ready(done: dict[tuple[Kind, int, int], int], kind: Kind, k: int, v: int, last: int,
-           now: int) -> bool:
-    """Whether action (kind, micro-batch k, virtual stage v) may start at time ``now``."""
-    def finished(key: tuple[Kind, int, int]) -> bool:
-        return done.get(key, now + 1) <= now
+class _StageOrder:
+    """The growing order of one stage: per (kind, chunk) the next micro-batch slot."""
 
-    if kind == Kind.F:
-        return v == 0 or finished((Kind.F, k, v - 1))
-    if kind == Kind.B:
-        return finished((Kind.F, k, v)) and (v == last or finished((Kind.B, k, v + 1)))
-    return finished((Kind.B, k, v))
+    def __init__(self) -> None:
+        self.ops: list[Slot] = []
+        self.count: dict[tuple[Kind, int], int] = {
+            (kind, c): 0 for kind in (Kind.F, Kind.B, Kind.W) for c in (0, 1)}
 
+    def add(self, *items: tuple[Kind, int]) -> None:
+        for kind, c in items:
+            self.ops.append((kind, self.count[(kind, c)], c))
+            self.count[(kind, c)] += 1
 
-def _list_schedule(pp: int, m: int, rule: Rule, cap: int | None
-                   ) -> tuple[Order, int, int] | None:
-    """(per-stage orders, makespan, peak chunk-activations) of the list schedule with ``rule``
-    and admission by ``cap`` (None: by reservation); None if it stalls."""
-    last, limit = 2 * pp - 1, 2 * pp
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, micro-batch, v) -> finish time
-    nxt = {(kind, v): 0 for kind in (Kind.F, Kind.B, Kind.W) for v in range(last + 1)}
-    orders: list[list[Action]] = [[] for _ in range(pp)]
-    held, entered, opened, peak = [0] * pp, [0] * pp, [0] * pp, 0
-    total, t = 3 * (last + 1) * m, 0
-    while len(done) < total:
-        if t > 4 * total:
-            return None
-        for s in range(pp):
-            admit = (entered[s] < cap if cap is not None
-                     else held[s] + opened[s] + 2 <= limit)
-            for kind, c in rule:
-                v = s if c == 0 else last - s
-                k = nxt[(kind, v)]
-                if (k >= m or (kind == Kind.F and c == 0 and not admit)
-                        or not _ready(done, kind, k, v, last, t)):
-                    continue
-                done[(kind, k, v)] = t + 1
-                nxt[(kind, v)] += 1
-                orders[s].append(compute(kind, k, c))
-                step = {Kind.F: 1, Kind.W: -1}.get(kind, 0)
-                held[s] += step
-                entered[s] += step if c == 0 else 0
-                opened[s] += (1 if c == 0 else -1) if kind == Kind.F else 0
-                peak = max(peak, held[s])
-                break
-        t += 1
-    return tuple(tuple(o) for o in orders), max(done.values()), peak
+    def behind(self, kind: Kind, c: int, other: Kind, oc: int) -> bool:
+        """Whether (kind, c) has run fewer slots than (other, oc)."""
+        return self.count[(kind, c)] < self.count[(other, oc)]
 
 
-@lru_cache(maxsize=32)
+def stage_order(pp: int, m: int, stage: int) -> tuple[Action, ...]:
+    """The compute order of ``stage`` (module docstring), slots >= m dropped."""
+    n = max(2 * pp - 1, m)
+    o = _StageOrder()
+    F, B, W = Kind.F, Kind.B, Kind.W
+    for _ in range(2 * (pp - stage) - 1):
+        o.add((F, 0))
+    for _ in range(stage):
+        o.add((F, 1), (F, 0))
+    for _ in range(pp - stage):
+        o.add((F, 1), (B, 1), (W, 1))
+    while o.behind(F, 1, F, 0) or o.count[(F, 0)] < n:
+        if o.count[(F, 0)] < n:
+            o.add((F, 0))
+        o.add((B, 0), (W, 0), (F, 1), (B, 1), (W, 1))
+    for _ in range(stage):
+        o.add((B, 0), (B, 1))
+    for _ in range(pp - stage):
+        o.add((B, 0), (W, 0))
+    while o.behind(W, 1, B, 1):
+        o.add((W, 1))
+    while o.behind(W, 0, B, 0):
+        o.add((W, 0))
+    if any(o.count[(kind, c)] != n for kind in (F, B, W) for c in (0, 1)):
+        raise ScheduleError(f"zbv: stage {stage} of pp={pp}, m={m} did not run every slot once")
+    return tuple(compute(kind, k, c) for kind, k, c in o.ops if k < m)
+
+
+@lru_cache(maxsize=64)
 def zbv_orders(pp: int, m: int) -> Order:
-    """Every stage's ZB-V compute order for pp stages and m micro-batches (module docstring):
-    the shortest list schedule whose peak is at most 2 pp chunk-activations, over
-    ``BACKWARD_FIRST`` with caps 1 .. 2 pp, then ``FORWARD_FIRST`` and ``WEIGHT_FIRST`` with
-    the reservation (the first of these on a tie)."""
-    candidates: list[tuple[Rule, int | None]] = [(BACKWARD_FIRST, cap)
-                                                 for cap in range(1, 2 * pp + 1)]
-    candidates += [(FORWARD_FIRST, None), (WEIGHT_FIRST, None)]
-    best: tuple[int, Order] | None = None
-    for rule, cap in candidates:
-        found = _list_schedule(pp, m, rule, cap)
-        if found is None:
-            continue
-        orders, makespan, peak = found
-        if peak <= 2 * pp and (best is None or makespan < best[0]):
-            best = (makespan, orders)
-    if best is None:
-        raise ScheduleError(f"zbv: no order within 2 pp chunk-activations for pp={pp}, m={m}")
-    return best[1]
+    """Every stage's ZB-V compute order for pp stages and m micro-batches (module docstring)."""
+    if pp < 1 or m < 1:
+        raise ScheduleError(f"zbv: pp and m must be >= 1, got pp={pp}, m={m}")
+    return tuple(stage_order(pp, m, s) for s in range(pp))

@@ -154,7 +154,7 @@ def test_report_numbers_zbv() -> None:
     report = check_schedule(lists, 2, 2, 4, placement="v")
     assert report.splits_w and report.num_compute == (24, 24)
     assert report.num_actions == (24 + 4 * 4, 24 + 8 * 4)
-    assert report.peak_in_flight == (3, 4) and report.peak_pending_w == (3, 4)
+    assert report.peak_in_flight == (4, 4) and report.peak_pending_w == (1, 3)
     assert sum(a.is_comm and a.peer == 1 for a in lists[1]) == 4 * 4  # the local hand-overs
 
 
