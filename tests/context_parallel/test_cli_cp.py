@@ -16,7 +16,7 @@ from colonnade.cli import main
 from colonnade.config.load import load_config
 from colonnade.models.counts import flops_per_token
 from tests.reliability.jobs import losses, tiny_args
-from tests.workflow.cli import run_cli
+from tests.workflow.cli import assert_same_losses, greedy_text, run_cli
 from tests.workflow.conftest import corpus
 
 __all__ = ["corpus"]
@@ -43,19 +43,6 @@ def reference(corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def _assert_same(got: dict[int, float], want: dict[int, float], steps: range) -> None:
-    assert set(steps) <= set(got), (got, want)
-    for step in steps:
-        assert got[step] == pytest.approx(want[step], rel=TOL, abs=0.0), (step, got, want)
-
-
-def _greedy(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    capsys.readouterr()
-    assert main(["generate", str(model_dir), "--prompt", "the ", "--temperature", "0",
-                 "--max-new-tokens", "12", "--device", "cpu"]) == 0
-    return capsys.readouterr().out
-
-
 CASES = [("ring", "plain"), ("ring", "docs")]  # all_to_all: test_resume_changes_cp's first run
 
 
@@ -73,7 +60,7 @@ def test_cp2_train_equals_one_process(corpus: tuple[Path, Path], tmp_path: Path,
     overlap = ", overlapped" if attention == "ring" else ""
     assert f"colonnade: cp2 (cp attention: {attention}{overlap}) on cpu" in out, out
     want, ref_ckpt = reference[data]
-    _assert_same(losses(run), want, range(1, STEPS + 1))
+    assert_same_losses(losses(run), want, range(1, STEPS + 1), TOL)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     cfg = load_config(None, args)
     per_step = 2 * 16  # global batch (micro-batch 2 x 1 x dp 1) x seq_len: the same at cp2
@@ -86,7 +73,7 @@ def test_cp2_train_equals_one_process(corpus: tuple[Path, Path], tmp_path: Path,
     meta = json.loads((ckpt / "step_00000006" / "metadata.json").read_text())
     assert meta["layout"]["cp"] == 2 and meta["layout"]["cp_attention"] == attention
     if data == "plain" and attention == "ring":  # generate runs at cp = 1, as one process
-        assert _greedy(ckpt, capsys) == _greedy(ref_ckpt, capsys)
+        assert greedy_text(ckpt, capsys, "the ") == greedy_text(ref_ckpt, capsys, "the ")
 
 
 def test_resume_changes_cp(corpus: tuple[Path, Path], tmp_path: Path,
@@ -100,14 +87,14 @@ def test_resume_changes_cp(corpus: tuple[Path, Path], tmp_path: Path,
     assert status == 0, out
     assert "colonnade: cp2 (cp attention: all_to_all) on cpu" in out, out
     want, _ = reference["plain"]
-    _assert_same(losses(run), want, range(1, STEPS + 1))
+    assert_same_losses(losses(run), want, range(1, STEPS + 1), TOL)
     (ckpt / "latest").write_text("step_00000003\n")  # as if it died after step 3
     again = _args(corpus, run, parallel__cp=4, checkpoint__save=ckpt, checkpoint__interval=3)
     status, out = run_cli(["train", "--nproc", "4", *again])
     assert status == 0, out
     assert "resuming from" in out and "step_00000003" in out, out
     assert "cp4 (cp attention: ring, overlapped)" in out, out
-    _assert_same(losses(run), want, range(1, STEPS + 1))
+    assert_same_losses(losses(run), want, range(1, STEPS + 1), TOL)
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "long-context-cp2.toml"

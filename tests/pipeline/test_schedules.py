@@ -13,6 +13,7 @@ from colonnade.pipeline.schedules import (
     one_f_one_b,
 )
 from colonnade.pipeline.simulate import simulate
+from tests.pipeline.test_zbv import _peak_until_w
 
 
 def _row(actions: list[Action], compute_only: bool = True) -> str:
@@ -30,15 +31,6 @@ GRID = [
     for vp in (1, 2, 3)
     for m in _microbatch_counts(pp)
 ]
-
-
-def _peak_until_w(actions: list[Action]) -> int:
-    """Most chunk-activations held at once on a stage: +1 at F, -1 at W (split backward)."""
-    held = peak = 0
-    for a in actions:
-        held += {Kind.F: 1, Kind.W: -1}.get(a.kind, 0)
-        peak = max(peak, held)
-    return peak
 
 
 def _expected_peak(name: str, pp: int, vp: int, m: int, stage: int) -> int:

@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from colonnade.cli import main
 from tests.reliability.jobs import REPO, Job
 
 JOB_TIMEOUT_S = 240
@@ -62,3 +65,19 @@ def assert_clean(out: str) -> None:
     """A stop that printed no traceback and no launcher-failure report."""
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "launcher failed" not in out and "likely cause" not in out, out
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: range,
+                       rel: float) -> None:
+    """Every step of ``steps`` is logged in ``got`` and equals ``want`` within ``rel``."""
+    assert set(steps) <= set(got), (got, want)
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=rel, abs=0.0), (step, got, want)
+
+
+def greedy_text(model_dir: Path, capsys: pytest.CaptureFixture[str], prompt: str) -> str:
+    """What ``colonnade generate`` prints for ``prompt`` with greedy decoding (12 tokens)."""
+    capsys.readouterr()
+    assert main(["generate", str(model_dir), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "12", "--device", "cpu"]) == 0
+    return capsys.readouterr().out

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from colonnade.cli import main
-from tests.workflow.cli import run_cli
+from tests.workflow.cli import assert_same_losses, greedy_text, run_cli
 
 STEPS, TOL = 6, 1e-12
 VALID = "valid_loss"
@@ -60,19 +60,6 @@ def losses(run: Path) -> dict[int, float]:
     return _logged(run, "loss")
 
 
-def _assert_same(got: dict[int, float], want: dict[int, float], steps: range) -> None:
-    assert set(steps) <= set(got), (got, want)
-    for step in steps:
-        assert got[step] == pytest.approx(want[step], rel=TOL, abs=0.0), (step, got, want)
-
-
-def _greedy(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    capsys.readouterr()
-    assert main(["generate", str(model_dir), "--prompt", "def ", "--temperature", "0",
-                 "--max-new-tokens", "12", "--device", "cpu"]) == 0
-    return capsys.readouterr().out
-
-
 def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     prepared, ref_run, ref_ckpt = reference
@@ -80,16 +67,16 @@ def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_pa
     status, out = run_cli(["train", "--nproc", "2", *_args(prepared, run, ckpt), *ZBV])
     assert status == 0, out
     assert "colonnade: pp2-vp2 on cpu" in out, out
-    _assert_same(losses(run), losses(ref_run), range(1, STEPS + 1))
+    assert_same_losses(losses(run), losses(ref_run), range(1, STEPS + 1), TOL)
     want_valid = _logged(ref_run, VALID)
     assert sorted(want_valid) == [0, 2, 4, 6], want_valid
-    _assert_same(_logged(run, VALID), want_valid, range(0, STEPS + 1, 2))
+    assert_same_losses(_logged(run, VALID), want_valid, range(0, STEPS + 1, 2), TOL)
     step = ckpt / f"step_{STEPS:08d}"
     meta = json.loads((step / "metadata.json").read_text())
     assert (meta["layout"]["pp"], meta["layout"]["vp"]) == (2, 2), meta["layout"]
     saved = tomllib.loads((step / "config.toml").read_text())
     assert saved["parallel"]["schedule"] == "zbv", saved["parallel"]
-    assert _greedy(ckpt, capsys) == _greedy(ref_ckpt, capsys)
+    assert greedy_text(ckpt, capsys, "def ") == greedy_text(ref_ckpt, capsys, "def ")
 
     (ckpt / "latest").write_text("step_00000002\n")  # as if it died after step 2
     status, out = run_cli(["train", "--nproc", "2", *_args(prepared, run, ckpt),
@@ -97,4 +84,4 @@ def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_pa
     assert status == 0, out
     assert "resuming from" in out and "step_00000002" in out, out
     assert "colonnade: pp2 on cpu" in out, out
-    _assert_same(losses(run), losses(ref_run), range(1, STEPS + 1))
+    assert_same_losses(losses(run), losses(ref_run), range(1, STEPS + 1), TOL)
