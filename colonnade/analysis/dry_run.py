@@ -46,7 +46,7 @@ from colonnade.analysis.moe import (
 from colonnade.analysis.timing import step_time
 from colonnade.config.sections import Config
 from colonnade.models.build import build_reference
-from colonnade.parallel.dims import ParallelDims
+from colonnade.parallel.dims import ParallelDims, layout_text
 
 
 def meta_param_count(config: Config) -> int:
@@ -193,7 +193,7 @@ def dry_run(config: Config, world: int) -> str:
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
         f"vocab {m.vocab_size}: {total:,} parameters ({total / 1e9:.3g} B; built on the meta "
         "device)",
-        f"layout: {dims.describe()} on {world} rank(s)",
+        f"layout: {layout_text(config.parallel, dims.describe())} on {world} rank(s)",
         f"batch: global {tr.global_batch_size} x seq {tr.seq_len} = {tokens:,} tokens per step "
         f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "
         f"{dims.dp}); {tr.steps} steps = {tr.steps * tokens:,} tokens",

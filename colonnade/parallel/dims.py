@@ -243,3 +243,16 @@ class ParallelDims:
         if self.vp > 1:
             parts.append(f"vp{self.vp}")
         return "-".join(parts) or "single"
+
+
+def layout_text(par: ParallelConfig, described: str) -> str:
+    """The layout as the start-up line and the dry run name it: ``described`` (e.g.
+    'pp2-vp2', :meth:`ParallelDims.describe`) and, with pp > 1, the pipeline schedule, with
+    cp > 1 how attention crosses the cp ranks (``parallel.cp_attention``, ``cp_overlap``)."""
+    extra = []
+    if par.pp > 1:
+        extra.append(f"schedule {par.schedule}")
+    if par.cp > 1:
+        overlap = ", overlapped" if par.cp_overlap and par.cp_attention == "ring" else ""
+        extra.append(f"cp attention: {par.cp_attention}{overlap}")
+    return f"{described} ({'; '.join(extra)})" if extra else described

@@ -19,6 +19,7 @@ from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.parallel.dims import layout_text
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
@@ -113,16 +114,6 @@ class Trainer:
         losses = forward_only(self.chunks, batches, plan)
         set_train_mode(self.chunks, True)
         return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted
-
-
-def layout_text(cfg: Config, described: str) -> str:
-    """The layout as the start-up line names it: ``described`` (e.g. 'cp2-dp2') and, with
-    cp > 1, how attention crosses the cp ranks (``parallel.cp_attention``, ``cp_overlap``)."""
-    par = cfg.parallel
-    if par.cp == 1:
-        return described
-    overlap = ", overlapped" if par.cp_overlap and par.cp_attention == "ring" else ""
-    return f"{described} (cp attention: {par.cp_attention}{overlap})"
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -248,7 +239,7 @@ def _open_run_log(cfg: Config, rt: Runtime, trainer: Trainer) -> MetricsWriter |
     kept = write_run_config(log_cfg.dir, config_to_toml(cfg))
     if kept:
         print(f"colonnade: {kept}")
-    print(f"colonnade: {layout_text(cfg, rt.groups.dims.describe())} on {rt.device}, "
+    print(f"colonnade: {layout_text(cfg.parallel, rt.groups.dims.describe())} on {rt.device}, "
           f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
           f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
     return writer

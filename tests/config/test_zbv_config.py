@@ -96,7 +96,7 @@ def test_dry_run_shows_the_zbv_layout(tmp_path: Path, monkeypatch: pytest.Monkey
     assert main(["train", *TINY_ARGS, "--nproc", "2", "--parallel.pp=2", "--parallel.vp=2",
                  "--parallel.schedule=zbv", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "layout: pp2-vp2 on 2 rank(s)" in out, out
+    assert "layout: pp2-vp2 (schedule zbv) on 2 rank(s)" in out, out
     assert "model: llama, 4 layers" in out, out
     assert list(tmp_path.iterdir()) == []
 

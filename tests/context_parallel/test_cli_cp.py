@@ -109,7 +109,8 @@ def test_long_context_example_fits_only_with_cp(tmp_path: Path,
     base = ["train", "--config", str(EXAMPLE), f"--logging.dir={run}"]
     assert main([*base, "--nproc", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "layout: cp2 on 2 rank(s)" in out and "cp: 2 (ring" in out, out
+    assert "layout: cp2 (cp attention: ring, overlapped) on 2 rank(s)" in out, out
+    assert "cp: 2 (ring" in out, out
     fits = re.search(r"memory limit: 0\.09 GiB per rank; the estimate ([\d.]+) GiB fits", out)
     assert fits and 0.05 < float(fits.group(1)) < 0.07, out  # 0.061 by the memory model
     assert main([*base, "--parallel.cp=1", "--dry-run"]) == 0

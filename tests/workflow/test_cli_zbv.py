@@ -66,7 +66,7 @@ def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_pa
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     status, out = run_cli(["train", "--nproc", "2", *_args(prepared, run, ckpt), *ZBV])
     assert status == 0, out
-    assert "colonnade: pp2-vp2 on cpu" in out, out
+    assert "colonnade: pp2-vp2 (schedule zbv) on cpu" in out, out
     assert_same_losses(losses(run), losses(ref_run), range(1, STEPS + 1), TOL)
     want_valid = _logged(ref_run, VALID)
     assert sorted(want_valid) == [0, 2, 4, 6], want_valid
@@ -83,5 +83,5 @@ def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_pa
                            "--parallel.pp=2"])
     assert status == 0, out
     assert "resuming from" in out and "step_00000002" in out, out
-    assert "colonnade: pp2 on cpu" in out, out
+    assert "colonnade: pp2 (schedule 1f1b) on cpu" in out, out
     assert_same_losses(losses(run), losses(ref_run), range(1, STEPS + 1), TOL)
