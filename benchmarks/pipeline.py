@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from colonnade.config.choices import schedule_placement
 from colonnade.config.sections import Config, ModelConfig, ParallelConfig, TrainingConfig
 from colonnade.models.build import build_chunks, make_context
 from colonnade.models.gpt import ModelChunk
@@ -67,7 +68,7 @@ from colonnade.parallel.pool import RankPool
 from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute
 from colonnade.pipeline.plan import ExecOptions, StepPlan
-from colonnade.pipeline.schedules import build_schedule, placement_of
+from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
@@ -217,7 +218,7 @@ def _simulated(schedule: str, p: int, m: int, stage_means: list[dict[str, float]
     def duration(stage: int, a: Any) -> float:
         return stage_means[stage].get(a.kind.value, 0.0)
 
-    timeline = replay(lists, duration, placement=placement_of(schedule))
+    timeline = replay(lists, duration, placement=schedule_placement(schedule))
     makespan = max(t[-1].end for t in timeline)
     busy = [sum(e.end - e.start for e in t if e.action.is_compute) for t in timeline]
     return statistics.mean(1 - b / makespan for b in busy)
@@ -255,7 +256,7 @@ def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[st
             typical = means[1:] if split and len(means) > 1 else means
             overall = {k: statistics.mean(s[k] for s in typical) for k in typical[0]}
             report = check_schedule(build_schedule(sched, p, OURS[sched], m), p, OURS[sched], m,
-                                    placement_of(sched))
+                                    schedule_placement(sched))
             row.update({
                 "bubble_measured": statistics.mean(bubbles),
                 "bubble_measured_per_stage": bubbles,

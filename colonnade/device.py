@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 import torch
 
@@ -187,6 +188,7 @@ heap's top stays mapped for the next step instead of being returned to the OS.""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 
 
+@functools.cache
 def keep_host_pages() -> bool:
     """Keep freed host memory mapped across training steps (glibc's malloc); returns whether
     the setting was applied (False off glibc, e.g. macOS or musl: nothing changes).
@@ -200,7 +202,8 @@ def keep_host_pages() -> bool:
     flat buffer. Both thresholds fixed (which also turns off glibc's dynamic
     threshold) make those faults 0, as a caching allocator (jemalloc, tcmalloc) would; memory
     already at the step's peak stays mapped, no more. Process-wide, like
-    ``torch.set_num_threads``; the trainer calls it on CPU.
+    ``torch.set_num_threads``; the trainer calls it on CPU, and it is applied once per
+    process (cached).
     """
     name = ctypes.util.find_library("c")
     try:

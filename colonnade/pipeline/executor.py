@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from colonnade.config.choices import schedule_placement
 from colonnade.models.gpt import ModelChunk, local_labels
 from colonnade.pipeline.actions import Action, Kind, compute, virtual_stage
 from colonnade.pipeline.p2p import (
@@ -69,7 +70,6 @@ from colonnade.pipeline.plan import (
 from colonnade.pipeline.schedules import (
     add_comm,
     interleaved_items,
-    placement_of,
     schedule_lists,
 )
 from colonnade.pipeline.split_backward import (
@@ -204,7 +204,7 @@ def stage_steps(schedule: str, pp: int, vp: int, m: int, stage: int, overlap: bo
                 train: bool) -> StageSteps:
     """:class:`StageSteps` of a named schedule (``train``) or the forward-only pass, computed
     once per key: the same object for the same arguments."""
-    placement = placement_of(schedule)
+    placement = schedule_placement(schedule)
     lists = (schedule_lists(schedule, pp, vp, m) if train
              else _forward_only(pp, vp, m, placement))
     return build_stage_steps(lists, stage, vp, overlap, placement)
@@ -439,7 +439,7 @@ def execute(chunks: list[ModelChunk], batches: list[Batch], plan: StepPlan,
     elif len(lists) != pp:
         raise ValueError(f"{len(lists)} action lists for parallel.pp={pp} stages")
     else:
-        steps = build_stage_steps(lists, stage, vp, opts.overlap, placement_of(plan.schedule))
+        steps = build_stage_steps(lists, stage, vp, opts.overlap, schedule_placement(plan.schedule))
     if train:
         plan = with_tokens(plan, batches)  # the loss divisor N, counted over dp when unset
     return StageExecutor(chunks, batches, plan, steps, train=train, options=opts).run()

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from colonnade.config.choices import SCHEDULES as SCHEDULE_NAMES
-from colonnade.config.choices import schedule_placement
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, comm, compute, virtual_stage
 from colonnade.pipeline.zbv import zbv_orders
 
@@ -223,8 +222,6 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "zb_h1": zb_h1,
     "zbv": zbv,
 }
-placement_of = schedule_placement
-"""The virtual-stage placement of a schedule (``config.choices.schedule_placement``)."""
 if tuple(SCHEDULES) != SCHEDULE_NAMES:
     raise AssertionError("pipeline.schedules must build exactly config.choices.SCHEDULES")
 

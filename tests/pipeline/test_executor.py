@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from colonnade.config.choices import schedule_placement
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.build import build_chunks, build_reference, make_context
 from colonnade.models.gpt import ModelChunk
@@ -20,7 +21,7 @@ from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute, forward_only_lists, release_output
 from colonnade.pipeline.p2p import Message, PipeComm, message_shape, stage_program
 from colonnade.pipeline.plan import ExecOptions, StepPlan
-from colonnade.pipeline.schedules import build_schedule, placement_of
+from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay
 from colonnade.pipeline.split_backward import backward_input, backward_weight, find_boundaries
 from colonnade.training.step import forward_backward, forward_only, set_train_mode
@@ -209,7 +210,7 @@ def test_executor_peaks_bytes_and_losses(run_ranks: Callable[..., list[Any]]) ->
     results = run_ranks(pp, rank_executor_facts, pp, m)
     msg_bytes = 16 * 2 * 32 * 8  # [s, b, h] float64
     for sched, vp in SCHEDULES:
-        placement = placement_of(sched)
+        placement = schedule_placement(sched)
         lists = build_schedule(sched, pp, vp, m)
         report = check_schedule(lists, pp, vp, m, placement)
         cfg = make_config(pp=pp, vp=vp, schedule=sched, m=m)

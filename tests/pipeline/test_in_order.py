@@ -22,11 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from colonnade.config.choices import schedule_placement
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.nccl_model import Group
 from colonnade.pipeline.p2p import Message, PipeComm, stage_program
-from colonnade.pipeline.schedules import build_schedule, placement_of
+from colonnade.pipeline.schedules import build_schedule
 from tests.pipeline.test_nccl_model import legacy_groups
 
 SHAPE = (4, 1, 2)
@@ -44,8 +45,9 @@ def _posted_comm(which: str, in_order: bool, groups: ProcessGroups,
     stage up front."""
     lists = build_schedule(schedule, 2, 2 if schedule == "zbv" else 1, 4)
     stage = groups.pp_rank
+    placement = schedule_placement(schedule)
     mine: list[Group] = (legacy_groups(lists, overlap=True)[stage] if which == "legacy"
-                         else stage_program(lists, stage, True, placement_of(schedule)).groups)
+                         else stage_program(lists, stage, True, placement).groups)
     comm = PipeComm(groups.pp, stage, lambda k: SHAPE, torch.float32, torch.device("cpu"),
                     in_order=in_order)
     for ops in mine:

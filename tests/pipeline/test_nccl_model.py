@@ -7,11 +7,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from colonnade.config.choices import schedule_placement
 from colonnade.pipeline.actions import Action, ScheduleError
 from colonnade.pipeline.executor import forward_only_lists
 from colonnade.pipeline.nccl_model import Group, Op, check_nccl, executor_groups, run_groups
 from colonnade.pipeline.p2p import Message, received_message, recv_message
-from colonnade.pipeline.schedules import build_schedule, placement_of
+from colonnade.pipeline.schedules import build_schedule
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 
@@ -90,7 +91,7 @@ def test_legacy_overlap_posting_is_caught(name: str, vp: int, pp: int) -> None:
     """The pre-fix posting with overlap_p2p hangs on NCCL for every schedule; the model says so."""
     with pytest.raises(ScheduleError, match="NCCL p2p deadlock"):
         run_groups(legacy_groups(build_schedule(name, pp, vp, 2 * pp), overlap=True,
-                                 placement=placement_of(name)))
+                                 placement=schedule_placement(name)))
 
 
 def test_legacy_interleaved_without_overlap_is_caught() -> None:
@@ -125,7 +126,7 @@ def test_case_matrix_covers_every_schedule() -> None:
 def test_executor_posting_is_deadlock_free_under_nccl(name: str, pp: int, vp: int, m: int,
                                                       overlap: bool) -> None:
     lists = build_schedule(name, pp, vp, m)
-    placement = placement_of(name)
+    placement = schedule_placement(name)
     groups = executor_groups(lists, overlap, placement)
     rounds = check_nccl(lists, overlap, placement)
     assert rounds >= max(len(g) for g in groups)  # every group of every rank completed

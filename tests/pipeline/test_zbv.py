@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from colonnade.config.choices import schedule_placement
 from colonnade.models.stages import stage_chunks
 from colonnade.pipeline.actions import Action, Kind, locate, peer_of, virtual_stage
 from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import forward_only_lists
 from colonnade.pipeline.nccl_model import check_nccl, executor_groups
 from colonnade.pipeline.p2p import Message, local_messages, p2p_program
-from colonnade.pipeline.schedules import build_schedule, placement_of
+from colonnade.pipeline.schedules import build_schedule
 from colonnade.pipeline.simulate import replay, simulate
 
 STAGES = range(2, 7)
@@ -118,7 +119,7 @@ def test_v_placement_and_local_turn(pp: int) -> None:
 def test_nccl_model_replays_zbv(pp: int, overlap: bool) -> None:
     for m in (1, pp, pp + 1, 2 * pp + 1):
         lists = build_schedule("zbv", pp, 2, m)
-        rounds = check_nccl(lists, overlap, placement_of("zbv"))
+        rounds = check_nccl(lists, overlap, schedule_placement("zbv"))
         assert rounds >= max(len(g) for g in executor_groups(lists, overlap, "v")), m
 
 
