@@ -51,10 +51,13 @@ gathers, stage 3's per-bucket gathers in forward and backward) and gradient redu
 time, per step.
 
 Memory per rank (no torch.cuda on CPU): ``rss_peak_bytes``, the peak growth of the process's
-resident set from before the build to the end of the timed steps (large tensors are mmapped,
-MALLOC_MMAP_THRESHOLD_, so frees return memory); ``step_rss_peak_bytes``, the peak during the
-timed steps above the resident set before them (transient: activations, gathered parameters,
-gradient buckets); ``state_bytes``, after the last step, the bytes of the distinct storages
+resident set from before the build to the end of the timed steps; ``step_rss_peak_bytes``,
+the peak during the timed steps above the resident set before them (transient: activations,
+gathered parameters, gradient buckets). Every variant runs under
+``colonnade.device.keep_host_pages`` (what Colonnade's CPU trainer sets): freed heap pages stay
+mapped, so the RSS columns count pages first touched, and the transient column reads ~0 once
+a step's peak has been touched in warm-up (benchmarks/memory_meter.py); ``state_bytes``, after
+the last step, the bytes of the distinct storages
 reachable from the framework's objects (parameters or shards, gradients, optimizer moments,
 flat buffers), allocated whether touched or not (DeepSpeed ZeRO-3 preallocates a reduce bucket
 of reduce_bucket_size elements, 5e8 by default = 2 GB fp32, of which the RSS sees only the
@@ -75,25 +78,23 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import inspect
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
+from memory_meter import RssPeak, state_bytes
 from workloads import (
     WORKLOADS,
     Batch,
@@ -155,41 +156,6 @@ class Built:
     """Colonnade's groups (their comm counters), None for peers."""
     is_global: bool = False
     """The step's loss is already the global mean."""
-
-
-class RssPeak:
-    """Samples this process's resident set every millisecond; ``stop`` gives peak - start;
-    ``step_growth`` the peak since :meth:`mark` minus the resident set at the mark."""
-
-    def __init__(self) -> None:
-        self.start = self.peak = self.base = self.since_mark = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            rss = self._rss()
-            self.peak, self.since_mark = max(self.peak, rss), max(self.since_mark, rss)
-
-    def mark(self) -> None:
-        """Start the step window: its growth is measured from the resident set now."""
-        self.base = self.since_mark = self._rss()
-
-    def step_growth(self) -> int:
-        """Peak resident set since :meth:`mark` minus the resident set at the mark."""
-        return max(self.since_mark, self._rss()) - self.base
-
-    def stop(self) -> int:
-        """Stop sampling; returns the peak growth in bytes."""
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, self._rss()) - self.start
 
 
 # ----------------------------------------------------------------------------- variants
@@ -348,38 +314,6 @@ def _build(name: str, w: Workload, micro: int, bucket: int | None) -> Built:
     if name == "baseline":
         return _baseline(w)
     raise ValueError(f"unknown variant {name!r}")
-
-
-def state_bytes(*roots: Any, limit: int = 200_000) -> int:
-    """Bytes of the distinct tensor storages reachable from ``roots`` (this rank's training
-    state: parameters or shards, gradients, optimizer moments, flat buffers), following
-    modules, containers and the attributes of objects (breadth first, at most ``limit``
-    objects; a DTensor counts its local shard). Storages are told apart by data pointer."""
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    todo = list(roots)
-    while todo and len(seen) < limit:
-        obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            if local.device.type != "meta" and local.untyped_storage().nbytes():
-                storage = local.untyped_storage()
-                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0),
-                                                   storage.nbytes())
-            todo += [obj.grad] if obj.is_leaf and obj.grad is not None else []
-        elif isinstance(obj, dict):
-            todo += list(obj.values())
-        elif isinstance(obj, (list, tuple, set)):
-            todo += list(obj)
-        elif isinstance(obj, torch.optim.Optimizer):
-            todo += [obj.state, obj.param_groups]
-        elif isinstance(obj, torch.nn.Module) or (
-                hasattr(obj, "__dict__") and not callable(obj) and not inspect.ismodule(obj)):
-            todo += list(vars(obj).values())
-    return sum(storages.values())
 
 
 def run_variant(name: str, w: Workload, micro: int, warmup: int, steps: int,
