@@ -35,6 +35,7 @@ from colonnade.models.build import build_chunks
 from colonnade.models.recompute import RecomputePlan, install
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.pipeline.p2p import message_shape
 from colonnade.pipeline.plan import StepPlan
 from colonnade.training.step import forward_backward
 
@@ -83,7 +84,8 @@ def measure_rows(tp: int, sp: bool) -> list[dict[str, Any]]:
             config = shape_config(shape, tp, sp, dropout)
             (chunk,) = build_chunks(config, groups, dtype=torch.bfloat16)
             arch, s, b, h, a, kv, _ = shape
-            x = torch.randn(s // tp if sp else s, b, h).to(torch.bfloat16)  # [s(/tp), b, h]
+            shape_x = message_shape((b, s), h, tp, sp)  # [s/tp, b, h] under sp, else [b, s, h]
+            x = torch.randn(shape_x).to(torch.bfloat16)
             act = ActivationShape.from_model(config.model, s, b, tp=tp, sp=sp,
                                              dtype=torch.bfloat16)
             for plan in PLANS:

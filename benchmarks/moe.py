@@ -284,7 +284,8 @@ def run_layer(name: str, shape: Shape, steps: int, check: bool) -> dict[str, Any
     (chunk,) = build_chunks(cfg, groups)
     layer = _moe_layer(chunk)
     gen = torch.Generator().manual_seed(groups.rank)
-    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=gen, requires_grad=True)
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=gen,
+                    requires_grad=True)  # [b, s, h]: the batch-first residual stream (no sp)
     e = layer.experts
     weights = (layer.router.weight, e.gate, e.up, e.down)
     if name == "plain_loop":
@@ -327,7 +328,7 @@ def run_layer(name: str, shape: Shape, steps: int, check: bool) -> dict[str, Any
 def plain_check(layer: Any, shape: Shape) -> float:
     """Max relative error of :func:`plain_moe` against the colonnade layer in float64."""
     layer64 = layer.double()
-    x = torch.randn(shape.seq, shape.batch, shape.hidden, dtype=torch.float64)
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, dtype=torch.float64)  # [b, s, h]
     e = layer64.experts
     want = layer64(x).reshape(-1, shape.hidden)
     got = plain_moe(x.reshape(-1, shape.hidden), layer64.router.weight, e.gate, e.up, e.down,

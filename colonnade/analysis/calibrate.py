@@ -111,18 +111,21 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
 def _middle_chunk(model: ModelConfig, layers: int, micro_batch: int,
                   seq_len: int) -> tuple[Any, Any, Any]:
     """(a pipeline chunk of ``layers`` decoder layers without embedding or head, an input
-    x [s, b, h] that needs a gradient, an output gradient dy [s, b, h])."""
+    x [b, s, h] (the pipeline message of one rank) that needs a gradient, an output gradient
+    dy [b, s, h])."""
     import torch
 
     from colonnade.config.sections import Config
     from colonnade.models.build import make_context
     from colonnade.models.gpt import ModelChunk
     from colonnade.parallel.groups import ProcessGroups
+    from colonnade.pipeline.p2p import message_shape
 
     cfg = Config(model=dataclasses.replace(model, num_layers=layers))
     body = ModelChunk(cfg.model, make_context(cfg, ProcessGroups.single(), dtype=torch.float32),
                       list(range(layers)), first=False, last=False)
-    x = torch.randn(seq_len, micro_batch, model.hidden_size, requires_grad=True)  # [s, b, h]
+    shape = message_shape((micro_batch, seq_len), model.hidden_size, 1, False)  # [b, s, h]
+    x = torch.randn(shape, requires_grad=True)
     return body, x, torch.randn_like(x)
 
 

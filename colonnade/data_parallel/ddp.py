@@ -2,11 +2,18 @@
 bucketed parameter all-gather overlapped with the next forward.
 
 Gradient accumulation: every parameter's gradient lands in its ``main_grad`` view of the flat
-fp32 gradient buffer: directly (fp32 / fp64 models: ``param.grad`` is that view, autograd adds
-in place) or through a post-accumulate-grad hook that adds the bf16 / fp16 ``param.grad`` into
-it and frees it. With a reduction group of one rank and the model in the gradient dtype there
-is nothing for a hook to do: none is registered, and the sync, launch and gather calls return
-at once (a degree-1 data parallelism costs nothing). Nothing is communicated until the step's
+fp32 gradient buffer, which is never zeroed: a step starts with ``param.grad = None``, so
+autograd hands the first micro-batch's fresh gradient over without a copy, and the first
+arrival is *copied* into ``main_grad`` (one read, one write) where a zeroed buffer would take a
+fill and an add (two reads, two writes). Then ``param.grad`` becomes the ``main_grad`` view
+(fp32 / fp64 models: later micro-batches add into the buffer in place), or, for bf16 / fp16
+models, later arrivals are added into it and freed. A post-accumulate-grad hook does this when
+gradients are reduced across ranks or folded from a lower precision; with a reduction group of
+one rank and the model in the gradient dtype no hook is registered: the gradients stay in
+``param.grad`` through the micro-batches and :meth:`DataParallel.finish_grad_sync` copies them
+into the buffer in one foreach call, and the sync, launch and gather calls return at once (a
+degree-1 data parallelism costs nothing). A parameter that got no gradient in the step has its
+``main_grad`` zeroed there. Nothing is communicated until the step's
 last micro-batch: the training step calls the hook returned by
 :meth:`DataParallel.grad_sync_hook` before the backward of micro-batch k, which turns the sync
 on for k = m - 1 only. During that backward, each hook
@@ -160,6 +167,9 @@ class DataParallel:
         "v" pipeline placement, both on stage 0) -> that count: each chunk's backward
         accumulates its own gradient, so the last micro-batch brings that many arrivals."""
         self._arrivals: dict[int, int] = {}
+        self._filled: set[int] = set()
+        """id(parameter) whose main_grad holds this step's gradient (its first arrival was
+        copied in)."""
         self._grad_handles: list[Handle | None] = [None] * len(self.buckets)
         self._gather_handles: list[Handle | None] = [None] * len(self.buckets)
         self._sync = False
@@ -299,23 +309,40 @@ class DataParallel:
         return self.buffers.owned_ranges(self.rank, self.expert_rank)
 
     def zero_grad(self) -> None:
-        """Zero the gradient buffer and forget the previous step's sync state.
+        """Start a step: drop every ``param.grad`` and forget the previous step's sync state.
 
-        When the model dtype equals the main-gradient dtype (fp32, fp64), ``param.grad`` *is*
-        the ``main_grad`` view: autograd then accumulates in place into the flat buffer (no
-        per-micro-batch gradient allocation, no extra add). Otherwise ``param.grad`` (bf16 /
-        fp16) is folded into the fp32 ``main_grad`` by the hook and freed.
+        The flat buffer is not zeroed: each parameter's first gradient of the step is copied
+        over its stale ``main_grad`` (by the hook, or by :meth:`finish_grad_sync` when no hook
+        is registered), and a parameter that gets none is zeroed when the sync finishes.
         """
         if self.grad_shards is not None:
             self.grad_shards.zero_grad()
             return
-        assert self.buffers.grad_data is not None
-        self.buffers.grad_data.zero_()
         for p in self.buffers.params:
-            p.grad = p.main_grad if self.alias else None  # type: ignore[attr-defined]
+            p.grad = None
+        self._filled.clear()
         self.launched_in_backward = 0
         if self.reduces:
             self._reset()
+
+    def _fill_grads(self) -> None:
+        """Before the buffer is read: unhooked, copy every ``param.grad`` into ``main_grad`` in
+        one foreach call and make ``param.grad`` that view; hooked, zero the ``main_grad`` of
+        every parameter that got no gradient this step (its stale values must not count)."""
+        params = self.buffers.params
+        if not self.hooked:
+            got = [p for p in params if p.grad is not None
+                   and p.grad.data_ptr() != p.main_grad.data_ptr()]  # type: ignore[attr-defined]
+            if got:
+                torch._foreach_copy_([p.main_grad for p in got],  # type: ignore[attr-defined]
+                                     [p.grad for p in got])
+            self._filled.update(id(p) for p in got)
+            for p in params:
+                p.grad = p.main_grad  # type: ignore[attr-defined]
+        for p in params:
+            if id(p) not in self._filled:
+                p.main_grad.zero_()  # type: ignore[attr-defined]
+                self._filled.add(id(p))
 
     def _reset(self) -> None:
         for ready in self._ready:
@@ -342,7 +369,11 @@ class DataParallel:
         if grad is None:
             return
         if grad.data_ptr() != main.data_ptr():
-            main.add_(grad)
+            if id(param) in self._filled:
+                main.add_(grad)
+            else:  # the step's first gradient: copied over the stale buffer (never zeroed)
+                main.copy_(grad)
+                self._filled.add(id(param))
             param.grad = main if grad.dtype == main.dtype else None
         if not self._sync or not self.reduces:
             return
@@ -407,13 +438,14 @@ class DataParallel:
 
         Afterwards main_grad holds the dp-averaged gradient: everywhere (DDP) or on this
         rank's owned ranges (ZeRO-1; elsewhere the buffer holds stale local values). One rank:
-        the buffer already is the result, nothing is called.
+        the gradients are only copied into the buffer (no hook), no collective is called.
         """
         if self.grad_shards is not None:
             self.grad_shards.finish()
             if self.param_shards is not None:
                 self.param_shards.end_step()
             return
+        self._fill_grads()
         if not self.reduces:
             return
         for index in range(len(self.buckets)):

@@ -3,7 +3,8 @@
 Norms live in :mod:`colonnade.models.norms`, MLPs in :mod:`colonnade.models.mlps`, the layer
 that combines them by a spec in :mod:`colonnade.models.layer`.
 
-Activations are [s, b, h] (sequence first), [s/tp, b, h] between tp regions under sp.
+Activations are [s, b, h] (sequence first), [s/tp, b, h] between tp regions under sp; without
+sp and cp they are batch-first, [b, s, h] (``ParallelContext.batch_first``).
 Heads are split across tp: a rank holds a/tp query heads and kv/tp key/value heads.
 
 Document boundaries (Megatron's reset_position_ids / reset_attention_mask, :class:`DocReset`):
@@ -165,13 +166,17 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(cfg.num_heads * d, h, ctx, f"{key}.o", bias=cfg.bias,
                                    std=output_std(std, cfg.num_layers))
         self.recompute_core = False
-        self.batch_first = ctx.cp_size == 1 and not ctx.sp
-        """Attention's input and output are [b, s, h] (cp = 1 without sp; the layer transposes
-        around it), else [s(/tp), b, h]. PyTorch's CPU flash kernel runs on [b, s, n, d]
-        memory ~10% faster than on [s, b, n, d] memory (whose s stride is b n d), and its
-        backward takes the output gradient and returns dq, dk, dv without copies only in
-        that layout (issue 19's profile: ~1.5 ms per gpt2-tiny layer, fwd + bwd); sp and cp
-        need the sequence on dim 0, so they keep [s, b, n, d]."""
+
+    @property
+    def batch_first(self) -> bool:
+        """Attention's input and output are [b, s, h] (cp = 1 without sp: the residual stream
+        is batch-first, :attr:`ParallelContext.batch_first`), else [s(/tp), b, h]. PyTorch's
+        CPU flash kernel runs on [b, s, n, d] memory ~10% faster than on [s, b, n, d] memory
+        (whose s stride is b n d), and its backward takes the output gradient and returns
+        dq, dk, dv without copies only in that layout (issue 19's profile: ~1.5 ms per
+        gpt2-tiny layer, fwd + bwd); sp and cp need the sequence on dim 0, so they keep
+        [s, b, n, d]."""
+        return self.ctx.batch_first
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
@@ -319,7 +324,8 @@ def causal_mask(s: int, total: int, device: torch.device) -> torch.Tensor:
 
 def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,
                    training: bool) -> torch.Tensor:
-    """Dropout on [s(/tp), b, h] activations: a slice of the full [s, b, h] mask.
+    """Dropout on [s(/tp), b, h] activations ([b, s, h] when ``ctx.batch_first``): a slice of
+    the full [s, b, h] mask (batch-first: its transpose, so every layout draws one mask).
 
     Without sp every tp rank holds the whole tensor (same slice, same mask); under sp rank r
     holds sequence chunk r and evaluates only those rows of the mask (see
@@ -335,6 +341,10 @@ def _draw_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str) ->
     """:func:`hidden_dropout`'s draw, always eager: inside a compiled layer dynamo calls it
     without tracing it, so the tracker's (step, micro-batch) is read at every call, never
     guarded on (see :mod:`colonnade.models.compile`)."""
+    if ctx.batch_first:
+        b, s, h = x.shape
+        keep = ctx.rng.keep_mask(site, (s, b, h), p, (slice(None),), x.device)  # [s, b, h]
+        return x * keep.transpose(0, 1) * (1.0 / (1.0 - p))  # [b, s, h]
     s_local = x.shape[0]
     if ctx.cp_size > 1:
         return _cp_dropout(x, p, ctx, site)

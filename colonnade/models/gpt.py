@@ -8,7 +8,10 @@ code. Layer modules are keyed by their *global* index, so parameter names
 
 Shapes: tokens [b, s] -> hidden [s, b, h] ([s/tp, b, h] under sp) -> logits [s, b, V'/tp]
 -> per-token loss [s, b] -> summed or mean loss over the valid tokens (scalar; labels equal to
-``IGNORE_INDEX`` are masked out).
+``IGNORE_INDEX`` are masked out). Without sp and cp the residual stream is batch-first instead
+(:attr:`~colonnade.tensor_parallel.context.ParallelContext.batch_first`): hidden [b, s, h],
+logits [b, s, V'/tp], no transpose anywhere; :meth:`ModelChunk.forward` still returns logits
+as an [s, b, V'/tp] view.
 
 Context parallelism (cp > 1): every cp rank receives the FULL micro-batch tokens and labels
 [b, s]; the first chunk embeds only its zigzag rows (:func:`colonnade.context_parallel.layout.
@@ -86,8 +89,17 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """tokens [b, s] -> [s, b, h] or [s/tp, b, h] under sp; ``positions`` [b, s]: position
-        ids (document reset) instead of 0..s-1."""
+        """tokens [b, s] -> [s, b, h] or [s/tp, b, h] under sp ([b, s, h] when
+        ``ctx.batch_first``); ``positions`` [b, s]: position ids (document reset) instead of
+        0..s-1."""
+        if self.ctx.batch_first:
+            x = self.word(tokens)  # [b, s, h]
+            if self.position is not None:
+                s = tokens.shape[1]
+                x = x + (self.position[positions] if positions is not None
+                         else self.position[:s].unsqueeze(0))  # [b, s, h]
+            return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, "embedding.dropout",
+                                  self.training)
         ids = tokens.t()  # [s, b]
         x = self.word(ids)  # [s(/tp), b, h]
         if self.position is not None:
@@ -150,7 +162,8 @@ class ModelChunk(nn.Module):
 
     def run_layers(self, x: torch.Tensor, caches: list[KVCache] | None = None,
                    doc: DocContext | None = None) -> torch.Tensor:
-        """Apply this chunk's layers to x [s(/tp), b, h]; a recompute plan may wrap them."""
+        """Apply this chunk's layers to x [s(/tp), b, h] (or batch-first [b, s, h]); a
+        recompute plan may wrap them."""
         layers = list(self.layers.values())
         if caches is not None:
             for layer, cache in zip(layers, caches, strict=True):
@@ -167,12 +180,14 @@ class ModelChunk(nn.Module):
         return [lambda x, layer=layer: layer(x, rope, None, doc) for layer in self.layers.values()]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and head: x [s(/tp), b, h] -> vocab-split logits [s, b, V'/tp]."""
+        """Final norm and head: x [s(/tp), b, h] -> vocab-split logits [s, b, V'/tp]
+        (batch-first: [b, s, h] -> [b, s, V'/tp])."""
         return self.head(self.final_norm(x))
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
                 reduction: str = "mean", tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h] and, with
+        """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h] ([b, s, h] when
+        ``ctx.batch_first``, as returned) and, with
         ``doc_reset`` on, the micro-batch's ``tokens`` [b, s] (document boundaries).
 
         Returns hidden [s(/tp), b, h] unless this is the last chunk: then, when ``labels``
@@ -189,14 +204,16 @@ class ModelChunk(nn.Module):
         x = self.run_layers(x, doc=doc)
         if not self.last:
             return x
-        logits = self.logits(x)  # [s/cp, b, V'/tp]
+        logits = self.logits(x)  # [s/cp, b, V'/tp] or [b, s, V'/tp]
+        first = self.ctx.batch_first
         if labels is None:
-            return logits
+            return logits.transpose(0, 1) if first else logits  # [s/cp, b, V'/tp]
         labels = local_labels(labels, self.ctx)  # [b, s/cp]
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-        loss = cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size,
-                             self.label_smoothing, reduction="sum")  # [] summed over [s, b]
+        loss = cross_entropy(logits, labels if first else labels.t(), self.ctx.group,
+                             self.cfg.vocab_size, self.label_smoothing,
+                             reduction="sum")  # [] summed over [s, b]
         if reduction == "sum":
             return loss
         return loss / valid_tokens(labels).clamp(min=1)
@@ -232,15 +249,18 @@ class ModelChunk(nn.Module):
                              "build the single-process model (models.build.build_reference)")
         x = self.embedding(tokens) if caches is None else self._embed_cached(tokens, caches)
         x = self.run_layers(x, caches)
-        logits = mp.gather_last(self.logits(x), self.ctx.group)  # [s, b, V']
-        return logits[..., : self.cfg.vocab_size].transpose(0, 1)  # [b, s, V]
+        logits = mp.gather_last(self.logits(x), self.ctx.group)  # [b, s, V'] or [s, b, V']
+        logits = logits[..., : self.cfg.vocab_size]
+        return logits if self.ctx.batch_first else logits.transpose(0, 1)  # [b, s, V]
 
     def _embed_cached(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         assert self.embedding is not None
-        x = self.embedding.word(tokens.t())  # [s, b, h]
+        first = self.ctx.batch_first
+        x = self.embedding.word(tokens if first else tokens.t())  # [b, s, h] or [s, b, h]
         if self.embedding.position is not None:
-            start = caches[0].length
-            x = x + self.embedding.position[start:start + x.shape[0]].unsqueeze(1)
+            start, s = caches[0].length, tokens.shape[1]
+            rows = self.embedding.position[start:start + s]  # [s, h]
+            x = x + (rows.unsqueeze(0) if first else rows.unsqueeze(1))
         return x
 
     def new_caches(self, batch: int, length: int) -> list[KVCache]:

@@ -35,13 +35,10 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h]; ``rope``: cos, sin [S, d/2] or None."""
+        """x [s(/tp), b, h] -> [s(/tp), b, h] ([b, s, h] when ``ctx.batch_first``);
+        ``rope``: cos, sin [S, d/2] or None."""
         p = self.cfg.hidden_dropout
-        if self.attn.batch_first:  # one copy into [b, s, h]; the sum reads a's transpose
-            a = self.attn(self.attn_norm(x.transpose(0, 1).contiguous()), rope, cache,
-                          doc).transpose(0, 1)  # [s, b, h] view of [b, s, h]
-        else:
-            a = self.attn(self.attn_norm(x), rope, cache, doc)  # [s(/tp), b, h]
+        a = self.attn(self.attn_norm(x), rope, cache, doc)  # [s(/tp), b, h] or [b, s, h]
         x = x + hidden_dropout(a, p, self.ctx, self.attn_out_site, self.training)
         m = self.mlp(self.mlp_norm(x))
         return x + hidden_dropout(m, p, self.ctx, self.mlp_out_site, self.training)

@@ -95,7 +95,16 @@ class MoELayer(nn.Module):
         self.dispatcher = make_dispatcher(ctx.moe_dispatcher, ep, cfg.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [s(/tp), b, h] -> [s(/tp), b, h] (module docstring)."""
+        """x [s(/tp), b, h] -> [s(/tp), b, h] (module docstring); batch-first x [b, s, h]
+        (``ctx.batch_first``) is routed in the same [s, b] token order (capacity drops and
+        the per-sequence balance loss see the tokens as every other layout does) and
+        returned as [b, s, h]."""
+        if self.ctx.batch_first:  # one [s, b, h] copy, the only one saved for backward
+            return self._forward(x.transpose(0, 1).contiguous()).transpose(0, 1)  # [b, s, h]
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         s_local, b, h = x.shape
         flat = x.reshape(s_local * b, h)  # [t, h], rows in [s_l, b] order
         routing = self.router(flat)

@@ -114,8 +114,9 @@ class StageProgram:
 
 def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool,
                   cp: int = 1) -> Shape:
-    """Message shape for micro-batch tokens [b, s]: [s/cp/tp, b, h] under sp, else
-    [s/cp, b, h] (a cp rank holds s/cp rows of the sequence)."""
+    """Message shape for micro-batch tokens [b, s]: [s/cp/tp, b, h] under sp, [s/cp, b, h]
+    under cp (a cp rank holds s/cp rows of the sequence), else the batch-first residual
+    stream's [b, s, h] (:attr:`ParallelContext.batch_first`)."""
     b, s = int(tokens_shape[0]), int(tokens_shape[1])
     if s % cp:
         raise ValueError(f"sequence length {s} is not divisible by parallel.cp={cp}")
@@ -123,6 +124,8 @@ def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool,
     if sp and s % tp:
         raise ValueError(f"sequence length {s} is not divisible by parallel.tp={tp} (needed by "
                          "parallel.sp=true)")
+    if not sp and cp == 1:
+        return (b, s, hidden)
     return (s // tp if sp else s, b, hidden)
 
 

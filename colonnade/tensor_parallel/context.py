@@ -91,6 +91,16 @@ class ParallelContext:
         """This rank's index in cp (0 without a cp group)."""
         return self.cp.rank if self.cp is not None else 0
 
+    @property
+    def batch_first(self) -> bool:
+        """The residual stream's layout: [b, s, h] when True (cp = 1 without sp), else
+        [s(/cp)(/tp), b, h]. sp and cp split the sequence, so they need it on dim 0; without
+        them the model runs batch-first throughout, as PyTorch's attention kernels want (see
+        :class:`~colonnade.models.blocks.Attention`), with no transpose anywhere. Pipeline
+        messages, dropout masks (drawn in the [s, b, h] order, so every layout draws the
+        same mask) and mixture-of-experts token order (kept in [s, b] order) follow it."""
+        return self.cp_size == 1 and not self.sp
+
     def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
         """A parameter holding this rank's shard (its coordinates on the axes that split
         parameters: tp today) of its seeded full initial value."""

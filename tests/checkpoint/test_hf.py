@@ -54,6 +54,7 @@ def _parallel_logits(hf_dir: str, tp: int, pp: int) -> torch.Tensor | None:
     from colonnade.models.build import build_chunks
     from colonnade.parallel.dims import ParallelDims
     from colonnade.parallel.groups import ProcessGroups
+    from colonnade.pipeline.p2p import message_shape
     from colonnade.tensor_parallel import mappings as mp
 
     torch.set_num_threads(1)
@@ -66,10 +67,11 @@ def _parallel_logits(hf_dir: str, tp: int, pp: int) -> torch.Tensor | None:
     chunk.eval()
     tokens = _tokens()
     with torch.no_grad():
-        x = tokens if groups.is_first_stage else torch.empty(SEQ, 2, model_cfg.hidden_size)
+        x = tokens if groups.is_first_stage else torch.empty(
+            message_shape(tokens.shape, model_cfg.hidden_size, tp, False))  # [b, s, h]
         if not groups.is_first_stage:
             groups.pp.p2p([], [(x, groups.pp_peer(groups.pp_rank - 1))]).wait()
-        y = chunk(x)  # hidden [s, b, h] or logits [s, b, V'/tp]
+        y = chunk(x)  # hidden [b, s, h] or logits [s, b, V'/tp]
         if not groups.is_last_stage:
             groups.pp.p2p([(y, groups.pp_peer(groups.pp_rank + 1))], []).wait()
             return None

@@ -50,7 +50,7 @@ def test_local_labels() -> None:
 
 
 @pytest.mark.parametrize(("tp", "sp", "cp", "want"), [
-    (1, False, 1, (32, 2, 8)), (1, False, 4, (8, 2, 8)), (2, True, 2, (8, 2, 8)),
+    (1, False, 1, (2, 32, 8)), (1, False, 4, (8, 2, 8)), (2, True, 2, (8, 2, 8)),
     (2, False, 2, (16, 2, 8)),
 ])
 def test_message_shape(tp: int, sp: bool, cp: int, want: tuple[int, int, int]) -> None:
@@ -94,11 +94,14 @@ def test_cp_doc_context(attention: str) -> None:
 
 @pytest.mark.parametrize(("cp", "tp", "sp"), [(2, 1, False), (4, 1, False), (2, 2, True)])
 def test_hidden_dropout_rows(cp: int, tp: int, sp: bool) -> None:
-    """Each rank's mask rows are the single-process mask's rows of its zigzag (sp) shard."""
+    """Each rank's mask rows are the single-process mask's rows of its zigzag (sp) shard (the
+    single process runs batch-first: its [b, s, h] mask is the [s, b, h] one transposed)."""
     s, b, h, p = 16, 2, 4, 0.3
     ones = torch.ones(s, b, h, dtype=torch.float64)
     single = _ctx(1, 0)
-    want = hidden_dropout(ones, p, single, "site", True)  # [s, b, h]
+    assert single.batch_first
+    want = hidden_dropout(ones.transpose(0, 1).contiguous(), p, single, "site",
+                          True).transpose(0, 1)  # [s, b, h]
     seen = torch.zeros(s, dtype=torch.long)
     for rank in range(cp):
         idx = zigzag_index(s, cp, rank)  # [s/cp]

@@ -92,22 +92,27 @@ def test_bad_input_is_named() -> None:
 
 
 def test_one_rank_fp64_has_no_hooks_and_accumulates_in_place() -> None:
-    """One rank, fp64: no hook, nothing launched; grads add into main_grad over 3 passes."""
+    """One rank, fp64: no hook, nothing launched; autograd keeps the first pass's gradient
+    (no copy) and adds the next two into it; the sync copies it over the stale buffer."""
     lin = nn.Linear(4, 3, dtype=torch.float64)
     group = CommGroup("dp_cp", [0], None, CommStats(), 0)
     ddp = DataParallel([lin], group, ParallelConfig(bucket_size=1))
     assert not ddp.hooked
     assert all(not p._post_accumulate_grad_hooks for p in lin.parameters())  # type: ignore
     x = torch.randn(5, 4, dtype=torch.float64)
+    lin.weight.main_grad.fill_(7.0)  # type: ignore[attr-defined]  # a previous step's values
     ddp.zero_grad()
+    assert lin.weight.grad is None
     sync = ddp.grad_sync_hook(3)
+    first = None
     for k in range(3):
         sync(k)
         lin(x).sum().backward()
-        assert lin.weight.grad.data_ptr() == lin.weight.main_grad.data_ptr(), (  # type: ignore
-            "fp64 model: autograd accumulates straight into the flat buffer")
+        first = first or lin.weight.grad.data_ptr()  # type: ignore[union-attr]
+        assert lin.weight.grad.data_ptr() == first, "later passes add in place"  # type: ignore
         assert ddp.launched_in_backward == 0
     ddp.finish_grad_sync()
+    assert lin.weight.grad.data_ptr() == lin.weight.main_grad.data_ptr()  # type: ignore
     want = 3 * torch.ones(5, 3, dtype=torch.float64).t() @ x  # d/dW sum(xW^T+b), 3 passes
     torch.testing.assert_close(lin.weight.main_grad, want)  # type: ignore[attr-defined]
     torch.testing.assert_close(lin.bias.main_grad,  # type: ignore[attr-defined]
@@ -169,3 +174,29 @@ def test_low_precision_grads_fold_into_fp32_main_grad() -> None:
     ddp.finish_grad_sync()
     torch.testing.assert_close(lin.weight.main_grad,  # type: ignore[attr-defined]
                                torch.full((3, 4), 4.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_buffer_is_never_zeroed_yet_stale_gradients_never_count(dtype: torch.dtype) -> None:
+    """The flat buffer keeps the last step's values (no zeroing pass); the step's first
+    gradient is copied over them (fp64: by the sync, no hook; bf16: by the hook), and a
+    parameter without a gradient this step reads zero after the sync, whatever it held."""
+    used, unused = nn.Linear(4, 3, dtype=dtype), nn.Linear(4, 2, dtype=dtype)
+    group = CommGroup("dp_cp", [0], None, CommStats(), 0)
+    ddp = DataParallel([nn.ModuleList([used, unused])], group, ParallelConfig(bucket_size=4))
+    assert ddp.hooked == (dtype == torch.bfloat16)
+    x = torch.ones(5, 4, dtype=dtype)
+    for step in range(2):
+        ddp.zero_grad()
+        assert ddp.buffers.grad_data is not None
+        if step:
+            ddp.buffers.grad_data.fill_(123.0)  # stale values from a previous step
+        for _ in range(2):
+            used(x).sum().backward()
+        ddp.finish_grad_sync()
+        torch.testing.assert_close(used.weight.main_grad,  # type: ignore[attr-defined]
+                                   torch.full((3, 4), 10.0, dtype=ddp.buffers.grad_dtype))
+        torch.testing.assert_close(used.bias.main_grad,  # type: ignore[attr-defined]
+                                   torch.full((3,), 10.0, dtype=ddp.buffers.grad_dtype))
+        for p in unused.parameters():
+            assert torch.count_nonzero(p.main_grad) == 0  # type: ignore[attr-defined]

@@ -1,13 +1,13 @@
-"""Attention's batch-first layout (cp = 1 without sp) against the sequence-first one (float64).
+"""The batch-first residual stream (cp = 1 without sp) against the sequence-first one (float64).
 
-At cp = 1 without sp the layer hands attention norm(x^T) [b, s, h] and adds its transposed
-output (``Attention.batch_first``: PyTorch's CPU flash kernel is faster on [b, s, n, d]
-memory). The maths must not change: for every attention path (fused SDPA, the blockwise
-dropout kernel, selective recompute, document-reset positions and masks, RoPE with GQA and
-learned positions, KV-cache prefill) the same model with ``batch_first`` switched off on every
-layer gives the same loss and gradients, and the same generation logits. The parallel parity
-suites compare the two layouts as well: their single-process reference runs batch-first,
-tp x sp and cp run sequence-first.
+At cp = 1 without sp the whole model runs on [b, s, h] (``ParallelContext.batch_first``:
+PyTorch's CPU flash kernel is faster on [b, s, n, d] memory, and no transpose is then needed
+anywhere). The maths must not change: for every path (fused SDPA, the blockwise dropout kernel
+and hidden dropout, selective recompute, document-reset positions and masks, RoPE with GQA and
+learned positions, KV-cache prefill and decoding) the same model forced sequence-first gives
+the same loss and gradients, and the same generation logits. The parallel parity suites
+compare the two layouts as well: their single-process reference runs batch-first, tp x sp and
+cp run sequence-first.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import dataclasses
 import pytest
 import torch
 
-from colonnade.models.blocks import Attention, DocReset
+from colonnade.models.blocks import DocReset
 from colonnade.models.build import build_reference
 from colonnade.models.gpt import ModelChunk
+from colonnade.tensor_parallel.context import ParallelContext
 from tests.models.test_model import tiny
 
 EOD = 7
@@ -32,9 +33,19 @@ CASES = {
 }
 
 
+class SequenceFirstContext(ParallelContext):
+    """The same context, forced to the sequence-first layout sp and cp use."""
+
+    @property
+    def batch_first(self) -> bool:
+        return False
+
+
 def set_batch_first(model: ModelChunk, on: bool) -> None:
-    for layer in model.layers.values():
-        layer.attn.batch_first = on
+    """Switch the layout of ``model`` (one context object shared by all its modules)."""
+    model.ctx.__class__ = ParallelContext if on else SequenceFirstContext
+    assert all(layer.attn.batch_first == on and layer.ctx is model.ctx
+               for layer in model.layers.values())
 
 
 def loss_and_grads(model: ModelChunk, tokens: torch.Tensor, labels: torch.Tensor
@@ -69,9 +80,11 @@ def test_batch_first_equals_sequence_first(case: str) -> None:
         assert err < 1e-12, f"{case}: {name} differs by {err:.3e}"
 
 
-def test_generation_logits_equal() -> None:
-    """KV-cache prefill then single tokens: the same logits in both layouts."""
-    model = build_reference(tiny("llama"), torch.float64).eval()
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generation_logits_equal(arch: str) -> None:
+    """KV-cache prefill then single tokens: the same logits in both layouts (gpt2: learned
+    positions offset by the cache length)."""
+    model = build_reference(tiny(arch), torch.float64).eval()
     tokens = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(5))
     out = {}
     for on in (True, False):
@@ -86,6 +99,6 @@ def test_generation_logits_equal() -> None:
 def test_layout_rule() -> None:
     """Batch-first exactly when cp = 1 and sp is off (sp and cp need the sequence on dim 0)."""
     model = build_reference(tiny("llama"), torch.float64)
-    ctx, cfg = model.ctx, tiny("llama").model
-    assert Attention(cfg, ctx, "a", 0).batch_first
-    assert not Attention(cfg, dataclasses.replace(ctx, sp=True), "a", 0).batch_first
+    ctx = model.ctx
+    assert ctx.batch_first and all(layer.attn.batch_first for layer in model.layers.values())
+    assert not dataclasses.replace(ctx, sp=True).batch_first

@@ -171,10 +171,13 @@ def launch(pools: RankPools, config: Config) -> list[dict[str, Any]]:
 
 
 def check(results: list[dict[str, Any]], loss_tol: float = EXACT_LOSS, tol: float = TOL,
-          noise: float = NOISE, param_tol: float | None = None) -> None:
+          noise: float = NOISE, param_tol: float | None = None,
+          vector_tol: float | None = None) -> None:
     """Compiled equals eager on every rank (losses to ``loss_tol``, gradients to ``tol``,
-    parameters to ``param_tol``, default ``tol``); the layers ran compiled, sharing one graph."""
+    parameters to ``param_tol``, default ``tol``, and the 1-D ones, norms and biases, to
+    ``vector_tol``, default ``param_tol``); the layers ran compiled, sharing one graph."""
     param_tol = tol if param_tol is None else param_tol
+    vector_tol = param_tol if vector_tol is None else vector_tol
     for res in results:
         eager, compiled, who = res["eager"], res["compiled"], f"rank {res['rank']}"
         assert compiled["compiled"] == compiled["layers"] > 0 and eager["compiled"] == 0, who
@@ -200,7 +203,8 @@ def check(results: list[dict[str, Any]], loss_tol: float = EXACT_LOSS, tol: floa
                 assert diff <= noise, f"{who} {key}: difference {diff:.3e} > {noise:g}"
                 continue
             err = rel_err(params[key], value, floor=FLOOR)
-            assert err <= param_tol, f"{who} {key}: relative error {err:.3e} > {param_tol:g}"
+            bound = vector_tol if value.ndim == 1 else param_tol
+            assert err <= bound, f"{who} {key}: relative error {err:.3e} > {bound:g}"
     losses = [v for res in results for step in res["eager"]["losses"] for v in step]
     if losses:
         assert max(losses) - min(losses) > 1e-3, "every micro-batch gave the same loss"
@@ -236,22 +240,26 @@ def test_dp2_zero1_overlapped_gathers(rank_pools: RankPools) -> None:
         assert res["compiled"]["hooks"] == (2, 0)
 
 
-@pytest.mark.parametrize(("precision", "loss_tol", "tol", "param_tol"),
-                         [("fp32", 1e-5, 1e-5, 1e-5), ("bf16", 5e-3, 5e-2, 0.15)])
+@pytest.mark.parametrize(("precision", "loss_tol", "tol", "param_tol", "vector_tol"),
+                         [("fp32", 1e-5, 1e-5, 1e-5, 1e-5), ("bf16", 5e-3, 5e-2, 0.08, 0.3)])
 def test_single_process_low_precision(rank_pools: RankPools, precision: str, loss_tol: float,
-                                      tol: float, param_tol: float) -> None:
+                                      tol: float, param_tol: float, vector_tol: float) -> None:
     """fp32: inductor's fused reductions differ from eager's by round-off (~1e-7 relative per
     op), grown by 3 Adam steps (measured: losses equal, gradients <= 1.2e-6, parameters
     <= 2e-6). bf16 (fp32 main grads): inductor keeps fused elementwise intermediates in fp32
     where eager rounds each op to bf16 (measured: losses <= 2e-3 apart, gradients <= 3e-2,
-    matrices after 3 steps <= 4e-2, the zero-initialised biases, moved only by lr-sized Adam
-    steps, <= 0.11). The key bias's
+    matrices after 3 steps <= 4e-2). The zero-initialised biases are moved only by lr-sized
+    Adam steps, whose direction is the sign of a gradient: where that gradient is within bf16
+    round-off of zero the two runs step an element in opposite directions, 2 lr apart, against
+    a norm of ~2.5 lr sqrt(n) (measured: <= 0.11 with the sequence-first residual stream,
+    0.22 batch-first, where the rounding falls differently; 1-D parameters are held to 0.3,
+    matrices to 0.08). The key bias's
     round-off gradient is no longer far below Adam's eps here, so each run moves it by up to
     ~lr per step in its own direction: only that bound (2 x 3 steps x lr) holds for it."""
     config = make_config(precision=precision, dropout=0.0)
     (res,) = launch(rank_pools, config)
     check([res], loss_tol, tol, noise=2 * config.training.steps * config.optim.lr,
-          param_tol=param_tol)
+          param_tol=param_tol, vector_tol=vector_tol)
 
 
 def test_build_paths() -> None:

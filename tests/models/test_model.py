@@ -82,8 +82,8 @@ def test_forward_shapes_and_initial_loss(arch: str) -> None:
     logits = model(tokens)  # [s, b, V]
     assert logits.shape == (16, 3, 101) and logits.dtype == torch.float64
     hidden = model.embedding(tokens)
-    assert hidden.shape == (16, 3, 32)  # [s, b, h]
-    assert model.run_layers(hidden).shape == (16, 3, 32)
+    assert hidden.shape == (3, 16, 32)  # [b, s, h]: batch-first without sp and cp
+    assert model.run_layers(hidden).shape == (3, 16, 32)
     full = model.full_logits(tokens)  # [b, s, V]
     torch.testing.assert_close(full, logits.transpose(0, 1))
     loss = model(tokens, labels)

@@ -133,11 +133,22 @@ def plain_moe(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: ModelConfig) -> 
     return out
 
 
+def seq_first(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """``layer`` on x [s, b, h] -> [s, b, h]: through its batch-first [b, s, h] input and
+    output when its context says so (cp = 1 without sp), so every comparison with the plain
+    [s, b]-ordered reference also checks that the batch-first path routes tokens in that
+    order (capacity drops, per-sequence balance)."""
+    if layer.ctx.batch_first:
+        return layer(x.transpose(0, 1).contiguous()).transpose(0, 1)
+    return layer(x)
+
+
 def _grads(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
            params: list[torch.Tensor], g: torch.Tensor) -> list[torch.Tensor]:
-    """[output, dx, d params...] of ``(fn(x) * g).sum()``."""
+    """[output, dx, d params...] of ``(fn(x) * g).sum()`` for x [s, b, h] (an MoE layer is
+    called through :func:`seq_first`)."""
     xs = x.clone().requires_grad_(True)
-    out = fn(xs)
+    out = seq_first(fn, xs) if isinstance(fn, MoELayer) else fn(xs)
     grads = torch.autograd.grad((out * g).sum(), [xs, *params], allow_unused=True)
     return [out.detach(), *[gr if gr is not None else torch.zeros_like(p)
                             for gr, p in zip(grads, [xs, *params], strict=True)]]
@@ -180,12 +191,12 @@ def test_aux_loss_reaches_router_and_stats_are_recorded() -> None:
     layer = _layer(cfg, _ctx(state=state))
     plain = _layer(cfg, _ctx())
     x, g = _input(1, cfg.hidden_size), _input(2, cfg.hidden_size)
-    out = layer(x)
+    out = seq_first(layer, x)
     (out * g).sum().backward()
     routing = plain.router(x.reshape(S * B, -1))
     aux = sum(aux_losses(routing, cfg, plain.ctx, S, B).values())
     assert isinstance(aux, torch.Tensor)
-    ref = plain(x)
+    ref = seq_first(plain, x)
     ((ref * g).sum() + 3.0 * aux).backward()
     assert torch.equal(out.detach(), ref.detach())
     assert layer.router.weight.grad is not None and plain.router.weight.grad is not None

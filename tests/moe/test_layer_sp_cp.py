@@ -29,7 +29,7 @@ from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.sharding import Sharding
-from tests.moe.test_layer import KEY, B, S, _cfg, _ctx, _grads, _input, _layer
+from tests.moe.test_layer import KEY, B, S, _cfg, _ctx, _grads, _input, _layer, seq_first
 
 CAPACITY = 0.75
 
@@ -110,7 +110,7 @@ def test_recompute_reproduces_layer_and_records_once() -> None:
     names = sorted(named_p)
     x, g = _input(1, cfg.hidden_size), _input(2, cfg.hidden_size)
     want = _grads(plain, x, [named_p[n] for n in names], g)
-    got = _grads(lambda xs: tc.checkpoint(ckpt, xs, use_reentrant=False), x,
+    got = _grads(lambda xs: tc.checkpoint(seq_first, ckpt, xs, use_reentrant=False), x,
                  [named_c[n] for n in names], g)
     for name, a, b in zip(["out", "dx", *names], got, want, strict=True):
         assert torch.equal(a, b), name

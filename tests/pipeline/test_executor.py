@@ -47,8 +47,9 @@ def test_split_backward_is_bitwise_the_full_backward(arch: str, first: bool, las
     torch.manual_seed(0)
     chunk = _chunk(arch, first, last)
     tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    x0 = torch.randn(16, 2, 32, dtype=torch.float64)
-    dy = None if last else torch.randn(16, 2, 32, dtype=torch.float64)
+    shape = message_shape((2, 16), 32, 1, False)  # [b, s, h]: batch-first without sp, cp
+    x0 = torch.randn(shape, dtype=torch.float64)
+    dy = None if last else torch.randn(shape, dtype=torch.float64)
 
     def forward() -> tuple[torch.Tensor | None, torch.Tensor]:
         x = None if first else x0.clone().requires_grad_()
@@ -133,7 +134,7 @@ def test_pipe_comm_rejects_a_message_never_posted() -> None:
     with pytest.raises(ValueError, match=r"not divisible by parallel.tp=2"):
         message_shape((2, 15), 32, 2, True)
     assert message_shape((2, 16), 32, 2, True) == (8, 2, 32)
-    assert message_shape((2, 16), 32, 2, False) == (16, 2, 32)
+    assert message_shape((2, 16), 32, 2, False) == (2, 16, 32)  # batch-first without sp, cp
 
 
 @pytest.mark.parametrize(("pp", "vp", "m", "placement"), [
