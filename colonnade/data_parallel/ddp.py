@@ -9,11 +9,12 @@ fill and an add (two reads, two writes). Then ``param.grad`` becomes the ``main_
 (fp32 / fp64 models: later micro-batches add into the buffer in place), or, for bf16 / fp16
 models, later arrivals are added into it and freed. A post-accumulate-grad hook does this when
 gradients are reduced across ranks or folded from a lower precision; with a reduction group of
-one rank and the model in the gradient dtype no hook is registered: the gradients stay in
-``param.grad`` through the micro-batches and :meth:`DataParallel.finish_grad_sync` copies them
-into the buffer in one foreach call, and the sync, launch and gather calls return at once (a
-degree-1 data parallelism costs nothing). A parameter that got no gradient in the step has its
-``main_grad`` zeroed there. Nothing is communicated until the step's
+one rank and the model in the gradient dtype (without ZeRO) no hook is registered and nothing
+is copied either (:attr:`DataParallel.direct_grads`): the gradients stay in autograd's own
+``param.grad`` tensors, which the optimizer reads directly, as ``torch.optim`` does, and the
+sync, launch and gather calls return at once (a degree-1 data parallelism costs nothing). A
+parameter that got no gradient in the step has its ``main_grad`` zeroed at the sync, which
+then becomes its ``param.grad``. Nothing is communicated until the step's
 last micro-batch: the training step calls the hook returned by
 :meth:`DataParallel.grad_sync_hook` before the backward of micro-batch k, which turns the sync
 on for k = m - 1 only. During that backward, each hook
@@ -75,6 +76,7 @@ from colonnade.data_parallel.buffer import (
     Bucket,
     FlatBuffers,
     bucket_users,
+    grad_dtype_for,
     is_expert_param,
     param_key,
 )
@@ -137,6 +139,13 @@ class DataParallel:
         self.expert_group = expert_group
         """Expert-dp: reduces (ZeRO-1: shards) the expert buckets (None: a dense model)."""
         params = chunk_parameters(chunks)
+        self.direct_grads = self.zero == 0 and _one_replica(group, expert_group) and all(
+            grad_dtype_for(p.dtype) == p.dtype for ps in params for p in ps)
+        """Whether the step's gradients stay in autograd's ``param.grad`` tensors: one rank
+        (dp x cp = 1, expert-dp = 1), no ZeRO, the model in the gradient dtype (fp32 / fp64),
+        so nothing needs them in a flat buffer and none is allocated. :meth:`owned_ranges` is
+        then one range per parameter and :meth:`step_grads` gives the tensors the optimizer
+        reads."""
         if expert_group is None and any(is_expert_param(p) for ps in params for p in ps):
             raise ValueError("the model has expert parameters (an 'ep' split) but no expert-dp "
                              "group was given; build the groups with experts=True")
@@ -145,7 +154,8 @@ class DataParallel:
                              "mixture-of-experts models; set parallel.zero_stage to 0 or 1")
         self.buffers = FlatBuffers(params, cfg.bucket_size,
                                    self.group.size if self.sharded else 1, isolate,
-                                   full_grads=self.zero < 2, shard_params=self.zero == 3,
+                                   full_grads=self.zero < 2 and not self.direct_grads,
+                                   shard_params=self.zero == 3,
                                    shard_rank=max(self.group.rank, 0) if self.zero == 3 else None,
                                    expert_shard_count=(expert_group.size if self.sharded
                                                        and expert_group is not None else None))
@@ -175,12 +185,13 @@ class DataParallel:
         self._sync = False
         self.launched_in_backward = 0
         """Buckets whose reduction the last step launched from a hook (overlap evidence)."""
-        self.alias = self.buffers.param_dtype == self.buffers.grad_dtype
+        self.alias = self.buffers.param_dtype == self.buffers.grad_dtype and not self.direct_grads
         """Whether ``param.grad`` is the ``main_grad`` view (autograd adds into the buffer)."""
-        self.hooked = self.reduces or not self.alias
+        self.hooked = self.reduces or not (self.alias or self.direct_grads)
         """Whether post-accumulate hooks are registered (to reduce across ranks or to fold a
         bf16 / fp16 gradient into main_grad); neither is needed for dp x cp = 1 in fp32/fp64
         (and expert-dp = 1)."""
+        assert not (self.direct_grads and self.hooked)
         if self.hooked:
             for p in self.buffers.params:  # hooks live as long as the parameters
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -251,6 +262,8 @@ class DataParallel:
         """Main-gradient views aligned with :meth:`owned_ranges` (ZeRO-2/3: the fp32 shard)."""
         if self.grad_shards is not None:
             return self.grad_shards.owned_grads()
+        if self.direct_grads:  # before the first step: zeros standing in for the gradients
+            return [p.new_zeros(p.numel()) for p in self.buffers.params]
         assert self.buffers.grad_data is not None
         return [self.buffers.grad_data[lo:hi] for lo, hi in self.owned_ranges()]
 
@@ -280,8 +293,9 @@ class DataParallel:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of this rank's data-parallel storage: persistent parameters (param_data, or
-        the ZeRO-3 shard), persistent gradients (grad_data or the shard), the transient
-        gradient peak and the gathered-parameter peak (ZeRO-3)."""
+        the ZeRO-3 shard), persistent gradients (grad_data or the shard; with direct gradients
+        autograd's tensors, held from backward to the next step), the transient gradient peak
+        and the gathered-parameter peak (ZeRO-3)."""
         buf = self.buffers
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -290,6 +304,8 @@ class DataParallel:
         params = nbytes(buf.param_data) if self.param_shards is None else nbytes(buf.shard_data)
         grads = (nbytes(self.grad_shards.shard) if self.grad_shards is not None
                  else nbytes(buf.grad_data))
+        if self.direct_grads:
+            grads = sum(p.numel() * p.element_size() for p in buf.params)
         gathered = (self.param_shards.peak_gathered_bytes
                     if self.param_shards is not None else 0)
         return {"params": params, "grads": grads, "transient_peak": self.peak_transient_bytes,
@@ -304,9 +320,19 @@ class DataParallel:
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """Ranges of the flat buffers whose reduced gradient this rank holds after the sync."""
+        if self.direct_grads:  # one range per parameter: step_grads() aligns with them
+            return [(s.start, s.end) for s in map(self.buffers.slot, self.buffers.params)]
         if not self.sharded:
             return [(0, self.buffers.numel)]
         return self.buffers.owned_ranges(self.rank, self.expert_rank)
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """After the sync, flat views of this step's gradients aligned with
+        :meth:`owned_ranges`: autograd's ``param.grad`` tensors (:attr:`direct_grads`), else
+        the ``main_grad`` ranges (the same tensors every step)."""
+        if not self.direct_grads:
+            return self.owned_grads()
+        return [p.grad.view(-1) for p in self.buffers.params]  # type: ignore[union-attr]
 
     def zero_grad(self) -> None:
         """Start a step: drop every ``param.grad`` and forget the previous step's sync state.
@@ -326,10 +352,17 @@ class DataParallel:
             self._reset()
 
     def _fill_grads(self) -> None:
-        """Before the buffer is read: unhooked, copy every ``param.grad`` into ``main_grad`` in
-        one foreach call and make ``param.grad`` that view; hooked, zero the ``main_grad`` of
-        every parameter that got no gradient this step (its stale values must not count)."""
+        """Before the gradients are read: every parameter without a gradient this step gets
+        its ``main_grad`` zeroed (stale values must not count). Direct gradients: that view
+        becomes its ``param.grad``, the others keep autograd's tensor; unhooked without direct
+        gradients (ZeRO-1 on one rank): every ``param.grad`` is copied into ``main_grad`` in
+        one foreach call and becomes that view."""
         params = self.buffers.params
+        if self.direct_grads:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
         if not self.hooked:
             got = [p for p in params if p.grad is not None
                    and p.grad.data_ptr() != p.main_grad.data_ptr()]  # type: ignore[attr-defined]
@@ -511,6 +544,12 @@ class DataParallel:
             self.finish_param_gather(needed)
 
         return hook
+
+
+def _one_replica(group: CommGroup, expert_group: CommGroup | None) -> bool:
+    """Whether no gradient needs a collective or a rescale: one rank in the reduction group
+    and in the expert-dp group (D = 1, so nothing is scaled either)."""
+    return group.size == 1 and (expert_group is None or expert_group.size == 1)
 
 
 def _no_sync(_k: int) -> None:

@@ -13,9 +13,12 @@ from torch import nn
 
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient a reduction should act on: ``main_grad`` (fp32 buffer) if present."""
-    main = getattr(param, "main_grad", None)
-    return main if main is not None else param.grad
+    """The step's gradient a reduction should act on: ``param.grad`` when it holds one (the
+    ``main_grad`` view of the flat buffer, or on one rank autograd's own tensor), else
+    ``main_grad`` (bf16 / fp16 models fold their gradients into it)."""
+    if param.grad is not None:
+        return param.grad
+    return getattr(param, "main_grad", None)
 
 
 def unique_params(chunks: Iterable[nn.Module]) -> list[nn.Parameter]:

@@ -147,9 +147,21 @@ class DistributedOptimizer:
                     (counted if owns_grad(p, coords) else rest).append(interval)
         self.decayed_intervals = _merge(decayed)
         self.decayed = [self.masters[i][a:b] for i, a, b in self.decayed_intervals]
-        self.counted = [self.grads[i][a:b] for i, a, b in _merge(counted)]
-        self.expert_counted = [self.grads[i][a:b] for i, a, b in _merge(expert)]
-        self.uncounted = [self.grads[i][a:b] for i, a, b in _merge(rest)]
+        self._norm_intervals = (_merge(counted), _merge(expert), _merge(rest))
+        self._grad_views()
+
+    def _grad_views(self) -> None:
+        """The gradient views the norm reads (counted, expert, the rest), cut from ``grads``."""
+        self.counted, self.expert_counted, self.uncounted = (
+            [self.grads[i][a:b] for i, a, b in intervals] for intervals in self._norm_intervals)
+
+    def _take_step_grads(self) -> None:
+        """Direct gradients (``DataParallel.direct_grads``): point every gradient list at this
+        step's ``param.grad`` tensors (autograd makes new ones each step; nothing is copied)."""
+        self.grads[:] = self.ddp.step_grads()  # the list FlatAdamW holds too
+        self._grad_views()
+        for group, intervals in zip(self.adamw.groups, self._group_intervals, strict=True):
+            group.grads[:] = [self.grads[i][a:b] for i, a, b in intervals]
 
     def _decay_groups(self) -> list[AdamWGroup]:
         """The owned ranges split into decayed pieces and the rest (padding included), as
@@ -172,7 +184,9 @@ class DistributedOptimizer:
             return AdamWGroup(views(self.masters), views(self.grads), views(self.exp_avgs),
                               views(self.exp_avg_sqs), decay)
 
-        return [group(self.decayed_intervals, True), group(rest, False)]
+        pairs = [(self.decayed_intervals, True), (rest, False)]
+        self._group_intervals = [iv for iv, _ in pairs if iv]  # FlatAdamW keeps non-empty
+        return [group(iv, decay) for iv, decay in pairs]
 
     @property
     def loss_scale(self) -> float:
@@ -213,6 +227,8 @@ class DistributedOptimizer:
 
     def step(self) -> dict[str, float]:
         """One update (or a skipped one); returns grad_norm, lr, loss_scale, skipped."""
+        if self.ddp.direct_grads:
+            self._take_step_grads()
         norm, found_inf = self.grad_norm()
         lr = lr_at(self.step_count, self.total_steps, self.cfg)
         scale = self.loss_scale

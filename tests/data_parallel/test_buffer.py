@@ -13,6 +13,7 @@ from torch import nn
 
 from colonnade.config.sections import ParallelConfig
 from colonnade.data_parallel import ALIGN, DataParallel, FlatBuffers
+from colonnade.models.params import grad_of
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.tensor_parallel.sharding import Sharding
@@ -92,15 +93,17 @@ def test_bad_input_is_named() -> None:
 
 
 def test_one_rank_fp64_has_no_hooks_and_accumulates_in_place() -> None:
-    """One rank, fp64: no hook, nothing launched; autograd keeps the first pass's gradient
-    (no copy) and adds the next two into it; the sync copies it over the stale buffer."""
+    """One rank, fp64: no hook, nothing launched, nothing copied; autograd keeps the first
+    pass's gradient and adds the next two into it, and the optimizer reads that tensor
+    (``step_grads``, one range per parameter); no flat gradient buffer exists at all."""
     lin = nn.Linear(4, 3, dtype=torch.float64)
     group = CommGroup("dp_cp", [0], None, CommStats(), 0)
     ddp = DataParallel([lin], group, ParallelConfig(bucket_size=1))
-    assert not ddp.hooked
+    assert not ddp.hooked and ddp.direct_grads and ddp.buffers.grad_data is None
+    assert not hasattr(lin.weight, "main_grad")
+    assert ddp.memory_bytes()["grads"] == 15 * 8  # autograd's fp64 gradients, 12 + 3
     assert all(not p._post_accumulate_grad_hooks for p in lin.parameters())  # type: ignore
     x = torch.randn(5, 4, dtype=torch.float64)
-    lin.weight.main_grad.fill_(7.0)  # type: ignore[attr-defined]  # a previous step's values
     ddp.zero_grad()
     assert lin.weight.grad is None
     sync = ddp.grad_sync_hook(3)
@@ -112,11 +115,14 @@ def test_one_rank_fp64_has_no_hooks_and_accumulates_in_place() -> None:
         assert lin.weight.grad.data_ptr() == first, "later passes add in place"  # type: ignore
         assert ddp.launched_in_backward == 0
     ddp.finish_grad_sync()
-    assert lin.weight.grad.data_ptr() == lin.weight.main_grad.data_ptr()  # type: ignore
+    assert lin.weight.grad.data_ptr() == first, "the optimizer reads autograd's tensor"  # type: ignore
     want = 3 * torch.ones(5, 3, dtype=torch.float64).t() @ x  # d/dW sum(xW^T+b), 3 passes
-    torch.testing.assert_close(lin.weight.main_grad, want)  # type: ignore[attr-defined]
-    torch.testing.assert_close(lin.bias.main_grad,  # type: ignore[attr-defined]
-                               torch.full((3,), 15.0, dtype=torch.float64))
+    torch.testing.assert_close(lin.weight.grad, want)
+    torch.testing.assert_close(lin.bias.grad, torch.full((3,), 15.0, dtype=torch.float64))
+    ranges, grads = ddp.owned_ranges(), ddp.step_grads()
+    assert [hi - lo for lo, hi in ranges] == [12, 3]
+    assert [g.data_ptr() for g in grads] == [lin.weight.grad.data_ptr(),
+                                             lin.bias.grad.data_ptr()]  # type: ignore[union-attr]
     assert group.stats.snapshot() == {}, "no collective was entered"
 
 
@@ -176,27 +182,34 @@ def test_low_precision_grads_fold_into_fp32_main_grad() -> None:
                                torch.full((3, 4), 4.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_buffer_is_never_zeroed_yet_stale_gradients_never_count(dtype: torch.dtype) -> None:
-    """The flat buffer keeps the last step's values (no zeroing pass); the step's first
-    gradient is copied over them (fp64: by the sync, no hook; bf16: by the hook), and a
-    parameter without a gradient this step reads zero after the sync, whatever it held."""
+@pytest.mark.parametrize(("dtype", "zero"), [(torch.float64, False), (torch.float64, True),
+                                             (torch.bfloat16, False)])
+def test_buffer_is_never_zeroed_yet_stale_gradients_never_count(dtype: torch.dtype,
+                                                                 zero: bool) -> None:
+    """The flat buffer keeps the last step's values (no zeroing pass). The step's gradient
+    (``grad_of``) is autograd's own tensor (fp64, direct gradients), or copied over the stale
+    values (fp64 ZeRO-1 on one rank: by the sync, no hook; bf16: by the hook); a parameter
+    without a gradient this step reads zero after the sync, whatever its buffer held (direct
+    gradients: no buffer, a zero tensor)."""
     used, unused = nn.Linear(4, 3, dtype=dtype), nn.Linear(4, 2, dtype=dtype)
     group = CommGroup("dp_cp", [0], None, CommStats(), 0)
-    ddp = DataParallel([nn.ModuleList([used, unused])], group, ParallelConfig(bucket_size=4))
+    ddp = DataParallel([nn.ModuleList([used, unused])], group,
+                       ParallelConfig(bucket_size=4, use_distributed_optimizer=zero))
     assert ddp.hooked == (dtype == torch.bfloat16)
+    assert ddp.direct_grads == (dtype == torch.float64 and not zero)
     x = torch.ones(5, 4, dtype=dtype)
     for step in range(2):
         ddp.zero_grad()
-        assert ddp.buffers.grad_data is not None
-        if step:
+        assert (ddp.buffers.grad_data is None) == ddp.direct_grads
+        if step and ddp.buffers.grad_data is not None:
             ddp.buffers.grad_data.fill_(123.0)  # stale values from a previous step
         for _ in range(2):
             used(x).sum().backward()
         ddp.finish_grad_sync()
-        torch.testing.assert_close(used.weight.main_grad,  # type: ignore[attr-defined]
+        torch.testing.assert_close(grad_of(used.weight),
                                    torch.full((3, 4), 10.0, dtype=ddp.buffers.grad_dtype))
-        torch.testing.assert_close(used.bias.main_grad,  # type: ignore[attr-defined]
+        torch.testing.assert_close(grad_of(used.bias),
                                    torch.full((3,), 10.0, dtype=ddp.buffers.grad_dtype))
         for p in unused.parameters():
-            assert torch.count_nonzero(p.main_grad) == 0  # type: ignore[attr-defined]
+            got = grad_of(p)
+            assert got is not None and torch.count_nonzero(got) == 0

@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 
 import pytest
-import torch
 
 from colonnade.data_parallel import ALIGN, DataParallel
 from colonnade.models.build import build_reference
@@ -83,4 +82,6 @@ def test_fp32_model_keeps_no_master_copy() -> None:
     ddp = DataParallel([model], group, config.parallel)
     opt = DistributedOptimizer(ddp, config.optim, ProcessGroups.single(), 3, "fp32")
     assert opt.state_bytes() == 8 * params
-    assert ddp.buffers.grad_data.dtype == torch.float32
+    # one rank: autograd's fp32 gradients are read directly, no flat gradient buffer exists
+    assert ddp.direct_grads and ddp.buffers.grad_data is None
+    assert ddp.memory_bytes()["grads"] == 4 * params

@@ -32,7 +32,7 @@ from colonnade.cli import main
 from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.config.validate import cxx_compiler, problems, validate
-from colonnade.data_parallel import build_data_parallel
+from colonnade.data_parallel import DataParallel, build_data_parallel
 from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.models.compile import compiled_layers, is_compiled
 from colonnade.models.layer import TransformerLayer
@@ -117,6 +117,11 @@ def _hooks(chunks: list[Any]) -> tuple[int, int]:
             sum(len(m._forward_pre_hooks) for m in inner))
 
 
+def _step_grads(ddp: DataParallel) -> torch.Tensor:
+    """This rank's reduced gradients of the step, flattened (a copy)."""
+    return torch.cat([g.reshape(-1) for g in ddp.step_grads()])
+
+
 def _train(config: Config, batches: list[list[Batch]], groups: ProcessGroups) -> dict[str, Any]:
     """Train ``config`` on this rank: per-step losses, reduced gradients, final parameters,
     the comm counters (calls and bytes per group and operation), the pre-forward hooks."""
@@ -131,7 +136,7 @@ def _train(config: Config, batches: list[list[Batch]], groups: ProcessGroups) ->
     for step, all_batches in enumerate(batches):
         got, _ = train_step(chunks, ddp, opt, groups, config, step,
                             all_batches[r * m:(r + 1) * m],
-                            before_optim=lambda: grads.append(ddp.buffers.grad_data.clone()))
+                            before_optim=lambda: grads.append(_step_grads(ddp)))
         losses.append(got)
     ddp.finish_param_gather()
     nodes: set[str] = set()
