@@ -13,8 +13,9 @@ one rank and the model in the gradient dtype (without ZeRO) no hook is registere
 is copied either (:attr:`DataParallel.direct_grads`): the gradients stay in autograd's own
 ``param.grad`` tensors, which the optimizer reads directly, as ``torch.optim`` does, and the
 sync, launch and gather calls return at once (a degree-1 data parallelism costs nothing). A
-parameter that got no gradient in the step has its ``main_grad`` zeroed at the sync, which
-then becomes its ``param.grad``. Nothing is communicated until the step's
+parameter that got no gradient in the step reads zero after the sync (its stale ``main_grad``
+is zeroed; with direct gradients it is given a zero tensor). Nothing is communicated until the
+step's
 last micro-batch: the training step calls the hook returned by
 :meth:`DataParallel.grad_sync_hook` before the backward of micro-batch k, which turns the sync
 on for k = m - 1 only. During that backward, each hook
@@ -338,8 +339,9 @@ class DataParallel:
         """Start a step: drop every ``param.grad`` and forget the previous step's sync state.
 
         The flat buffer is not zeroed: each parameter's first gradient of the step is copied
-        over its stale ``main_grad`` (by the hook, or by :meth:`finish_grad_sync` when no hook
-        is registered), and a parameter that gets none is zeroed when the sync finishes.
+        over its stale ``main_grad`` (by the hook, or by :meth:`finish_grad_sync` for ZeRO-1 on
+        one rank; with :attr:`direct_grads` nothing is copied), and a parameter that gets none
+        reads zero once the sync finishes.
         """
         if self.grad_shards is not None:
             self.grad_shards.zero_grad()
@@ -471,7 +473,8 @@ class DataParallel:
 
         Afterwards main_grad holds the dp-averaged gradient: everywhere (DDP) or on this
         rank's owned ranges (ZeRO-1; elsewhere the buffer holds stale local values). One rank:
-        the gradients are only copied into the buffer (no hook), no collective is called.
+        no collective is called; direct gradients stay where autograd put them (parameters
+        without one get zeros), ZeRO-1 copies them into the buffer.
         """
         if self.grad_shards is not None:
             self.grad_shards.finish()
