@@ -95,13 +95,17 @@ class Embedding(nn.Module):
         if self.ctx.batch_first:
             x = self.word(tokens)  # [b, s, h]
             if self.position is not None:
-                s = tokens.shape[1]
                 x = x + (self.position[positions] if positions is not None
-                         else self.position[:s].unsqueeze(0))  # [b, s, h]
-            return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, "embedding.dropout",
-                                  self.training)
-        ids = tokens.t()  # [s, b]
-        x = self.word(ids)  # [s(/tp), b, h]
+                         else self.position[:tokens.shape[1]].unsqueeze(0))  # [b, s, h]
+        else:
+            x = self._seq_first(tokens, positions)  # [s(/tp), b, h]
+        return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, "embedding.dropout",
+                              self.training)
+
+    def _seq_first(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Word (+ learned position) embedding of tokens [b, s] as [s, b, h], or this sp
+        rank's rows [s/tp, b, h]."""
+        x = self.word(tokens.t())  # [s(/tp), b, h]
         if self.position is not None:
             s_local = x.shape[0]
             start = self.ctx.tp_rank * s_local if self.ctx.sp else 0
@@ -110,8 +114,7 @@ class Embedding(nn.Module):
                 x = x + self.position[pos]  # [s(/tp), b, h]
             else:
                 x = x + self.position[start:start + s_local].unsqueeze(1)  # [s(/tp), b, h]
-        return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, "embedding.dropout",
-                              self.training)
+        return x
 
 
 class ModelChunk(nn.Module):

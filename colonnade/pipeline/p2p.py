@@ -55,6 +55,7 @@ import torch.distributed as dist
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, locate, virtual_stage
 from colonnade.pipeline.simulate import replay
+from colonnade.tensor_parallel.context import is_batch_first
 
 Shape = tuple[int, ...]
 
@@ -124,7 +125,7 @@ def message_shape(tokens_shape: Sequence[int], hidden: int, tp: int, sp: bool,
     if sp and s % tp:
         raise ValueError(f"sequence length {s} is not divisible by parallel.tp={tp} (needed by "
                          "parallel.sp=true)")
-    if not sp and cp == 1:
+    if is_batch_first(sp, cp):
         return (b, s, hidden)
     return (s // tp if sp else s, b, hidden)
 

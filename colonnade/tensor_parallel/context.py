@@ -13,6 +13,13 @@ from colonnade.parallel.rng import RNGTracker
 from colonnade.tensor_parallel.sharding import Sharding, make_param, tp_coords
 
 
+def is_batch_first(sp: bool, cp: int) -> bool:
+    """The one rule for the residual stream's layout: [b, s, h] when neither sp nor cp splits
+    the sequence (they need it on dim 0: [s(/cp)(/tp), b, h]); see
+    :attr:`ParallelContext.batch_first`."""
+    return cp == 1 and not sp
+
+
 @dataclass
 class ParallelContext:
     """What every model layer needs to know about its surroundings: the groups of the axes it
@@ -99,7 +106,7 @@ class ParallelContext:
         :class:`~colonnade.models.blocks.Attention`), with no transpose anywhere. Pipeline
         messages, dropout masks (drawn in the [s, b, h] order, so every layout draws the
         same mask) and mixture-of-experts token order (kept in [s, b] order) follow it."""
-        return self.cp_size == 1 and not self.sp
+        return is_batch_first(self.sp, self.cp_size)
 
     def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
         """A parameter holding this rank's shard (its coordinates on the axes that split
