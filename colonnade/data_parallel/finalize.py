@@ -71,8 +71,12 @@ def _reduce_shards(ddp: DataParallel, groups: ProcessGroups, tied: bool) -> None
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], reduce: object, name: str) -> None:
-    """Fuse ``grads`` into one buffer, all-reduce it, scatter the result back."""
+    """Fuse ``grads`` into one buffer, all-reduce it, scatter the result back (one contiguous
+    gradient, e.g. the tied embedding's on a stage, is reduced in place: no copies)."""
     if not grads:
+        return
+    if len(grads) == 1 and grads[0].is_contiguous():
+        reduce(grads[0], name=name)  # type: ignore[operator]
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     reduce(flat, name=name)  # type: ignore[operator]

@@ -66,6 +66,13 @@ def _merge(intervals: list[Interval]) -> list[Interval]:
     return out
 
 
+def _cut(flats: list[torch.Tensor], intervals: list[Interval]) -> list[torch.Tensor]:
+    """The views ``flats[i][a:b]`` of ``intervals``; a whole tensor is taken as it is (no view
+    op: direct gradients re-cut every parameter's gradient each step)."""
+    return [flats[i] if a == 0 and b == flats[i].numel() else flats[i][a:b]
+            for i, a, b in intervals]
+
+
 def make_scaler(precision: str, cfg: OptimConfig) -> LossScaler:
     """Dynamic scaler for fp16, constant 1 otherwise."""
     if precision == "fp16":
@@ -153,7 +160,7 @@ class DistributedOptimizer:
     def _grad_views(self) -> None:
         """The gradient views the norm reads (counted, expert, the rest), cut from ``grads``."""
         self.counted, self.expert_counted, self.uncounted = (
-            [self.grads[i][a:b] for i, a, b in intervals] for intervals in self._norm_intervals)
+            _cut(self.grads, intervals) for intervals in self._norm_intervals)
 
     def _take_step_grads(self) -> None:
         """Direct gradients (``DataParallel.direct_grads``): point every gradient list at this
@@ -161,7 +168,7 @@ class DistributedOptimizer:
         self.grads[:] = self.ddp.step_grads()  # the list FlatAdamW holds too
         self._grad_views()
         for group, intervals in zip(self.adamw.groups, self._group_intervals, strict=True):
-            group.grads[:] = [self.grads[i][a:b] for i, a, b in intervals]
+            group.grads[:] = _cut(self.grads, intervals)
 
     def _decay_groups(self) -> list[AdamWGroup]:
         """The owned ranges split into decayed pieces and the rest (padding included), as
@@ -200,8 +207,8 @@ class DistributedOptimizer:
     def _sum_sq(self, views: list[torch.Tensor]) -> torch.Tensor:
         if not views:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        norms = torch._foreach_norm(views)
-        return torch.stack([n.to(torch.float64) for n in norms]).pow(2).sum()
+        norms = torch.stack(torch._foreach_norm(views))  # [len(views)]: one norm per view
+        return norms.to(torch.float64).pow(2).sum()
 
     def grad_norm(self) -> tuple[float, bool]:
         """(global L2 norm of the unscaled gradients, whether any rank saw inf/NaN).

@@ -39,6 +39,7 @@ from colonnade.training.step import (
     install_doc_reset,
     mean_loss,
     set_train_mode,
+    start_mean_loss,
 )
 
 
@@ -70,6 +71,7 @@ class Trainer:
                         grad_sync=self.ddp.grad_sync_hook(len(batches)),
                         options=self.executor_options())
         losses = forward_backward(self.chunks, batches, plan)
+        loss = start_mean_loss(losses, self.groups, self.rt.device, batches)  # done by the end
         self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, tied_across_stages(
                                self.config.model.tie_embeddings, self.config.parallel.schedule),
@@ -79,7 +81,7 @@ class Trainer:
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        return {"loss": mean_loss(losses, self.groups, self.rt.device, batches), **info, **moe}
+        return {"loss": loss(), **info, **moe}
 
     def executor_options(self) -> ExecOptions:
         """Pipeline executor switches taken from the config."""

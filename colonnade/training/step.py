@@ -10,6 +10,7 @@ valid tokens) are the same token-weighted mean on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,19 +54,40 @@ def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
     that would stop the run); without, every micro-batch weighs the same. Under cp a rank's
     losses are means over its rows of the labels (:func:`~colonnade.models.gpt.local_labels`)
     and weigh by their valid count, so the world reduction still gives the global mean."""
+    return start_mean_loss(losses, groups, device, batches)()
+
+
+def start_mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
+                    batches: list[Batch] | None = None) -> Callable[[], float]:
+    """:func:`mean_loss` in two halves: this call starts the world all-reduce of (sum of
+    weighted means, sum of weights) asynchronously; the returned function waits for it and
+    divides. A training step starts it right after the pipeline and reads it after the update,
+    so the reduction completes while the gradient sync and the optimizer run instead of adding
+    one more synchronisation to the end of every step. Every rank must call the returned
+    function (in the order its other collectives were entered)."""
     weights = [1.0] * len(losses)
     if batches is not None and losses:  # one device-to-host copy
         weights = torch.stack([valid_tokens(local_labels(lab, groups))
                                for _, lab in batches]).double().tolist()
     total, count = sum(w * v for w, v in zip(weights, losses, strict=True)), sum(weights)
-    if groups.world.size > 1:  # one rank: the same float64 division, no tensor, no collective
-        t = torch.tensor([total, count], dtype=torch.float64, device=device)
-        groups.world.all_reduce(t, name="log_loss")
-        total, count = t.tolist()
-    if count > 0:
-        return total / count
+    empty = 0.0 if batches is not None else float("nan")
     # every label of the global batch masked: nothing is trained on (zero gradients), loss 0
-    return 0.0 if batches is not None else float("nan")
+
+    def divide(total: float, count: float) -> float:
+        return total / count if count > 0 else empty
+
+    if groups.world.size == 1:  # one rank: the same float64 division, no tensor, no collective
+        return lambda: divide(total, count)
+    t = torch.tensor([total, count], dtype=torch.float64, device=device)
+    handle = groups.world.all_reduce(t, name="log_loss", async_op=True)
+    assert handle is not None
+
+    def finish() -> float:
+        handle.wait()
+        reduced_total, reduced_count = t.tolist()
+        return divide(reduced_total, reduced_count)
+
+    return finish
 
 
 def install_doc_reset(chunks: list[ModelChunk], data: DataConfig, tokenizer: Path) -> None:
