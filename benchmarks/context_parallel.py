@@ -77,6 +77,7 @@ from context_parallel_peer import (
     contiguous_local,
     probe_torch_cp,
 )
+from ratios import ratio_stats
 from workloads import Workload, batches, colonnade_config, first_loss_check
 
 from colonnade.context_parallel.layout import take_local
@@ -299,15 +300,6 @@ def round_medians(results: list[dict[str, Any]], world: int, key: str = "times")
             values += r[key] if isinstance(r[key], list) else [r[key]]
         out.append(statistics.median(values))
     return out
-
-
-def ratio_stats(num: list[float], den: list[float]) -> dict[str, float]:
-    """Median and quartiles over rounds of num[i] / den[i] (same round: drift cancels)."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    if len(ratios) < 2:
-        return {"ratio": ratios[0], "ratio_q1": ratios[0], "ratio_q3": ratios[0]}
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return {"ratio": med, "ratio_q1": q1, "ratio_q3": q3}
 
 
 def summarize_attention(runs: dict[tuple[int, str, int], list[dict[str, Any]]]

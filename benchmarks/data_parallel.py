@@ -95,6 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from memory_meter import RssPeak, state_bytes
+from ratios import quartiles
 from workloads import (
     WORKLOADS,
     Batch,
@@ -400,14 +401,6 @@ def _round_medians(results: list[dict[str, Any]], key: str = "times") -> list[fl
         else:
             out.append(statistics.median(t for r in ranks for t in r["times"]))
     return out
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """(q1, median, q3); all three the median for fewer than two values."""
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, med, q3
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, Any]:

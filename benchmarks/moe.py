@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ratios import ratio_stats
 from workloads import Workload, batches, colonnade_config
 
 from colonnade.analysis.moe import (
@@ -377,15 +378,6 @@ def round_medians(results: list[dict[str, Any]], world: int) -> list[float]:
     """Per round (``world`` consecutive rank results): the median of its ranks' times."""
     return [statistics.median([t for r in results[i:i + world] for t in r["times"]])
             for i in range(0, len(results), world)]
-
-
-def ratio_stats(num: list[float], den: list[float]) -> dict[str, float]:
-    """Median and quartiles over rounds of num[i] / den[i] (same round: drift cancels)."""
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    if len(ratios) < 2:
-        return {"ratio": ratios[0], "ratio_q1": ratios[0], "ratio_q3": ratios[0]}
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return {"ratio": med, "ratio_q1": q1, "ratio_q3": q3}
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], worlds: dict[str, int], base: str

@@ -131,10 +131,12 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
     keyed: list[tuple[int, str]] = []
     for r in rows:
         cpu = f"{r['ratio_cpu']:.2f}" if r.get("ratio_cpu") is not None else "-"
+        iqr = (f" [{r['ratio_q1']:.2f}, {r['ratio_q3']:.2f}]"
+               if r.get("ratio_q1") is not None else "")
         issue = f"{r['issue_ratio']:.2f}" if r.get("issue_ratio") is not None else "-"
         keyed.append((issue_key(r["layout"]),
                       f"| {r['layout']} | {r['colonnade']:.0f} | {r['peer']} "
-                      f"{r['peer_tokens_per_s']:.0f} | {r['ratio']:.2f} | {cpu} | {issue} |"))
+                      f"{r['peer_tokens_per_s']:.0f} | {r['ratio']:.2f}{iqr} | {cpu} | {issue} |"))
     seen = {k for k, _ in keyed}
     keyed += [(i, f"| {layout} | not run | - | - | - | "
                   f"{f'{ratio:.2f}' if workload == ISSUE_WORKLOAD else '-'} |")
@@ -142,8 +144,8 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
               if i not in seen and ratio is not None]
     keyed.sort(key=lambda kl: kl[0])  # stable: a benchmark's own order within a layout
     head = [f"Workload `{workload}`: tokens/s, medians; ratio = median per-round "
-            "Colonnade / fastest peer.", "",
-            "| layout | Colonnade | fastest peer | ratio | ratio by CPU time | issue 19 |",
+            "Colonnade / fastest peer [quartiles over rounds].", "",
+            "| layout | Colonnade | fastest peer | ratio [q1, q3] | ratio by CPU time | issue 19 |",
             "|---|---|---|---|---|---|"]
     return "\n".join(head + [line for _, line in keyed] + zero_notes(rows)) + "\n"
 

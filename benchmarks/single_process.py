@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+from ratios import quartiles
 from workloads import (
     WORKLOADS,
     Batch,
@@ -148,14 +149,6 @@ def alternate(sides: dict[str, StepFn], data: list[list[Batch]], pairs: int, war
             wall2, cpu2 = clocks()
             times[name].append((wall2 - wall, cpu2 - cpu))
     return times
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """(q1, median, q3) of ``values`` (q1 = q3 = median for fewer than two values)."""
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, med, q3
 
 
 def summarize(times: dict[str, list[tuple[float, float]]], tokens: int) -> dict[str, Any]:

@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
+from ratios import ratio_stats
 from tensor_parallel import CollectiveBytes
 from torch import nn
 from workloads import (
@@ -366,10 +367,8 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
         rows.append({
             "layout": layout, "colonnade": a["tokens_per_s"], "peer": f"DTensor ({best})",
             "peer_tokens_per_s": b["tokens_per_s"],
-            "ratio": statistics.median(p / c for p, c in zip(b["step_s_all"], a["step_s_all"],
-                                                             strict=True)),
-            "ratio_cpu": statistics.median(p / c for p, c in zip(b["cpu_s_all"], a["cpu_s_all"],
-                                                                 strict=True)),
+            **ratio_stats(b["step_s_all"], a["step_s_all"]),
+            "ratio_cpu": ratio_stats(b["cpu_s_all"], a["cpu_s_all"])["ratio"],
         })
     return {"workload": asdict(w), "tp": TP, "tokens_per_step": tokens, "rows": rows,
             "variants": variants,

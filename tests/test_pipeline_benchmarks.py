@@ -123,6 +123,9 @@ def test_peer_table_places_zbv_after_zb_h1() -> None:
     lines = pt.markdown([row], "gpt2-tiny").splitlines()
     assert lines[-1] == "| pp2 ZB-V | 1817 | torch ZBV 2078 | 0.92 | 1.00 | - |"
     assert lines[-2] == "| pp2 ZB-H1 | not run | - | - | - | 0.98 |"
+    spread = {**row, "ratio_q1": 0.9, "ratio_q3": 0.951}  # benchmarks/ratios.ratio_stats's keys
+    assert pt.markdown([spread], "gpt2-tiny").splitlines()[-1] == (
+        "| pp2 ZB-V | 1817 | torch ZBV 2078 | 0.92 [0.90, 0.95] | 1.00 | - |")
     assert not any(line.startswith("| pp2 ZB-V") for line in pt.markdown([], "gpt2-tiny")
                    .splitlines())
 
