@@ -153,7 +153,7 @@ class DistributedOptimizer:
                 else:
                     (counted if owns_grad(p, coords) else rest).append(interval)
         self.decayed_intervals = _merge(decayed)
-        self.decayed = [self.masters[i][a:b] for i, a, b in self.decayed_intervals]
+        self.decayed = _cut(self.masters, self.decayed_intervals)
         self._norm_intervals = (_merge(counted), _merge(expert), _merge(rest))
         self._grad_views()
 
@@ -185,11 +185,8 @@ class DistributedOptimizer:
                 rest.append((i, cut, hi - lo))
 
         def group(intervals: list[Interval], decay: bool) -> AdamWGroup:
-            def views(lists: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [lists[i][a:b] for i, a, b in intervals]
-
-            return AdamWGroup(views(self.masters), views(self.grads), views(self.exp_avgs),
-                              views(self.exp_avg_sqs), decay)
+            return AdamWGroup(*(_cut(flats, intervals) for flats in (
+                self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs)), decay)
 
         pairs = [(self.decayed_intervals, True), (rest, False)]
         self._group_intervals = [iv for iv, _ in pairs if iv]  # FlatAdamW keeps non-empty
