@@ -155,9 +155,14 @@ def _grads(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
 
 
 def _check(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str]) -> None:
+    """||a - b|| <= 1e-12 ||b|| + 1e-15 for every output and gradient. The absolute term is
+    for gradients that are zero in exact arithmetic: under top-1 routing with normalized
+    weights the gate is p / p = 1, so the router's gradient is rounding noise of ~1e-18 on
+    both sides, whose relative difference depends on the summation order of the machine's
+    kernels (it is O(1) on some CPUs)."""
     for name, a, b in zip(["out", "dx", *names], got, want, strict=True):
-        err = float((a - b).norm() / max(float(b.norm()), 1e-30))
-        assert err <= 1e-12, f"{name}: rel err {err}"
+        diff, ref = float((a - b).norm()), float(b.norm())
+        assert diff <= 1e-12 * ref + 1e-15, f"{name}: |a - b| {diff} against |b| {ref}"
 
 
 CASES = [("llama", {}), ("llama", {"shared": True, "capacity": 1.0}),
