@@ -1,10 +1,11 @@
 """Ctrl-C and SIGTERM (preemption) stop training at a step boundary that every rank agrees on.
 
 :class:`StopRequest` installs SIGINT and SIGTERM handlers that only note the signal; the
-training loop asks :meth:`StopRequest.agreed` once per step, which all-reduces (MAX) one int
-over the world group, so every rank stops after the same step even when the signal reaches
-them at different times (the elastic agent forwards it to each worker in turn). The loop then
-saves a final checkpoint and returns; the caller exits with 128 + the signal number
+training step hands the pending signal to the step's loss all-reduce as a vote
+(:func:`signal_votes`, read back by :func:`agreed_signal`: the MAX over the world group, with
+no collective of its own), so every rank stops after the same step even when the signal
+reaches them at different times (the elastic agent forwards it to each worker in turn). The
+loop then saves a final checkpoint and returns; the caller exits with 128 + the signal number
 (130 for SIGINT, 143 for SIGTERM). A second Ctrl-C of a single process interrupts at once
 (KeyboardInterrupt).
 """
@@ -15,9 +16,6 @@ import signal
 import threading
 from types import FrameType
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -33,6 +31,23 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def signal_votes(signum: int) -> list[float]:
+    """One rank's stop signal as a vote vector over :data:`STOP_SIGNALS` (1.0 at the
+    signal's place, 0.0 elsewhere; all zero for ``signum = 0``). Summing the vectors of every
+    rank and reading them with :func:`agreed_signal` gives the MAX of the ranks' signals, so
+    the vote rides on a sum all-reduce the step takes anyway (the step's loss)."""
+    if signum and signum not in STOP_SIGNALS:
+        raise ValueError(f"stop signal {signum} is not one of {[int(s) for s in STOP_SIGNALS]}")
+    return [1.0 if signum == int(sig) else 0.0 for sig in STOP_SIGNALS]
+
+
+def agreed_signal(votes: list[float]) -> int:
+    """The largest stop signal with a vote in ``votes`` (summed :func:`signal_votes`), 0 for
+    none: every rank that reads the same sums stops after the same step."""
+    voted = [int(sig) for sig, n in zip(STOP_SIGNALS, votes, strict=True) if n > 0]
+    return max(voted, default=0)
 
 
 class StopRequest:
@@ -64,11 +79,3 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
-
-    def agreed(self, world: Any, device: torch.device) -> int:
-        """The stop signal any rank received (MAX of one int over ``world``, a
-        :class:`~colonnade.parallel.comm.CommGroup`), 0 for none. Collective: call it at the
-        same point of every step on every rank."""
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
-        world.all_reduce(flag, op=dist.ReduceOp.MAX, name="stop_flag")
-        return int(flag.item())

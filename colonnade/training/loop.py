@@ -61,8 +61,10 @@ class Trainer:
                                               cfg.training.precision)
         self.step = 0
 
-    def train_step(self, batches: list[Batch]) -> dict[str, float]:
-        """Forward/backward every micro-batch, reduce gradients, update. Returns metrics."""
+    def train_step(self, batches: list[Batch], signum: int = 0) -> dict[str, float]:
+        """Forward/backward every micro-batch, reduce gradients, update. Returns metrics;
+        ``stop_signal`` among them is the largest stop signal any rank passed as ``signum``
+        (0: none), agreed on by the loss all-reduce (:func:`start_mean_loss`)."""
         set_train_mode(self.chunks, True)
         self.optimizer.zero_grad()
         begin_moe_step(self.chunks, self.groups, self.optimizer.loss_scale, len(batches))
@@ -71,7 +73,7 @@ class Trainer:
                         grad_sync=self.ddp.grad_sync_hook(len(batches)),
                         options=self.executor_options())
         losses = forward_backward(self.chunks, batches, plan)
-        loss = start_mean_loss(losses, self.groups, self.rt.device, batches)  # done by the end
+        loss = start_mean_loss(losses, self.groups, self.rt.device, batches, signum)  # by the end
         self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, tied_across_stages(
                                self.config.model.tie_embeddings, self.config.parallel.schedule),
@@ -81,7 +83,8 @@ class Trainer:
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        return {"loss": loss(), **info, **moe}
+        mean, stop = loss()
+        return {"loss": mean, **info, **moe, "stop_signal": float(stop)}
 
     def executor_options(self) -> ExecOptions:
         """Pipeline executor switches taken from the config."""
@@ -166,14 +169,14 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     while trainer.step < tr.steps:
         if monitor is not None:
             monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
-        metrics = trainer.train_step(trainer.next_batches())
+        metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
+        stop = int(metrics.pop("stop_signal"))  # every rank stops after this step
         window_steps += 1
         check_step(trainer, metrics)  # training.on_nan: raise or skip, before anything is saved
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         step = trainer.step
-        stop = stopper.agreed(rt.groups.world, rt.device)  # every rank stops after this step
         if ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps and not stop:
             if pending is not None:
                 pending.wait()

@@ -22,6 +22,7 @@ from colonnade.models.gpt import ModelChunk, local_labels, valid_tokens
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.executor import run_pipeline, run_pipeline_forward
 from colonnade.pipeline.plan import Batch, StepPlan
+from colonnade.reliability.interrupt import agreed_signal, signal_votes
 
 
 def forward_backward(chunks: list[ModelChunk], batches: list[Batch],
@@ -54,16 +55,21 @@ def mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
     that would stop the run); without, every micro-batch weighs the same. Under cp a rank's
     losses are means over its rows of the labels (:func:`~colonnade.models.gpt.local_labels`)
     and weigh by their valid count, so the world reduction still gives the global mean."""
-    return start_mean_loss(losses, groups, device, batches)()
+    return start_mean_loss(losses, groups, device, batches)()[0]
 
 
 def start_mean_loss(losses: list[float], groups: ProcessGroups, device: torch.device,
-                    batches: list[Batch] | None = None) -> Callable[[], float]:
-    """:func:`mean_loss` in two halves: this call starts the world all-reduce of (sum of
-    weighted means, sum of weights) asynchronously; the returned function waits for it and
-    divides. A training step starts it right after the pipeline and reads it after the update,
-    so the reduction completes while the gradient sync and the optimizer run instead of adding
-    one more synchronisation to the end of every step. Every rank must call the returned
+                    batches: list[Batch] | None = None,
+                    signum: int = 0) -> Callable[[], tuple[float, int]]:
+    """:func:`mean_loss` in two halves, with the ranks' stop-signal agreement on board.
+
+    This call starts the world all-reduce (sum) of ``[sum of weighted means, sum of weights,
+    *signal_votes(signum)]`` asynchronously; the returned function waits for it and gives
+    ``(mean loss, agreed stop signal)``, the signal being the largest any rank of the world
+    passed in (:func:`~colonnade.reliability.interrupt.agreed_signal`; 0 for none). A
+    training step starts it right after the pipeline and reads it after the update, so the
+    reduction completes while the gradient sync and the optimizer run, and the Ctrl-C /
+    SIGTERM agreement costs no collective of its own. Every rank must call the returned
     function (in the order its other collectives were entered)."""
     weights = [1.0] * len(losses)
     if batches is not None and losses:  # one device-to-host copy
@@ -76,16 +82,17 @@ def start_mean_loss(losses: list[float], groups: ProcessGroups, device: torch.de
     def divide(total: float, count: float) -> float:
         return total / count if count > 0 else empty
 
+    votes = signal_votes(signum)
     if groups.world.size == 1:  # one rank: the same float64 division, no tensor, no collective
-        return lambda: divide(total, count)
-    t = torch.tensor([total, count], dtype=torch.float64, device=device)
+        return lambda: (divide(total, count), agreed_signal(votes))
+    t = torch.tensor([total, count, *votes], dtype=torch.float64, device=device)
     handle = groups.world.all_reduce(t, name="log_loss", async_op=True)
     assert handle is not None
 
-    def finish() -> float:
+    def finish() -> tuple[float, int]:
         handle.wait()
-        reduced_total, reduced_count = t.tolist()
-        return divide(reduced_total, reduced_count)
+        reduced_total, reduced_count, *reduced_votes = t.tolist()
+        return divide(reduced_total, reduced_count), agreed_signal(reduced_votes)
 
     return finish
 

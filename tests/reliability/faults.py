@@ -66,7 +66,7 @@ def install(fault: Fault) -> None:
     Trainer._unfaulted_train_step = original  # type: ignore[attr-defined]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def train_step(self: Any, batches: list[Any]) -> dict[str, float]:
+    def train_step(self: Any, batches: list[Any], signum: int = 0) -> dict[str, float]:
         hit = (self.groups.rank == fault.rank and self.step + 1 == fault.step
                and attempt == fault.attempt)
         handles = []
@@ -85,7 +85,7 @@ def install(fault: Fault) -> None:
             else:
                 handles.append(p.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL)))
         try:
-            return original(self, batches)
+            return original(self, batches, signum)
         finally:
             for h in handles:
                 h.remove()

@@ -39,8 +39,8 @@ def faulty(monkeypatch: pytest.MonkeyPatch) -> Callable[[Fault], list[float]]:
         install(fault)
         inner = Trainer.train_step
 
-        def recording(self: Trainer, batches: list[Any]) -> dict[str, float]:
-            out = inner(self, batches)
+        def recording(self: Trainer, batches: list[Any], signum: int = 0) -> dict[str, float]:
+            out = inner(self, batches, signum)
             sums.append(sum(float(p.detach().double().sum()) for c in self.chunks
                             for p in c.parameters()))
             return out

@@ -10,19 +10,25 @@ tokens.
 from __future__ import annotations
 
 import math
+import signal
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from colonnade.config.load import ConfigError
 from colonnade.config.sections import Config, ModelConfig, TrainingConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.models.build import build_reference
+from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import StepPlan
+from colonnade.reliability.interrupt import agreed_signal, signal_votes
 from colonnade.tensor_parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from colonnade.training.step import forward_backward, forward_only, mean_loss
+from colonnade.training.step import forward_backward, forward_only, mean_loss, start_mean_loss
 
 VOCAB, SEQ, MICRO = 64, 16, 2
 
@@ -159,3 +165,33 @@ def test_bf16_model_returns_fp32_loss(reduction: str) -> None:
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-5)
     loss.backward()
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_signal_votes_read_back_as_the_largest_signal() -> None:
+    """Summed vote vectors give the MAX of the ranks' stop signals (0 when none voted); a
+    signal that is not a stop signal is refused."""
+    def agree(*signals: int) -> int:
+        return agreed_signal([sum(v) for v in zip(*map(signal_votes, signals), strict=True)])
+
+    assert agree(0, 0) == 0
+    assert agree(0, int(signal.SIGINT)) == int(signal.SIGINT)
+    assert agree(int(signal.SIGINT), int(signal.SIGTERM), 0) == int(signal.SIGTERM)
+    with pytest.raises(ValueError, match="stop signal"):
+        signal_votes(int(signal.SIGHUP))
+
+
+def _loss_and_signal(signals: list[int]) -> tuple[float, int]:
+    rank = dist.get_rank()
+    groups = ProcessGroups.build(ParallelDims(dp=2))
+    batches = [(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))]
+    losses = [float(rank + 1)]  # rank r: mean r + 1 over 4 valid tokens
+    return start_mean_loss(losses, groups, torch.device("cpu"), batches, signals[rank])()
+
+
+def test_step_loss_reduction_carries_the_stop_signal_agreement(
+        run_ranks: Callable[..., list[Any]]) -> None:
+    """Two ranks: the loss all-reduce gives the token mean (1 + 2) / 2 and the larger of the
+    ranks' signals to both, with no collective of its own."""
+    sig = int(signal.SIGTERM)
+    assert run_ranks(2, _loss_and_signal, [0, sig]) == [(1.5, sig), (1.5, sig)]
+    assert run_ranks(2, _loss_and_signal, [0, 0]) == [(1.5, 0), (1.5, 0)]
