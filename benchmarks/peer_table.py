@@ -17,8 +17,10 @@ prints and writes the issue's rows as JSON (``peer_table.json``) and a markdown 
                                     ZeRO-3, FSDP2), dp2 + ZeRO-3 no reshard (FSDP2
                                     reshard_after_forward=False)
   tensor_parallel.py                tp2 (DTensor); tp2 + sp (DTensor with SequenceParallel)
-  pipeline.py                       pp2 1F1B, interleaved (vp2), ZB-H1, ZB-V (vp2; same
-                                    torch ZBV run as ZB-H1) (torch.distributed.pipelining)
+  pipeline.py                       pp2 1F1B, interleaved (vp2), ZB-H1 (against ZBV, and
+                                    against torch's ZB1P = ScheduleInterleavedZeroBubble with
+                                    one stage per rank), ZB-V (vp2; same torch ZBV run as
+                                    ZB-H1) (torch.distributed.pipelining)
 
 ``ratio`` is each benchmark's median over interleaved rounds (or alternated steps) of the
 per-round ratio Colonnade tokens/s / peer tokens/s against the fastest peer of the row (the
@@ -28,8 +30,9 @@ benchmark in its smoke-test size and writes to a temporary directory unless ``--
 is given. ``--from-json`` rebuilds the table from the JSON files already in the results
 directory without running anything. Issue 15's ZeRO-2/3 rows are not in the default run
 (they double data_parallel.py's variants): ``--zero23`` runs them; a table built from a JSON
-that has them shows them, after dp2 + ZeRO-1, with no issue-19 ratio; likewise the pp2 ZB-V
-row (pipeline.py runs it by default) follows pp2 ZB-H1 with no issue-19 ratio.
+that has them shows them, after dp2 + ZeRO-1, with no issue-19 ratio; likewise the rows
+"pp2 ZB-H1 (torch ZB1P)" (the same algorithm as ours; the issue's ZB-H1 row keeps torch's ZBV)
+and pp2 ZB-V (pipeline.py runs both by default) follow pp2 ZB-H1 with no issue-19 ratio.
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ ISSUE_ROWS: list[tuple[str, float]] = [
 """The issue's layouts in its order, with the ratio it measured (3 interleaved rounds)."""
 EXTRA_ROWS: dict[str, list[str]] = {
     "dp2 + ZeRO-1": ["dp2 + ZeRO-2", "dp2 + ZeRO-3", "dp2 + ZeRO-3 no reshard"],
-    "pp2 ZB-H1": ["pp2 ZB-V"],
+    "pp2 ZB-H1": ["pp2 ZB-H1 (torch ZB1P)", "pp2 ZB-V"],
 }
-"""Layouts added after issue 19 (issue 15's ZeRO-2/3, the ZB-V schedule), placed after the
-issue-19 layout they follow; they carry no issue-19 ratio and are never listed as "not run"."""
+"""Layouts added after issue 19 (issue 15's ZeRO-2/3, ZB-H1 against torch's same algorithm,
+the ZB-V schedule), placed after the issue-19 layout they follow; they carry no issue-19
+ratio and are never listed as "not run"."""
 LAYOUTS: list[tuple[str, float | None]] = [
     row for name, ratio in ISSUE_ROWS
     for row in [(name, ratio), *((extra, None) for extra in EXTRA_ROWS.get(name, []))]]

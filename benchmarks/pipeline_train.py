@@ -16,7 +16,12 @@ schedule           Colonnade (``Trainer``)          torch.distributed.pipelining
 interleaved_1f1b   interleaved_1f1b, vp = 2         ScheduleInterleaved1F1B: rank r holds
                    (rank r: chunks r, r + 2)        stages r, r + 2 (the same placement)
 zb_h1              zb_h1 (vp = 1)                   ScheduleZBVZeroBubble: rank r holds stages
-                                                    r, 3 - r (V placement), 1 layer each
+                                                    r, 3 - r (V placement), 1 layer each (the
+                                                    issue's peer: a lower-bubble schedule);
+                                                    and ScheduleInterleavedZeroBubble with one
+                                                    stage per rank, the paper's ZB1P = ZB-H1
+                                                    (same cut as 1f1b): row "pp2 ZB-H1 (torch
+                                                    ZB1P)"
 zbv                zbv, vp = 2 (rank r: chunks      the same ScheduleZBVZeroBubble variant
                    r, 3 - r: the V placement)       (one run serves both rows)
 =================  ===============================  ==========================================
@@ -46,9 +51,10 @@ barrier-aligned); a round runs ``steps`` steps of each. Step time = last rank's 
 rank's start (one machine, one clock); CPU time = process time of both ranks (gloo threads
 included).
 
-Rows (for benchmarks/peer_table.py): per Colonnade schedule, ``ratio`` = median over rounds of
-its torch peer's step time / Colonnade's of the same round (> 1: Colonnade faster);
-``ratio_cpu`` by CPU time. The ZB-H1 and ZB-V rows divide the same torch ZBV timings.
+Rows (for benchmarks/peer_table.py): per Colonnade schedule and torch peer (:func:`peers`),
+``ratio`` = median over rounds of the peer's step time / Colonnade's of the same round (> 1:
+Colonnade faster); ``ratio_cpu`` by CPU time. The ZB-H1 and ZB-V rows divide the same torch ZBV
+timings; ZB-H1 has a second row against torch's same algorithm (ZB1P).
 """
 
 from __future__ import annotations
@@ -104,6 +110,12 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
 }
 """Colonnade schedule -> (torch schedule class, torch stages per rank, peer-table layout);
 schedules sharing a torch class share one torch variant (``torch/<class>``)."""
+SAME_SCHEDULE_PEERS: dict[str, tuple[str, int, str]] = {
+    "zb_h1": ("ScheduleInterleavedZeroBubble", 1, "pp2 ZB-H1 (torch ZB1P)"),
+}
+"""Extra rows where the SCHEDULES peer runs another algorithm: torch's
+ScheduleInterleavedZeroBubble with one stage per rank is the paper's ZB1P, i.e. ZB-H1 itself
+(the issue-19 row keeps ZBV, a lower-bubble schedule, as its peer)."""
 COLONNADE_VP = {"1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
 """Colonnade's virtual stages per rank for each schedule."""
 
@@ -126,30 +138,31 @@ def cut(full: PlainModel, layers: range, first: bool, last: bool) -> PlainModel:
     return stage
 
 
-def stage_ids(cls_name: str, rank: int) -> list[int]:
-    """Global stage indices rank ``rank`` holds under torch's schedule class ``cls_name``
-    (pp = 2)."""
-    if cls_name == "Schedule1F1B":
+def stage_ids(cls_name: str, rank: int, per_rank: int = 2) -> list[int]:
+    """Global stage indices rank ``rank`` holds under torch's schedule class ``cls_name`` with
+    ``per_rank`` stages per rank (pp = 2)."""
+    if cls_name == "Schedule1F1B" or per_rank == 1:
         return [rank]
     if cls_name == "ScheduleInterleaved1F1B":
         return [rank, PP + rank]
     return [rank, 2 * PP - 1 - rank]  # ZBV: V placement
 
 
-def peer_name(schedule: str) -> str:
-    """The torch variant that is the peer of Colonnade's ``schedule``: ``torch/<class>``."""
-    return f"torch/{SCHEDULES[schedule][0]}"
+def peers(schedule: str) -> list[tuple[str, int, str]]:
+    """(torch class, stages per rank, layout) of every row of Colonnade's ``schedule``: the
+    SCHEDULES peer first, then a same-algorithm peer where there is one."""
+    return [SCHEDULES[schedule], *([SAME_SCHEDULE_PEERS[schedule]]
+                                   if schedule in SAME_SCHEDULE_PEERS else [])]
 
 
-def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: PlainModel,
-                  impl: str) -> Step:
-    """One training step of torch.distributed.pipelining's counterpart of ``schedule`` (AdamW
-    with the ``impl`` kernels)."""
+def torch_variant(w: Workload, groups: ProcessGroups, cls_name: str, per_rank: int,
+                  full: PlainModel, impl: str) -> Step:
+    """One training step of torch.distributed.pipelining's schedule ``cls_name`` with
+    ``per_rank`` stages per rank (AdamW with the ``impl`` kernels)."""
     from torch.distributed import pipelining as tpp
 
-    cls_name, per_rank, _ = SCHEDULES[schedule]
     count = PP * per_rank
-    ids = stage_ids(cls_name, groups.pp_rank)
+    ids = stage_ids(cls_name, groups.pp_rank, per_rank)
     size = w.layers // count
     mods = {v: cut(full, range(v * size, (v + 1) * size), v == 0, v == count - 1) for v in ids}
     tied: torch.Tensor | None = None  # this rank's copy of a tied weight split over ranks
@@ -167,7 +180,8 @@ def torch_variant(w: Workload, groups: ProcessGroups, schedule: str, full: Plain
         return plain_loss(logits, labels) / m  # mean over the global batch after the sum
 
     cls = getattr(tpp, cls_name)
-    sched = cls(stages if per_rank > 1 else stages[0], m, loss_fn=loss_fn, scale_grads=False)
+    multi = cls_name not in ("Schedule1F1B", "ScheduleGPipe")  # the others take stage lists
+    sched = cls(stages if multi else stages[0], m, loss_fn=loss_fn, scale_grads=False)
     opt = peer_optimizer(nn.ModuleList(mods.values()), w, impl)
     first, last = 0 in mods, count - 1 in mods
     pg = groups.pp.pg
@@ -225,12 +239,15 @@ def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     steps: dict[str, Step] = {}
     refs: dict[str, list[str]] = {}  # variant -> the Colonnade variants it must agree with
     for sched in spec["schedules"]:
-        ours, peer = f"colonnade/{sched}", peer_name(sched)
+        ours = f"colonnade/{sched}"
         steps[ours] = colonnade_variant(w, groups, sched)
         refs[ours] = [f"colonnade/{spec['schedules'][0]}"]
-        if peer not in steps:  # one torch variant per class (ZBV: ZB-H1's and ZB-V's peer)
-            steps[peer] = torch_variant(w, groups, sched, full, spec["optimizer"])
-        refs.setdefault(peer, []).append(ours)
+        for cls_name, per_rank, _ in peers(sched):
+            peer = f"torch/{cls_name}"
+            if peer not in steps:  # one torch variant per class (ZBV: ZB-H1's and ZB-V's peer)
+                steps[peer] = torch_variant(w, groups, cls_name, per_rank, full,
+                                            spec["optimizer"])
+            refs.setdefault(peer, []).append(ours)
     data = batches(w, 4, w.global_batch // MICROBATCHES)
     first: dict[str, list[float]] = {}
     for name, step in steps.items():  # same weights, same batches
@@ -276,9 +293,8 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
                           "tokens_per_cpu_s": tokens / statistics.median(cpu),
                           "first_losses": ranks[0]["first_loss"][name]}
     rows = []
-    for sched in spec["schedules"]:
-        cls_name, _, layout = SCHEDULES[sched]
-        a, b = variants[f"colonnade/{sched}"], variants[peer_name(sched)]
+    for sched, (cls_name, _, layout) in ((s, p) for s in spec["schedules"] for p in peers(s)):
+        a, b = variants[f"colonnade/{sched}"], variants[f"torch/{cls_name}"]
         rows.append({
             "layout": layout, "colonnade": a["tokens_per_s"],
             "peer": f"torch.distributed.pipelining {cls_name}",

@@ -1,7 +1,8 @@
 """The ZB-V rows of the pipeline benchmarks (benchmarks/pipeline_train.py, pipeline.py,
 peer_table.py, profile_step.py), no training run: Colonnade's zbv chunks hold exactly the layers
 of torch's ZBV cuts on the same rank (so both sides start from the same weights), one torch ZBV
-variant is the peer of both the ZB-H1 and the ZB-V row (ratios computed from the same timings),
+variant is the peer of both the ZB-H1 and the ZB-V row (ratios computed from the same timings)
+and torch's ZB1P a second peer of ZB-H1,
 zbv's bubble theory is its simulated schedule (unit stages, pp 2, m 4: makespan 12.5, bubble
 0.04 against ZB-H1's 1/13), and the peer table places "pp2 ZB-V" after "pp2 ZB-H1" with no
 issue-19 ratio."""
@@ -50,23 +51,29 @@ def _runs(step_s: list[float], cpu_s: list[float]) -> list[dict[str, float]]:
 
 
 def test_zbv_row_shares_the_torch_zbv_timings() -> None:
-    """Both ZB rows divide the one torch ZBV variant's per-round times (2 ranks, 3 rounds)."""
+    """Both ZB rows divide the one torch ZBV variant's per-round times (2 ranks, 3 rounds);
+    ZB-H1 has a second row against torch's ZB1P (its own algorithm, one stage per rank)."""
     pt = _bench("pipeline_train")
-    assert pt.peer_name("zbv") == pt.peer_name("zb_h1") == "torch/ScheduleZBVZeroBubble"
+    assert pt.peers("zbv")[0][:2] == pt.peers("zb_h1")[0][:2] == ("ScheduleZBVZeroBubble", 2)
+    assert pt.peers("zb_h1")[1] == ("ScheduleInterleavedZeroBubble", 1, "pp2 ZB-H1 (torch ZB1P)")
+    assert pt.stage_ids("ScheduleInterleavedZeroBubble", 1, 1) == [1]
     w = pt.WORKLOADS["gpt2-tiny"]
     spec = {"schedules": ["zb_h1", "zbv"], "steps": 1}
     times = {"colonnade/zb_h1": [2.0, 4.0, 1.0], "torch/ScheduleZBVZeroBubble": [1.0, 1.0, 1.0],
+             "torch/ScheduleInterleavedZeroBubble": [4.0, 4.0, 4.0],
              "colonnade/zbv": [0.5, 1.0, 2.0]}
     ranks = [{"runs": {n: _runs(t, [x / 2 for x in t]) for n, t in times.items()},
               "first_loss": {n: [7.0, 6.9] for n in times}} for _ in range(2)]
     rows = pt.summarize(w, spec, ranks)["rows"]
-    assert [r["layout"] for r in rows] == ["pp2 ZB-H1", "pp2 ZB-V"]
-    assert {r["peer"] for r in rows} == {"torch.distributed.pipelining ScheduleZBVZeroBubble"}
+    assert [r["layout"] for r in rows] == ["pp2 ZB-H1", "pp2 ZB-H1 (torch ZB1P)", "pp2 ZB-V"]
+    zbv_peer = "torch.distributed.pipelining ScheduleZBVZeroBubble"
+    assert rows[0]["peer"] == rows[2]["peer"] == zbv_peer
     assert rows[0]["ratio"] == pytest.approx(0.5)  # median of 1/2, 1/4, 1/1
-    assert rows[1]["ratio"] == pytest.approx(1.0)  # median of 2, 1, 1/2
-    assert rows[1]["ratio_cpu"] == pytest.approx(1.0)
-    assert rows[0]["peer_tokens_per_s"] == rows[1]["peer_tokens_per_s"] == w.tokens_per_step
-    assert rows[1]["colonnade"] == pytest.approx(w.tokens_per_step / 1.0)
+    assert rows[1]["ratio"] == pytest.approx(2.0)  # median of 4/2, 4/4, 4/1
+    assert rows[2]["ratio"] == pytest.approx(1.0)  # median of 2, 1, 1/2
+    assert rows[2]["ratio_cpu"] == pytest.approx(1.0)
+    assert rows[0]["peer_tokens_per_s"] == rows[2]["peer_tokens_per_s"] == w.tokens_per_step
+    assert rows[2]["colonnade"] == pytest.approx(w.tokens_per_step / 1.0)
 
 
 def test_zbv_loss_check_names_the_reference() -> None:
@@ -116,8 +123,9 @@ def test_peer_table_places_zbv_after_zb_h1() -> None:
     pt = _bench("peer_table")
     names = [name for name, _ in pt.LAYOUTS]
     h1 = names.index("pp2 ZB-H1")
-    assert pt.LAYOUTS[h1 + 1] == ("pp2 ZB-V", None)
-    assert pt.issue_key("pp2 ZB-V") == h1 + 1 and pt.issue_key("pp2 ZB-H1") == h1
+    assert pt.LAYOUTS[h1 + 1] == ("pp2 ZB-H1 (torch ZB1P)", None)
+    assert pt.LAYOUTS[h1 + 2] == ("pp2 ZB-V", None)
+    assert pt.issue_key("pp2 ZB-V") == h1 + 2 and pt.issue_key("pp2 ZB-H1") == h1
     row = {"layout": "pp2 ZB-V", "colonnade": 1817.0, "peer": "torch ZBV",
            "peer_tokens_per_s": 2078.0, "ratio": 0.915, "ratio_cpu": 1.001, "issue_ratio": None}
     lines = pt.markdown([row], "gpt2-tiny").splitlines()
