@@ -138,10 +138,10 @@ def cut(full: PlainModel, layers: range, first: bool, last: bool) -> PlainModel:
     return stage
 
 
-def stage_ids(cls_name: str, rank: int, per_rank: int = 2) -> list[int]:
+def stage_ids(cls_name: str, rank: int, per_rank: int) -> list[int]:
     """Global stage indices rank ``rank`` holds under torch's schedule class ``cls_name`` with
     ``per_rank`` stages per rank (pp = 2)."""
-    if cls_name == "Schedule1F1B" or per_rank == 1:
+    if per_rank == 1:
         return [rank]
     if cls_name == "ScheduleInterleaved1F1B":
         return [rank, PP + rank]
@@ -160,6 +160,7 @@ def torch_variant(w: Workload, groups: ProcessGroups, cls_name: str, per_rank: i
     """One training step of torch.distributed.pipelining's schedule ``cls_name`` with
     ``per_rank`` stages per rank (AdamW with the ``impl`` kernels)."""
     from torch.distributed import pipelining as tpp
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     count = PP * per_rank
     ids = stage_ids(cls_name, groups.pp_rank, per_rank)
@@ -180,8 +181,8 @@ def torch_variant(w: Workload, groups: ProcessGroups, cls_name: str, per_rank: i
         return plain_loss(logits, labels) / m  # mean over the global batch after the sum
 
     cls = getattr(tpp, cls_name)
-    multi = cls_name not in ("Schedule1F1B", "ScheduleGPipe")  # the others take stage lists
-    sched = cls(stages if multi else stages[0], m, loss_fn=loss_fn, scale_grads=False)
+    single = issubclass(cls, PipelineScheduleSingle)  # takes one stage; the others a list
+    sched = cls(stages[0] if single else stages, m, loss_fn=loss_fn, scale_grads=False)
     opt = peer_optimizer(nn.ModuleList(mods.values()), w, impl)
     first, last = 0 in mods, count - 1 in mods
     pg = groups.pp.pg

@@ -38,9 +38,9 @@ def test_zbv_chunks_are_torch_zbv_cuts(workload: str) -> None:
     for rank in range(pt.PP):
         ours = stage_chunks(w.layers, pt.PP, pt.COLONNADE_VP["zbv"], rank, placement="v")
         theirs = [(list(range(v * size, (v + 1) * size)), v == 0, v == count - 1)
-                  for v in pt.stage_ids(cls_name, rank)]
+                  for v in pt.stage_ids(cls_name, rank, per_rank)]
         assert ours == theirs
-    assert pt.stage_ids(cls_name, 0) == [0, 3] and pt.stage_ids(cls_name, 1) == [1, 2]
+    assert pt.stage_ids(cls_name, 0, 2) == [0, 3] and pt.stage_ids(cls_name, 1, 2) == [1, 2]
     cfg = pt.colonnade_config(w, w.global_batch // pt.MICROBATCHES, pt.PP,
                               ["--parallel.pp=2", "--parallel.vp=2", "--parallel.schedule=zbv"])
     assert (cfg.parallel.schedule, cfg.parallel.vp, cfg.parallel.pp) == ("zbv", 2, 2)
