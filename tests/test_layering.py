@@ -2,15 +2,17 @@
 
 The order enforced (bottom first; a module may import its own layer or any layer below it):
 
-    device < config < parallel < tensor_parallel < context_parallel < moe < models < pipeline
-    < data_parallel < optim < checkpoint < reliability < data < training < analysis
+    device, eager < config < parallel < tensor_parallel < context_parallel < moe < models
+    < pipeline < data_parallel < optim < checkpoint < reliability < data < training < analysis
     < top-level modules (cli, bench, generate, hf_export, launch, plot, train)
 
 ``device.py`` is the one module that may touch ``torch.cuda`` and sits at the bottom (``parallel``
-and ``pipeline`` ask it for the device). ``checkpoint`` sits below ``reliability`` because the NaN
-and interrupt paths save through it. ``data`` sits above the layers because its vocab padding
-comes from ``tensor_parallel``. This differs from ``../shared/DESIGN.md`` only by naming
-``device`` and the top-level modules and by putting ``data`` where its imports put it.
+and ``pipeline`` ask it for the device), beside ``eager.py`` (functions ``torch.compile`` never
+traces, used by ``context_parallel``, ``moe`` and ``models``). ``checkpoint`` sits below
+``reliability`` because the NaN and interrupt paths save through it. ``data`` sits above the
+layers because its vocab padding comes from ``tensor_parallel``. This differs from
+``../shared/DESIGN.md`` only by naming ``device``, ``eager`` and the top-level modules and by
+putting ``data`` where its imports put it.
 
 Every ``import`` and ``from ... import`` of ``colonnade.*`` counts, at module level AND inside
 functions (a function-level import is a dependency too; it only hides the cycle). ``ALLOWED``
@@ -25,7 +27,7 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "colonnade"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("device",),
+    ("device", "eager"),
     ("config",),
     ("parallel",),
     ("tensor_parallel",),

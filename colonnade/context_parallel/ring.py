@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from colonnade.context_parallel import kernels
+from colonnade.eager import eager
 from colonnade.parallel.comm import CommGroup, Handle
 
 Piece = tuple[int, int, int]
@@ -251,7 +252,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
                          f"sequence, natural order); got {tuple(doc_ids.shape)}")
 
 
-@torch.compiler.disable
+@eager
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup, *,
                    causal: bool = True, doc_ids: torch.Tensor | None = None,
                    overlap: bool = True, scale: float | None = None) -> torch.Tensor:

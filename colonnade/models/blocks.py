@@ -37,6 +37,7 @@ from colonnade.config.sections import ModelConfig
 from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
 from colonnade.context_parallel.layout import local_ranges, take_local, zigzag_index, zigzag_ranges
 from colonnade.context_parallel.ring import ring_attention
+from colonnade.eager import eager
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
 from colonnade.tensor_parallel.context import ParallelContext
@@ -296,7 +297,7 @@ class Attention(nn.Module):
         return self._merge_heads(out)  # [s/cp, b, a/tp * d]
 
 
-@torch.compiler.disable
+@eager
 def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   doc: DocContext | None) -> torch.Tensor:
     """Ring or all-to-all attention of ``attn``'s heads over the cp group:
@@ -336,7 +337,7 @@ def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,
     return _draw_dropout(x, p, ctx, site)
 
 
-@torch.compiler.disable
+@eager
 def _draw_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str) -> torch.Tensor:
     """:func:`hidden_dropout`'s draw, always eager: inside a compiled layer dynamo calls it
     without tracing it, so the tracker's (step, micro-batch) is read at every call, never

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as tc
 
+from colonnade.eager import eager
 from colonnade.parallel.rng import RNGTracker
 
 
@@ -52,7 +53,7 @@ class _RestoreContext:
         self.rng.set_context(*self._before.pop())
 
 
-@torch.compiler.disable
+@eager
 def checkpoint(fn: Callable[..., torch.Tensor], rng: RNGTracker, *args: Any) -> torch.Tensor:
     """``fn(*args)`` with its activations recomputed in backward instead of stored.
 

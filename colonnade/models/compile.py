@@ -23,16 +23,16 @@ Graph breaks (``TORCH_LOGS=graph_breaks``), by design; results are unchanged by 
   timing, timeouts) dynamo cannot trace, so the autograd function runs eagerly between
   compiled pieces and the comm counters count every call as in eager mode.
 * dropout > 0 in training: at each hidden-dropout draw and around the blockwise dropout
-  attention, both ``torch.compiler.disable``-d. The masks come from the eager counter-based
+  attention, both ``eager`` (:mod:`colonnade.eager`). The masks come from the eager counter-based
   generator, which reads the tracker's (seed, site, step, micro-batch) at every call
   (:mod:`colonnade.parallel.rng`): the masks of the eager model bit for bit, and no guard on
   the step or micro-batch that would recompile the graph at every micro-batch.
 * cp > 1: around the context-parallel attention call (ring or all-to-all,
-  ``torch.compiler.disable``-d in :mod:`colonnade.models.blocks`): its p2p / all-to-all go
+  ``eager`` (:mod:`colonnade.eager`) in :mod:`colonnade.models.blocks`): its p2p / all-to-all go
   through CommGroup, and the ring's autograd function runs eagerly between the compiled
   projections before it and the output projection + MLP after it.
 * selective recompute: around core attention, which runs eagerly inside the eager checkpoint
-  (:func:`colonnade.models.checkpointing.checkpoint` is ``torch.compiler.disable``-d: dynamo
+  (:func:`colonnade.models.checkpointing.checkpoint` is ``eager`` (:mod:`colonnade.eager`): dynamo
   cannot trace its ``context_fn``, the dropout-context restoration); the layer is two compiled
   pieces, norm + q/k/v projections before it and output projection + MLP after it.
 
@@ -40,7 +40,7 @@ Order with activation recomputation: checkpointing outside, compilation inside. 
 recompute's layer runner (:class:`~colonnade.models.recompute.FullRecompute`) stays eager and
 checkpoints compiled layers: ``torch.utils.checkpoint`` keeps a block's input and, in backward,
 runs the block's compiled forward again under the restored dropout context, then its compiled
-backward (compiled code called from a ``torch.compiler.disable``-d function still runs
+backward (compiled code called from a ``eager`` (:mod:`colonnade.eager`) function still runs
 compiled). Compiling the checkpoint instead (torchtitan's order, the partitioner choosing what
 to recompute) would need dynamo to trace our ``context_fn``. Selective recompute: see above.
 

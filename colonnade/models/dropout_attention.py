@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from colonnade.eager import eager
 from colonnade.parallel.rng import MaskStream, RNGTracker
 
 BLOCK_ELEMENTS = 1 << 22
@@ -139,7 +140,7 @@ class BlockwiseDropoutAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-@torch.compiler.disable
+@eager
 def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: DropoutSpec,
                       mask: torch.Tensor | None = None,
                       budget: int = BLOCK_ELEMENTS) -> torch.Tensor:

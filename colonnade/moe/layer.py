@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.eager import eager
 from colonnade.moe.dispatch import capacity_keep, make_dispatcher
 from colonnade.moe.experts import GroupedExperts
 from colonnade.moe.router import Router, Routing, aux_losses
@@ -119,7 +120,7 @@ class MoELayer(nn.Module):
             return out
         return self._aux_and_record(out, routing, dropped, s_local, b)
 
-    @torch.compiler.disable
+    @eager
     def _routed(self, flat: torch.Tensor, routing: Routing, s_local: int, b: int
                 ) -> tuple[torch.Tensor, int]:
         """Capacity, dispatch, experts and combine: flat [t, h] -> (routed output [t, h],
@@ -131,7 +132,7 @@ class MoELayer(nn.Module):
         y = self.experts(tokens, handle.counts_host)  # [t_e, h]
         return self.dispatcher.combine(y, handle), handle.dropped
 
-    @torch.compiler.disable
+    @eager
     def _aux_and_record(self, out: torch.Tensor, routing: Routing, dropped: int,
                         s_local: int, b: int) -> torch.Tensor:
         """``out`` carrying this micro-batch's auxiliary losses into backward (scaled by

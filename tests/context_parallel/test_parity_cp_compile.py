@@ -1,7 +1,7 @@
-"""``training.compile`` with context parallelism: the cp attention call is
-``torch.compiler.disable``-d (a graph break inside each compiled layer; its collectives go
-through CommGroup), so compiled cp2 training (ring and all_to_all, with hidden dropout) equals
-the float64 single-process AdamW reference (loss and parameters to 1e-10)."""
+"""``training.compile`` with context parallelism: the cp attention call is an
+:func:`colonnade.eager.eager` function (a graph break inside each compiled layer; its
+collectives go through CommGroup), so compiled cp2 training (ring and all_to_all, with hidden
+dropout) equals the float64 single-process AdamW reference (loss and parameters to 1e-10)."""
 
 from __future__ import annotations
 
