@@ -52,9 +52,10 @@ class DocumentStats:
     """Counters filled while documents are read (pass one to `iter_documents` to observe them).
 
     `skipped` lists `"<where>: <reason>"` for each unreadable document or file (the first
-    `MAX_RECORDED`; `problems` counts them all, `bad_files` per file); `empty` counts documents
-    with no text, which are never yielded; `ignored` lists files a directory input holds in an
-    unsupported format.
+    `MAX_RECORDED`; `problems` counts them all, `bad_files` per file); `groups` counts them by
+    (file, reason) with the first record's location (the first `MAX_RECORDED` pairs), so 10^6
+    records missing one key read as one line; `empty` counts documents with no text, which
+    are never yielded; `ignored` lists files a directory input holds in an unsupported format.
     """
 
     documents: int = 0
@@ -64,6 +65,7 @@ class DocumentStats:
     skipped: list[str] = field(default_factory=list)
     bad_files: dict[str, int] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
+    groups: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
 
     def report(self, path: Path, at: str, reason: str) -> None:
         """Record one unreadable document or file (`at` locates the record, see readers)."""
@@ -71,6 +73,10 @@ class DocumentStats:
         if len(self.skipped) < MAX_RECORDED:
             self.skipped.append(f"{path}{at}: {reason}")
         self.bad_files[str(path)] = self.bad_files.get(str(path), 0) + 1
+        key = (str(path), reason)
+        first, count = self.groups.get(key, (at, 0))
+        if count or len(self.groups) < MAX_RECORDED:
+            self.groups[key] = (first, count + 1)
 
 
 def stdlib_root() -> Path:
@@ -169,12 +175,15 @@ def _read_all(
 
 
 def problems_message(stats: DocumentStats, shown: int = 20) -> str:
-    """One message listing the unreadable documents (the first `shown`, then counts per file)."""
-    listed = "\n".join(f"  - {line}" for line in stats.skipped[:shown])
-    more = ""
-    if stats.problems > shown:
+    """One message listing the unreadable documents: one line per (file, reason), the first
+    `shown` of them (``c.jsonl:1 and 2999 more records: <reason>``), then counts per file."""
+    lines = [f"  - {path}{at}{f' and {n - 1} more records' if n > 1 else ''}: {reason}"
+             for (path, reason), (at, n) in list(stats.groups.items())[:shown]]
+    listed_count = sum(n for _, n in list(stats.groups.values())[:shown])
+    listed, more = "\n".join(lines), ""
+    if stats.problems > listed_count:
         per_file = ", ".join(f"{name} ({n})" for name, n in stats.bad_files.items())
-        more = f"\n  ... and {stats.problems - shown} more; per file: {per_file}"
+        more = f"\n  ... and {stats.problems - listed_count} more; per file: {per_file}"
     return (f"{stats.problems} document(s) in {len(stats.bad_files)} file(s) cannot be read:\n"
             f"{listed}{more}\nfix them (e.g. convert to UTF-8, set data.text_key), or leave them "
             "out with data.errors='skip' (--data.errors=skip)")

@@ -226,9 +226,20 @@ def _record_text(record: Any, text_key: str, path: Path, at: str, report: Report
     value = record.get(text_key) if isinstance(record, dict) else None
     if isinstance(value, str):
         return value
-    keys = f" (keys: {', '.join(map(str, record))[:120]})" if isinstance(record, dict) else ""
-    report(path, at, f"no string under key {text_key!r}{keys}; set data.text_key or fix the record")
+    report(path, at, f"no string under key {text_key!r}{_key_hint(record)}")
     return None
+
+
+def _key_hint(record: Any) -> str:
+    """What a record lacking the text key holds, and the fix: ``--data.text_key=K`` when
+    exactly one of its fields is a string (the usual cause: the corpus names it otherwise)."""
+    if not isinstance(record, dict):
+        return f" (the record is a JSON {type(record).__name__}); fix the record"
+    strings = [str(k) for k, v in record.items() if isinstance(v, str)]
+    keys = f" (keys: {', '.join(map(str, record))[:120]})"
+    if len(strings) == 1:
+        return f"{keys}; set --data.text_key={strings[0]} or fix the record"
+    return f"{keys}; set data.text_key or fix the record"
 
 
 def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:

@@ -148,3 +148,17 @@ def test_every_problem_reported_together_or_skipped(tmp_path: Path) -> None:
     assert (stats.documents, stats.problems, len(stats.skipped)) == (4, 5, 5)
     assert stats.bad_files == {str(tmp_path / "b_latin1.txt"): 1, str(tmp_path / "c.jsonl"): 3,
                                str(tmp_path / "d.json"): 1}
+
+
+def test_one_line_per_file_and_reason_with_the_key_to_set(tmp_path: Path) -> None:
+    """A corpus whose records name the text otherwise: one line for all of them, naming the fix."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(f'{{"content": "doc {i}", "id": {i}}}\n' for i in range(50)))
+    with pytest.raises(CorpusError) as info:
+        list(iter_documents(path))
+    msg = str(info.value)
+    assert msg.startswith("50 document(s) in 1 file(s) cannot be read:\n")
+    assert (f"  - {path}:1 and 49 more records: no string under key 'text' (keys: content, id); "
+            "set --data.text_key=content or fix the record\n") in msg
+    assert "... and" not in msg  # every problem is in the one line
+    assert list(iter_documents(path, text_key="content"))[:2] == ["doc 0", "doc 1"]
