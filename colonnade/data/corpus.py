@@ -25,7 +25,7 @@ from pathlib import Path
 
 from colonnade.config.choices import ERROR_POLICIES
 from colonnade.data.errors import CorpusError
-from colonnade.data.readers import Source, read_source, resolve_input
+from colonnade.data.readers import Source, first_record_problems, read_source, resolve_input
 
 DEFAULT_MAX_BYTES = 8_000_000
 """Default cap on the built-in stdlib corpus, in bytes of source text (about 2M BPE tokens)."""
@@ -143,19 +143,27 @@ def iter_documents(
     errors: ErrorPolicy = "strict",
     stats: DocumentStats | None = None,
 ) -> Iterator[str]:
-    """Yield the documents of `input` (any spec `readers.resolve_input` accepts) in order.
+    """The documents of `input` (any spec `readers.resolve_input` accepts), in order: an
+    iterator that reads as it is consumed, returned once the input's checks below passed.
 
     Empty documents are counted in `stats.empty` and not yielded. A bad file or record never
     stops the reading: under errors='skip' it is left out and recorded in `stats.skipped`; under
     'strict' every problem is collected and one `CorpusError` listing them all is raised once
-    the input is exhausted. The input is resolved first, so a missing path or an unsupported
-    format fails before the first document.
+    the input is exhausted. The input is resolved by this call, so a missing path or an
+    unsupported format fails here, before any reading; under 'strict' the first record of each
+    file is read here too (`readers.first_record_problems`), so a wrong `text_key` fails at once.
     """
     if errors not in ERROR_POLICIES:
         raise CorpusError(f"data.errors={errors!r} must be one of {', '.join(ERROR_POLICIES)}")
     stats = DocumentStats() if stats is None else stats
     sources = resolve_input(input, stats.ignored)
-    yield from _read_all(sources, text_key, errors, stats)
+    if errors == "strict" and (first := first_record_problems(sources, text_key)):
+        raise CorpusError(
+            f"the first record of {len(first)} file(s) cannot be read (checked before reading "
+            "the corpus):\n" + "\n".join(f"  - {line}" for line in first)
+            + "\nfix them (e.g. set data.text_key), or leave unreadable records out with "
+            "data.errors='skip' (--data.errors=skip)")
+    return _read_all(sources, text_key, errors, stats)
 
 
 def _read_all(

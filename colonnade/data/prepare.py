@@ -113,8 +113,9 @@ def prepare(
         return iter_documents(input, text_key=text_key, errors=errors, stats=stats)
 
     if given is None:
+        texts = documents(DocumentStats())  # the input's checks raise here, before the log
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
-        given = train_bpe_from_texts(documents(DocumentStats()), int(vocab_size or 0), None)
+        given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
     with removed_if_left_empty(out_dir):
         result, stats = _tokenize(given, documents, out_dir, num_workers, progress,
                                   _total_docs(input, max_bytes), log)

@@ -48,9 +48,13 @@ def test_csv_and_tsv_text_column(tmp_path: Path) -> None:
             writer.writerows([[i, d] for i, d in enumerate(DOCS)])
         assert list(iter_documents(tmp_path / name, text_key="content")) == DOCS
     stats = DocumentStats()
-    with pytest.raises(CorpusError, match=r"docs\.csv: no column 'text' in the header \(id, "):
-        list(iter_documents(tmp_path / "docs.csv", stats=stats))
-    assert stats.problems == 1
+    with pytest.raises(CorpusError, match=r"the first record of 1 file\(s\) cannot be read "
+                       r"\(checked before reading the corpus\):\n  - \S+docs\.csv: no column "
+                       r"'text' in the header \(id, "):
+        iter_documents(tmp_path / "docs.csv", stats=stats)
+    assert stats.problems == 0  # raised by the check before the corpus is read
+    assert list(iter_documents(tmp_path / "docs.csv", errors="skip", stats=stats)) == []
+    assert stats.problems == 1  # under 'skip': read, left out and counted
 
 
 def test_parquet_column_with_null_rows(tmp_path: Path) -> None:
@@ -151,14 +155,23 @@ def test_every_problem_reported_together_or_skipped(tmp_path: Path) -> None:
 
 
 def test_one_line_per_file_and_reason_with_the_key_to_set(tmp_path: Path) -> None:
-    """A corpus whose records name the text otherwise: one line for all of them, naming the fix."""
+    """Records that name the text otherwise: at once, from the first record, naming the fix;
+    past a good first record, one line for all of them."""
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(f'{{"content": "doc {i}", "id": {i}}}\n' for i in range(50)))
+    with pytest.raises(CorpusError) as info:
+        iter_documents(path)  # the call checks, before any document is read
+    assert str(info.value) == (
+        "the first record of 1 file(s) cannot be read (checked before reading the corpus):\n"
+        f"  - {path}:1: no string under key 'text' (keys: content, id); set "
+        "--data.text_key=content or fix the record\nfix them (e.g. set data.text_key), or leave "
+        "unreadable records out with data.errors='skip' (--data.errors=skip)")
+    assert list(iter_documents(path, text_key="content"))[:2] == ["doc 0", "doc 1"]
+    path.write_text('{"text": "first"}\n' + path.read_text())
     with pytest.raises(CorpusError) as info:
         list(iter_documents(path))
     msg = str(info.value)
     assert msg.startswith("50 document(s) in 1 file(s) cannot be read:\n")
-    assert (f"  - {path}:1 and 49 more records: no string under key 'text' (keys: content, id); "
+    assert (f"  - {path}:2 and 49 more records: no string under key 'text' (keys: content, id); "
             "set --data.text_key=content or fix the record\n") in msg
     assert "... and" not in msg  # every problem is in the one line
-    assert list(iter_documents(path, text_key="content"))[:2] == ["doc 0", "doc 1"]
