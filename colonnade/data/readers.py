@@ -350,14 +350,19 @@ def _read_columnar(source: Source, text_key: str, report: Report) -> Iterator[st
     """The `text_key` column of a parquet or arrow file, one document per row."""
     import pyarrow as pa
 
+    def is_text(kind: Any) -> bool:
+        return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                    or pa.types.is_string_view(kind))
+
     batches, schema = _record_batches(source, text_key)
     if text_key not in schema.names:
+        texts = [f.name for f in schema if is_text(f.type)]
+        fix = f"--data.text_key={texts[0]}" if len(texts) == 1 else "data.text_key"
         report(source.path, "", f"no column {text_key!r} (columns: "
-               f"{', '.join(schema.names)[:200]}); set data.text_key")
+               f"{', '.join(schema.names)[:200]}); set {fix}")
         return
     kind = schema.field(text_key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or pa.types.is_string_view(kind)):
+    if not is_text(kind):
         report(source.path, "", f"column {text_key!r} has type {kind}, not string")
         return
     row = 0

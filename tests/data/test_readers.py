@@ -65,6 +65,10 @@ def test_parquet_column_with_null_rows(tmp_path: Path) -> None:
     assert stats.skipped == [f"{path}[row 3]: null under 'text'"]
     with pytest.raises(CorpusError, match=r"column 'n' has type int64, not string"):
         list(iter_documents(path, text_key="n"))
+    # a missing column: the one string column is named as the key to set
+    with pytest.raises(CorpusError, match=r"no column 'body' \(columns: text, n\); "
+                       r"set --data.text_key=text\n"):
+        iter_documents(path, text_key="body")
 
 
 def test_jsonl_gz_and_zst(tmp_path: Path) -> None:
