@@ -281,44 +281,54 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (config fields look like "
                      "--section.field=value; see `colonnade train --help-config`)")
+    from colonnade.reliability.interrupt import Terminated, sigterm_interrupts
+
     try:
-        if args.command == "train":
-            return _train(args, overrides)
-        if args.command == "prepare":
-            from colonnade.training.setup import prepare_data
-
-            prepare_data(_load(args, overrides))
-            return 0
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "plot":
-            from colonnade.plot import plot_runs
-
-            print(f"wrote {plot_runs(args.runs, args.out)}")
-            return 0
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "bench":
-            from colonnade.bench import run_bench
-
-            return run_bench(args.name, args.args + rest)
-        if args.command == "plan":
-            from colonnade.analysis.cli import run_plan
-
-            return run_plan(args)
+        with sigterm_interrupts():  # SIGTERM cleans up as Ctrl-C does (temporary files)
+            return _run(args, overrides, rest, parser)
     except ConfigError as err:
         print(f"colonnade: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # outside the training loop (which saves and returns): set-up
-        print(f"colonnade: interrupted during `{args.command}` (nothing to save yet)",
+    except KeyboardInterrupt as err:  # outside the training loop (which saves and returns)
+        name, status = ("SIGTERM", 143) if isinstance(err, Terminated) else ("Ctrl-C", 130)
+        print(f"colonnade: interrupted ({name}) during `{args.command}` (nothing to save yet)",
               file=sys.stderr)
-        return 130
+        return status
     except Exception as err:
         status = _failure_status(err)
         if status is None:
             raise
         print(f"colonnade: {type(err).__name__}: {err}", file=sys.stderr)
         return status
+
+
+def _run(args: argparse.Namespace, overrides: list[str], rest: list[str],
+         parser: argparse.ArgumentParser) -> int:
+    """Run the parsed command; its exit status."""
+    if args.command == "train":
+        return _train(args, overrides)
+    if args.command == "prepare":
+        from colonnade.training.setup import prepare_data
+
+        prepare_data(_load(args, overrides))
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "plot":
+        from colonnade.plot import plot_runs
+
+        print(f"wrote {plot_runs(args.runs, args.out)}")
+        return 0
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "bench":
+        from colonnade.bench import run_bench
+
+        return run_bench(args.name, args.args + rest)
+    if args.command == "plan":
+        from colonnade.analysis.cli import run_plan
+
+        return run_plan(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from multiprocessing.pool import AsyncResult, Pool
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from colonnade.reliability.interrupt import STOP_SIGNALS
 
 ENCODE_BATCH = 256
 """Documents per batch (one `encode_batch` call, one task of the pool)."""
@@ -73,8 +76,14 @@ def encode_stream(
             yield encode_batch(tok, eod, batch)
         return
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    pool = _start_pool(mp.get_context(method), num_workers, tok.to_str(), eod)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:  # Ctrl-C / SIGTERM held while forking: one raised in a fork hook would be lost
+        pool = _start_pool(mp.get_context(method), num_workers, tok.to_str(), eod)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here
         pending: deque[AsyncResult[Encoded]] = deque()
         for batch in batches(docs):
             pending.append(pool.apply_async(_encode_in_worker, (batch,)))
@@ -103,6 +112,12 @@ def _start_pool(ctx: mp.context.BaseContext, workers: int, tok_json: str, eod: i
 
 
 def _init_worker(tok_json: str, eod: int) -> None:
+    """A worker leaves Ctrl-C to the parent (which stops the pool) and dies on the pool's
+    SIGTERM, whatever handlers and signal mask it inherited from the parent by fork (the
+    CLI's ``sigterm_interrupts`` would make it print a traceback on its way out)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the parent's fork
     _worker_state["tok"] = Tokenizer.from_str(tok_json)
     _worker_state["eod"] = eod
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -116,7 +117,7 @@ def prepare(
         texts = documents(DocumentStats())  # the input's checks raise here, before the log
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
         given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
-    with removed_if_left_empty(out_dir):
+    with removed_on_failure(out_dir):
         result, stats = _tokenize(given, documents, out_dir, num_workers, progress,
                                   _total_docs(input, max_bytes), log)
     _write_manifest(out_dir, key, result, stats)
@@ -125,15 +126,16 @@ def prepare(
 
 
 @contextmanager
-def removed_if_left_empty(out_dir: Path) -> Iterator[None]:
-    """Run the body; if it fails and ``out_dir`` was created by it and is still empty, remove
-    it (a failed prepare leaves no trace; an existing directory is never touched)."""
+def removed_on_failure(out_dir: Path) -> Iterator[None]:
+    """Run the body; if it fails (an error, Ctrl-C, SIGTERM) and ``out_dir`` was created by
+    it, remove it with whatever the body left there, temporary files included (a failed
+    prepare leaves no trace; a directory that existed before is never removed)."""
     created = not out_dir.exists()
     try:
         yield
     except BaseException:
-        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()
+        if created and out_dir.is_dir():
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise
 
 
@@ -174,10 +176,9 @@ def _tokenize(
     """
     stats = DocumentStats()
     eod = eod_id(tok)
-    writer = IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size())
-    bar = tqdm(total=total, desc="tokenize", unit="doc", disable=not progress)
     start = time.perf_counter()
-    with writer, bar:
+    with (IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size()) as writer,
+          tqdm(total=total, desc="tokenize", unit="doc", disable=not progress) as bar):
         for ids, lengths in encode_stream(tok, eod, documents(stats), num_workers):
             writer.add_documents(ids, lengths)
             bar.update(stats.documents + stats.empty + stats.problems - bar.n)

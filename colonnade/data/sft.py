@@ -46,7 +46,7 @@ from colonnade.data.prepare import (
     _manifest_key,
     _try_reuse,
     _write_manifest,
-    removed_if_left_empty,
+    removed_on_failure,
 )
 from colonnade.data.readers import Source, _open, resolve_input
 from colonnade.data.tokenizer import eod_id, save_tokenizer, train_bpe_from_texts
@@ -168,7 +168,7 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
         texts = ("".join(t for t, _ in ex) for ex in examples(DocumentStats()))
         given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
-    with removed_if_left_empty(out_dir):
+    with removed_on_failure(out_dir):
         result, stats = _write(given, examples, out_dir, progress, log)
     _write_manifest(out_dir, key, result, stats)
     _log_summary(result, stats, log)
@@ -180,11 +180,11 @@ def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Seg
            ) -> tuple[PreparedData, DocumentStats]:
     """data.* and mask.* under temporary names, renamed into place only when all is read."""
     stats, eod = DocumentStats(), eod_id(tok)
-    data = IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size())
-    mask = IndexedDatasetWriter(out_dir / MASK_NAME, 2)
     trained = 0
     start = time.perf_counter()
-    with data, mask, tqdm(desc="tokenize sft", unit="example", disable=not progress) as bar:
+    with (IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size()) as data,
+          IndexedDatasetWriter(out_dir / MASK_NAME, 2) as mask,
+          tqdm(desc="tokenize sft", unit="example", disable=not progress) as bar):
         for segments in examples(stats):
             ids, keep = encode_example(tok, eod, segments)
             data.add_document(ids)

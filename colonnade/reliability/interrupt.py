@@ -7,13 +7,16 @@ no collective of its own), so every rank stops after the same step even when the
 reaches them at different times (the elastic agent forwards it to each worker in turn). The
 loop then saves a final checkpoint and returns; the caller exits with 128 + the signal number
 (130 for SIGINT, 143 for SIGTERM). A second Ctrl-C of a single process interrupts at once
-(KeyboardInterrupt).
+(KeyboardInterrupt). Outside training (data preparation, conversion, set-up),
+:func:`sigterm_interrupts` makes SIGTERM unwind as Ctrl-C does.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -79,3 +82,29 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would raise KeyboardInterrupt (:func:`sigterm_interrupts`)."""
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block SIGTERM unwinds the main thread as Ctrl-C does (:class:`Terminated`, a
+    KeyboardInterrupt), so what clean-up Ctrl-C gets, SIGTERM gets: ``colonnade prepare``
+    removes its partial ``data.bin.tmp`` and the directory it created instead of being killed
+    with them in place. Handlers installed inside (the training loop's :class:`StopRequest`,
+    the launcher's agent) take over while they are in place. Main thread only; elsewhere the
+    block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(_signum: int, _frame: FrameType | None) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
