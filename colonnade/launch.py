@@ -52,6 +52,7 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
     from colonnade.reliability.startup import init_distributed, resume_config
     from colonnade.training.loop import final_summary, train
 
+    own_progress_lock()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = validate(resolve(config, world), world)  # before any process group exists
     info = RankInfo.from_env()
@@ -83,6 +84,18 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
     if result.get("interrupted") and launched:
         _exit_soon(128 + int(result["interrupted"]))
     return {"valid": result["valid"], "interrupted": result.get("interrupted", 0)}
+
+
+def own_progress_lock() -> None:
+    """This rank's progress bars take a thread lock, not tqdm's default multiprocessing one:
+    no bar is shared across processes, and that lock is a named semaphore which a rank ending
+    by ``os._exit`` (:func:`_exit_soon`, after Ctrl-C) leaves behind, for Python's resource
+    tracker to report as "1 leaked semaphore objects" once the job has stopped."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 EXIT_AFTER_STOP_S = 2.0

@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,15 @@ import pytest
 
 from colonnade.config.load import load_config
 from colonnade.training.setup import prepare_data
-from tests.reliability.jobs import alive, heartbeat, losses, start, tiny_args, write_corpus
+from tests.reliability.jobs import (
+    REPO,
+    alive,
+    heartbeat,
+    losses,
+    start,
+    tiny_args,
+    write_corpus,
+)
 
 STEPS = 8
 JOB_TIMEOUT_S = 300
@@ -234,3 +244,29 @@ def test_sigterm_to_the_launcher_with_a_frozen_rank_stops_at_once(corpus: tuple[
     assert "rank 1 was frozen and could not stop: no heartbeat for" in out, out
     assert "failed before training" not in out, out
     assert len(pids) == 2 and not [p for p in pids if alive(p)], "ranks survived the job"
+
+
+RANK_BARS = """
+import multiprocessing, multiprocessing.resource_tracker as tracker
+multiprocessing.set_start_method("spawn")  # as in a rank the launcher spawned
+registered = []
+register = tracker.register
+tracker.register = lambda name, rtype: (registered.append(rtype), register(name, rtype))
+from tqdm import tqdm
+{setup}
+with tqdm(total=3, disable=True) as bar:  # the training loop's bar when stdout is a pipe
+    bar.update(1)
+print(registered)
+"""
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_rank_progress_bars_take_no_named_semaphore(own: bool) -> None:
+    """A rank that ends by os._exit after Ctrl-C must hold no multiprocessing lock, or Python's
+    resource tracker prints "1 leaked semaphore objects" after the job: tqdm's default lock is
+    one (even for a disabled bar; named, and so tracked, under the spawn start method the
+    ranks run with); :func:`own_progress_lock` gives tqdm a thread lock."""
+    setup = "from colonnade.launch import own_progress_lock; own_progress_lock()" if own else ""
+    out = subprocess.run([sys.executable, "-c", RANK_BARS.format(setup=setup)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == ("[]" if own else "['semaphore']")

@@ -62,9 +62,12 @@ def stopped_at(out: str, signame: str) -> int:
 
 
 def assert_clean(out: str) -> None:
-    """A stop that printed no traceback and no launcher-failure report."""
+    """A stop that printed no traceback, no launcher-failure report and no warning from
+    Python's resource tracker (a rank ending by ``os._exit`` with a multiprocessing lock
+    alive: tqdm's default one, before ``run_rank`` gave tqdm a thread lock)."""
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "launcher failed" not in out and "likely cause" not in out, out
+    assert "leaked semaphore" not in out and "resource_tracker" not in out, out
 
 
 def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: range,
