@@ -29,10 +29,24 @@ def describe(script: Path) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
+def is_script(path: Path) -> bool:
+    """Whether ``path`` runs as a script (a top-level ``if __name__ == "__main__":``), rather
+    than being a module the scripts import (``ratios``, ``pipeline_train``, ...)."""
+    def is_main_guard(node: ast.stmt) -> bool:
+        test = node.test if isinstance(node, ast.If) else None
+        return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+                and test.left.id == "__name__" and len(test.comparators) == 1
+                and isinstance(test.comparators[0], ast.Constant)
+                and test.comparators[0].value == "__main__")
+
+    return any(is_main_guard(node) for node in ast.parse(path.read_text()).body)
+
+
 def available() -> dict[str, Path]:
-    """Benchmark name -> script, for every ``benchmarks/*.py``."""
+    """Benchmark name -> script, for every ``benchmarks/*.py`` that runs as a script."""
     root = benchmarks_dir()
-    return {p.stem: p for p in sorted(root.glob("*.py"))} if root.is_dir() else {}
+    scripts = sorted(root.glob("*.py")) if root.is_dir() else []
+    return {p.stem: p for p in scripts if is_script(p)}
 
 
 def run_bench(name: str | None, args: list[str]) -> int:
