@@ -111,7 +111,8 @@ def _add_generate(sub: Any) -> None:
                    "of its step_N dirs, a run's logging.dir (its config.toml names the "
                    "checkpoint), a `convert --from-hf` output, or a Hugging Face "
                    "Llama/GPT-2 folder (config.json, *.safetensors, tokenizer.json)")
-    g.add_argument("--prompt", default="def ", help="text to continue")
+    g.add_argument("--prompt", default="def ", help="text to continue (\"\": a new document, "
+                   "started after the end-of-document token)")
     g.add_argument("--max-new-tokens", type=int, default=120)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=40)
@@ -231,13 +232,13 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from colonnade.data import load_tokenizer
+    from colonnade.data import eod_id, load_tokenizer
     from colonnade.generate import generate, generation_device, load_for_generation
 
     device = generation_device(args.device)
     model, tok_path = load_for_generation(args.model_dir, device)
     tok = load_tokenizer(tok_path)
-    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids or [eod_id(tok)]  # "": a new doc
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,

@@ -68,6 +68,10 @@ def generate(model: ModelChunk, prompt: torch.Tensor, max_new_tokens: int, *,
     The prompt is moved to the model's device; the result [b, s0 + new] stays there. A
     ``generator`` for sampling must be on that device too.
     """
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt must be [batch, tokens] with at least one token, got shape "
+                         f"{tuple(prompt.shape)} (an empty text prompt: start from the "
+                         "end-of-document token)")
     model.eval()
     prompt = prompt.to(next(model.parameters()).device)
     limit = model.cfg.max_seq_len

@@ -149,3 +149,26 @@ def test_generate_cli_device_cpu_output_unchanged(
         for device in ([], ["--device", "cpu"]):
             assert main([*args, *device]) == 0
             assert capsys.readouterr().out == expect, (temp, device)
+
+
+def test_an_empty_prompt_starts_a_new_document(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--prompt ""` (an IndexError traceback before) continues the end-of-document token:
+    the model's own start of a document; generate() itself refuses an empty prompt by name."""
+    from colonnade import generate as gen_mod
+    from colonnade.cli import main
+    from colonnade.data.tokenizer import eod_id, load_tokenizer
+    from colonnade.generate import load_for_generation
+    from tests.gpu.helpers import tiny_checkpoint
+
+    monkeypatch.setattr(gen_mod, "has_gpu", lambda: False)
+    ck = tiny_checkpoint(tmp_path)
+    model, tok_path = load_for_generation(ck)
+    tok = load_tokenizer(tok_path)
+    out = generate(model, torch.tensor([[eod_id(tok)]]), 10, temperature=0.0)
+    assert main(["generate", str(ck), "--prompt", "", "--max-new-tokens", "10",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tok.decode(out[0].tolist()) + "\n"
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, torch.zeros((1, 0), dtype=torch.long), 3)
