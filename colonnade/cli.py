@@ -233,12 +233,29 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from colonnade.data import eod_id, load_tokenizer
-    from colonnade.generate import generate, generation_device, load_for_generation
+    from colonnade.generate import (
+        generate,
+        generation_device,
+        load_for_generation,
+        sampling_problems,
+    )
 
+    problems = sampling_problems(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if problems:  # before the model is loaded
+        raise ConfigError("invalid generation arguments:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
     device = generation_device(args.device)
     model, tok_path = load_for_generation(args.model_dir, device)
     tok = load_tokenizer(tok_path)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids or [eod_id(tok)]  # "": a new doc
+    limit = model.cfg.max_seq_len
+    if len(ids) >= limit:
+        raise ConfigError(f"--prompt is {len(ids)} tokens; the model's context (max_seq_len) is "
+                          f"{limit} tokens: shorten it to at most {limit - 1}")
+    if len(ids) + args.max_new_tokens > limit:
+        print(f"colonnade: generating {limit - len(ids)} tokens, not {args.max_new_tokens}: the "
+              f"prompt's {len(ids)} and the new ones fill the model's context ({limit})",
+              file=sys.stderr)
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,

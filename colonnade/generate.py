@@ -7,6 +7,7 @@ sequence), whatever layout wrote the checkpoint.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -57,6 +58,22 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 @torch.no_grad()
+def sampling_problems(max_new_tokens: int, temperature: float, top_k: int, top_p: float
+                      ) -> list[str]:
+    """What is wrong with generation arguments, each naming the option and its range (none:
+    an empty list); ``colonnade generate`` refuses them before loading the model."""
+    out = []
+    if max_new_tokens < 0:
+        out.append(f"--max-new-tokens={max_new_tokens} must be >= 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        out.append(f"--temperature={temperature} must be >= 0 (0: greedy)")
+    if top_k < 0:
+        out.append(f"--top-k={top_k} must be >= 0 (0: off)")
+    if not 0 < top_p <= 1:
+        out.append(f"--top-p={top_p} must be in (0, 1] (1: off)")
+    return out
+
+
 def generate(model: ModelChunk, prompt: torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              use_cache: bool = True, generator: torch.Generator | None = None,
@@ -66,15 +83,20 @@ def generate(model: ModelChunk, prompt: torch.Tensor, max_new_tokens: int, *,
     With ``use_cache`` each new token runs one position through the layers against cached keys
     and values; without it the whole sequence is recomputed every step (same result).
     The prompt is moved to the model's device; the result [b, s0 + new] stays there. A
-    ``generator`` for sampling must be on that device too.
+    ``generator`` for sampling must be on that device too. Generation stops at the model's
+    context, ``max_seq_len`` tokens in all; a prompt must leave room for one.
     """
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt must be [batch, tokens] with at least one token, got shape "
+    limit = model.cfg.max_seq_len
+    if prompt.ndim != 2 or not 0 < prompt.shape[1] < limit:
+        raise ValueError(f"prompt must be [batch, tokens] with 1 to {limit - 1} tokens (the "
+                         f"model's context, max_seq_len, is {limit}), got shape "
                          f"{tuple(prompt.shape)} (an empty text prompt: start from the "
                          "end-of-document token)")
+    problems = sampling_problems(max_new_tokens, temperature, top_k, top_p)
+    if problems:
+        raise ValueError("; ".join(problems))
     model.eval()
     prompt = prompt.to(next(model.parameters()).device)
-    limit = model.cfg.max_seq_len
     if prompt.shape[1] + max_new_tokens > limit:
         max_new_tokens = max(0, limit - prompt.shape[1])
     tokens = prompt

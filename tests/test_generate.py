@@ -170,5 +170,38 @@ def test_an_empty_prompt_starts_a_new_document(
     assert main(["generate", str(ck), "--prompt", "", "--max-new-tokens", "10",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out == tok.decode(out[0].tolist()) + "\n"
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match=r"with 1 to \d+ tokens"):
         generate(model, torch.zeros((1, 0), dtype=torch.long), 3)
+
+
+def test_generation_arguments_are_checked_before_loading(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad sampling options are refused by name before the model loads (a negative temperature
+    silently meant greedy, top-p > 1 no filtering, a negative count no tokens); a prompt that
+    fills the context is refused with its length; one that leaves less room than asked for
+    generates what fits and says so."""
+    from colonnade import generate as gen_mod
+    from colonnade.cli import main
+    from colonnade.generate import load_for_generation
+    from tests.gpu.helpers import tiny_checkpoint
+
+    monkeypatch.setattr(gen_mod, "has_gpu", lambda: False)
+    assert main(["generate", str(tmp_path / "absent"), "--temperature", "-1", "--top-p", "2",
+                 "--top-k", "-1", "--max-new-tokens", "-3"]) == 2
+    err = capsys.readouterr().err
+    for part in ("--max-new-tokens=-3 must be >= 0", "--temperature=-1.0 must be >= 0",
+                 "--top-k=-1 must be >= 0", "--top-p=2.0 must be in (0, 1]"):
+        assert part in err, err
+    assert "absent" not in err  # refused before the model directory was looked at
+    ck = tiny_checkpoint(tmp_path)
+    model, _ = load_for_generation(ck)
+    limit = model.cfg.max_seq_len
+    with pytest.raises(ValueError, match="--top-p=0 must be in"):
+        generate(model, torch.ones((1, 2), dtype=torch.long), 3, top_p=0)
+    assert main(["generate", str(ck), "--prompt", "a" * 4 * limit]) == 2
+    assert "the model's context (max_seq_len) is" in capsys.readouterr().err
+    assert main(["generate", str(ck), "--prompt", "def", "--max-new-tokens", str(10 * limit),
+                 "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f" tokens, not {10 * limit}: the prompt's " in err and f"context ({limit})" in err
