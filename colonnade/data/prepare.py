@@ -113,13 +113,16 @@ def prepare(
             return iter_stdlib_documents(max_bytes, stats=stats)
         return iter_documents(input, text_key=text_key, errors=errors, stats=stats)
 
+    total = _total_docs(input, max_bytes)
     if given is None:
         texts = documents(DocumentStats())  # the input's checks raise here, before the log
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
-        given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
+        with tqdm(texts, total=total, desc="train tokenizer", unit="doc",
+                  disable=not progress) as read:  # the corpus is read once to train it
+            given = train_bpe_from_texts(read, int(vocab_size or 0), None)
     with removed_on_failure(out_dir):
-        result, stats = _tokenize(given, documents, out_dir, num_workers, progress,
-                                  _total_docs(input, max_bytes), log)
+        result, stats = _tokenize(given, documents, out_dir, num_workers, progress, total,
+                                  log)
     _write_manifest(out_dir, key, result, stats)
     _log_summary(result, stats, log)
     return result
