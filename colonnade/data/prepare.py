@@ -117,8 +117,8 @@ def prepare(
     if given is None:
         texts = documents(DocumentStats())  # the input's checks raise here, before the log
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
-        with tqdm(texts, total=total, desc="train tokenizer", unit="doc",
-                  disable=not progress) as read:  # the corpus is read once to train it
+        with tqdm(texts, total=total, desc="train tokenizer", unit="doc",  # reads the corpus
+                  disable=None if progress else True) as read:  # None: off when not a terminal
             given = train_bpe_from_texts(read, int(vocab_size or 0), None)
     with removed_on_failure(out_dir):
         result, stats = _tokenize(given, documents, out_dir, num_workers, progress, total,
