@@ -137,15 +137,33 @@ def clock_for(pg: Any) -> Clock:
     """The one place where the backend decides how operations are timed and finished:
     wall clock for host-blocking backends (gloo, and size-1 groups), CUDA events for
     stream-ordered ones (:data:`STREAM_ORDERED_BACKENDS`)."""
-    if pg is None:
-        return WallClock()
-    try:
-        backend = str(dist.get_backend(pg)).lower()
-    except (RuntimeError, ValueError):  # a group this rank is not in: it never runs an op here
-        return WallClock()
+    backend = backend_name(pg)
     if any(name in backend for name in STREAM_ORDERED_BACKENDS):
         return EventClock()
     return WallClock()
+
+
+def backend_name(pg: Any) -> str:
+    """``pg``'s backend, lower case ('gloo', 'nccl', 'cpu:gloo,cuda:nccl'); '' for no group
+    (size 1) or a group this rank is not in (it never runs an operation there)."""
+    if pg is None:
+        return ""
+    try:
+        return str(dist.get_backend(pg)).lower()
+    except (RuntimeError, ValueError):
+        return ""
+
+
+COALESCING_BACKENDS = ("nccl",)
+"""Backends that run the operations of one ``batch_isend_irecv`` as one group (NCCL's
+``ncclGroupStart/End``); the others (gloo) post them one by one."""
+
+
+def coalesces(pg: Any) -> bool:
+    """Whether ``pg``'s backend coalesces batched p2p (:data:`COALESCING_BACKENDS`; a mixed
+    backend such as 'cpu:gloo,cuda:nccl' counts as coalescing, the safe side)."""
+    backend = backend_name(pg)
+    return any(name in backend for name in COALESCING_BACKENDS)
 
 
 @dataclass
@@ -398,6 +416,8 @@ class CommGroup:
         """How this group's operations are timed and finished (:func:`clock_for`)."""
         self.size = len(ranks)
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
+        self.coalesces = coalesces(pg)
+        """Whether the backend runs a ``batch_isend_irecv`` as one group (:func:`coalesces`)."""
 
     def __repr__(self) -> str:
         return f"CommGroup({self.name}, ranks={self.ranks})"
@@ -534,20 +554,28 @@ class CommGroup:
             *, name: str = "") -> Handle:
         """Post sends and receives (peers are *global* ranks) together; returns one handle.
 
-        Uses ``batch_isend_irecv`` so the backend may fuse them; ``wait`` on the handle
+        On a backend that coalesces (NCCL) they go through ``batch_isend_irecv``, one group
+        that starts and completes together; elsewhere (gloo) ``batch_isend_irecv`` would only
+        loop over ``isend`` / ``irecv``, so they are posted by those directly (~17 us less host
+        time per operation, on every hop of a pipeline's critical path). ``wait`` on the handle
         completes all of them.
         """
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group=self.pg) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=self.pg) for t, peer in recvs]
+        sends = [(t.contiguous(), peer) for t, peer in sends]
         payload = sum(_nbytes(t) for t, _ in sends)
         entry = self.stats.record(f"{self.name}/p2p" + (f"/{name}" if name else ""),
                                   payload, float(payload))
-        if not ops:
+        if not sends and not recvs:
             return Handle(None, self, "p2p", entry)
         seq, start = self.stats.begin(self, f"p2p({name})", payload), time.perf_counter()
         posted = self.clock.mark()
         try:
-            works = dist.batch_isend_irecv(ops)
+            if self.coalesces:
+                works = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, t, peer, group=self.pg) for t, peer in sends]
+                    + [dist.P2POp(dist.irecv, t, peer, group=self.pg) for t, peer in recvs])
+            else:
+                works = [dist.isend(t, peer, group=self.pg) for t, peer in sends]
+                works += [dist.irecv(t, peer, group=self.pg) for t, peer in recvs]
         except Exception as err:
             raise self.error(f"p2p({name})", err, start) from err
         return Handle(_WorkList(works), self, f"p2p({name})", entry, seq, posted)

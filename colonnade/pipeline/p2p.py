@@ -50,7 +50,6 @@ from functools import lru_cache
 from types import MappingProxyType
 
 import torch
-import torch.distributed as dist
 
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, locate, virtual_stage
@@ -340,7 +339,7 @@ class PipeComm:
                  dtype: torch.dtype, device: torch.device, in_order: bool = False) -> None:
         self.group, self.stage = group, stage
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
-        self.nccl = group.pg is not None and dist.get_backend(group.pg) == "nccl"
+        self.nccl = group.coalesces  # NCCL: each group posted as one batch
         self.in_order = in_order and not self.nccl
         self.stream: _InOrderStream | None = None  # started by the first post (in order)
         self.inbox: dict[Message, tuple[torch.Tensor, _Posted]] = {}

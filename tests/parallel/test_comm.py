@@ -318,6 +318,56 @@ def test_clock_for_is_the_one_backend_choice(monkeypatch: pytest.MonkeyPatch) ->
     assert isinstance(group.clock, EventClock)
 
 
+def test_p2p_batches_only_on_a_coalescing_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL: one ``batch_isend_irecv`` (one group, started and completed together); gloo:
+    ``isend`` / ``irecv`` posted directly in the same order (what ``batch_isend_irecv`` does
+    there, without its per-operation wrapping); the handle waits for every work either way."""
+    from colonnade.parallel.comm import WallClock, coalesces
+
+    calls: list[tuple[str, ...]] = []
+
+    class Work:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait(self) -> None:
+            calls.append(("wait", self.name))
+
+        def is_completed(self) -> bool:
+            return True
+
+    def isend(t: torch.Tensor, dst: int, group: Any = None) -> Work:
+        calls.append(("isend", str(dst)))
+        return Work(f"send{dst}")
+
+    def irecv(t: torch.Tensor, src: int, group: Any = None) -> Work:
+        calls.append(("irecv", str(src)))
+        return Work(f"recv{src}")
+
+    def batch(ops: list[Any]) -> list[Work]:
+        calls.append(("batch", *(f"{op.op.__name__}{op.peer}" for op in ops)))
+        return [Work("batched")]
+
+    monkeypatch.setattr(dist, "get_backend", lambda pg: pg)
+    monkeypatch.setattr(dist, "isend", isend)
+    monkeypatch.setattr(dist, "irecv", irecv)
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group=None: type(
+        "Op", (), {"op": op, "peer": peer})())
+    assert not coalesces(None) and not coalesces("gloo")
+    assert coalesces("nccl") and coalesces("cpu:gloo,cuda:nccl")
+    x, y = torch.ones(2), torch.empty(2)
+    for backend, want in [
+        ("gloo", [("isend", "1"), ("isend", "2"), ("irecv", "1"), ("wait", "send1"),
+                  ("wait", "send2"), ("wait", "recv1")]),
+        ("nccl", [("batch", "isend1", "isend2", "irecv1"), ("wait", "batched")]),
+    ]:
+        calls.clear()
+        group = CommGroup("pp", [0, 1, 2], backend, CommStats(), 0, clock=WallClock())
+        group.p2p([(x, 1), (x, 2)], [(y, 1)], name="swap").wait()
+        assert calls == want, backend
+
+
 @pytest.mark.gpu
 def test_nccl_timing_from_events_on_a_gpu(tmp_path: Any) -> None:
     """On a real NCCL group (one rank: the ranks list is only a label here) an async all-reduce
