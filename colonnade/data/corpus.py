@@ -182,9 +182,11 @@ def _read_all(
         raise CorpusError(problems_message(stats))
 
 
-def problems_message(stats: DocumentStats, shown: int = 20) -> str:
-    """One message listing the unreadable documents: one line per (file, reason), the first
-    `shown` of them (``c.jsonl:1 and 2999 more records: <reason>``), then counts per file."""
+def problems_message(stats: DocumentStats, shown: int = 20, what: str = "document(s)",
+                     fix: str = "convert to UTF-8, set data.text_key") -> str:
+    """One message listing the unreadable `what` (documents; SFT: examples): one line per
+    (file, reason), the first `shown` of them (``c.jsonl:1 and 2999 more records: <reason>``),
+    then counts per file, then the usual fixes `fix`."""
     lines = [f"  - {path}{at}{f' and {n - 1} more records' if n > 1 else ''}: {reason}"
              for (path, reason), (at, n) in list(stats.groups.items())[:shown]]
     listed_count = sum(n for _, n in list(stats.groups.values())[:shown])
@@ -192,9 +194,9 @@ def problems_message(stats: DocumentStats, shown: int = 20) -> str:
     if stats.problems > listed_count:
         per_file = ", ".join(f"{name} ({n})" for name, n in stats.bad_files.items())
         more = f"\n  ... and {stats.problems - listed_count} more; per file: {per_file}"
-    return (f"{stats.problems} document(s) in {len(stats.bad_files)} file(s) cannot be read:\n"
-            f"{listed}{more}\nfix them (e.g. convert to UTF-8, set data.text_key), or leave them "
-            "out with data.errors='skip' (--data.errors=skip)")
+    return (f"{stats.problems} {what} in {len(stats.bad_files)} file(s) cannot be read:\n"
+            f"{listed}{more}\nfix them (e.g. {fix}), or leave them out with "
+            "data.errors='skip' (--data.errors=skip)")
 
 
 def corpus_fingerprint(input: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> str:

@@ -77,8 +77,22 @@ def example_segments(record: Any, prompt_key: str, response_key: str) -> list[Se
     if not isinstance(prompt, str) or not isinstance(response, str):
         keys = ", ".join(map(str, record))[:120]
         return (f"needs strings under {prompt_key!r} and {response_key!r} or a 'messages' list "
-                f"(keys: {keys}); set data.prompt_key / data.response_key")
+                f"(keys: {keys}); {_key_fix(record, prompt_key, response_key)}")
     return [(prompt, False), (response, True)]
+
+
+def _key_fix(record: dict[Any, Any], prompt_key: str, response_key: str) -> str:
+    """The options that would read ``record``: each missing key named when the record's other
+    string fields are exactly as many, in their order (``{"question": .., "answer": ..}`` ->
+    ``--data.prompt_key=question --data.response_key=answer``), else the fields to set."""
+    options = {"prompt_key": prompt_key, "response_key": response_key}
+    missing = [name for name, key in options.items() if not isinstance(record.get(key), str)]
+    spare = [str(k) for k, v in record.items()
+             if isinstance(v, str) and k not in options.values()]
+    if len(spare) != len(missing):
+        return "set data.prompt_key / data.response_key"
+    return "set " + " ".join(f"--data.{name}={key}" for name, key in zip(missing, spare,
+                                                                            strict=True))
 
 
 def _records(source: Source, report: Callable[[Path, str, str], None]) -> Iterator[tuple[Any,
@@ -105,14 +119,54 @@ def _records(source: Source, report: Callable[[Path, str, str], None]) -> Iterat
 
 def iter_examples(input: str | Path, prompt_key: str, response_key: str,
                   errors: ErrorPolicy, stats: DocumentStats) -> Iterator[list[Segment]]:
-    """Every usable example of ``input``, in order. Bad records are counted in ``stats``;
-    under errors='strict' one error listing them all is raised once the input is read."""
+    """Every usable example of ``input``, in order: an iterator that reads as it is consumed,
+    returned once the checks passed. Bad records are counted in ``stats``; under
+    errors='strict' one error listing them all is raised once the input is read, and the
+    first record of each .jsonl file is checked by this call (:func:`first_example_problems`),
+    so keys named otherwise fail at once rather than after a full read."""
     sources = resolve_input(input, stats.ignored)
     wrong = [f"{s.path} ({s.fmt})" for s in sources if s.fmt not in SFT_FORMATS]
     if wrong:
         raise DataError(f"data.format='sft' reads .jsonl/.json records of prompt/response or "
                         f"messages; these inputs are not: {', '.join(wrong[:5])}; convert them "
                         "or use data.format='text'")
+    if errors == "strict" and (first := first_example_problems(sources, prompt_key,
+                                                               response_key)):
+        raise CorpusError(
+            f"the first record of {len(first)} file(s) is not an SFT example (checked before "
+            "reading the input):\n" + "\n".join(f"  - {line}" for line in first)
+            + "\nfix them, or leave unusable records out with data.errors='skip' "
+            "(--data.errors=skip)")
+    return _read_examples(sources, prompt_key, response_key, errors, stats)
+
+
+def first_example_problems(sources: list[Source], prompt_key: str, response_key: str,
+                           limit: int = 64) -> list[str]:
+    """``"<where>: <reason>"`` for each of the first ``limit`` .jsonl sources whose first
+    record is not a usable example (a line each: milliseconds; a .json array is parsed whole
+    and is checked with the rest)."""
+    problems: list[str] = []
+
+    def note(path: Path, at: str, reason: str) -> None:
+        problems.append(f"{path}{at}: {reason}")
+
+    for source in [s for s in sources if s.fmt == "jsonl"][:limit]:
+        count = len(problems)
+        records = _records(source, note)
+        try:
+            first = next(records, None)
+        finally:
+            records.close()
+        if first is not None and len(problems) == count:
+            record, at = first
+            segments = example_segments(record, prompt_key, response_key)
+            if isinstance(segments, str):
+                note(source.path, at, segments)
+    return problems
+
+
+def _read_examples(sources: list[Source], prompt_key: str, response_key: str,
+                   errors: ErrorPolicy, stats: DocumentStats) -> Iterator[list[Segment]]:
     for source in sources:
         for record, at in _records(source, stats.report):
             segments = example_segments(record, prompt_key, response_key)
@@ -123,7 +177,8 @@ def iter_examples(input: str | Path, prompt_key: str, response_key: str,
             stats.bytes += sum(len(text.encode("utf-8")) for text, _ in segments)
             yield segments
     if errors == "strict" and stats.problems:
-        raise CorpusError(problems_message(stats))
+        raise CorpusError(problems_message(stats, what="example(s)",
+                                           fix="set data.prompt_key / data.response_key"))
 
 
 def encode_example(tok: Tokenizer, eod: int, segments: list[Segment]) -> tuple[np.ndarray,
@@ -165,9 +220,12 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
         return iter_examples(input, prompt_key, response_key, errors, stats)
 
     if given is None:
+        first = examples(DocumentStats())  # the input's checks raise here, before the log
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
-        texts = ("".join(t for t, _ in ex) for ex in examples(DocumentStats()))
-        given = train_bpe_from_texts(texts, int(vocab_size or 0), None)
+        with tqdm(first, desc="train tokenizer", unit="example",  # reads the input
+                  disable=None if progress else True) as read:  # None: off when not a terminal
+            given = train_bpe_from_texts(("".join(t for t, _ in ex) for ex in read),
+                                         int(vocab_size or 0), None)
     with removed_on_failure(out_dir):
         result, stats = _write(given, examples, out_dir, progress, log)
     _write_manifest(out_dir, key, result, stats)

@@ -121,6 +121,35 @@ def test_sft_rejects_text_inputs_and_stale_masks(tmp_path: Path) -> None:
         WindowDataset(res.dataset(), 8)
 
 
+def test_sft_keys_named_otherwise_fail_before_the_input_is_read(tmp_path: Path) -> None:
+    """A file whose records use other keys fails on its first record, before the tokenizer
+    is trained or anything is logged or written, naming the options that read it; a later
+    bad record is still found by the full read (and listed as examples, with the SFT fix)."""
+    qa = [{"question": f"what is {i}?", "answer": f"{i}", "id": i} for i in range(50)]
+    logged: list[str] = []
+    with pytest.raises(CorpusError, match=r"(?s)first record of 1 file\(s\) is not an SFT "
+                       r"example.*qa.jsonl:1: .*set --data.prompt_key=question "
+                       r"--data.response_key=answer\n"):
+        prepare_sft(_write(tmp_path / "qa.jsonl", qa), tmp_path / "out", 300, progress=False,
+                    log=logged.append)
+    assert logged == [] and not (tmp_path / "out").exists()
+    half = [{"prompt": "p", "reply": "r"}]  # only the response key is named otherwise
+    with pytest.raises(CorpusError, match=r"set --data.response_key=reply\n"):
+        prepare_sft(_write(tmp_path / "half.jsonl", half), tmp_path / "out", 300,
+                    progress=False, log=logged.append)
+    alpaca = [{"instruction": "i", "input": "", "output": "o"}]  # which is which: not guessed
+    with pytest.raises(CorpusError, match=r"set data.prompt_key / data.response_key\n"):
+        prepare_sft(_write(tmp_path / "alpaca.jsonl", alpaca), tmp_path / "out", 300,
+                    progress=False, log=logged.append)
+    later = [*_records(10), {"question": "q", "answer": "a"}]  # first record fine
+    with pytest.raises(CorpusError, match=r"(?s)^1 example\(s\) in 1 file\(s\).*later.jsonl"
+                       r":11: .*--data.response_key=answer\n.*e.g. set data.prompt_key"):
+        prepare_sft(_write(tmp_path / "later.jsonl", later), tmp_path / "out", 300,
+                    progress=False, log=logged.append)
+    assert logged == ["prepare: training a byte-level BPE tokenizer (vocab_size=300)"]
+    assert not (tmp_path / "out").exists()
+
+
 def _config(prepared: Path, steps: int) -> Config:
     model = ModelConfig(arch="llama", num_layers=2, hidden_size=48, num_heads=4, vocab_size=300,
                         max_seq_len=32)
