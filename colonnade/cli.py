@@ -39,12 +39,15 @@ def _config_help(only: dict[str, tuple[str, ...] | None] | None = None) -> str:
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launching (torch elastic launcher)")
-    g.add_argument("--nproc", type=int, default=1, help="ranks to start on this node")
-    g.add_argument("--nnodes", type=int, default=1, help="number of nodes")
-    g.add_argument("--node-rank", type=int, default=0, help="this node's index (static rdzv)")
-    g.add_argument("--rdzv-endpoint", default="127.0.0.1:29511", help="host:port of rank 0")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="ranks to start on this node (default: 1)")
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index (static rdzv; default: 0)")
+    g.add_argument("--rdzv-endpoint", default="127.0.0.1:29511",
+                   help="host:port of rank 0 (default: 127.0.0.1:29511)")
     g.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the whole job this many times after a failure")
+                   help="restart the whole job this many times after a failure (default: 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,11 +116,18 @@ def _add_generate(sub: Any) -> None:
                    "Llama/GPT-2 folder (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--prompt", default="def ", help="text to continue (\"\": a new document, "
                    "started after the end-of-document token)")
-    g.add_argument("--max-new-tokens", type=int, default=120)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=120,
+                   help="tokens to generate, at most the model's context left after the "
+                   "prompt (default: 120)")
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="divides the logits before sampling; 0 = greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40,
+                   help="sample among the k most likely tokens; 0 = off (default: 40)")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="sample among the fewest tokens whose probability reaches p (nucleus); "
+                   "1 = off (default: 0.95)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: the same seed gives the same text (default: 0)")
     g.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs: auto (default) = cuda when a GPU is visible, "

@@ -52,16 +52,24 @@ examples:
   colonnade plan --model gpt3-175b --cluster a100-80gb --gpus 1024 --global-batch 1536 \\
       --seq-len 2048
   colonnade plan --model configs/my-model.toml --cluster h100 --gpus 16 --tp 8 --json plan.json
-  colonnade plan --model llama3-8b --cluster h100 --gpus 16 --seq-len 65536 \
+  colonnade plan --model llama3-8b --cluster h100 --gpus 16 --seq-len 65536 \\
       --max-seq-len 65536 --cp 1,2,4,8 --cp-attention ring,all_to_all
-  colonnade plan --model llama3-8b --set model.num_experts=8 --set model.moe_top_k=2 \
+  colonnade plan --model llama3-8b --set model.num_experts=8 --set model.moe_top_k=2 \\
       --cluster h100 --gpus 16 --ep 1,2,4,8          # an 8-expert MoE: ep searched
   colonnade plan --calibrate --save-cluster configs/clusters/cpu-local.toml   # this machine"""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                     argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each option; description and examples kept as written."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Description and examples kept as written; an option's default shown after its help
+    when it has one that the help does not already state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or default == [] or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -96,16 +104,21 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cluster", default="a100-80gb",
                    help=f"{', '.join(sorted(PRESETS))} (aliases {', '.join(sorted(ALIASES))}) "
                    "or a cluster TOML")
-    c.add_argument("--gpus", type=int, help="devices to use")
+    c.add_argument("--gpus", type=int, help="devices to plan for (required unless "
+                   "--calibrate)")
     f = p.add_argument_group("fixed choices (default: search all)")
-    for name in ("tp", "pp", "vp", "dp"):
-        f.add_argument(f"--{name}", type=int)
-    f.add_argument("--micro-batch", type=int)
+    for name, what in (("tp", "only this tensor-parallel degree"),
+                       ("pp", "only this pipeline-parallel degree"),
+                       ("vp", "only this many virtual pipeline stages per rank"),
+                       ("dp", "only this data-parallel degree")):
+        f.add_argument(f"--{name}", type=int, help=what)
+    f.add_argument("--micro-batch", type=int, help="only this micro-batch size (samples)")
     f.add_argument("--max-tp", type=int, help="largest tp searched (default: GPUs per node)")
     f.add_argument("--recompute", default=",".join(RECOMPUTE), help="modes to search")
     f.add_argument("--schedule", default=",".join(SCHEDULES), help="pipeline schedules to "
                    "search (gpipe allowed)")
-    f.add_argument("--sp", choices=("any", "on", "off"), default="any")
+    f.add_argument("--sp", choices=("any", "on", "off"), default="any",
+                   help="sequence parallelism (with tp > 1): search both, or only on / off")
     f.add_argument("--zero", default="0,1,2,3",
                    help="ZeRO stages to search (comma list of 0-3; stages >= 1 need dp > 1)")
     f.add_argument("--reshard", choices=("default", "any", "on", "off"), default="default",
