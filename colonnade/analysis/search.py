@@ -231,10 +231,9 @@ def check_workload(w: Workload) -> None:
 def _factor_error(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> PlanError:
     m = w.shape
     tps = _tp_options(w, gpus, c, cons)
-    near = [n for n in range(max(1, gpus - 16), gpus + 17)
-            if n != gpus and any(True for _ in _first(layouts(w, n, c, cons)))]
-    near.sort(key=lambda n: (abs(n - gpus), n))
-    hint = ", ".join(str(n) for n in sorted(near[:4])) or "none within +-16"
+    reach = max(16, gpus // 4)
+    near = _working_counts(w, gpus, c, cons, reach)
+    hint = ", ".join(str(n) for n in sorted(near)) or f"none within +-{reach}"
     return PlanError(
         f"{gpus} GPUs cannot be factored as tp x pp x dp for this workload: tp must divide "
         f"heads={m.heads}, kv heads and ffn={m.ffn} and be <= {cons.max_tp or c.gpus_per_node} "
@@ -242,6 +241,21 @@ def _factor_error(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Plan
         f"divide the global batch {w.global_batch}"
         + (f"; fixed {_fixed(cons)}" if _fixed(cons) else "")
         + f". GPU counts near {gpus} that work: {hint}.")
+
+
+def _working_counts(w: Workload, gpus: int, c: Cluster, cons: Constraints, reach: int,
+                    want: int = 4) -> list[int]:
+    """Up to ``want`` device counts closest to ``gpus`` (at most ``reach`` away) with a valid
+    layout: a count that does not factor fails in its first divisor loops, so even a search
+    of +-256 around 1,000 GPUs takes milliseconds."""
+    found: list[int] = []
+    for d in range(1, reach + 1):
+        for n in (gpus - d, gpus + d):
+            if n >= 1 and len(found) < want and _first(layouts(w, n, c, cons)):
+                found.append(n)
+        if len(found) >= want:
+            break
+    return found
 
 
 def _fixed(cons: Constraints) -> str:

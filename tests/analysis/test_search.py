@@ -62,6 +62,20 @@ def test_gpu_count_not_factorable() -> None:
     assert "global batch 1024" in msg and "16" in msg.split("work:")[1]
 
 
+def test_gpu_counts_suggested_beyond_16_away() -> None:
+    """1001 GPUs for GPT-3 175B at global batch 1536 (1001 = 7 x 11 x 13): no count within
+    +-16 factors, so the search reaches further (up to a quarter of the count) and names the
+    four nearest that do, each of which plans."""
+    gpt3 = Workload.from_config(load_config(CONFIGS / "gpt3-175b.toml"))
+    w = dataclasses.replace(gpt3, global_batch=1536)
+    with pytest.raises(PlanError) as err:
+        plan(w, A100, 1001)
+    counts = [int(n) for n in str(err.value).split("work: ")[1].rstrip(".").split(", ")]
+    assert counts == [768, 864, 1024, 1152]
+    for n in counts:
+        assert any(True for _ in layouts(w, n, A100, Constraints()))
+
+
 def test_bad_workloads_name_the_field() -> None:
     w = dataclasses.replace(_llama7b(), seq_len=8192)
     with pytest.raises(PlanError, match="max_seq_len=4096"):
