@@ -294,7 +294,7 @@ def test_stream_ordered_wait_does_not_finish_the_op(monkeypatch: pytest.MonkeyPa
 def test_host_blocking_wait_finishes_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """gloo (wall clock): wait() blocks until the data is there, so the op is done when it
     returns, whatever is_completed says; the times are the host's."""
-    from colonnade.parallel.comm import WallClock
+    from colonnade.parallel.comm_stats import WallClock
 
     work = _StreamOrderedWork()
     group = _fake_group(monkeypatch, WallClock(), work)
@@ -308,7 +308,7 @@ def test_host_blocking_wait_finishes_the_op(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_clock_for_is_the_one_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from colonnade.parallel.comm import EventClock, WallClock, clock_for
+    from colonnade.parallel.comm_stats import EventClock, WallClock, clock_for
 
     assert isinstance(clock_for(None), WallClock)
     monkeypatch.setattr(dist, "get_backend", lambda pg: pg)
@@ -322,7 +322,8 @@ def test_p2p_batches_only_on_a_coalescing_backend(monkeypatch: pytest.MonkeyPatc
     """NCCL: one ``batch_isend_irecv`` (one group, started and completed together); gloo:
     ``isend`` / ``irecv`` posted directly in the same order (what ``batch_isend_irecv`` does
     there, without its per-operation wrapping); the handle waits for every work either way."""
-    from colonnade.parallel.comm import WallClock, coalesces
+    from colonnade.parallel.comm import coalesces
+    from colonnade.parallel.comm_stats import WallClock
 
     calls: list[tuple[str, ...]] = []
 
@@ -376,7 +377,7 @@ def test_nccl_timing_from_events_on_a_gpu(tmp_path: Any) -> None:
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0,
                                 world_size=1, device_id=torch.device("cuda", 0))
-    from colonnade.parallel.comm import EventClock
+    from colonnade.parallel.comm_stats import EventClock
 
     group = CommGroup("dp", [0, 1], dist.group.WORLD, CommStats(), 0)
     assert isinstance(group.clock, EventClock)
