@@ -220,10 +220,13 @@ def _degrees(c: Config, world: int | None) -> list[str]:
     out.extend(_expert_degrees(p.tp, p.cp, p.dp, p.ep, p.expert_tp))
     if world is not None:
         model_ranks = p.tp * p.pp * p.cp
-        if p.dp is None or p.dp * model_ranks != world:
-            dp = p.dp if p.dp is not None else "?"
+        if p.dp is None:  # dp is derived as world / (tp pp cp): the world does not divide
+            out.append(f"world size {world} is not a multiple of parallel.tp={p.tp} x pp={p.pp}"
+                       f" x cp={p.cp} = {model_ranks} (dp = world / {model_ranks}; ep does not "
+                       "multiply it); change the degrees or the number of ranks (--nproc).")
+        elif p.dp * model_ranks != world:
             out.append(f"world size {world} != parallel.tp={p.tp} x pp={p.pp} x cp={p.cp} x "
-                       f"dp={dp} (ep does not multiply it); change the degrees or the number "
+                       f"dp={p.dp} (ep does not multiply it); change the degrees or the number "
                        "of ranks (--nproc).")
     if c.training.device == "cpu" and p.backend == "nccl":
         out.append("parallel.backend='nccl' needs GPUs; use 'gloo' or training.device='cuda'.")

@@ -26,7 +26,8 @@ MISSING = "/nonexistent/colonnade"
 TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
     # degrees vs the world size
     ("degrees_exceed_world", 4, {"parallel": {"tp": 2, "pp": 4}},
-     ["world size 4 != parallel.tp=2 x pp=4", "change the degrees or the number of ranks"]),
+     ["world size 4 is not a multiple of parallel.tp=2 x pp=4 x cp=1 = 8",
+      "change the degrees or the number of ranks"]),
     ("explicit_dp_vs_world", 8, {"parallel": {"tp": 2, "dp": 2}},
      ["world size 8 != parallel.tp=2", "dp=2", "(--nproc)"]),
     # model shape vs tp
@@ -180,7 +181,7 @@ def test_cli_rejects_before_launching(monkeypatch: pytest.MonkeyPatch,
                    "--training.seq_len=4096"])
     err = capsys.readouterr().err
     assert status == 2
-    assert "world size 4 != parallel.tp=3" in err
+    assert "world size 4 is not a multiple of parallel.tp=3" in err
     assert "model.num_heads=8 is not divisible by parallel.tp=3" in err
     assert "training.seq_len=4096 exceeds model.max_seq_len" in err
     assert not dist.is_initialized()
@@ -198,6 +199,6 @@ def test_torchrun_entry_rejects_before_process_group(monkeypatch: pytest.MonkeyP
         main(["--parallel.pp=3", "--model.num_layers=4"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "world size 4 != parallel.tp=1 x pp=3" in err
+    assert "world size 4 is not a multiple of parallel.tp=1 x pp=3" in err
     assert "model.num_layers=4 is not divisible by parallel.pp x parallel.vp=3" in err
     assert not dist.is_initialized()
