@@ -283,11 +283,11 @@ def _convert(args: argparse.Namespace) -> int:
               "dtype", file=sys.stderr)
         return 2
     if args.from_hf:
-        print(convert.describe(convert.from_hf(args.from_hf, args.out)))
+        print(convert.describe(convert.from_hf(args.from_hf, args.out, progress=True)))
     else:
         from colonnade.hf_export import to_hf
 
-        print(f"wrote {to_hf(args.to_hf, args.out, args.dtype)}")
+        print(f"wrote {to_hf(args.to_hf, args.out, args.dtype, progress=True)}")
     return 0
 
 

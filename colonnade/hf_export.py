@@ -116,7 +116,7 @@ def write_tokenizer(directory: Path, tokenizer_dir: Path, config: dict[str, Any]
 def write_hf(directory: str | Path, cfg: ModelConfig,
              full: Mapping[str, torch.Tensor] | tuple[TensorGet, ShapeOf, torch.dtype],
              tokenizer_dir: str | Path | None = None, dtype: str | None = None,
-             write: bool = True) -> Path:
+             write: bool = True, progress: bool = False) -> Path:
     """Write config.json, generation_config.json, model.safetensors (cast to ``dtype``, a key
     of EXPORT_DTYPES; None keeps the stored dtype) and the tokenizer of ``tokenizer_dir`` (none
     when it holds no tokenizer.json: the special ids are then null). Everything is checked
@@ -125,7 +125,7 @@ def write_hf(directory: str | Path, cfg: ModelConfig,
     ``full``: the full Colonnade tensors by key, or (get, shape_of, stored dtype) fetching
     each tensor on demand: model.safetensors is then streamed one HF tensor at a time.
     ``write=False`` (the other ranks of a collective ``get``): only drive ``get`` in the same
-    order, write nothing."""
+    order, write nothing. ``progress``: a bar of the bytes written, on a terminal."""
     _check_dtype(dtype)
     if isinstance(full, Mapping):
         values = full
@@ -154,7 +154,7 @@ def write_hf(directory: str | Path, cfg: ModelConfig,
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(ids, indent=2))
-    write_safetensors_stream(directory / "model.safetensors", specs, stream)
+    write_safetensors_stream(directory / "model.safetensors", specs, stream, progress=progress)
     if tok_dir is not None and tok_config is not None:
         write_tokenizer(directory, tok_dir, tok_config)
     return directory
@@ -217,10 +217,12 @@ def _check_dtype(dtype: str | None) -> None:
         raise ValueError(f"dtype={dtype!r} is unknown; use one of {', '.join(EXPORT_DTYPES)}")
 
 
-def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+def to_hf(path: str | Path, out: str | Path, dtype: str | None = None,
+          progress: bool = False) -> Path:
     """Colonnade checkpoint (root or step directory) -> HF directory ``out``, tensors cast to
     ``dtype`` (a key of EXPORT_DTYPES; None keeps the stored dtype). An ``out`` that already
-    holds a model is refused before anything is read or written."""
+    holds a model is refused before anything is read or written. ``progress``: a bar of the
+    bytes written (each tensor is read from the checkpoint as it is written), on a terminal."""
     _check_dtype(dtype)
     taken = sorted(p.name for p in Path(out).glob("*") if p.name == "config.json"
                    or p.name.startswith("model")) if Path(out).is_dir() else []
@@ -234,10 +236,10 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     out = Path(out)
     try:
         if out.exists():  # an empty or unrelated directory: the files go in beside what is there
-            return write_hf(out, model, source, ckpt, dtype)
+            return write_hf(out, model, source, ckpt, dtype, progress=progress)
         tmp = out.with_name(f".{out.name}.tmp")  # a new directory appears whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
-        write_hf(tmp, model, source, ckpt, dtype)
+        write_hf(tmp, model, source, ckpt, dtype, progress=progress)
         os.replace(tmp, out)
         return out
     finally:

@@ -49,9 +49,10 @@ def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, tor
     return commit(root, tmp, 0, [0], meta, files, keep_last=0)
 
 
-def from_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """HF directory -> Colonnade checkpoint; returns the committed step directory."""
-    model_cfg, full = read_hf(hf_dir)
+def from_hf(hf_dir: str | Path, out: str | Path, progress: bool = False) -> Path:
+    """HF directory -> Colonnade checkpoint; returns the committed step directory
+    (``progress``: a bar of the HF bytes read, on a terminal)."""
+    model_cfg, full = read_hf(hf_dir, progress)
     return write_model_checkpoint(out, Config(model=model_cfg), full, hf_dir)
 
 

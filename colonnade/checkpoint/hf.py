@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from colonnade.checkpoint.format import CheckpointError
 from colonnade.checkpoint.hf_archs import HFRef
@@ -197,11 +198,13 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 
 def write_safetensors_stream(path: str | Path, specs: Sequence[HFSpec],
                              tensors: Iterator[tuple[str, torch.Tensor]],
-                             metadata: dict[str, str] | None = None) -> None:
+                             metadata: dict[str, str] | None = None,
+                             progress: bool = False) -> None:
     """Write a safetensors file tensor by tensor: the header (8-byte little-endian length,
     JSON {name: dtype, shape, data_offsets}, space-padded to 8 bytes) from ``specs``, then each
     tensor's bytes as ``tensors`` yields it (same order as ``specs``), then fsync. Only one
-    tensor is in memory at a time (``safetensors.save_file`` takes them all at once)."""
+    tensor is in memory at a time (``safetensors.save_file`` takes them all at once).
+    ``progress``: a bar of the bytes written, on a terminal (minutes for a 7B model)."""
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for name, shape, dtype in specs:
@@ -211,7 +214,9 @@ def write_safetensors_stream(path: str | Path, specs: Sequence[HFSpec],
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    with (open(path, "wb") as f,
+          tqdm(total=offset, unit="B", unit_scale=True, desc=f"write {Path(path).name}",
+               disable=None if progress else True) as bar):  # None: off when not a terminal
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for (name, shape, dtype), (got, t) in zip(specs, tensors, strict=True):
@@ -219,6 +224,7 @@ def write_safetensors_stream(path: str | Path, specs: Sequence[HFSpec],
                 raise ValueError(f"{path}: tensor {got} {tuple(t.shape)} {t.dtype} does not "
                                  f"match the header's {name} {tuple(shape)} {dtype}")
             f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            bar.update(t.numel() * t.element_size())
         f.flush()
         os.fsync(f.fileno())
 
@@ -244,19 +250,30 @@ def _hf_config(directory: Path) -> ModelConfig:
     return model_config_from_hf(json.loads((directory / "config.json").read_text()))
 
 
-def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_hf(directory: str | Path, progress: bool = False
+            ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """ModelConfig and full Colonnade tensors of an HF directory (safetensors only); for one
-    process that needs the whole model (conversion, ``generate``)."""
+    process that needs the whole model (conversion, ``generate``). ``progress``: a bar of the
+    shard bytes read, on a terminal."""
     directory = Path(directory)
     cfg = _hf_config(directory)
     hf: dict[str, torch.Tensor] = {}
-    for f in _shard_files(directory):
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                    hf[name] = handle.get_tensor(name)
-        except Exception as err:
-            raise CheckpointError(f"{f}: cannot read ({err}); truncated or corrupted") from err
+    files = _shard_files(directory)
+    with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+              desc=f"read {directory.name}", disable=None if progress else True) as bar:
+        for f in files:
+            done = 0
+            try:
+                with safe_open(str(f), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                        hf[name] = handle.get_tensor(name)
+                        size = hf[name].numel() * hf[name].element_size()
+                        bar.update(size)
+                        done += size
+            except Exception as err:
+                raise CheckpointError(f"{f}: cannot read ({err}); truncated or "
+                                      "corrupted") from err
+            bar.update(f.stat().st_size - done)  # the file's header
     return cfg, from_hf_state(cfg, hf)
 
 

@@ -152,3 +152,32 @@ def test_cli_convert(tmp_path: Path) -> None:
     assert (tmp_path / "ck" / "latest").exists()
     assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "config.json").exists()
+
+
+def test_convert_progress_bars_change_no_byte(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`colonnade convert` shows a bytes bar on a terminal (reading the HF shards, writing
+    model.safetensors) and writes the same files as without it."""
+    import io
+    import sys
+
+    from colonnade.checkpoint.convert import from_hf, read_full_model
+    from colonnade.hf_export import to_hf
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    hf_dir = _save(_hf_model("llama", False), tmp_path / "hf")
+    quiet = to_hf(from_hf(hf_dir, tmp_path / "ck0"), tmp_path / "out0")
+    shown = Terminal()
+    monkeypatch.setattr(sys, "stderr", shown)
+    ckpt = from_hf(hf_dir, tmp_path / "ck1", progress=True)
+    out = to_hf(ckpt, tmp_path / "out1", progress=True)
+    monkeypatch.undo()
+    text = shown.getvalue()
+    assert "read hf: 100%" in text and "write model.safetensors: 100%" in text, text
+    assert (out / "model.safetensors").read_bytes() == (quiet / "model.safetensors").read_bytes()
+    _, a = read_full_model(ckpt)
+    _, b = read_full_model(tmp_path / "ck0")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
