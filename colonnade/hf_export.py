@@ -239,7 +239,11 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None,
             return write_hf(out, model, source, ckpt, dtype, progress=progress)
         tmp = out.with_name(f".{out.name}.tmp")  # a new directory appears whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
-        write_hf(tmp, model, source, ckpt, dtype, progress=progress)
+        try:
+            write_hf(tmp, model, source, ckpt, dtype, progress=progress)
+        except BaseException:  # a failure or Ctrl-C leaves no hidden half-export behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, out)
         return out
     finally:

@@ -15,9 +15,18 @@ from pathlib import Path
 
 import torch
 
-from colonnade.checkpoint.commit import METADATA, commit, prepare_tmp, resolve_checkpoint
+from colonnade.checkpoint.commit import (
+    LATEST,
+    METADATA,
+    commit,
+    committed_steps,
+    prepare_tmp,
+    resolve_checkpoint,
+    step_dirname,
+)
 from colonnade.checkpoint.format import (
     FORMAT_VERSION,
+    CheckpointError,
     CheckpointReader,
     Entry,
     write_rank_shard,
@@ -51,7 +60,13 @@ def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, tor
 
 def from_hf(hf_dir: str | Path, out: str | Path, progress: bool = False) -> Path:
     """HF directory -> Colonnade checkpoint; returns the committed step directory
-    (``progress``: a bar of the HF bytes read, on a terminal)."""
+    (``progress``: a bar of the HF bytes read, on a terminal). An ``out`` that already holds
+    a checkpoint is refused before the HF model is read."""
+    root = Path(out)
+    held = [step_dirname(s) for s in committed_steps(root)] if root.is_dir() else []
+    if held or (root / LATEST).exists():
+        raise CheckpointError(f"{out} already holds a checkpoint ({', '.join(held) or LATEST}); "
+                              "pass a new --out directory or delete the old one first")
     model_cfg, full = read_hf(hf_dir, progress)
     return write_model_checkpoint(out, Config(model=model_cfg), full, hf_dir)
 

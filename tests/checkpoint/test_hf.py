@@ -181,3 +181,36 @@ def test_convert_progress_bars_change_no_byte(tmp_path: Path,
     _, a = read_full_model(ckpt)
     _, b = read_full_model(tmp_path / "ck0")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_convert_never_replaces_and_leaves_nothing_half_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--from-hf into a directory holding a checkpoint is refused (exit 2) before the HF model
+    is read, the checkpoint untouched; a --to-hf stopped mid-write (Ctrl-C) leaves neither the
+    output nor its hidden temporary directory."""
+    import colonnade.checkpoint.convert as convert
+    import colonnade.hf_export as hf_export
+    from colonnade.cli import main
+
+    hf_dir = _save(_hf_model("gpt2", True), tmp_path / "hf")
+    ckpt = convert.from_hf(hf_dir, tmp_path / "ck")
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+
+    def no_read(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("the HF model must not be read")
+
+    monkeypatch.setattr(convert, "read_hf", no_read)
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "ck")]) == 2
+    assert f"{tmp_path / 'ck'} already holds a checkpoint ({ckpt.name})" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+
+    def stopped(path: Path, *_a: Any, **_k: Any) -> None:
+        Path(path).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_export, "write_safetensors_stream", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        hf_export.to_hf(tmp_path / "ck", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
