@@ -29,6 +29,7 @@ from colonnade.checkpoint.format import (
     CheckpointError,
     CheckpointReader,
     Entry,
+    removed_on_failure,
     write_rank_shard,
 )
 from colonnade.checkpoint.hf import TOKENIZER_FILES, read_hf
@@ -67,8 +68,9 @@ def from_hf(hf_dir: str | Path, out: str | Path, progress: bool = False) -> Path
     if held or (root / LATEST).exists():
         raise CheckpointError(f"{out} already holds a checkpoint ({', '.join(held) or LATEST}); "
                               "pass a new --out directory or delete the old one first")
-    model_cfg, full = read_hf(hf_dir, progress)
-    return write_model_checkpoint(out, Config(model=model_cfg), full, hf_dir)
+    with removed_on_failure(root):  # a stopped conversion leaves no half-made checkpoint dir
+        model_cfg, full = read_hf(hf_dir, progress)
+        return write_model_checkpoint(out, Config(model=model_cfg), full, hf_dir)
 
 
 def read_full_model(path: str | Path) -> tuple[Config, dict[str, torch.Tensor]]:

@@ -24,10 +24,13 @@ raises :class:`CheckpointError` naming the file and tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,21 @@ def write_json(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def removed_on_failure(out_dir: Path) -> Iterator[None]:
+    """Run the body; if it fails (an error, Ctrl-C, SIGTERM) and ``out_dir`` was created by
+    it, remove it with whatever the body left there, temporary files included (a failed
+    prepare or conversion leaves no trace; a directory that existed before is never
+    removed)."""
+    created = not out_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if created and out_dir.is_dir():
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
 
 
 def shard_file(rank: int) -> str:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from colonnade.checkpoint.format import removed_on_failure
 from colonnade.config.validate import normalize_input
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
@@ -126,20 +125,6 @@ def prepare(
     _write_manifest(out_dir, key, result, stats)
     _log_summary(result, stats, log)
     return result
-
-
-@contextmanager
-def removed_on_failure(out_dir: Path) -> Iterator[None]:
-    """Run the body; if it fails (an error, Ctrl-C, SIGTERM) and ``out_dir`` was created by
-    it, remove it with whatever the body left there, temporary files included (a failed
-    prepare leaves no trace; a directory that existed before is never removed)."""
-    created = not out_dir.exists()
-    try:
-        yield
-    except BaseException:
-        if created and out_dir.is_dir():
-            shutil.rmtree(out_dir, ignore_errors=True)
-        raise
 
 
 def _given_tokenizer(tokenizer_path: Path | None, vocab_size: int | None) -> Tokenizer | None:

@@ -35,6 +35,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from colonnade.checkpoint.format import removed_on_failure
 from colonnade.data.corpus import ERROR_POLICIES, DocumentStats, ErrorPolicy, problems_message
 from colonnade.data.dataset import MASK_NAME, load_loss_mask
 from colonnade.data.errors import CorpusError, DataError
@@ -46,7 +47,6 @@ from colonnade.data.prepare import (
     _manifest_key,
     _try_reuse,
     _write_manifest,
-    removed_on_failure,
 )
 from colonnade.data.readers import Source, _open, resolve_input
 from colonnade.data.tokenizer import eod_id, save_tokenizer, train_bpe_from_texts

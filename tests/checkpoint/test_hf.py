@@ -188,7 +188,7 @@ def test_convert_never_replaces_and_leaves_nothing_half_written(
         capsys: pytest.CaptureFixture[str]) -> None:
     """--from-hf into a directory holding a checkpoint is refused (exit 2) before the HF model
     is read, the checkpoint untouched; a --to-hf stopped mid-write (Ctrl-C) leaves neither the
-    output nor its hidden temporary directory."""
+    output nor its hidden temporary directory, a --from-hf stopped so no checkpoint dir."""
     import colonnade.checkpoint.convert as convert
     import colonnade.hf_export as hf_export
     from colonnade.cli import main
@@ -213,4 +213,13 @@ def test_convert_never_replaces_and_leaves_nothing_half_written(
     monkeypatch.setattr(hf_export, "write_safetensors_stream", stopped)
     with pytest.raises(KeyboardInterrupt):
         hf_export.to_hf(tmp_path / "ck", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
+    monkeypatch.undo()
+
+    def interrupted(*_a: Any, **_k: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert, "write_rank_shard", interrupted)  # --from-hf stopped
+    with pytest.raises(KeyboardInterrupt):
+        convert.from_hf(hf_dir, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
