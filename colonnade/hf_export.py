@@ -39,7 +39,7 @@ from torch import nn
 from colonnade.checkpoint.commit import resolve_checkpoint
 from colonnade.checkpoint.export import gather_full, shard_local
 from colonnade.checkpoint.format import DTYPES as STORED_DTYPES
-from colonnade.checkpoint.format import CheckpointError, CheckpointReader
+from colonnade.checkpoint.format import CheckpointError, CheckpointReader, removed_on_failure
 from colonnade.checkpoint.hf import (
     TOKENIZER_FILES,
     ShapeOf,
@@ -239,11 +239,8 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None,
             return write_hf(out, model, source, ckpt, dtype, progress=progress)
         tmp = out.with_name(f".{out.name}.tmp")  # a new directory appears whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
-        try:
+        with removed_on_failure(tmp):  # a failure or Ctrl-C leaves no hidden half-export
             write_hf(tmp, model, source, ckpt, dtype, progress=progress)
-        except BaseException:  # a failure or Ctrl-C leaves no hidden half-export behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         os.replace(tmp, out)
         return out
     finally:
