@@ -436,7 +436,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], w: Workload) -> dict[str, A
         rows.append({"layout": layout, "workload": w.name, "colonnade_variant": ours,
                      "colonnade": a["tokens_per_s"], "peer": NAMES[best], "peer_variant": best,
                      "peer_tokens_per_s": b["tokens_per_s"], "ratio": med,
-                     "ratio_q1": q1, "ratio_q3": q3, "ratio_cpu": statistics.median(cpu),
+                     "ratio_q1": q1, "ratio_q3": q3, "ratio_rounds": ratios,
+                     "ratio_cpu": statistics.median(cpu), "ratio_cpu_rounds": cpu,
                      "others": {p: variants[p]["tokens_per_s"] for p in present if p != best},
                      **{f"{side}_{k}": v[k] for side, v in (("colonnade", a), ("peer", b))
                         for k in ("gather_exposed_s", "state_bytes", "rss_peak_bytes",

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ratios import pooled_row
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -85,17 +87,44 @@ def command(bench: str, workload: str, json_path: Path, quick: bool,
 
 
 def run_all(benches: list[str], workload: str, out: Path, quick: bool,
-            zero23: bool = False) -> dict[str, float]:
-    """Run each benchmark in turn (its output streams through); wall seconds per benchmark."""
-    took = {}
-    for bench in benches:
-        path = out / f"{bench}_{workload}.json"
-        cmd = command(bench, workload, path, quick, zero23)
-        print(f"$ {' '.join(cmd)}", flush=True)
-        start = time.perf_counter()
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        took[bench] = time.perf_counter() - start
+            zero23: bool = False, repeat: int = 1) -> dict[str, list[float]]:
+    """Run each benchmark in turn (its output streams through), the whole list ``repeat``
+    times (run k of a benchmark writes ``<bench>_<workload>.run<k>.json``, then
+    :func:`pool_runs` writes their pooled rows as ``<bench>_<workload>.json``); wall seconds
+    per benchmark and run."""
+    took: dict[str, list[float]] = {bench: [] for bench in benches}
+    for k in range(1, repeat + 1):
+        for bench in benches:
+            path = json_path(out, bench, workload, k if repeat > 1 else None)
+            cmd = command(bench, workload, path, quick, zero23)
+            print(f"$ {' '.join(cmd)}" + (f"   # run {k}/{repeat}" if repeat > 1 else ""),
+                  flush=True)
+            start = time.perf_counter()
+            subprocess.run(cmd, cwd=ROOT, check=True)
+            took[bench].append(time.perf_counter() - start)
+    if repeat > 1:
+        for bench in benches:
+            pool_runs([json_path(out, bench, workload, k) for k in range(1, repeat + 1)],
+                      json_path(out, bench, workload, None))
     return took
+
+
+def json_path(out: Path, bench: str, workload: str, run: int | None) -> Path:
+    """Where a benchmark's JSON goes: ``<bench>_<workload>.json`` (what the table reads), or
+    run ``run``'s of a repeated table."""
+    return out / f"{bench}_{workload}{'' if run is None else f'.run{run}'}.json"
+
+
+def pool_runs(paths: list[Path], out: Path) -> None:
+    """Write ``out`` with one row per layout pooled over the runs in ``paths``
+    (:func:`ratios.pooled_row`: median and quartiles over every run's rounds together, each
+    run's own median in run_ratios), in the first run's row order."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    layouts = [r["layout"] for r in runs[0]["rows"]]
+    rows = [pooled_row([r for run in runs for r in run["rows"] if r["layout"] == layout])
+            for layout in layouts]
+    out.write_text(json.dumps({"repeat": len(runs), "run_files": [p.name for p in paths],
+                               "rows": rows}, indent=1) + "\n")
 
 
 def issue_key(layout: str) -> int:
@@ -137,6 +166,8 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
         cpu = f"{r['ratio_cpu']:.2f}" if r.get("ratio_cpu") is not None else "-"
         iqr = (f" [{r['ratio_q1']:.2f}, {r['ratio_q3']:.2f}]"
                if r.get("ratio_q1") is not None else "")
+        if r.get("run_ratios"):
+            iqr += f" (runs {', '.join(f'{x:.2f}' for x in r['run_ratios'])})"
         issue = f"{r['issue_ratio']:.2f}" if r.get("issue_ratio") is not None else "-"
         keyed.append((issue_key(r["layout"]),
                       f"| {r['layout']} | {r['colonnade']:.0f} | {r['peer']} "
@@ -188,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero23", action="store_true",
                    help="data_parallel.py also runs issue 15's ZeRO-2/3 rows (DeepSpeed "
                         "ZeRO-2/3, FSDP2 reshard_after_forward False / True)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole list of benchmarks this many times, one after the "
+                        "other, and pool each row's rounds over the runs (load drifts over "
+                        "minutes: a single run of one benchmark can sit in a slow phase)")
     p.add_argument("--results-dir", type=Path, default=None,
                    help="where the JSON and the table go (default benchmarks/results; a "
                         "temporary directory with --quick)")
@@ -197,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     benches = args.only.split(",")
     if set(benches) - set(BENCHMARKS):
         raise SystemExit(f"--only: choose from {BENCHMARKS}")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     out = args.results_dir or (Path(tempfile.mkdtemp(prefix="peer_table_")) if args.quick
                                else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     took = {} if args.from_json else run_all(benches, args.workload, out, args.quick,
-                                             args.zero23)
+                                             args.zero23, args.repeat)
     rows = collect(list(BENCHMARKS), args.workload, out)  # also earlier runs' files in out
     table = markdown(rows, args.workload)
     print(table)

@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from ratios import ratio_stats
+from ratios import cpu_ratios, ratio_stats
 from tensor_parallel_train import peer_optimizer
 from torch import nn
 from workloads import (
@@ -301,7 +301,7 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
             "peer": f"torch.distributed.pipelining {cls_name}",
             "peer_tokens_per_s": b["tokens_per_s"],
             **ratio_stats(b["step_s_all"], a["step_s_all"]),
-            "ratio_cpu": ratio_stats(b["cpu_s_all"], a["cpu_s_all"])["ratio"],
+            **cpu_ratios(ratio_stats(b["cpu_s_all"], a["cpu_s_all"])),
         })
     return {"workload": asdict(w), "pp": PP, "microbatches": MICROBATCHES,
             "micro_batch": w.global_batch // MICROBATCHES, "tokens_per_step": tokens,

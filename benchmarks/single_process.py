@@ -160,7 +160,7 @@ def summarize(times: dict[str, list[tuple[float, float]]], tokens: int) -> dict[
         for peer in (n for n in times if n != "colonnade"):
             ratios = [p[i] / c[i] for c, p in zip(times["colonnade"], times[peer], strict=True)]
             q1, med, q3 = quartiles(ratios)
-            rec[f"ratio_vs_{peer}"] = {"median": med, "q1": q1, "q3": q3}
+            rec[f"ratio_vs_{peer}"] = {"median": med, "q1": q1, "q3": q3, "rounds": ratios}
         out[clock] = rec
     return out
 
@@ -203,7 +203,9 @@ def rows_of(result: dict[str, Any], peers: list[str]) -> list[dict[str, Any]]:
                      "ratio": wall[f"ratio_vs_{best}"]["median"],
                      "ratio_q1": wall[f"ratio_vs_{best}"]["q1"],
                      "ratio_q3": wall[f"ratio_vs_{best}"]["q3"],
-                     "ratio_cpu": cpu[f"ratio_vs_{best}"]["median"]})
+                     "ratio_rounds": wall[f"ratio_vs_{best}"]["rounds"],
+                     "ratio_cpu": cpu[f"ratio_vs_{best}"]["median"],
+                     "ratio_cpu_rounds": cpu[f"ratio_vs_{best}"]["rounds"]})
     return rows
 
 
