@@ -1,8 +1,8 @@
 """Issue 19's table: Colonnade against the fastest peer on every layout, one workload.
 
     .venv/bin/python benchmarks/peer_table.py [--workload gpt2-tiny] [--quick] [--zero23]
-        [--only single_process,data_parallel,tensor_parallel,pipeline] [--results-dir DIR]
-        [--from-json]
+        [--only single_process,data_parallel,tensor_parallel,pipeline] [--repeat N]
+        [--results-dir DIR] [--from-json]
 
 Runs each side-by-side benchmark as a subprocess on ``--workload`` (each writes its JSON with
 a top-level ``rows`` list: layout, colonnade tokens/s, peer, peer_tokens_per_s, ratio), then
@@ -25,7 +25,12 @@ prints and writes the issue's rows as JSON (``peer_table.json``) and a markdown 
 ``ratio`` is each benchmark's median over interleaved rounds (or alternated steps) of the
 per-round ratio Colonnade tokens/s / peer tokens/s against the fastest peer of the row (the
 highest median tokens/s); >= 1 means Colonnade is at least as fast. The issue's measured ratio
-is shown next to it. Timings mean something only on a quiet machine: ``--quick`` runs every
+is shown next to it. Load on a shared machine also drifts over minutes, so one run of one
+benchmark can sit in a slow phase: ``--repeat N`` runs the whole list N times, one after the
+other, writes run k of each benchmark as ``<bench>_<workload>.run<k>.json`` and the table's
+JSON as their pooled rows, whose ratio and quartiles are taken over the rounds of every run
+together (each run's own median shown beside it as "runs ..."). Timings mean something only
+on a quiet machine: ``--quick`` runs every
 benchmark in its smoke-test size and writes to a temporary directory unless ``--results-dir``
 is given. ``--from-json`` rebuilds the table from the JSON files already in the results
 directory without running anything. Issue 15's ZeRO-2/3 rows are not in the default run
