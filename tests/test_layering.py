@@ -2,17 +2,18 @@
 
 The order enforced (bottom first; a module may import its own layer or any layer below it):
 
-    device, eager < config < parallel < tensor_parallel < context_parallel < moe < models
+    device, eager, gelu < config < parallel < tensor_parallel < context_parallel < moe < models
     < pipeline < data_parallel < optim < checkpoint < reliability < data < training < analysis
     < top-level modules (cli, bench, generate, hf_export, launch, plot, train)
 
 ``device.py`` is the one module that may touch ``torch.cuda`` and sits at the bottom (``parallel``
 and ``pipeline`` ask it for the device), beside ``eager.py`` (functions ``torch.compile`` never
-traces, used by ``context_parallel``, ``moe`` and ``models``). ``checkpoint`` sits below
-``reliability`` because the NaN and interrupt paths save through it. ``data`` sits above the
-layers because its vocab padding comes from ``tensor_parallel``. This differs from
-``../shared/DESIGN.md`` only by naming ``device``, ``eager`` and the top-level modules and by
-putting ``data`` where its imports put it.
+traces, used by ``context_parallel``, ``moe`` and ``models``) and ``gelu.py`` (GPT-2's GELU,
+used by ``moe`` and ``models``). ``checkpoint`` sits below ``reliability`` because the NaN
+and interrupt paths save through it. ``data`` sits above the layers because its vocab padding
+comes from ``tensor_parallel``. This differs from ``../shared/DESIGN.md`` only by naming
+``device``, ``eager``, ``gelu`` and the top-level modules and by putting ``data`` where its
+imports put it.
 
 Every ``import`` and ``from ... import`` of ``colonnade.*`` counts, at module level AND inside
 functions (a function-level import is a dependency too; it only hides the cycle). ``ALLOWED``
@@ -27,7 +28,7 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "colonnade"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("device", "eager"),
+    ("device", "eager", "gelu"),
     ("config",),
     ("parallel",),
     ("tensor_parallel",),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.gelu import gelu_tanh
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -93,4 +94,4 @@ class GeluMLP(PlainMLP):
     z^3)))."""
 
     def activation(self, up: torch.Tensor) -> torch.Tensor:
-        return F.gelu(up, approximate="tanh")
+        return gelu_tanh(up)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.gelu import gelu_tanh
 from colonnade.moe.grouped_gemm import grouped_mm, host_counts
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.sharding import Sharding, output_std
@@ -84,7 +85,7 @@ class GroupedExperts(nn.Module):
         if self.gate is not None:
             hidden = F.silu(grouped_mm(tokens, self.gate, sizes)) * up  # [t_e, f]
         else:
-            hidden = F.gelu(up, approximate="tanh")
+            hidden = gelu_tanh(up)  # [t_e, f]
         out = grouped_mm(hidden, self.down, sizes)  # [t_e, h]
         if self.down_bias is not None:
             out = out + _rows(self.down_bias, sizes, tokens.shape[0])
