@@ -133,7 +133,8 @@ def test_round_medians_and_ratios() -> None:
     assert cpb.round_medians(res, 2) == [2.0, 4.5]
     assert cpb.round_medians([{"x": 1.0}, {"x": 3.0}], 1, "x") == [1.0, 3.0]
     stats = cpb.ratio_stats([2.0, 6.0, 9.0], [1.0, 2.0, 3.0])
-    assert stats == {"ratio": 3.0, "ratio_q1": 2.5, "ratio_q3": 3.0}
+    assert stats == {"ratio": 3.0, "ratio_q1": 2.5, "ratio_q3": 3.0,
+                     "ratio_rounds": [2.0, 3.0, 3.0]}
     assert cpb.ratio_stats([3.0], [2.0])["ratio"] == 1.5
 
 
