@@ -12,8 +12,8 @@ thread of the 2-core machine (0.88 ms at [512, 1024], one pipeline micro-batch),
 
 :class:`GeluTanh` saves only its input, as ``F.gelu`` does, and its backward is aten's
 ``gelu_backward`` of that input: the same saved memory and the same gradient bits as
-``F.gelu(z, approximate="tanh")``. Its forward agrees with aten's to rounding (within 1e-6
-relative in fp32, 1e-15 in fp64; `tests/models/test_gelu.py`).
+``F.gelu(z, approximate="tanh")``. Its forward agrees with aten's to rounding (to 1e-6
+in fp32 and 1e-14 in fp64 as rtol and atol; `tests/models/test_gelu.py`).
 
 :func:`gelu_tanh` uses it for float32 / float64 CPU tensors outside ``torch.compile`` and
 ``F.gelu`` everywhere else: on a GPU aten's kernel reads and writes the tensor once where the
