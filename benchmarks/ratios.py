@@ -40,8 +40,8 @@ def pooled_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     the peer named is the one fastest in most runs. Other fields come from the last run.
     """
     rounds = [x for r in runs for x in r.get("ratio_rounds", [r["ratio"]])]
-    cpu = [x for r in runs for x in r.get("ratio_cpu_rounds", [r["ratio_cpu"]])
-           if r.get("ratio_cpu") is not None]
+    cpu = [x for r in runs for x in (r.get("ratio_cpu_rounds") or [r.get("ratio_cpu")])
+           if x is not None]
     q1, med, q3 = quartiles(rounds)
     peers = [r["peer"] for r in runs]
     return {**runs[-1], "ratio": med, "ratio_q1": q1, "ratio_q3": q3, "ratio_rounds": rounds,

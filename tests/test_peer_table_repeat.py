@@ -47,6 +47,8 @@ def test_pooled_row_takes_every_round_of_every_run() -> None:
     # a run written before rows kept their rounds counts as one round, its median
     old = {k: v for k, v in runs[0].items() if not k.endswith("_rounds")}
     assert ratios.pooled_row([old, runs[2]])["ratio_rounds"] == [0.98, 1.00]
+    no_cpu = {k: v for k, v in old.items() if k != "ratio_cpu"}
+    assert ratios.pooled_row([no_cpu])["ratio_cpu"] is None
 
 
 def test_repeat_runs_every_benchmark_n_times_and_the_table_pools_them(tmp_path: Path) -> None:
