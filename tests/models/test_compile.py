@@ -95,7 +95,7 @@ def step_batches(config: Config) -> list[list[Batch]]:
     return random_steps(tr.steps, count, tr.micro_batch_size, tr.seq_len, seed=3)
 
 
-def _graph_nodes(t: torch.Tensor) -> set[str]:
+def graph_nodes(t: torch.Tensor) -> set[str]:
     """Type names of every autograd node behind ``t``."""
     seen: set[int] = set()
     names: set[str] = set()
@@ -145,7 +145,7 @@ def _train(config: Config, batches: list[list[Batch]], groups: ProcessGroups) ->
     if first.first:  # one more forward of the first chunk: did its layers run compiled?
         first.train()
         tokens = batches[0][0][0]
-        nodes = _graph_nodes(first.run_layers(first.embedding(tokens)))
+        nodes = graph_nodes(first.run_layers(first.embedding(tokens)))
     comm = {key: (op["calls"], op["payload_bytes"]) for key, op in groups.stats.snapshot().items()}
     return {"losses": losses, "grads": grads, "params": full_state(chunks, groups),
             "compiled": compiled_layers(chunks), "layers": sum(len(c.layers) for c in chunks),

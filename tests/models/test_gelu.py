@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from colonnade.gelu import GeluTanh, gelu_tanh
+from tests.models.test_compile import graph_nodes
 
 
 def _aten(z: torch.Tensor) -> torch.Tensor:
@@ -79,24 +80,10 @@ def test_gpt2_takes_it_and_trains_as_with_aten() -> None:
         with mock.patch.object(mlps, "gelu_tanh", act):
             loss = model(tokens, tokens, reduction="sum")
         if name == "ours":
-            assert "GeluTanhBackward" in _graph_names(loss.grad_fn)
+            assert "GeluTanhBackward" in graph_nodes(loss)
         loss.backward()
         runs[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
     torch.testing.assert_close(runs["ours"][0], runs["aten"][0], rtol=1e-6, atol=1e-6)
     for ours, theirs in zip(runs["ours"][1], runs["aten"][1], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
 
-
-def _graph_names(fn: object) -> set[str]:
-    """Names of the autograd nodes reachable from ``fn``."""
-    seen: set[int] = set()
-    names: set[str] = set()
-    todo = [fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        names.add(type(node).__name__)
-        todo += [n for n, _ in getattr(node, "next_functions", ())]
-    return names
