@@ -22,7 +22,7 @@ from multiprocessing.pool import AsyncResult, Pool
 import numpy as np
 from tokenizers import Tokenizer
 
-from colonnade.reliability.interrupt import STOP_SIGNALS
+from colonnade.reliability.interrupt import STOP_SIGNALS, stop_signals_deferred
 
 ENCODE_BATCH = 256
 """Documents per batch (one `encode_batch` call, one task of the pool)."""
@@ -76,14 +76,15 @@ def encode_stream(
             yield encode_batch(tok, eod, batch)
         return
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:  # Ctrl-C / SIGTERM held while forking: one raised in a fork hook would be lost
-        pool = _start_pool(mp.get_context(method), num_workers, tok.to_str(), eod)
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        raise
+    pool: Pool | None = None
     try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here
+        with stop_signals_deferred():  # one raised in a fork hook would be lost: raised after
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # workers inherit it
+            try:
+                pool = _start_pool(mp.get_context(method), num_workers, tok.to_str(), eod)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        assert pool is not None
         pending: deque[AsyncResult[Encoded]] = deque()
         for batch in batches(docs):
             pending.append(pool.apply_async(_encode_in_worker, (batch,)))
@@ -93,8 +94,9 @@ def encode_stream(
             yield pending.popleft().get()
         pool.close()
     finally:
-        pool.terminate()
-        pool.join()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
 
 
 def _start_pool(ctx: mp.context.BaseContext, workers: int, tok_json: str, eod: int) -> Pool:

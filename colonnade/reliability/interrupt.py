@@ -108,3 +108,32 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Within the block Ctrl-C and SIGTERM are only noted; on leaving it the first one noted is
+    raised again, to the handlers in place before (KeyboardInterrupt, :class:`Terminated`).
+
+    For a block that forks (a worker pool): the signal may reach any thread of the process,
+    and Python then runs its handler in the main thread at the next bytecode, which can be
+    inside ``os.fork``'s at-fork hooks (logging's ``_releaseLock``), whose exceptions Python
+    prints and ignores: the Ctrl-C was lost and ``prepare`` ran to the end. Blocking the
+    signals (``pthread_sigmask``) keeps them from the main thread only. Main thread only;
+    elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        noted.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if noted:
+            signal.raise_signal(noted[0])
