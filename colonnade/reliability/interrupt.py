@@ -8,7 +8,8 @@ reaches them at different times (the elastic agent forwards it to each worker in
 loop then saves a final checkpoint and returns; the caller exits with 128 + the signal number
 (130 for SIGINT, 143 for SIGTERM). A second Ctrl-C of a single process interrupts at once
 (KeyboardInterrupt). Outside training (data preparation, conversion, set-up),
-:func:`sigterm_interrupts` makes SIGTERM unwind as Ctrl-C does.
+:func:`sigterm_interrupts` makes SIGTERM unwind as Ctrl-C does, and while a worker pool forks
+:func:`stop_signals_deferred` notes either signal and raises it once the fork is done.
 """
 
 from __future__ import annotations
