@@ -79,12 +79,7 @@ def encode_stream(
     pool: Pool | None = None
     try:
         with stop_signals_deferred():  # one raised in a fork hook would be lost: raised after
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # workers inherit it
-            try:
-                pool = _start_pool(mp.get_context(method), num_workers, tok.to_str(), eod)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        assert pool is not None
+            pool = _start_pool(mp.get_context(method), num_workers, tok.to_str(), eod)
         pending: deque[AsyncResult[Encoded]] = deque()
         for batch in batches(docs):
             pending.append(pool.apply_async(_encode_in_worker, (batch,)))
@@ -101,12 +96,15 @@ def encode_stream(
 
 def _start_pool(ctx: mp.context.BaseContext, workers: int, tok_json: str, eod: int) -> Pool:
     """Start the pool; the workers inherit TOKENIZERS_PARALLELISM=false (one thread each, and
-    no fork warning from tokenizers); this process's own setting is restored at once."""
+    no fork warning from tokenizers) and Ctrl-C / SIGTERM blocked until their initializer;
+    this process's own setting and signal mask are restored at once."""
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return ctx.Pool(workers, initializer=_init_worker, initargs=(tok_json, eod))
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         if before is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
