@@ -187,14 +187,15 @@ def markdown(rows: list[dict[str, Any]], workload: str) -> str:
             "Colonnade / fastest peer [quartiles over rounds].", "",
             "| layout | Colonnade | fastest peer | ratio [q1, q3] | ratio by CPU time | issue 19 |",
             "|---|---|---|---|---|---|"]
-    return "\n".join(head + [line for _, line in keyed] + zero_notes(rows)) + "\n"
+    notes = zero_notes(rows) + bound_notes(rows)
+    return "\n".join(head + [line for _, line in keyed] + (["", *notes] if notes else [])) + "\n"
 
 
 def zero_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """Under the table, per issue-15 row (ZeRO-2/3): Colonnade's exposed parameter all-gather
-    time per step, and per rank for Colonnade / the fastest peer the allocated training state
-    (storage accounting) and the resident-set peak of the timed steps above the steady state
-    before them (touched transient memory)."""
+    """Note lines under the table, per issue-15 row (ZeRO-2/3): Colonnade's exposed parameter
+    all-gather time per step, and per rank for Colonnade / the fastest peer the allocated
+    training state (storage accounting) and the resident-set peak of the timed steps above the
+    steady state before them (touched transient memory)."""
     extra = {name for names in EXTRA_ROWS.values() for name in names}
     notes = []
     for r in rows:
@@ -210,7 +211,20 @@ def zero_notes(rows: list[dict[str, Any]]) -> list[str]:
                      f"{1e3 * gather:.1f} ms/step; per rank, Colonnade / {r['peer']}: "
                      f"training state {mb('state_bytes')} MB, RSS growth in the timed steps "
                      f"{mb('step_rss_peak_bytes')} MB")
-    return ["", *notes] if notes else []
+    return notes
+
+
+def bound_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Under the table, per row carrying a one-stage bound (pipeline_train's "pp2 ZB-H1"
+    against torch's ZBV, its last run's replays): ZB-H1's compute makespan, the least any
+    schedule with one stage per rank can have, zbv's, and so the most such a schedule can
+    reach against the V placement."""
+    return [f"- {r['layout']}: replayed with the measured action times, ZB-H1 computes a "
+            f"step's forward-backward in {r['replay_ms']:.0f} ms, and no schedule with one "
+            f"stage per rank can take under {r['one_stage_bound_ms']:.0f} ms; the V placement "
+            f"(zbv) takes {r['zbv_replay_ms']:.0f} ms, so against ZBV a one-stage schedule "
+            f"reaches at most {r['bound_ratio']:.2f} at equal per-action work"
+            for r in rows if "bound_ratio" in r]
 
 
 def main(argv: list[str] | None = None) -> int:

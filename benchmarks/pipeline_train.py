@@ -55,11 +55,22 @@ Rows (for benchmarks/peer_table.py): per Colonnade schedule and torch peer (:fun
 ``ratio`` = median over rounds of the peer's step time / Colonnade's of the same round (> 1:
 Colonnade faster); ``ratio_cpu`` by CPU time. The ZB-H1 and ZB-V rows divide the same torch ZBV
 timings; ZB-H1 has a second row against torch's same algorithm (ZB1P).
+
+After the rounds each rank records a few forward-backward passes of every Colonnade schedule
+(the executor's timeline, :func:`action_times`), and every schedule's action lists are replayed
+with their median action times (:func:`replayed`, "replay" in the JSON). The "pp2 ZB-H1" row
+(against torch's ZBV) also carries ``one_stage_bound_ms``, the least compute makespan ANY
+schedule with one stage per rank can reach on these times
+(:func:`colonnade.pipeline.simulate.one_stage_bound`: stage 1 waits for stage 0's first
+forward, then does all its own work), next to zbv's replay; their ratio ``bound_ratio`` is
+the most a one-stage-per-rank schedule can reach against the V placement here, at equal
+per-action work.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -90,16 +101,24 @@ from workloads import (
     plain_model,
 )
 
+from colonnade.config.choices import schedule_placement
 from colonnade.device import keep_host_pages
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.parallel.pool import RankPool
+from colonnade.pipeline.executor import execute
+from colonnade.pipeline.plan import StepPlan
+from colonnade.pipeline.schedules import build_schedule
+from colonnade.pipeline.simulate import one_stage_bound, replay
 from colonnade.training.loop import Trainer
 from colonnade.training.setup import Runtime
 
 PP = 2
 MICROBATCHES = 4
 LOSS_TOL = 1e-5
+REPLAY_PASSES = 5
+"""Recorded forward-backward passes per Colonnade schedule after the timed rounds, whose
+median action times the schedules are replayed with (:func:`replayed`)."""
 """Step-1 losses of every variant must agree with Colonnade's within this (relative, fp32)."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -203,13 +222,28 @@ def torch_variant(w: Workload, groups: ProcessGroups, cls_name: str, per_rank: i
     return step
 
 
-def colonnade_variant(w: Workload, groups: ProcessGroups, schedule: str) -> Step:
-    """One ``Trainer.train_step`` of Colonnade at pp = 2 with ``schedule``."""
+def colonnade_trainer(w: Workload, groups: ProcessGroups, schedule: str) -> Trainer:
+    """Colonnade's ``Trainer`` at pp = 2 with ``schedule``."""
     extra = [f"--parallel.pp={PP}", f"--parallel.vp={COLONNADE_VP[schedule]}",
              f"--parallel.schedule={schedule}"]
     cfg = colonnade_config(w, w.global_batch // MICROBATCHES, PP, extra)
-    trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups))
-    return lambda micro: trainer.train_step(micro)["loss"]
+    return Trainer(Runtime(cfg, torch.device("cpu"), groups))
+
+
+def action_times(trainer: Trainer, micro: list[Batch], passes: int) -> dict[str, float]:
+    """Median seconds of each compute action of this rank's stage, keyed kind and chunk ("F0",
+    "B1", "W0"; B holds W where the schedule does not split it), over ``passes`` recorded
+    forward-backward passes of the trainer's schedule on ``micro`` (the executor's timeline;
+    no optimizer step, gradients zeroed after)."""
+    options = dataclasses.replace(trainer.executor_options(), record=True)
+    plan = StepPlan(trainer.groups, trainer.step, trainer.config.parallel.schedule,
+                    options=options)
+    seen: dict[str, list[float]] = {}
+    for _ in range(passes):
+        for t in execute(trainer.chunks, micro, plan).timeline:
+            seen.setdefault(f"{t.action.kind.value}{t.action.chunk}", []).append(t.end - t.start)
+    trainer.optimizer.zero_grad()
+    return {key: statistics.median(v) for key, v in seen.items()}
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -239,9 +273,10 @@ def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
     full = plain_model(w)
     steps: dict[str, Step] = {}
     refs: dict[str, list[str]] = {}  # variant -> the Colonnade variants it must agree with
-    for sched in spec["schedules"]:
+    trainers = {sched: colonnade_trainer(w, groups, sched) for sched in spec["schedules"]}
+    for sched, trainer in trainers.items():
         ours = f"colonnade/{sched}"
-        steps[ours] = colonnade_variant(w, groups, sched)
+        steps[ours] = lambda micro, t=trainer: t.train_step(micro)["loss"]
         refs[ours] = [f"colonnade/{spec['schedules'][0]}"]
         for cls_name, per_rank, _ in peers(sched):
             peer = f"torch/{cls_name}"
@@ -272,7 +307,10 @@ def bench_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 k += 1
             t1, c1 = time.perf_counter(), time.process_time()
             runs[name].append({"t0": t0, "t1": t1, "cpu": c1 - c0})
-    return {"rank": groups.rank, "first_loss": first, "runs": runs}
+    passes = spec.get("replay_passes", REPLAY_PASSES)
+    actions = {sched: action_times(t, data[0], passes) for sched, t in trainers.items()}
+    return {"rank": groups.rank, "stage": groups.pp_rank, "first_loss": first, "runs": runs,
+            "action_s": actions}
 
 
 # ----------------------------------------------------------------------------- report
@@ -294,6 +332,7 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
                           "tokens_per_cpu_s": tokens / statistics.median(cpu),
                           "first_losses": ranks[0]["first_loss"][name]}
     rows = []
+    sims = replayed(ranks, spec["schedules"])
     for sched, (cls_name, _, layout) in ((s, p) for s in spec["schedules"] for p in peers(s)):
         a, b = variants[f"colonnade/{sched}"], variants[f"torch/{cls_name}"]
         rows.append({
@@ -302,12 +341,53 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
             "peer_tokens_per_s": b["tokens_per_s"],
             **ratio_stats(b["step_s_all"], a["step_s_all"]),
             **cpu_ratios(ratio_stats(b["cpu_s_all"], a["cpu_s_all"])),
+            **(bound_fields(sims) if (sched, cls_name) == ("zb_h1", SCHEDULES["zbv"][0])
+               else {}),
         })
     return {"workload": asdict(w), "pp": PP, "microbatches": MICROBATCHES,
             "micro_batch": w.global_batch // MICROBATCHES, "tokens_per_step": tokens,
-            "rows": rows, "variants": variants,
+            "rows": rows, "variants": variants, "replay": sims,
             "note": "full training steps (forward, backward, AdamW), fp32, gloo, 1 thread per "
                     "rank; ratio = median over interleaved rounds of peer / Colonnade step time"}
+
+
+def replayed(ranks: list[dict[str, Any]], schedules: list[str]) -> dict[str, Any]:
+    """Each Colonnade schedule's action lists replayed (colonnade.pipeline.simulate.replay,
+    free communication) with its own measured median action times per stage: ``replay_ms``,
+    the compute-bound makespan of a step's forward-backward; ``one_stage_bound_ms``: the least
+    makespan of ANY schedule with one stage per rank on zb_h1's action times
+    (:func:`~colonnade.pipeline.simulate.one_stage_bound`). Empty without recorded times."""
+    if not all("action_s" in r for r in ranks):
+        return {}
+    by_stage = [r["action_s"] for r in sorted(ranks, key=lambda r: r["stage"])]
+    out: dict[str, Any] = {"replay_ms": {}}
+    for sched in schedules:
+        times = [stage[sched] for stage in by_stage]
+
+        def duration(stage: int, a: Any, times: list[dict[str, float]] = times) -> float:
+            return 1e3 * times[stage][f"{a.kind.value}{a.chunk}"]
+
+        lists = build_schedule(sched, PP, COLONNADE_VP[sched], MICROBATCHES)
+        timeline = replay(lists, duration, placement=schedule_placement(sched))
+        out["replay_ms"][sched] = max(t[-1].end for t in timeline)
+    if "zb_h1" in schedules:
+        split = [{kind: 1e3 * stage["zb_h1"].get(f"{kind}0", 0.0) for kind in "FBW"}
+                 for stage in by_stage]
+        out["one_stage_bound_ms"] = one_stage_bound(split, MICROBATCHES)
+    return out
+
+
+def bound_fields(sims: dict[str, Any]) -> dict[str, float]:
+    """Fields of the "pp2 ZB-H1" row (against torch's ZBV): zb_h1's replay, the one-stage
+    bound and zbv's replay (ms), and ``bound_ratio`` = zbv's replay / the bound: the most a
+    schedule with one stage per rank can reach against the V placement at this run's action
+    times (both sides' per-action work being equal)."""
+    replays = sims.get("replay_ms", {})
+    if "one_stage_bound_ms" not in sims or "zbv" not in replays:
+        return {}
+    bound = sims["one_stage_bound_ms"]
+    return {"replay_ms": replays["zb_h1"], "one_stage_bound_ms": bound,
+            "zbv_replay_ms": replays["zbv"], "bound_ratio": replays["zbv"] / bound}
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -327,6 +407,18 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{row['layout']:<16} colonnade {row['colonnade']:>6.0f} tok/s vs {row['peer']} "
               f"{row['peer_tokens_per_s']:>6.0f}: ratio {row['ratio']:.3f} (median per round), "
               f"{row['ratio_cpu']:.3f} by CPU time")
+    sims = summary.get("replay", {})
+    if sims:
+        print("replayed with this run's median action times (ms of forward-backward compute, "
+              "communication free): " + ", ".join(f"{k} {v:.1f}"
+                                                  for k, v in sims["replay_ms"].items()))
+    if "one_stage_bound_ms" in sims:
+        print(f"no schedule with one stage per rank can take under "
+              f"{sims['one_stage_bound_ms']:.1f} ms here (one_stage_bound)")
+    for row in summary["rows"]:
+        if "bound_ratio" in row:
+            print(f"{row['layout']} vs the V placement: at most {row['bound_ratio']:.3f} for any "
+                  "one-stage-per-rank schedule at equal per-action work")
 
 
 def run(workload: str, rounds: int, steps: int, json_path: Path | None,

@@ -146,3 +146,45 @@ def test_profile_step_zbv_layout_resolves() -> None:
     assert (world, micro) == (2, 4)
     assert (cfg.parallel.pp, cfg.parallel.vp, cfg.parallel.schedule) == (2, 2, "zbv")
     assert cfg.training.micro_batch_size * micro == w.global_batch
+
+
+def test_zb_h1_row_carries_the_one_stage_bound() -> None:
+    """Recorded action times (s) per rank replay every schedule; the ZB-H1 row against ZBV gets
+    the one-stage bound, zbv's replay and their ratio; rows without recorded times get none."""
+    pt = _bench("pipeline_train")
+    w = pt.WORKLOADS["gpt2-tiny"]
+    spec = {"schedules": ["zb_h1", "zbv"], "steps": 1}
+    times = {"colonnade/zb_h1": [1.0], "torch/ScheduleZBVZeroBubble": [1.0],
+             "torch/ScheduleInterleavedZeroBubble": [1.0], "colonnade/zbv": [1.0]}
+    unit = {f"{k}{c}": 0.5e-3 for k in "FBW" for c in (0, 1)}  # half a stage per chunk
+    zb = [{"F0": 1e-3, "B0": 0.0, "W0": 2e-3}, {"F0": 1e-3, "B0": 1e-3, "W0": 1e-3}]
+    ranks = [{"stage": s, "runs": {n: _runs(t, t) for n, t in times.items()},
+              "first_loss": {n: [7.0, 6.9] for n in times},
+              "action_s": {"zb_h1": zb[s], "zbv": unit}} for s in (1, 0)]
+    summary = pt.summarize(w, spec, ranks)
+    sims = summary["replay"]
+    assert sims["one_stage_bound_ms"] == pytest.approx(1.0 + 4 * 3.0)  # F of stage 0, stage 1
+    assert sims["replay_ms"]["zb_h1"] == pytest.approx(13.0)
+    assert sims["replay_ms"]["zbv"] == pytest.approx(12.5)  # unit stages: 12 + 0.5
+    row = summary["rows"][0]
+    assert row["layout"] == "pp2 ZB-H1" and row["bound_ratio"] == pytest.approx(12.5 / 13)
+    assert "bound_ratio" not in summary["rows"][1] and "bound_ratio" not in summary["rows"][2]
+    for r in ranks:
+        del r["action_s"]
+    assert pt.summarize(w, spec, ranks)["replay"] == {}
+
+
+def test_peer_table_notes_the_one_stage_bound() -> None:
+    pt = _bench("peer_table")
+    row = {"layout": "pp2 ZB-H1", "colonnade": 5600.0, "peer": "torch ZBV",
+           "peer_tokens_per_s": 5970.0, "ratio": 0.94, "ratio_cpu": 1.04, "issue_ratio": 0.98,
+           "replay_ms": 334.1, "one_stage_bound_ms": 334.1, "zbv_replay_ms": 313.6,
+           "bound_ratio": 313.6 / 334.1}
+    lines = pt.markdown([row], "gpt2-tiny").splitlines()
+    assert lines[-2] == ""
+    assert lines[-1] == (
+        "- pp2 ZB-H1: replayed with the measured action times, ZB-H1 computes a step's "
+        "forward-backward in 334 ms, and no schedule with one stage per rank can take under "
+        "334 ms; the V placement (zbv) takes 314 ms, so against ZBV a one-stage schedule "
+        "reaches at most 0.94 at equal per-action work")
+    assert pt.bound_notes([{k: v for k, v in row.items() if k != "bound_ratio"}]) == []

@@ -115,6 +115,6 @@ def test_peer_table_zero_notes() -> None:
              "colonnade_step_rss_peak_bytes": 40 * 2**20},
             {"layout": "dp2 + ZeRO-1", "peer": "FSDP2", "colonnade_state_bytes": 2**20}]
     assert pt.zero_notes(rows) == [
-        "", "- dp2 + ZeRO-3: Colonnade parameter all-gather exposed 12.5 ms/step; per rank, "
+        "- dp2 + ZeRO-3: Colonnade parameter all-gather exposed 12.5 ms/step; per rank, "
         "Colonnade / FSDP2: training state 3.0 / 2.5 MB, RSS growth in the timed steps 40.0 / - MB"]
     assert pt.zero_notes(rows[1:]) == []

@@ -7,12 +7,13 @@ arrived, messages being matched in FIFO order. Compute durations: F -> t_f, W ->
 B -> t_b on a stage that runs W actions (split backward), else t_b + t_w.
 
 Per stage: busy = sum of compute durations, idle = makespan - busy,
-bubble fraction = idle / makespan.
+bubble fraction = idle / makespan. :func:`one_stage_bound` is the least makespan that any
+schedule with one stage per rank can reach on given stage times, whatever its order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from colonnade.pipeline.actions import Action, Kind, ScheduleError, virtual_stage
@@ -169,3 +170,30 @@ def simulate(
     idle = tuple(makespan - b for b in busy)
     frac = tuple(i / makespan if makespan > 0 else 0.0 for i in idle)
     return SimResult(makespan, busy, idle, frac, tuple(tuple(t) for t in timeline))
+
+
+def one_stage_bound(stage_times: Sequence[Mapping[str, float]], m: int) -> float:
+    """Least makespan of ANY schedule that runs one stage per rank (vp = 1) over m micro-batches,
+    stage s taking ``stage_times[s]["F"]``, ``["B"]`` and ``["W"]`` per micro-batch (a missing
+    kind takes 0; an unsplit backward is B with W = 0), with free communication.
+
+    Stage s runs no forward before the first micro-batch has gone forward through stages
+    0 .. s - 1, and then runs all m (T_F + T_B + T_W) of its own work one action at a time:
+
+        makespan >= max_s ( sum_{r < s} T_F(r) + m (T_F(s) + T_B(s) + T_W(s)) )
+
+    whatever the order of the actions and however much memory the schedule holds (GPipe,
+    1F1B, ZB-H1, ZB-H2 alike). ZB-H1 reaches it when the last stage is the busiest and has
+    enough W passes to fill the time its predecessors spend on the last micro-batch's
+    backward (issue 19's gpt2-tiny at pp = 2). A schedule with several stages per rank (the
+    V placement of ZB-V) is not bound by it: the rank holding the last stage also holds the
+    first and starts at once.
+    """
+    if m < 1:
+        raise ScheduleError(f"one_stage_bound: m must be >= 1, got {m}")
+    best, head = 0.0, 0.0
+    for times in stage_times:
+        work = m * sum(times.get(kind, 0.0) for kind in ("F", "B", "W"))
+        best = max(best, head + work)
+        head += times.get("F", 0.0)
+    return best
