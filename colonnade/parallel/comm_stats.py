@@ -204,8 +204,8 @@ class CommStats:
     """Counters of every operation of every group of one rank, keyed by 'group/op'.
 
     Thread-safe: the hang detector reads :meth:`pending`, :meth:`progressed_at` and
-    :meth:`overdue` from its thread, and the pipeline's p2p stream thread posts and waits
-    while the main thread runs other collectives.
+    :meth:`overdue` from its thread, and the pipeline's p2p posting thread posts (and waits
+    in in-order mode) while the main thread runs other collectives.
     """
 
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
@@ -314,7 +314,7 @@ class CommStats:
 
     def record(self, key: str, payload: int, wire: float) -> OpStats:
         """Count one call and return its stats entry."""
-        with self._lock:  # the pipeline's p2p stream thread counts too
+        with self._lock:  # the pipeline's p2p posting thread counts too
             entry = self.ops[key]
             entry.calls += 1
             entry.payload_bytes += payload
