@@ -10,7 +10,10 @@ category:
   attention           scaled-dot-product attention and its kernels, softmax
   loss                cross entropy / log-softmax / nll (forward and backward nodes)
   optimizer           everything under ``colonnade::optimizer`` (norm, AdamW, casts)
-  communication       c10d / gloo / nccl calls and waits
+  communication       c10d / gloo / nccl calls and waits, and the self time of Colonnade's
+                      communicating autograd functions (tp's f / g operators, sp's gathers
+                      and scatters, the all-to-all: their blocking waits, which gloo does not
+                      report as an op of their own)
   copies/layout       copy_, clone, contiguous, cat, transpose/permute materialised
   elementwise+norm    every other aten op (adds, GELU, norms, embedding, fills, zero_)
   autograd engine     self time of the autograd engine's node evaluation (hooks included)
@@ -88,6 +91,11 @@ _COPIES = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten:
            "aten::split", "aten::narrow", "aten::slice", "aten::select", "aten::unsqueeze",
            "aten::squeeze", "aten::flatten", "aten::detach", "aten::alias")
 _ENGINE = "autograd::engine::evaluate_function"
+COMM_FUNCTIONS = ("OpF", "OpG", "OpGSeq", "OpGBarSeq", "OpSplitSeq", "OpGatherLast",
+                  "OpSplitLast", "GatheredLinears", "LinearReduceScatter", "OpAllToAll")
+"""Colonnade's autograd functions that run a collective (forward, or backward as
+"<name>Backward"): their self time is the collective's blocking wait (their matmuls and copies
+are child ops with categories of their own)."""
 
 
 def _leaf_category(name: str) -> str | None:
@@ -95,7 +103,7 @@ def _leaf_category(name: str) -> str | None:
     low = name.lower()
     if name.startswith(_ENGINE):
         return "autograd engine"
-    if any(k in low for k in _COMM):
+    if any(k in low for k in _COMM) or name.removesuffix("Backward") in COMM_FUNCTIONS:
         return "communication"
     if name in _MATMUL or low.startswith(("mmbackward", "addmmbackward", "bmmbackward")):
         return "matmul/linear"
