@@ -32,7 +32,7 @@ Bubble of a stage = idle / step = 1 - busy / step, busy = the stage's summed com
   here: its "formula" is its action lists replayed (colonnade.pipeline.simulate.simulate,
   placement "v") with every stage at those mean chunk durations T_F, T_B, T_W (equal stages;
   ~0 for m >= 2p when T_F = T_B = T_W);
-* sim: the same action lists replayed (colonnade.pipeline.simulate.replay) with each stage's
+* sim: the same action lists replayed (colonnade.pipeline.simulate.timing) with each stage's
   measured mean F / B / W durations and free communication: what the schedule costs on this
   model's actual (unequal: embedding on the first stage, head + loss on the last) stages.
 Peak stashed = most micro-batches (chunk-activations) whose F ran and B did not, per stage,
@@ -69,7 +69,7 @@ from colonnade.pipeline.checker import check_schedule
 from colonnade.pipeline.executor import execute
 from colonnade.pipeline.plan import ExecOptions, StepPlan
 from colonnade.pipeline.schedules import build_schedule
-from colonnade.pipeline.simulate import replay, simulate
+from colonnade.pipeline.simulate import simulate, timing
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 OURS = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
@@ -218,10 +218,8 @@ def _simulated(schedule: str, p: int, m: int, stage_means: list[dict[str, float]
     def duration(stage: int, a: Any) -> float:
         return stage_means[stage].get(a.kind.value, 0.0)
 
-    timeline = replay(lists, duration, placement=schedule_placement(schedule))
-    makespan = max(t[-1].end for t in timeline)
-    busy = [sum(e.end - e.start for e in t if e.action.is_compute) for t in timeline]
-    return statistics.mean(1 - b / makespan for b in busy)
+    sim = timing(lists, duration, placement=schedule_placement(schedule))
+    return statistics.mean(sim.bubble_fraction)
 
 
 def summarise(args: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:

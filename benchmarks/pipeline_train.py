@@ -109,7 +109,7 @@ from colonnade.parallel.pool import RankPool
 from colonnade.pipeline.executor import execute
 from colonnade.pipeline.plan import StepPlan
 from colonnade.pipeline.schedules import build_schedule
-from colonnade.pipeline.simulate import one_stage_bound, replay
+from colonnade.pipeline.simulate import one_stage_bound, timing
 from colonnade.training.loop import Trainer
 from colonnade.training.setup import Runtime
 
@@ -352,7 +352,7 @@ def summarize(w: Workload, spec: dict[str, Any], ranks: list[dict[str, Any]]
 
 
 def replayed(ranks: list[dict[str, Any]], schedules: list[str]) -> dict[str, Any]:
-    """Each Colonnade schedule's action lists replayed (colonnade.pipeline.simulate.replay,
+    """Each Colonnade schedule's action lists replayed (colonnade.pipeline.simulate.timing,
     free communication) with its own measured median action times per stage: ``replay_ms``,
     the compute-bound makespan of a step's forward-backward; ``one_stage_bound_ms``: the least
     makespan of ANY schedule with one stage per rank on zb_h1's action times
@@ -368,8 +368,8 @@ def replayed(ranks: list[dict[str, Any]], schedules: list[str]) -> dict[str, Any
             return 1e3 * times[stage][f"{a.kind.value}{a.chunk}"]
 
         lists = build_schedule(sched, PP, COLONNADE_VP[sched], MICROBATCHES)
-        timeline = replay(lists, duration, placement=schedule_placement(sched))
-        out["replay_ms"][sched] = max(t[-1].end for t in timeline)
+        out["replay_ms"][sched] = timing(lists, duration,
+                                         placement=schedule_placement(sched)).makespan
     if "zb_h1" in schedules:
         split = [{kind: 1e3 * stage["zb_h1"].get(f"{kind}0", 0.0) for kind in "FBW"}
                  for stage in by_stage]

@@ -164,6 +164,17 @@ def simulate(
             return t_b if splits[stage] else t_b + t_w
         return cost[a.kind]
 
+    return timing(lists, duration, t_comm, placement)
+
+
+def timing(
+    lists: Sequence[Sequence[Action]],
+    duration: Callable[[int, Action], float],
+    t_comm: float = 0.0,
+    placement: str = "loop",
+) -> SimResult:
+    """:func:`replay` with any per-action ``duration(stage, action)`` (measured times, say),
+    summarised: makespan, busy / idle time and bubble fraction per stage."""
     timeline = replay(lists, duration, t_comm, placement)
     makespan = max((t[-1].end for t in timeline if t), default=0.0)
     busy = tuple(sum(e.end - e.start for e in t if e.action.is_compute) for t in timeline)

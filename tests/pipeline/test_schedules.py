@@ -14,7 +14,7 @@ from colonnade.pipeline.schedules import (
     interleaved_groups,
     one_f_one_b,
 )
-from colonnade.pipeline.simulate import one_stage_bound, replay, simulate
+from colonnade.pipeline.simulate import one_stage_bound, simulate, timing
 from tests.pipeline.test_zbv import _peak_until_w
 
 
@@ -265,8 +265,7 @@ def _makespan(name: str, times: list[dict[str, float]], m: int) -> float:
             return t["B"] + t["W"]
         return t[a.kind.value]
 
-    timeline = replay(build_schedule(name, len(times), vp, m), duration, placement=placement)
-    return max(t[-1].end for t in timeline)
+    return timing(build_schedule(name, len(times), vp, m), duration, placement=placement).makespan
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
