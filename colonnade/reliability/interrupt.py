@@ -120,8 +120,9 @@ def stop_signals_deferred() -> Iterator[None]:
     and Python then runs its handler in the main thread at the next bytecode, which can be
     inside ``os.fork``'s at-fork hooks (logging's ``_releaseLock``), whose exceptions Python
     prints and ignores: the Ctrl-C was lost and ``prepare`` ran to the end. Blocking the
-    signals (``pthread_sigmask``) keeps them from the main thread only. Main thread only;
-    elsewhere the block runs unchanged."""
+    signals (``pthread_sigmask``) keeps them from the main thread only. A signal this process
+    ignores (``SIG_IGN``: SIGINT of a job a non-interactive shell started with ``&``) stays
+    ignored. Main thread only; elsewhere the block runs unchanged."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -130,7 +131,8 @@ def stop_signals_deferred() -> Iterator[None]:
     def note(signum: int, _frame: FrameType | None) -> None:
         noted.append(signum)
 
-    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
     finally:
