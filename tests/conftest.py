@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +23,22 @@ if str(_REPO_ROOT / "tests") not in sys.path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _sigint_raises()
     config.addinivalue_line(
         "markers", "gpu: needs a CUDA device; deselected by default (pyproject addopts "
         "-m 'not gpu'), selected with `pytest -m gpu tests/gpu` on a GPU machine")
+
+
+def _sigint_raises() -> None:
+    """SIGINT raises KeyboardInterrupt in the test process, and its children start with SIGINT's
+    default action, however the suite was started. A job that a non-interactive shell starts
+    with ``&`` (``make test &``, two copies of the suite at once, a CI wrapper) begins with
+    SIGINT ignored; Python keeps an inherited SIG_IGN, and every process a test starts inherits
+    it in turn, so the tests that stop a run with Ctrl-C failed there and passed in a terminal
+    (``test_signal_while_the_pool_forks_is_raised_after_it[2]`` at f910c72: ``bash -c 'pytest
+    ... & wait'`` failed it every time). A Python-level handler is reset to SIG_DFL by exec."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
