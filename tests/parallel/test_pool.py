@@ -6,6 +6,7 @@ Functions sent to ranks live at module level so the ranks import them by name
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -185,6 +186,33 @@ def test_each_run_starts_from_fresh_state(run_ranks: Callable[..., list[Any]]) -
     torch.manual_seed(0)
     first_random = float(torch.rand(1).item())  # the pool seeds every run with 0
     assert run_ranks(2, _read_state) == [("torch.float32", True, first_random, 2)] * 2
+
+
+def _thread_names(pid: int) -> list[str]:
+    tasks = f"/proc/{pid}/task"
+    names = []
+    for tid in os.listdir(tasks):
+        with contextlib.suppress(FileNotFoundError), open(f"{tasks}/{tid}/comm") as comm:
+            names.append(comm.read().strip())  # (a thread that ended meanwhile is left out)
+    return sorted(names)
+
+
+def test_idle_ranks_hold_no_group_and_no_polling_thread(rank_pools: RankPools) -> None:
+    """Between runs a rank holds no process group, so gloo's transport thread (an epoll loop
+    that wakes every 10 ms while a group lives) is gone and the rank blocks in its pipe read.
+    The parent reads the threads after the run's "end" reply, which a rank sends only after
+    destroying its groups: no window to race."""
+    pool = rank_pools.get(2)
+    pids = pool.run(_pid)
+    during = pool.run(_thread_names_here)
+    assert all("gloo_tcp_loop" in names for names in during), during
+    for pid in pids:
+        names = _thread_names(pid)
+        assert "gloo_tcp_loop" not in names and "pt_gloo_runloop" not in names, names
+
+
+def _thread_names_here() -> list[str]:
+    return _thread_names(os.getpid())
 
 
 def test_reusing_a_pool_is_fast(rank_pools: RankPools) -> None:
