@@ -12,6 +12,8 @@ import pytest
 
 from colonnade.parallel.pool import RankPools
 
+pytest_plugins = ["tests.time_budget"]
+
 # The pool's ranks import test functions by name (``tests.<dir>.<module>``) with the parent's
 # sys.path (spawn copies it): the repo root first, the tests directory last for its helpers.
 # The paths are set here, by the tests, never by the library.
