@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,12 +218,34 @@ def test_only_owners_write_files(run_ranks: Any, tmp_path: Path) -> None:
         assert len(names) == 2 * writers + 3, names
 
 
+class _FakeTime:
+    """``time`` for :mod:`colonnade.checkpoint.commit`: ``sleep`` moves a virtual clock (and
+    calls ``at`` once when it passes ``at_s``) instead of waiting, so the polls of a wait are
+    fixed by the code, not by how the machine schedules a sleeping thread."""
+
+    def __init__(self, at_s: float, at: Callable[[], None]) -> None:
+        self.now, self.at_s, self.at = 1000.0, at_s, at
+        self.start = self.now
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        before, self.now = self.now, self.now + seconds
+        if before - self.start < self.at_s <= self.now - self.start:
+            self.at()
+
+
 def test_commit_wait_polls_with_backoff(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 waiting 0.4 s for the last of 8 writers probes the file system a few times (one
-    listing per poll, backing off), not once per rank every 10 ms."""
-    import threading
-    import time
+    listing per poll, backing off), not once per rank every 10 ms.
 
+    On a virtual clock (:class:`_FakeTime`): the last fragment appears when 0.4 s have passed,
+    during the sleep that crosses it, so the polls are exactly the backoff's: sleeps doubling
+    from 5 ms, 8 listings, 0.635 s waited (0.4 s, rounded up to the poll that saw it).
+    """
     from colonnade.checkpoint import commit as commit_mod
     from colonnade.checkpoint.format import write_json
 
@@ -230,22 +253,26 @@ def test_commit_wait_polls_with_backoff(tmp_path: Path, monkeypatch: pytest.Monk
     for r in writers[:-1]:
         write_json(tmp_path / f"rank-{r:05d}.json", {})
     probes = [0]
-    main = threading.current_thread()
+    writing = [False]
 
     def counted(fn: Any) -> Any:
         def inner(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is main:
+            if not writing[0]:
                 probes[0] += 1
             return fn(*args, **kwargs)
         return inner
 
+    def late_writer() -> None:
+        writing[0] = True
+        write_json(tmp_path / "rank-00007.json", {})
+        writing[0] = False
+
     for name in ("stat", "lstat", "listdir", "scandir"):
         monkeypatch.setattr(os, name, counted(getattr(os, name)))
-    late = threading.Timer(0.4, write_json, (tmp_path / "rank-00007.json", {}))
-    late.start()
-    start = time.monotonic()
-    commit_mod.wait_for_fragments(tmp_path, writers, 10.0)
-    waited = time.monotonic() - start
-    late.join()
-    assert 0.4 <= waited < 1.5
-    assert 1 <= probes[0] <= 12, probes[0]
+    clock = _FakeTime(0.4, late_writer)
+    monkeypatch.setattr(commit_mod, "time", clock)
+    polls = commit_mod.wait_for_fragments(tmp_path, writers, 10.0)
+    monkeypatch.undo()
+    assert clock.sleeps == pytest.approx([0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32])
+    assert 0.4 <= clock.now - clock.start == pytest.approx(0.635)
+    assert polls == probes[0] == 8

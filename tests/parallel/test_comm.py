@@ -52,42 +52,76 @@ def _accounting() -> dict[str, Any]:
             "tp_calls": groups.stats.total("tp/", "calls")}
 
 
-def _async_exposed(delay_s: float, key: str) -> dict[str, Any]:
-    """Rank 1 joins an async all-reduce late; rank 0 overlaps it with "compute", then waits.
+class _ManualMark:
+    """A reading of :class:`_ManualClock`."""
 
-    Ordered by store keys, not by sleeps racing each other: rank 1 posts ``delay_s`` after it
-    saw rank 0 post; rank 0 "computes" until rank 1 reports its all-reduce done, so rank 0's
-    wait() finds it complete whatever the load. Then rank 0 enters a blocking all-reduce that
-    rank 1 joins ``delay_s`` after rank 0 announced it: all of that time is exposed.
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def seconds_since(self, earlier: Any) -> float:
+        return self.t - earlier.t
+
+
+class _ManualClock:
+    """A host-blocking clock (gloo's kind) whose time moves only when the rank says so: ``now``
+    is advanced by the rank (time it spends outside communication), and ``stretch`` makes the
+    next operation last that long (its first mark at ``now``, every later one after it)."""
+
+    host_blocking = True
+
+    def __init__(self) -> None:
+        self.now, self.stretch = 0.0, 0.0
+
+    def mark(self) -> _ManualMark:
+        mark = _ManualMark(self.now)
+        self.now, self.stretch = self.now + self.stretch, 0.0
+        return mark
+
+
+def _async_exposed(compute_s: float, late_s: float, key: str) -> dict[str, Any]:
+    """Rank 1 joins an async all-reduce after rank 0 posted it; rank 0 overlaps it with
+    "compute", then waits; then rank 0 makes a blocking call that waits ``late_s`` for rank 1.
+
+    Real gloo operations, timed by a :class:`_ManualClock` on the dp group, so every time the
+    stats report is a sum of the durations given here, whatever the scheduler does: rank 0
+    computes ``compute_s`` between posting and waiting (and, ordered by store keys, only after
+    rank 1's wait returned: the collective is complete when rank 0 waits, the case the
+    exposed time must report as ~0); its blocking call lasts ``late_s``.
     """
     groups = ProcessGroups.build(ParallelDims(dp=2))
     store = dist.distributed_c10d._get_default_store()
     g = groups.dp
+    clock = _ManualClock()
+    g.clock = clock
     t = torch.full((1000,), float(groups.rank + 1))
     if groups.rank == 1:
         store.wait([f"{key}/posted0"])
-        time.sleep(delay_s)
     handle = g.all_reduce(t, name="grads", async_op=True)
     assert handle is not None
     if groups.rank == 0:
         store.set(f"{key}/posted0", "1")
         store.wait([f"{key}/done1"])  # "compute" that hides the collective
+        clock.now += compute_s
     handle.wait()
     handle.wait()  # idempotent: counted once
     entry = groups.stats.ops["dp/all_reduce/grads"]
     if groups.rank == 1:
         store.set(f"{key}/done1", "1")
-        store.wait([f"{key}/blocking0"])
-        time.sleep(delay_s)  # arrives >= delay_s after rank 0 announced its blocking call
     else:
-        store.set(f"{key}/blocking0", "1")
+        clock.stretch = late_s  # rank 0 waits this long in the call for the late rank 1
     s = torch.ones(3)
     g.all_reduce(s, name="blocking")  # a blocking call on a late peer: all of it exposed
     blocking = groups.stats.ops["dp/all_reduce/blocking"]
-    return {"t0": float(t[0]), "calls": entry.calls, "waited": entry.waited_s,
-            "in_flight": entry.in_flight_s, "b_waited": blocking.waited_s,
-            "b_in_flight": blocking.in_flight_s, "exposed_total": groups.stats.total(
-                "dp/", "waited_s")}
+    return {"t0": float(t[0]), "s0": float(s[0]), "calls": entry.calls,
+            "waited": entry.waited_s, "in_flight": entry.in_flight_s,
+            "b_waited": blocking.waited_s, "b_in_flight": blocking.in_flight_s,
+            "exposed_total": groups.stats.total("dp/", "waited_s")}
 
 
 def _error_names_group() -> str:
@@ -148,23 +182,21 @@ def test_byte_accounting_two_ranks(run_ranks: Callable[..., list[Any]]) -> None:
 
 
 def test_async_handle_exposed_time(run_ranks: Callable[..., list[Any]]) -> None:
-    """Bounds that event order guarantees on a loaded machine, each failing a wrong clock:
-    in flight >= delay (rank 1 posted delay after rank 0), waited ~0 (done before wait()),
-    the blocking call's exposed time >= delay/2 (rank 1 joined delay after rank 0 announced
-    it; rank 0 may be descheduled between the announcement and the call, hence the half)."""
-    delay = 0.4
-    r0, r1 = run_ranks(2, _async_exposed, delay, f"exposed-{time.monotonic_ns()}")
+    """Exact times on a manual clock (see :func:`_async_exposed`), each failing a wrong
+    accounting: rank 0's async op was in flight for its compute and exposed for none of it
+    (waited after it was done), counted once though waited twice; its blocking call was
+    exposed for all of its time; rank 1 posted and waited at once, its clock never moved."""
+    compute, late = 0.375, 0.25  # binary fractions: the sums below are exact
+    r0, r1 = run_ranks(2, _async_exposed, compute, late, f"exposed-{time.monotonic_ns()}")
     for res in (r0, r1):
-        assert res["t0"] == 3.0
+        assert res["t0"] == 3.0 and res["s0"] == 2.0
         assert res["calls"] == 1
-        assert res["waited"] <= res["in_flight"] + 1e-9
-        assert res["exposed_total"] == pytest.approx(res["waited"] + res["b_waited"])
+        assert res["exposed_total"] == res["waited"] + res["b_waited"]
     # rank 0 posted first and computed until rank 1 was done: hidden behind its "compute"
-    assert r0["in_flight"] >= delay
-    assert r0["waited"] < 0.5 * delay < 0.5 * r0["in_flight"]
-    # rank 0 waits for the late rank 1 in the blocking call: exposed ~ delay
-    assert r0["b_waited"] >= 0.5 * delay
-    assert r0["b_waited"] == pytest.approx(r0["b_in_flight"], abs=1e-3)
+    assert (r0["in_flight"], r0["waited"]) == (compute, 0.0)
+    # rank 0 waits for the late rank 1 in the blocking call: all of it exposed
+    assert (r0["b_in_flight"], r0["b_waited"]) == (late, late)
+    assert (r1["in_flight"], r1["waited"], r1["b_in_flight"], r1["b_waited"]) == (0.0,) * 4
 
 
 def test_backend_error_names_group_and_op(run_ranks: Callable[..., list[Any]]) -> None:
@@ -293,7 +325,9 @@ def test_stream_ordered_wait_does_not_finish_the_op(monkeypatch: pytest.MonkeyPa
 
 def test_host_blocking_wait_finishes_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """gloo (wall clock): wait() blocks until the data is there, so the op is done when it
-    returns, whatever is_completed says; the times are the host's."""
+    returns, whatever is_completed says; the times are the host's. The sleep only makes an
+    interval that a stall can lengthen, never shorten: the wait begins >= 0.05 s after the
+    post, so in flight >= 0.05 s > waited holds for every interleaving."""
     from colonnade.parallel.comm_stats import WallClock
 
     work = _StreamOrderedWork()

@@ -53,7 +53,7 @@ def _count_creation(degrees: dict[str, int], tied: bool,
     # new_subgroups_by_enumeration calls distributed_c10d's new_group: wrap both names
     dist.new_subgroups_by_enumeration, dist.new_group, c10d.new_group = sub, new, new
     try:
-        groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=42.0,
+        groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=420.0,
                                      tied_embeddings=tied, experts=experts)
     finally:
         dist.new_subgroups_by_enumeration, dist.new_group = real_sub, real_new
@@ -78,7 +78,7 @@ def test_groups_created_equal_groups_used(run_ranks: Callable[..., list[Any]],
     axes, new_groups = EXPECTED[layout]
     for rank, res in enumerate(run_ranks(dims.world_size, _count_creation, degrees, True)):
         assert res["axes"] == axes, (layout, rank)
-        assert res["timeouts"] == [42.0] * len(axes)  # the timeout is given at creation
+        assert res["timeouts"] == [420.0] * len(axes)  # the timeout is given at creation
         assert res["new_group"] == new_groups, (layout, rank)
         for name, (ranks, total, has_pg) in res["sums"].items():
             assert total == float(sum(ranks)), (layout, rank, name)
@@ -143,7 +143,7 @@ def _split_path(degrees: dict[str, int]) -> dict[str, Any]:
     real_split, real_can = dist.split_group, groups_mod._can_split
     dist.split_group, groups_mod._can_split = split, lambda: True  # type: ignore[assignment]
     try:
-        groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=7.0)
+        groups = ProcessGroups.build(ParallelDims(**degrees), timeout_s=700.0)
     finally:
         dist.split_group, groups_mod._can_split = real_split, real_can  # type: ignore
     t = torch.tensor([float(dist.get_rank())])
@@ -153,5 +153,5 @@ def _split_path(degrees: dict[str, int]) -> dict[str, Any]:
 
 def test_split_group_path_is_one_call_per_axis(run_ranks: Callable[..., list[Any]]) -> None:
     for rank, res in enumerate(run_ranks(4, _split_path, {"tp": 2, "pp": 2})):
-        assert res["calls"] == [("tp", [[0, 1], [2, 3]], 7.0), ("pp", [[0, 2], [1, 3]], 7.0)]
+        assert res["calls"] == [("tp", [[0, 1], [2, 3]], 700.0), ("pp", [[0, 2], [1, 3]], 700.0)]
         assert res["tp_sum"] == (1.0 if rank < 2 else 5.0)

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from colonnade.config.choices import schedule_placement
+from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.nccl_model import Group
@@ -70,28 +71,76 @@ def rank_complete(which: str, in_order: bool, schedule: str = "1f1b") -> list[st
     return bad
 
 
-def stall_main(rank: int, store: str) -> None:
-    """A throw-away rank: post the legacy groups in order, report how many completed, then
-    exit without waiting for the stuck stream.
+class _IssueLog:
+    """Wraps a pp group's ``p2p``: counts the groups issued and notes which issue's ``wait`` the
+    posting thread is blocked in, so the main thread can wait for that state (a condition, not
+    a time)."""
 
-    Ordered by store keys, not by racing sleeps: rank 1 counts once its first group ({recv F0})
-    is done (up to 60 s on a loaded machine) and 1.5 s more passed for a wrong second completion
-    to show; rank 0 (whose first group can never complete) counts after rank 1 has; neither
-    exits before both have counted (an exiting peer would fail the other's pending groups).
+    def __init__(self, group: CommGroup) -> None:
+        self.real = group.p2p
+        self.cond = threading.Condition()
+        self.issued = 0
+        self.waiting = -1  # the issue whose wait() was entered and has not returned
+        group.p2p = self.p2p  # type: ignore[method-assign]
+
+    def p2p(self, sends: list[Any], recvs: list[Any], *, name: str = "") -> _LoggedHandle:
+        handle = self.real(sends, recvs, name=name)
+        with self.cond:
+            index, self.issued = self.issued, self.issued + 1
+            self.cond.notify_all()
+        return _LoggedHandle(self, index, handle)
+
+    def wait_for(self, issues: int, timeout_s: float) -> tuple[int, int]:
+        """Block until the thread waits on issue ``issues - 1``, or issued more than
+        ``issues`` (an in-order stream would not have); (issued, waiting) at that point."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.waiting == issues - 1 or
+                                      self.issued > issues, timeout_s)
+            return self.issued, self.waiting
+
+
+class _LoggedHandle:
+    def __init__(self, log: _IssueLog, index: int, handle: Handle) -> None:
+        self.log, self.index, self.handle = log, index, handle
+
+    def wait(self) -> None:
+        with self.log.cond:
+            self.log.waiting = self.index
+            self.log.cond.notify_all()
+        self.handle.wait()
+        with self.log.cond:
+            self.log.waiting = -1
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+
+def stall_main(rank: int, store: str) -> None:
+    """A throw-away rank: post the legacy groups in order, report how many were issued and
+    completed once the stream is stuck, then exit without waiting for it.
+
+    Ordered by states, not by a window for a wrong completion to show. Rank 0's posting thread
+    issues {send F0, recv B0} and blocks in its wait; rank 1's completes {recv F0}, issues
+    {recv F1} and blocks in its wait (:meth:`_IssueLog.wait_for`). From that point the counts
+    cannot change, whatever the scheduler does: rank 0's wait needs B0, which rank 1 sends in
+    its third group; rank 1's needs F1, which rank 0 sends in its second; and each posting
+    thread issues its next group only after its current wait returns, so neither ever does.
+    A stream that did not keep order (a later group issued before the current one is done)
+    shows as more issues than that, and the wait ends at the first extra issue, not at a
+    timeout. Neither rank exits before both have counted (store keys): an exiting peer would
+    fail the other's pending groups.
     """
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     keys = dist.distributed_c10d._get_default_store()
-    comm = _posted_comm("legacy", True, ProcessGroups.build(ParallelDims(pp=2)))
-    deadline = time.monotonic() + 60.0
-    while rank == 1 and not comm.pending[0].done.is_set() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.5)
-    if rank == 0:
-        keys.wait(["counted1"])
+    groups = ProcessGroups.build(ParallelDims(pp=2))
+    log = _IssueLog(groups.pp)
+    comm = _posted_comm("legacy", True, groups)
+    issued, waiting = log.wait_for(1 + rank, 120.0)
     done = sum(p.done.is_set() for p in comm.pending)
     keys.set(f"counted{rank}", "1")
     keys.wait(["counted0", "counted1"])
-    print(json.dumps({"rank": rank, "done": done, "groups": len(comm.pending)}), flush=True)
+    print(json.dumps({"rank": rank, "done": done, "groups": len(comm.pending),
+                      "issued": issued, "waiting": waiting}), flush=True)
     os._exit(0)
 
 
@@ -105,6 +154,8 @@ def test_legacy_posting_stalls_in_order(tmp_path: Path) -> None:
     out = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
     # rank 0 is stuck in its first group {send F0, recv B0}; rank 1 finished {recv F0} only
     assert [(o["done"], o["groups"]) for o in out] == [(0, 6), (1, 8)]
+    # ... and each is blocked in the wait of its last issued group, nothing issued beyond it
+    assert [(o["issued"], o["waiting"]) for o in out] == [(1, 0), (2, 1)]
 
 
 def test_legacy_posting_completes_on_free_gloo(run_ranks: Callable[..., list[Any]]) -> None:

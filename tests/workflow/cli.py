@@ -1,4 +1,11 @@
-"""Helpers of the workflow tests: run ``colonnade`` as a user would and read what it left."""
+"""Helpers of the workflow tests: run ``colonnade`` as a user would and read what it left.
+
+Run as a module, this is ``colonnade`` with a stop gate (:func:`start_gated`): chosen ranks take
+a chosen step only once their own SIGINT / SIGTERM has arrived, so a test that signals a job
+"mid-run" cannot find it already finished, and knows the step it stops after, whatever the
+scheduler does. Only the ranks' ``Trainer.train_step`` is wrapped; the CLI, the launcher, the
+signal handling and the stop protocol are the product's.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,25 @@ import hashlib
 import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 
 from colonnade.cli import main
-from tests.reliability.jobs import REPO, Job
+from colonnade.config.sections import Config
+from tests.reliability.jobs import REPO, Job, start
 
 JOB_TIMEOUT_S = 240
+STOP_GATE_ENV = "COLONNADE_TEST_STOP_GATE"
+"""'STEP:RANK,RANK...' in a gated job's environment (the spawned ranks inherit it)."""
 
 
 def run_cli(argv: list[str], timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
@@ -44,8 +59,101 @@ def steps_logged_file(path: Path) -> list[int]:
     return [int(json.loads(line)["step"]) for line in path.read_text().splitlines()]
 
 
+def start_gated(argv: list[str], log: Path, step: int, ranks: Sequence[int]) -> Job:
+    """:func:`~tests.reliability.jobs.start` of ``colonnade argv`` whose ranks ``ranks`` take
+    step ``step`` only once they have received a stop signal (:func:`install_stop_gate`)."""
+    gate = f"{step}:{','.join(str(r) for r in ranks)}"
+    return start(["--stop-gate", gate, *argv], log, module="tests.workflow.cli")
+
+
+def _await_stop_signal() -> int:
+    """Block until this process has received SIGINT or SIGTERM in its training loop; the
+    signal number (the loop's :class:`~colonnade.reliability.interrupt.StopRequest` noted it).
+
+    Each stop handler is wrapped to also write a byte to a pipe that this waits on (a signal
+    interrupts the ``select``, its handler runs, and the ``select`` goes on and sees the byte):
+    a signal handled before the wrapping is seen in ``StopRequest.signum``, any later one in
+    the pipe (a handler still pending at the wrapping runs as the wrapper).
+    """
+    from colonnade.reliability.interrupt import STOP_SIGNALS, StopRequest
+
+    handlers = {int(sig): signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stopper = getattr(handlers[int(signal.SIGTERM)], "__self__", None)
+    assert isinstance(stopper, StopRequest), handlers
+    read_end, write_end = os.pipe()
+
+    def noted(signum: int, frame: FrameType | None) -> None:
+        handlers[signum](signum, frame)  # type: ignore[operator]
+        os.write(write_end, b"s")
+
+    try:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, noted)
+        if not stopper.signum:
+            ready, _, _ = select.select([read_end], [], [], JOB_TIMEOUT_S)
+            assert ready, f"no stop signal reached the gate within {JOB_TIMEOUT_S} s"
+    finally:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handlers[int(sig)])
+        os.close(read_end)
+        os.close(write_end)
+    assert stopper.signum
+    return stopper.signum
+
+
+def install_stop_gate() -> None:
+    """Wrap ``Trainer.train_step`` per :data:`STOP_GATE_ENV` (nothing when it is unset): the
+    listed ranks block before the listed step until a stop signal has arrived, then take the
+    step with it, so every rank stops after exactly that step."""
+    spec = os.environ.get(STOP_GATE_ENV)
+    if not spec:
+        return
+    from colonnade.training.loop import Trainer
+
+    step_text, ranks_text = spec.split(":")
+    step, ranks = int(step_text), {int(r) for r in ranks_text.split(",")}
+    original = Trainer.train_step
+
+    def train_step(self: Any, batches: list[Any], signum: int = 0) -> dict[str, float]:
+        if self.step + 1 == step and self.groups.rank in ranks and not signum:
+            signum = _await_stop_signal()
+        return original(self, batches, signum)
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+
+def gated_rank(config: Config, launched: bool = False) -> dict[str, Any]:
+    """A rank entry point: the stop gate, then the ordinary rank body."""
+    from colonnade.launch import run_rank
+
+    install_stop_gate()
+    return run_rank(config, launched)
+
+
+def gated_main(argv: list[str]) -> int:
+    """``colonnade`` with ``--stop-gate STEP:RANKS`` first: the gate in the ranks (and in this
+    process, where a 1-process run trains)."""
+    import colonnade.launch as launch_mod
+    from tests.workflow.cli import gated_rank as entry  # by its importable name, not __main__
+
+    assert argv[0] == "--stop-gate", argv
+    os.environ[STOP_GATE_ENV] = argv[1]
+    install_stop_gate()
+    real = launch_mod.launch
+
+    def launch(config: Config, args: Any, overrides: list[str] | None = None,
+               **_: Any) -> int:
+        return real(config, args, overrides, entrypoint=entry, entry_args=(config, True))
+
+    launch_mod.launch = launch  # type: ignore[assignment]
+    return main(argv[2:])
+
+
 def wait_for_records(job: Job, run: Path, count: int) -> None:
-    """Block until ``run/metrics.jsonl`` holds ``count`` records (the job still running)."""
+    """Block until ``run/metrics.jsonl`` holds ``count`` records (the job still running).
+
+    A poll for a condition: its outcome does not depend on the poll's timing, and the deadline
+    is only a backstop far above any stall."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     path = run / "metrics.jsonl"
     while not path.exists() or len(path.read_text().splitlines()) < count:
@@ -84,3 +192,7 @@ def greedy_text(model_dir: Path, capsys: pytest.CaptureFixture[str], prompt: str
     assert main(["generate", str(model_dir), "--prompt", prompt, "--temperature", "0",
                  "--max-new-tokens", "12", "--device", "cpu"]) == 0
     return capsys.readouterr().out
+
+
+if __name__ == "__main__":
+    sys.exit(gated_main(sys.argv[1:]))

@@ -5,7 +5,11 @@
    forwards it, every rank stops after the same step and saves it, exit 143 with no traceback
    and one line naming the checkpoint), re-run the same command: it resumes from that
    checkpoint and every step's loss equals an uninterrupted run's (this is also the test of
-   SIGTERM save-and-resume for multi-rank jobs: tests/workflow/test_interrupt.py relies on it);
+   SIGTERM save-and-resume for multi-rank jobs: tests/workflow/test_interrupt.py relies on it).
+   The interrupted run has a stop gate (:func:`tests.workflow.cli.start_gated`): its ranks take
+   step 13 only once the forwarded SIGTERM has reached them, and the signal is sent after step
+   12 was logged, so the run is mid-way when it comes and stops after step 13 exactly, for
+   every interleaving (a stalled test process cannot find it finished);
 3. export to Hugging Face; transformers loads it and its greedy text equals `colonnade generate`'s
    on the export and on the checkpoint;
 4. fine-tune the export on new prompt/response data with the prompt masked from the loss
@@ -31,12 +35,14 @@ from tests.workflow.cli import (
     JOB_TIMEOUT_S,
     assert_clean,
     run_cli,
+    start_gated,
     steps_logged,
     stopped_at,
     wait_for_records,
 )
 
 STEPS = 40
+GATE = 13  # the interrupted run stops after this step
 MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_heads=4",
          "--model.num_kv_heads=2", "--model.max_seq_len=32"]
 SMALL = ["--training.seq_len=16", "--training.micro_batch_size=2", "--training.device=cpu",
@@ -85,8 +91,8 @@ def _interrupt_and_resume(tmp: Path) -> Path:
     ref = start(_train_argv(tmp, "reference"), tmp / "reference.log")
     assert ref.wait(JOB_TIMEOUT_S) == 0, ref.output()
     argv = _train_argv(tmp, "run")
-    job = start(argv, tmp / "job.log")
-    wait_for_records(job, tmp / "run", 12)
+    job = start_gated(argv, tmp / "job.log", GATE, range(4))
+    wait_for_records(job, tmp / "run", GATE - 1)
     os.kill(job.proc.pid, signal.SIGTERM)  # the launcher, as a scheduler's preemption would
     status = job.wait(JOB_TIMEOUT_S)
     out = job.output()
@@ -94,7 +100,7 @@ def _interrupt_and_resume(tmp: Path) -> Path:
     assert_clean(out)
     ckpt = tmp / "run_ckpt"
     stopped = stopped_at(out, "SIGTERM")
-    assert 12 <= stopped < STEPS, out
+    assert stopped == GATE < STEPS, out
     saved = ckpt / f"step_{stopped:08d}"
     assert f"saved checkpoint {saved}; re-run the same command to resume" in out, out
     assert f"stopped by SIGTERM; latest checkpoint {saved}" in out, out
