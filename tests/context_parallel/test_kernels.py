@@ -122,7 +122,10 @@ def test_bf16_inputs_fp32_lse() -> None:
     # the inputs' own bf16 rounding (~4e-3) bounds the agreement with the fp64 reference
     assert _rel(lse, ref_lse) < 1e-2 and _rel(out, ref_out) < 2e-2
     exact_out, exact_lse = K.eager_forward(qb, kb, vb, causal=True, mask=None, scale=0.3)
-    assert _rel(lse, exact_lse) < 1e-5 and _rel(out, exact_out) < 1e-2
+    # lse is fp32 of the same bf16 inputs: an lse rounded to bf16 would be ~2e-3 off; the
+    # kernels' own orders of summation differ by CPU (1.8e-5 on an AVX2-only EPYC, <1e-5 on
+    # AVX-512), so the bound sits between the two, at 1e-4
+    assert _rel(lse, exact_lse) < 1e-4 and _rel(out, exact_out) < 1e-2
     grads = K.block_backward(dout.bfloat16(), qb, kb, vb, out, lse, causal=True, mask=None,
                              scale=0.3)
     ref = K.eager_backward(dout, q, k, v, ref_out, ref_lse, causal=True, mask=None, scale=0.3)
