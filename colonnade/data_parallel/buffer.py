@@ -48,6 +48,7 @@ reduced and (ZeRO-1) sharded over the expert-dp group, so they are padded to a m
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -343,6 +344,25 @@ class FlatBuffers:
     def gathered_bytes(self) -> int:
         """Bytes of full bucket storage allocated now (``shard_params``)."""
         return sum(d.untyped_storage().nbytes() for d in self.bucket_data)
+
+    def hook_grads(self, on_grad: Callable[[nn.Parameter], None]) -> None:
+        """Call the bound method ``on_grad(param)`` after each parameter's gradient is
+        accumulated (``register_post_accumulate_grad_hook``), for as long as its object lives.
+
+        The hook holds the object weakly: a hook is stored in the parameter's C++ state, out of
+        Python's sight, so a strong reference would make parameter -> hook -> object ->
+        buffers -> parameter a cycle no collection can free, and every wrapper built in a
+        process (a test, a notebook, a calibration) would keep its model, buffers and process
+        groups alive for good. Once the object is gone the hook does nothing."""
+        method = weakref.WeakMethod(on_grad)  # type: ignore[arg-type]
+
+        def hook(param: torch.Tensor) -> None:
+            bound = method()
+            if bound is not None:
+                bound(param)  # type: ignore[arg-type]
+
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(hook)
 
     def slot(self, param: nn.Parameter) -> Slot:
         """The slot of ``param`` (KeyError naming it when it is not in the buffers)."""

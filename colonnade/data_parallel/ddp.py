@@ -194,8 +194,7 @@ class DataParallel:
         (and expert-dp = 1)."""
         assert not (self.direct_grads and self.hooked)
         if self.hooked:
-            for p in self.buffers.params:  # hooks live as long as the parameters
-                p.register_post_accumulate_grad_hook(self._on_grad)
+            self.buffers.hook_grads(self._on_grad)
         if self.sharded and cfg.overlap_param_gather and self._gathers:
             self._install_pre_forward_hooks(chunks)
         self.zero_grad()

@@ -131,8 +131,7 @@ class GradShards:
         """Reduce-scatters launched since the last :meth:`zero_grad`."""
         self.launched_in_backward = 0
         """Of those, launched from a hook (the bucket complete during backward)."""
-        for p in buffers.params:  # hooks live as long as the parameters
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        buffers.hook_grads(self._on_grad)
 
     # ------------------------------------------------------------------ views
 

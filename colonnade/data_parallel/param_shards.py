@@ -116,8 +116,7 @@ class ParamShards:
         self._live: set[int] = set()  # gathered for a backward that has not finished them
         self._arrived: list[set[int]] = [set() for _ in buffers.buckets]
         self._task = [-1] * len(buffers.buckets)  # graph task the arrivals belong to
-        for p in buffers.params:  # hooks live as long as the parameters
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        buffers.hook_grads(self._on_grad)
         self.gathers = 0
         """Bucket all-gathers issued since construction (tests and the pp policy count them)."""
         self.sites = self._install(chunks)

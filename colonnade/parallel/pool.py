@@ -29,6 +29,7 @@ timeout kills the pool and raises :class:`RankTimeout` naming the ranks that had
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import importlib.util
 import multiprocessing
@@ -41,6 +42,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -51,6 +53,7 @@ _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # (and kills stuck ranks) long before this, so a rank never answers with a gloo timeout first.
 _GLOO_TIMEOUT_S = 3600.0
 _Reply = tuple[Any, ...]
+_GLOO_THREAD = "gloo_tcp_loop"  # the name of gloo's transport thread, one per live group
 
 
 class RankError(RuntimeError):
@@ -60,6 +63,10 @@ class RankError(RuntimeError):
         super().__init__(message)
         self.failures = failures
         self.stuck = list(stuck)
+
+
+class LeakedGroupWarning(RuntimeWarning):
+    """A run left process groups alive on some rank; the pool was restarted to drop them."""
 
 
 class RankTimeout(RuntimeError):
@@ -139,6 +146,27 @@ def _fresh_state() -> None:
     torch.manual_seed(FRESH_SEED)
 
 
+def _live_transports() -> int:
+    """gloo transport threads still alive in this rank (Linux; 0 elsewhere). Each belongs to a
+    process group some object still holds after ``destroy_process_group`` (a global, a cache,
+    a thread that was never stopped); a cycle's is freed by a collection first."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return 0
+
+    def count() -> int:
+        alive = 0
+        for tid in os.listdir(tasks):
+            with contextlib.suppress(OSError), open(f"{tasks}/{tid}/comm") as comm:
+                alive += comm.read().strip() == _GLOO_THREAD
+        return alive
+
+    if count() == 0:
+        return 0
+    gc.collect()
+    return count()
+
+
 def _run_once(fn_ref: tuple[Any, ...], args_bytes: bytes) -> _Reply:
     """Call the function; any exception (even a failure to pickle the result) becomes 'err'."""
     try:
@@ -167,8 +195,13 @@ def _worker_main(
     generation = 0
     try:
         import torch
+        import torch._dynamo  # (see below)
         import torch.distributed as dist
 
+        # dynamo, imported while a process group exists, keeps that group alive for good (its
+        # gloo transport thread then wakes every 10 ms for the rest of the rank's life); the
+        # functions run here import it at their first ``eager`` call, inside a run, so it is
+        # imported now, before any group
         torch.set_num_threads(1)
         with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work
             torch.set_num_interop_threads(1)
@@ -206,7 +239,7 @@ def _worker_main(
                     dist.barrier()
                 dist.destroy_process_group()
             _fresh_state()
-            send(("ready",))
+            send(("ready", _live_transports()))
         except BaseException as exc:
             send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
@@ -436,7 +469,8 @@ class RankPool:
             raise RankError(text.strip(), {r: rep[-1] for r, rep in failed.items()}, missing)
 
     def _finish(self, *, ok: bool, what: str) -> None:
-        """End a run on every rank (barrier if ok, fresh groups); kill the pool if that fails."""
+        """End a run on every rank (barrier if ok, groups destroyed); kill the pool if that fails,
+        or warn and kill it if a rank still has a live group afterwards."""
         if not all(proc.is_alive() for proc in self._procs):
             self.kill()
             return
@@ -451,6 +485,17 @@ class RankPool:
                 if missing:
                     text += f"\nrank(s) {_ranks(missing)} never reached the barrier after {what}"
                 raise RankError(text, {r: rep[-1] for r, rep in bad.items()}, missing)
+            return
+        leaked = {r: rep[1] for r, rep in replies.items() if rep[1]}
+        if leaked:  # their threads would poll for the rest of the pool's life: start afresh
+            self.kill()
+            counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(leaked.items()))
+            warnings.warn(
+                f"{what} left gloo process groups alive after the run ({counts}): something "
+                "still holds them (a global, a cache, a thread never stopped, a hook holding "
+                "its owner), and each group's transport thread wakes every 10 ms for as long "
+                "as it lives; the pool was killed and restarts on the next call",
+                LeakedGroupWarning, stacklevel=3)
 
     def _collect(self, deadline: float, grace_s: float | None = None) -> dict[int, _Reply]:
         """One reply per rank until ``deadline``; after a failure, only ``grace_s`` more."""

@@ -213,3 +213,30 @@ def test_buffer_is_never_zeroed_yet_stale_gradients_never_count(dtype: torch.dty
         for p in unused.parameters():
             got = grad_of(p)
             assert got is not None and torch.count_nonzero(got) == 0
+
+
+def test_grad_hooks_do_not_keep_their_owner_alive() -> None:
+    """``hook_grads`` calls the owner's method after each gradient while the owner lives, and
+    holds it weakly: a hook lives in the parameter's C++ state, where a strong reference
+    would make parameter -> hook -> owner -> buffers -> parameter a cycle that no collection
+    frees (every Trainer of a test process kept its model and process groups for good)."""
+    import gc
+    import weakref
+
+    class Owner:
+        def __init__(self, buffers: FlatBuffers) -> None:
+            self.buffers, self.seen = buffers, []
+            buffers.hook_grads(self.on_grad)
+
+        def on_grad(self, param: nn.Parameter) -> None:
+            self.seen.append(tuple(param.shape))
+
+    layer = nn.Linear(3, 2)
+    owner = Owner(FlatBuffers([list(layer.parameters())], bucket_size=64))
+    layer(torch.ones(1, 3)).sum().backward()
+    assert sorted(owner.seen) == [(2,), (2, 3)]
+    gone = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert gone() is None
+    layer(torch.ones(1, 3)).sum().backward()  # the hooks outlive their owner harmlessly

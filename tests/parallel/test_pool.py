@@ -16,7 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colonnade.parallel.pool import RankError, RankPool, RankPools, RankTimeout, spawn_ranks
+from colonnade.parallel.pool import (
+    LeakedGroupWarning,
+    RankError,
+    RankPool,
+    RankPools,
+    RankTimeout,
+    spawn_ranks,
+)
 
 # ----------------------------------------------------------------------------- rank functions
 
@@ -213,6 +220,29 @@ def test_idle_ranks_hold_no_group_and_no_polling_thread(rank_pools: RankPools) -
 
 def _thread_names_here() -> list[str]:
     return _thread_names(os.getpid())
+
+
+_KEPT: list[Any] = []
+
+
+def _keep_a_group() -> int:
+    """Leave a process group alive past the run, as a global cache would."""
+    _KEPT.append(dist.new_group(list(range(dist.get_world_size()))))
+    return len(_KEPT)
+
+
+def test_a_run_that_leaves_a_group_alive_is_named_and_the_pool_restarts(
+        small_pool: RankPool) -> None:
+    """A group some object keeps past ``destroy_process_group`` keeps its gloo transport thread
+    polling for the pool's life; the pool names the run in a warning and starts afresh."""
+    small_pool.start()
+    starts = small_pool.starts
+    leak = r"_keep_a_group on 2 ranks left gloo process groups alive after the run \(rank 0: 1, "
+    with pytest.warns(LeakedGroupWarning, match=leak + r"rank 1: 1\)"):
+        assert small_pool.run(_keep_a_group) == [1, 1]
+    assert not small_pool.alive
+    assert small_pool.run(_keep_a_group) == [1, 1]  # fresh processes: an empty cache
+    assert small_pool.starts == starts + 1
 
 
 def test_reusing_a_pool_is_fast(rank_pools: RankPools) -> None:
