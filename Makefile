@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test flake-hunt lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests
+
+# The tests that race the OS (marked timing), 10 rounds of 2 copies at once: 20 runs, 0 may fail.
+flake-hunt: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m tests.flake_hunt --rounds 10 --copies 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -27,6 +27,10 @@ if str(_REPO_ROOT / "tests") not in sys.path:
 def pytest_configure(config: pytest.Config) -> None:
     _sigint_raises()
     config.addinivalue_line(
+        "markers", "timing: races the OS (signals, kills, hangs, subprocesses, threads, "
+        "timeouts, wall clocks); ordered by events so it holds for every interleaving, and "
+        "run 20 times under load by `make flake-hunt` (tests/flake_hunt.py)")
+    config.addinivalue_line(
         "markers", "gpu: needs a CUDA device; deselected by default (pyproject addopts "
         "-m 'not gpu'), selected with `pytest -m gpu tests/gpu` on a GPU machine")
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """

@@ -33,6 +33,8 @@ from tests.checkpoint.harness import (
     train_steps,
 )
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 PHASES = ["shard_written", "index_written", "files_written", "renamed", "latest_tmp_written",
           "latest_written"]
 

@@ -18,6 +18,8 @@ from colonnade.checkpoint.staging import HostStager
 from colonnade.checkpoint.training_state import load_training, save_training
 from tests.checkpoint.harness import Layout, make_trainer, train_steps
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 
 class FakeGpu:
     """Device ops that treat every tensor as device memory. A copy is asynchronous: its source

@@ -18,6 +18,8 @@ from types import FrameType
 
 import pytest
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
          "lambda", "mu"]
 

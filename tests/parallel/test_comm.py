@@ -18,6 +18,8 @@ from colonnade.parallel.comm import CommError, CommGroup, CommStats
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 # ----------------------------------------------------------------------------- rank functions
 
 

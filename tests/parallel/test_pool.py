@@ -25,6 +25,8 @@ from colonnade.parallel.pool import (
     spawn_ranks,
 )
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 # ----------------------------------------------------------------------------- rank functions
 
 

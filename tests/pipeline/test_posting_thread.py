@@ -18,6 +18,8 @@ import torch
 
 from colonnade.pipeline.p2p import Message, Op, PipeComm
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 SHAPE = (2, 3)
 
 

@@ -42,6 +42,8 @@ from tests.reliability.jobs import (
     write_corpus,
 )
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 STEPS = 8
 JOB_TIMEOUT_S = 600
 """Backstop of every wait on a job (its start-up alone took 100+ s on a 2-core machine running

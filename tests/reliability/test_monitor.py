@@ -22,6 +22,8 @@ from colonnade.reliability.monitor import RankInfo, RankMonitor, failure_path, h
 from colonnade.reliability.report import failure_report, rank_statuses
 from tests.reliability.jobs import ManualClock, WatchdogRounds, wait_until
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 
 def _stats_with_pending_op() -> CommStats:
     stats = CommStats()

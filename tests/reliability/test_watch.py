@@ -41,6 +41,8 @@ from colonnade.reliability.startup import join_barrier, set_torch_nccl_env, torc
 from colonnade.reliability.watch import HeartbeatWatch, process_state
 from tests.reliability.jobs import BACKSTOP_S, ManualClock, WatchdogRounds, wait_until
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 
 def _beat(run_dir: Path, rank: int, pid: int, at: float, step: int = 3) -> None:
     """Rank ``rank``'s heartbeat, written at wall-clock time ``at``."""

@@ -28,6 +28,8 @@ from colonnade.parallel.groups import GROUP_NAMES, ProcessGroups
 from colonnade.training import setup
 from tests.reliability.jobs import tiny_args, write_corpus
 
+pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
+
 TIMEOUT_S = 0.25
 SLOW_S = 1.0
 BACKSTOP_S = 300.0  # outside the window that is under test
