@@ -29,31 +29,21 @@ timeout kills the pool and raises :class:`RankTimeout` naming the ranks that had
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
-import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
 import os
 import pickle
 import sys
-import threading
 import time
-import traceback
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import Any
 
-FRESH_SEED = 0  # torch.manual_seed applied on every rank before each run
+from colonnade.parallel.pool_rank import Reply, worker_main
+
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-# Backstop for gloo collectives and the store; the parent enforces the real per-call timeouts
-# (and kills stuck ranks) long before this, so a rank never answers with a gloo timeout first.
-_GLOO_TIMEOUT_S = 3600.0
-_Reply = tuple[Any, ...]
-_GLOO_THREAD = "gloo_tcp_loop"  # the name of gloo's transport thread, one per live group
 
 
 class RankError(RuntimeError):
@@ -76,172 +66,6 @@ class RankTimeout(RuntimeError):
         super().__init__(message)
         self.missing = list(missing)
         self.timeout_s = timeout_s
-
-
-# ----------------------------------------------------------------------------- rank side
-
-
-def _watch_parent() -> None:
-    """Exit this rank as soon as the parent process dies (no orphans left blocked in gloo)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(3)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
-def _import_by_name_or_file(module: str, file: str | None) -> types.ModuleType:
-    """Import ``module`` as the parent did; fall back to its file (pytest importlib mode)."""
-    if module in sys.modules:
-        return sys.modules[module]
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError:
-        if file is None:
-            raise
-    spec = importlib.util.spec_from_file_location(module, file)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"cannot import {module!r} from {file!r} on this rank")
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[module] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
-
-
-def _resolve(fn_ref: tuple[Any, ...]) -> Callable[..., Any]:
-    """Turn the parent's function reference back into the callable."""
-    if fn_ref[0] == "pickle":
-        return pickle.loads(fn_ref[1])
-    _, module, qualname, file = fn_ref
-    obj: Any = _import_by_name_or_file(module, file)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _init_group(store: Any, generation: int, rank: int, world_size: int) -> None:
-    """Join a fresh gloo default group; ``generation`` keeps its store keys apart from old ones."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"colonnade-pool/{generation}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=_GLOO_TIMEOUT_S),
-    )
-
-
-def _fresh_state() -> None:
-    """Undo process-wide torch settings a run may have changed."""
-    import torch
-
-    torch.set_default_dtype(torch.float32)
-    torch.set_grad_enabled(True)
-    torch.set_num_threads(1)
-    torch.manual_seed(FRESH_SEED)
-
-
-def _live_transports() -> int:
-    """gloo transport threads still alive in this rank (Linux; 0 elsewhere). Each belongs to a
-    process group some object still holds after ``destroy_process_group`` (a global, a cache,
-    a thread that was never stopped); a cycle's is freed by a collection first."""
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        return 0
-
-    def count() -> int:
-        alive = 0
-        for tid in os.listdir(tasks):
-            with contextlib.suppress(OSError), open(f"{tasks}/{tid}/comm") as comm:
-                alive += comm.read().strip() == _GLOO_THREAD
-        return alive
-
-    if count() == 0:
-        return 0
-    gc.collect()
-    return count()
-
-
-def _run_once(fn_ref: tuple[Any, ...], args_bytes: bytes) -> _Reply:
-    """Call the function; any exception (even a failure to pickle the result) becomes 'err'."""
-    try:
-        fn = _resolve(fn_ref)
-        args, kwargs = pickle.loads(args_bytes)
-        result = fn(*args, **kwargs)
-        return ("ok", pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-    except BaseException as exc:  # report everything, the rank itself must survive
-        return ("err", f"{type(exc).__name__}: {exc}", traceback.format_exc())
-
-
-def _worker_main(
-    rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection
-) -> None:
-    """Body of one rank: join the group, then serve run/end/stop messages until told to stop.
-
-    The rank's ``sys.path`` is the parent's (multiprocessing's spawn start method copies it), so
-    a function the parent can import by name the rank can too; the library edits no path (the
-    tests' conftest and the benchmark scripts put the repo root there themselves).
-    """
-    _watch_parent()
-
-    def send(reply: _Reply) -> None:
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-
-    generation = 0
-    try:
-        import torch
-        import torch._dynamo  # (see below)
-        import torch.distributed as dist
-
-        # dynamo, imported while a process group exists, keeps that group alive for good (its
-        # gloo transport thread then wakes every 10 ms for the rest of the rank's life); the
-        # functions run here import it at their first ``eager`` call, inside a run, so it is
-        # imported now, before any group
-        torch.set_num_threads(1)
-        with contextlib.suppress(RuntimeError):  # only allowed before any inter-op work
-            torch.set_num_interop_threads(1)
-        store = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=_GLOO_TIMEOUT_S)
-        )
-        _fresh_state()
-    except BaseException as exc:
-        send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return
-    send(("ready",))
-    while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the parent closed the pipe
-            return
-        if message[0] == "stop":
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)  # skips the ~1 s interpreter teardown of torch
-        if message[0] == "run":
-            send(_run_once(message[1], message[2]))
-            continue
-        try:
-            if message[0] == "join":
-                generation += 1
-                _init_group(store, generation, rank, world_size)
-                send(("joined",))
-                continue
-            # ("end", ok); the function may have destroyed the group itself
-            if dist.is_initialized():
-                if message[1]:
-                    dist.barrier()
-                dist.destroy_process_group()
-            _fresh_state()
-            send(("ready", _live_transports()))
-        except BaseException as exc:
-            send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -340,7 +164,7 @@ class RankPool:
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
-                    target=_worker_main,
+                    target=worker_main,
                     args=(rank, self.world_size, self._store.port, child_end),
                     name=f"colonnade-rank{rank}-of-{self.world_size}",
                 )
@@ -497,13 +321,13 @@ class RankPool:
                 "as it lives; the pool was killed and restarts on the next call",
                 LeakedGroupWarning, stacklevel=3)
 
-    def _collect(self, deadline: float, grace_s: float | None = None) -> dict[int, _Reply]:
+    def _collect(self, deadline: float, grace_s: float | None = None) -> dict[int, Reply]:
         """One reply per rank until ``deadline``; after a failure, only ``grace_s`` more."""
         waiting: dict[Any, int] = {}
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
             waiting[conn] = rank
             waiting[proc.sentinel] = rank
-        replies: dict[int, _Reply] = {}
+        replies: dict[int, Reply] = {}
         while len(replies) < self.world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -518,7 +342,7 @@ class RankPool:
             waiting = {obj: r for obj, r in waiting.items() if r not in replies}
         return replies
 
-    def _receive(self, rank: int) -> _Reply:
+    def _receive(self, rank: int) -> Reply:
         """Read rank's reply, or describe its death when the pipe is closed."""
         conn, proc = self._conns[rank], self._procs[rank]
         try:
@@ -546,7 +370,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks) or "none"
 
 
-def _failure_text(failed: dict[int, _Reply], what: str) -> str:
+def _failure_text(failed: dict[int, Reply], what: str) -> str:
     """'rank 1 raised ValueError: boom' lines followed by each rank's remote traceback."""
     lines = [f"{len(failed)} rank(s) failed {what}:"]
     lines += [f"  rank {r}: {rep[1]}" for r, rep in sorted(failed.items())]
