@@ -99,25 +99,26 @@ def _fresh_state() -> None:
     torch.manual_seed(FRESH_SEED)
 
 
+def thread_names(pid: int | str = "self") -> list[str]:
+    """Names of a process's threads, sorted (Linux ``/proc``; empty elsewhere). A thread that
+    ends while they are read is left out."""
+    tasks = f"/proc/{pid}/task"
+    names = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(tasks):
+            with contextlib.suppress(OSError), open(f"{tasks}/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+    return sorted(names)
+
+
 def live_transports() -> int:
     """gloo transport threads still alive in this rank (Linux; 0 elsewhere). Each belongs to a
     process group some object still holds after ``destroy_process_group`` (a global, a cache,
     a thread that was never stopped); a cycle's is freed by a collection first."""
-    tasks = "/proc/self/task"
-    if not os.path.isdir(tasks):
-        return 0
-
-    def count() -> int:
-        alive = 0
-        for tid in os.listdir(tasks):
-            with contextlib.suppress(OSError), open(f"{tasks}/{tid}/comm") as comm:
-                alive += comm.read().strip() == _GLOO_THREAD
-        return alive
-
-    if count() == 0:
+    if _GLOO_THREAD not in thread_names():
         return 0
     gc.collect()
-    return count()
+    return thread_names().count(_GLOO_THREAD)
 
 
 def _run_once(fn_ref: tuple[Any, ...], args_bytes: bytes) -> Reply:

@@ -6,7 +6,6 @@ Functions sent to ranks live at module level so the ranks import them by name
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from colonnade.parallel.pool import (
     RankTimeout,
     spawn_ranks,
 )
+from colonnade.parallel.pool_rank import thread_names
 
 pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
 
@@ -197,15 +197,6 @@ def test_each_run_starts_from_fresh_state(run_ranks: Callable[..., list[Any]]) -
     assert run_ranks(2, _read_state) == [("torch.float32", True, first_random, 2)] * 2
 
 
-def _thread_names(pid: int) -> list[str]:
-    tasks = f"/proc/{pid}/task"
-    names = []
-    for tid in os.listdir(tasks):
-        with contextlib.suppress(FileNotFoundError), open(f"{tasks}/{tid}/comm") as comm:
-            names.append(comm.read().strip())  # (a thread that ended meanwhile is left out)
-    return sorted(names)
-
-
 def test_idle_ranks_hold_no_group_and_no_polling_thread(rank_pools: RankPools) -> None:
     """Between runs a rank holds no process group, so gloo's transport thread (an epoll loop
     that wakes every 10 ms while a group lives) is gone and the rank blocks in its pipe read.
@@ -216,12 +207,12 @@ def test_idle_ranks_hold_no_group_and_no_polling_thread(rank_pools: RankPools) -
     during = pool.run(_thread_names_here)
     assert all("gloo_tcp_loop" in names for names in during), during
     for pid in pids:
-        names = _thread_names(pid)
+        names = thread_names(pid)
         assert "gloo_tcp_loop" not in names and "pt_gloo_runloop" not in names, names
 
 
 def _thread_names_here() -> list[str]:
-    return _thread_names(os.getpid())
+    return thread_names()
 
 
 _KEPT: list[Any] = []
