@@ -6,7 +6,8 @@ stage 0 holds the embedding (virtual stage 0) and the head + loss (virtual stage
 
 Time (:func:`zbv_makespan`): the makespan of the real lists
 (:func:`colonnade.pipeline.schedules.schedule_lists`, built in O(pp m)) replayed by
-:func:`colonnade.pipeline.simulate.replay` (placement "v", communication free: p2p is
+:func:`colonnade.pipeline.simulate.replay` (compiled once per (pp, m) into a
+:class:`~colonnade.pipeline.simulate.Dag`) (placement "v", communication free: p2p is
 charged by the time model separately) with each chunk's own durations per micro-batch:
 F = its forward, B = its backward minus its weight-gradient GEMMs (the input gradient),
 W = those GEMMs; on the first virtual stage (stage 0, chunk 0, whose input is the tokens)
@@ -26,7 +27,7 @@ from functools import lru_cache
 
 from colonnade.pipeline.actions import Action, Kind
 from colonnade.pipeline.schedules import schedule_lists
-from colonnade.pipeline.simulate import replay
+from colonnade.pipeline.simulate import Dag
 
 Chunk = tuple[float, float, float]
 """(forward, whole backward, of which weight-gradient GEMMs) seconds of one chunk for one
@@ -46,18 +47,21 @@ def _durations(chunks: Sequence[tuple[Chunk, Chunk]]) -> tuple[tuple[Chunk, Chun
     return tuple(out)
 
 
+@lru_cache(maxsize=64)
+def _dag(pp: int, m: int) -> Dag:
+    """The zbv lists of pp stages and m micro-batches, compiled once."""
+    return Dag.of(schedule_lists("zbv", pp, 2, m), "v")
+
+
 @lru_cache(maxsize=4096)
 def _replay(durations: tuple[tuple[Chunk, Chunk], ...], m: int) -> float:
     """Makespan of the zbv lists for pp = len(durations) stages and m micro-batches."""
-    pp = len(durations)
-    lists = schedule_lists("zbv", pp, 2, m)
     index = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
 
     def duration(stage: int, action: Action) -> float:
         return durations[stage][action.chunk][index[action.kind]]
 
-    timeline = replay(lists, duration, 0.0, "v")
-    return max((t[-1].end for t in timeline if t), default=0.0)
+    return _dag(len(durations), m).makespan(duration)
 
 
 def zbv_makespan(chunks: Sequence[tuple[Chunk, Chunk]], m: int) -> float:

@@ -14,7 +14,7 @@ from colonnade.pipeline.schedules import (
     interleaved_groups,
     one_f_one_b,
 )
-from colonnade.pipeline.simulate import one_stage_bound, simulate, timing
+from colonnade.pipeline.simulate import Dag, one_stage_bound, simulate, timing
 from tests.pipeline.test_zbv import _peak_until_w
 
 
@@ -249,6 +249,30 @@ def test_unsplit_backward_costs_t_b_plus_t_w_and_comm_latency() -> None:
     assert sim.busy == pytest.approx([3.0, 3.0])
     with pytest.raises(ScheduleError, match="t_comm must be >= 0"):
         simulate(build_schedule("1f1b", 2, 1, 1), 1.0, 2.0, 0.0, t_comm=-1.0)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_compiled_dag_times_exactly_as_the_replay(name: str) -> None:
+    """Dag.makespan (the planner's fast path) equals replay's makespan for every schedule, with
+    durations that differ per stage, chunk, kind and micro-batch and a comm latency."""
+    rng = random.Random(name)
+    vp = 2 if name in ("interleaved_1f1b", "zbv") else 1
+    placement = "v" if name == "zbv" else "loop"
+    for pp, m in ((1, 3), (2, 4), (3, 6), (4, 9)):
+        if name == "interleaved_1f1b" and pp == 1:
+            continue
+        lists = build_schedule(name, pp, vp, m)
+        dag = Dag.of(lists, placement)
+        for t_comm in (0.0, 0.3):
+            table = {(s, a): rng.uniform(0.1, 2.0) for s, stage in enumerate(lists)
+                     for a in stage}
+            duration = lambda stage, a, table=table: table[stage, a]  # noqa: E731
+
+            want = timing(lists, duration, t_comm, placement).makespan
+            assert dag.makespan(duration, t_comm) == pytest.approx(want, rel=1e-15, abs=0)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        first, second = build_schedule("1f1b", 2, 1, 2)
+        Dag.of([list(reversed(first)), second])
 
 
 def _makespan(name: str, times: list[dict[str, float]], m: int) -> float:
