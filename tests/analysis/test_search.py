@@ -9,6 +9,7 @@ import pytest
 
 from colonnade.analysis.hardware import PRESETS, cluster_from_toml, get_cluster
 from colonnade.analysis.layout import Layout, Workload
+from colonnade.analysis.memory import memory_per_device
 from colonnade.analysis.search import Constraints, PlanError, layouts, plan
 from colonnade.analysis.timing import _pipeline, _Stage, step_time
 from colonnade.config.load import load_config
@@ -51,7 +52,9 @@ def test_model_that_fits_nowhere() -> None:
     msg = str(err.value)
     assert "fits on no layout of 8 x a100-80gb" in msg
     assert "174.60B parameters" in msg and "at least 64 GPUs" in msg
-    assert plan(w, A100, 64).best.fits  # and the suggestion is right
+    # and the suggestion is right: a layout of 64 fits (plan's test, without timing them all)
+    assert any(memory_per_device(w, lay).total <= A100.memory_bytes
+               for lay in layouts(w, 64, A100, Constraints()))
 
 
 def test_gpu_count_not_factorable() -> None:

@@ -41,7 +41,7 @@ from tests.workflow.cli import (
     wait_for_records,
 )
 
-STEPS = 40
+STEPS = 26
 GATE = 13  # the interrupted run stops after this step
 MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_heads=4",
          "--model.num_kv_heads=2", "--model.max_seq_len=32"]
