@@ -17,6 +17,14 @@ bf16|fp16|fp32]`` writes
   (``tokenizer_class`` ``PreTrainedTokenizerFast``, which reads ``tokenizer.json`` as it is) and
   ``special_tokens_map.json``.
 
+Chat template: ``tokenizer_config.json`` always holds a ``chat_template``, so that
+``AutoTokenizer.from_pretrained(out).apply_chat_template(messages, tokenize=False)`` returns the
+text the model was fine-tuned on: the tokenizer's own template when it had one (an imported
+tokenizer's, or the one ``prepare --data.format=sft`` applied, which the prepared data and the
+checkpoint keep in their ``tokenizer_config.json``; a ``chat_template.jinja`` is folded into
+the config), else :data:`colonnade.data.chat.BUILTIN_CHAT_TEMPLATE`, Colonnade's built-in
+``"<role>: <content>\n"`` format.
+
 Special tokens: Colonnade separates documents with one end-of-document token
 (:func:`colonnade.data.tokenizer.eod_id`), so eos, bos and pad are all that token, as for GPT-2.
 A checkpoint imported from HF keeps its own ``tokenizer_config.json`` (chat template, bos token
@@ -39,9 +47,13 @@ from torch import nn
 from colonnade.checkpoint.commit import resolve_checkpoint
 from colonnade.checkpoint.export import gather_full, shard_local
 from colonnade.checkpoint.format import DTYPES as STORED_DTYPES
-from colonnade.checkpoint.format import CheckpointError, CheckpointReader, removed_on_failure
-from colonnade.checkpoint.hf import (
+from colonnade.checkpoint.format import (
     TOKENIZER_FILES,
+    CheckpointError,
+    CheckpointReader,
+    removed_on_failure,
+)
+from colonnade.checkpoint.hf import (
     ShapeOf,
     TensorGet,
     hf_config_from_model,
@@ -51,6 +63,7 @@ from colonnade.checkpoint.hf import (
 )
 from colonnade.config.load import load_config
 from colonnade.config.sections import ModelConfig
+from colonnade.data.chat import BUILTIN_CHAT_TEMPLATE, CHAT_TEMPLATE_FILE
 from colonnade.data.tokenizer import eod_id, load_tokenizer
 from colonnade.models.build import DTYPES
 from colonnade.models.params import unique_params
@@ -74,12 +87,16 @@ def special_tokens(tokenizer_dir: Path, model: ModelConfig) -> tuple[dict[str, A
                                                                       dict[str, int]]:
     """(tokenizer_config.json contents, {bos/eos/pad_token_id}) of the tokenizer in
     ``tokenizer_dir``: an existing tokenizer_config.json completed, else one naming the EOD token
-    for every role, with ``model_max_length`` = model.max_seq_len. Every id must lie inside the
-    model's vocabulary."""
+    for every role, with ``model_max_length`` = model.max_seq_len, and a ``chat_template``
+    (the folder's ``chat_template.jinja``, else the config's own, else the built-in format's).
+    Every id must lie inside the model's vocabulary."""
     tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
     eod = tok.id_to_token(eod_id(tok))
     src = tokenizer_dir / "tokenizer_config.json"
     config: dict[str, Any] = json.loads(src.read_text()) if src.exists() else {}
+    if (tokenizer_dir / CHAT_TEMPLATE_FILE).is_file():  # transformers reads it before the key
+        config["chat_template"] = (tokenizer_dir / CHAT_TEMPLATE_FILE).read_text()
+    config.setdefault("chat_template", BUILTIN_CHAT_TEMPLATE)
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     config.setdefault("eos_token", eod)
     config.setdefault("bos_token", _token_text(config["eos_token"]))
@@ -106,7 +123,8 @@ def write_tokenizer(directory: Path, tokenizer_dir: Path, config: dict[str, Any]
     from :func:`special_tokens`) and special_tokens_map.json."""
     for name in TOKENIZER_FILES:
         src = tokenizer_dir / name
-        if src.exists() and name not in ("tokenizer_config.json", "special_tokens_map.json"):
+        if src.exists() and name not in ("tokenizer_config.json", "special_tokens_map.json",
+                                         CHAT_TEMPLATE_FILE):  # these three: from config
             shutil.copy(src, directory / name)
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     special = {role: config[role] for role in SPECIAL_ROLES}

@@ -30,9 +30,10 @@ from colonnade.checkpoint.format import (
     CheckpointReader,
     Entry,
     removed_on_failure,
+    tokenizer_files,
     write_rank_shard,
 )
-from colonnade.checkpoint.hf import TOKENIZER_FILES, read_hf
+from colonnade.checkpoint.hf import read_hf
 from colonnade.checkpoint.pieces import Piece
 from colonnade.config.load import config_to_dict, config_to_toml, load_config
 from colonnade.config.sections import Config
@@ -53,9 +54,7 @@ def write_model_checkpoint(root: str | Path, config: Config, full: dict[str, tor
             "model": config_to_dict(config)["model"]}
     files = {"config.toml": config_to_toml(config).encode()}
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).exists():
-                files[name] = (Path(tokenizer_dir) / name).read_bytes()
+        files.update(tokenizer_files(tokenizer_dir))
     return commit(root, tmp, 0, [0], meta, files, keep_last=0)
 
 

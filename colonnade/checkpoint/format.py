@@ -9,7 +9,9 @@ A checkpoint directory (``step_000100/``) holds:
   ``optim/<key>/<state>``) its full shape, dtype and pieces (file, stored name, box in full
   coordinates, optional flat range, crc32 of the bytes);
 * ``metadata.json`` (step, layout, sampler, LR, scaler, RNG; see :mod:`.training_state`),
-  ``config.toml`` (the resolved config) and ``tokenizer.json`` when known.
+  ``config.toml`` (the resolved config) and the tokenizer when known: ``tokenizer.json``, and
+  the other files of :data:`TOKENIZER_FILES` found beside it (``tokenizer_config.json`` with
+  its special tokens and chat template, which the HF export writes back).
 
 Why safetensors + JSON rather than ``torch.distributed.checkpoint`` (DCP): ZeRO-1 ranks own
 *flat ranges* of a tp shard, which are not rectangular boxes of the full tensor and so cannot be
@@ -50,6 +52,16 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float16: "float16", torch.int64: "int64", torch.uint8: "uint8",
 }
 DTYPES: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+"""Tokenizer files a checkpoint keeps (from the prepared data or an imported HF directory)."""
+
+
+def tokenizer_files(directory: str | Path) -> dict[str, bytes]:
+    """The contents of the :data:`TOKENIZER_FILES` present in ``directory``, by name."""
+    found = {name: Path(directory) / name for name in TOKENIZER_FILES}
+    return {name: path.read_bytes() for name, path in found.items() if path.is_file()}
 
 
 class CheckpointError(RuntimeError):

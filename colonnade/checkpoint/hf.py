@@ -49,9 +49,6 @@ from colonnade.config.sections import ModelConfig
 from colonnade.models.params import unique_params
 from colonnade.parallel.groups import ProcessGroups
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt")
-
 
 def is_hf_dir(path: str | Path) -> bool:
     """An HF model directory: config.json naming an architecture."""

@@ -43,6 +43,7 @@ from colonnade.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointReader,
+    tokenizer_files,
     write_rank_shard,
 )
 from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
@@ -154,7 +155,8 @@ def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
     writers = [r for r, w in enumerate(groups.world.all_gather_object(bool(entries))) if w]
     meta = _metadata(trainer) if rank == 0 else {}
     files = {"config.toml": config_to_toml(trainer.config).encode()}
-    if tokenizer is not None and Path(tokenizer).exists():
+    if tokenizer is not None and Path(tokenizer).exists():  # with its config, chat template
+        files.update(tokenizer_files(Path(tokenizer).parent))
         files["tokenizer.json"] = Path(tokenizer).read_bytes()
     pending = PendingSave(root / step_dirname(step))
     hook = on_phase or (lambda _p: None)

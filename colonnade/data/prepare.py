@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from colonnade.checkpoint.format import removed_on_failure
 from colonnade.config.validate import normalize_input
+from colonnade.data.chat import tokenizer_config, write_tokenizer_config
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
     ERROR_POLICIES,
@@ -96,6 +97,7 @@ def prepare(
     if errors not in ERROR_POLICIES:
         raise DataError(f"data.errors={errors!r} must be one of {', '.join(ERROR_POLICIES)}")
     given = _given_tokenizer(tokenizer_path, vocab_size)
+    tok_config = tokenizer_config(tokenizer_path)  # kept beside tokenizer.json (data/chat.py)
     key = _manifest_key(input, vocab_size, tokenizer_path, text_key, errors, max_bytes)
     reused, damage = _try_reuse(out_dir, key)
     if reused is not None:
@@ -122,6 +124,7 @@ def prepare(
     with removed_on_failure(out_dir):
         result, stats = _tokenize(given, documents, out_dir, num_workers, progress, total,
                                   log)
+        write_tokenizer_config(out_dir, tok_config)
     _write_manifest(out_dir, key, result, stats)
     _log_summary(result, stats, log)
     return result

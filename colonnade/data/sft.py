@@ -7,8 +7,12 @@ either
 * ``{prompt_key: str, response_key: str}`` (default keys "prompt" and "response"): the prompt
   text, then the response text, tokenized separately and joined (put any separator such as
   "\\n" or "Answer:" in the texts themselves); or
-* chat-style ``{"messages": [{"role": str, "content": str}, ...]}``: each message is rendered
-  as ``"<role>: <content>\\n"``; only the content of "assistant" messages is trained on.
+* chat-style ``{"messages": [{"role": str, "content": str}, ...]}``, rendered as text by
+  :mod:`colonnade.data.chat`: with the tokenizer's own chat template when the given tokenizer
+  (``data.tokenizer``) has one (transformers' ``apply_chat_template``; the template is then
+  stored as ``tokenizer_config.json`` beside ``tokenizer.json``, travels into checkpoints and
+  is what the HF export writes), else in the built-in format, one ``"<role>: <content>\\n"``
+  per message (``"user: hi\\nassistant: hey\\n"``). Only the assistant replies are trained on.
 
 Each example becomes one document of the indexed dataset, its tokens then EOD, exactly like a
 pretraining document, and a second indexed dataset `mask.bin/.idx` with the same document
@@ -25,9 +29,11 @@ for bad records and the atomic write are the ones of :mod:`colonnade.data.prepar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,15 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from colonnade.checkpoint.format import removed_on_failure
+from colonnade.data.chat import (
+    ChatTemplate,
+    Segment,
+    builtin_segments,
+    check_messages,
+    find_chat_template,
+    tokenizer_config,
+    write_tokenizer_config,
+)
 from colonnade.data.corpus import ERROR_POLICIES, DocumentStats, ErrorPolicy, problems_message
 from colonnade.data.dataset import MASK_NAME, load_loss_mask
 from colonnade.data.errors import CorpusError, DataError
@@ -54,25 +69,27 @@ from colonnade.data.tokenizer import eod_id, save_tokenizer, train_bpe_from_text
 SFT_FORMATS = ("jsonl", "json")
 """Reader formats that hold SFT records."""
 
-Segment = tuple[str, bool]
-"""A piece of an example's text and whether its tokens are trained on."""
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """How records are read: the prompt/response keys, and the tokenizer's chat template for
+    "messages" records (None: the built-in format)."""
+
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    chat: ChatTemplate | None = None
 
 
-def example_segments(record: Any, prompt_key: str, response_key: str) -> list[Segment] | str:
+def example_segments(record: Any, fmt: RecordFormat) -> list[Segment] | str:
     """The segments of one record (see the module docstring), or why it cannot be used."""
+    prompt_key, response_key = fmt.prompt_key, fmt.response_key
     if not isinstance(record, dict):
         return "not a JSON object"
     if isinstance(record.get("messages"), list):
-        out: list[Segment] = []
-        for i, msg in enumerate(record["messages"]):
-            role = msg.get("role") if isinstance(msg, dict) else None
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if not isinstance(role, str) or not isinstance(content, str):
-                return f"messages[{i}] needs string 'role' and 'content'"
-            out += [(f"{role}: ", False), (content + "\n", role == "assistant")]
-        if not any(trained for _, trained in out):
-            return "no assistant message to train on"
-        return out
+        messages = check_messages(record["messages"])
+        if isinstance(messages, str):
+            return messages
+        return builtin_segments(messages) if fmt.chat is None else fmt.chat.segments(messages)
     prompt, response = record.get(prompt_key), record.get(response_key)
     if not isinstance(prompt, str) or not isinstance(response, str):
         keys = ", ".join(map(str, record))[:120]
@@ -117,8 +134,8 @@ def _records(source: Source, report: Callable[[Path, str, str], None]) -> Iterat
                 report(source.path, f":{line_no}", f"invalid JSON or not UTF-8 ({exc})")
 
 
-def iter_examples(input: str | Path, prompt_key: str, response_key: str,
-                  errors: ErrorPolicy, stats: DocumentStats) -> Iterator[list[Segment]]:
+def iter_examples(input: str | Path, fmt: RecordFormat, errors: ErrorPolicy,
+                  stats: DocumentStats) -> Iterator[list[Segment]]:
     """Every usable example of ``input``, in order: an iterator that reads as it is consumed,
     returned once the checks passed. Bad records are counted in ``stats``; under
     errors='strict' one error listing them all is raised once the input is read, and the
@@ -130,18 +147,17 @@ def iter_examples(input: str | Path, prompt_key: str, response_key: str,
         raise DataError(f"data.format='sft' reads .jsonl/.json records of prompt/response or "
                         f"messages; these inputs are not: {', '.join(wrong[:5])}; convert them "
                         "or use data.format='text'")
-    if errors == "strict" and (first := first_example_problems(sources, prompt_key,
-                                                               response_key)):
+    if errors == "strict" and (first := first_example_problems(sources, fmt)):
         raise CorpusError(
             f"the first record of {len(first)} file(s) is not an SFT example (checked before "
             "reading the input):\n" + "\n".join(f"  - {line}" for line in first)
             + "\nfix them, or leave unusable records out with data.errors='skip' "
             "(--data.errors=skip)")
-    return _read_examples(sources, prompt_key, response_key, errors, stats)
+    return _read_examples(sources, fmt, errors, stats)
 
 
-def first_example_problems(sources: list[Source], prompt_key: str, response_key: str,
-                           limit: int = 64) -> list[str]:
+def first_example_problems(sources: list[Source], fmt: RecordFormat, limit: int = 64
+                           ) -> list[str]:
     """``"<where>: <reason>"`` for each of the first ``limit`` .jsonl sources whose first
     record is not a usable example (a line each: milliseconds; a .json array is parsed whole
     and is checked with the rest)."""
@@ -159,17 +175,17 @@ def first_example_problems(sources: list[Source], prompt_key: str, response_key:
             records.close()
         if first is not None and len(problems) == count:
             record, at = first
-            segments = example_segments(record, prompt_key, response_key)
+            segments = example_segments(record, fmt)
             if isinstance(segments, str):
                 note(source.path, at, segments)
     return problems
 
 
-def _read_examples(sources: list[Source], prompt_key: str, response_key: str,
-                   errors: ErrorPolicy, stats: DocumentStats) -> Iterator[list[Segment]]:
+def _read_examples(sources: list[Source], fmt: RecordFormat, errors: ErrorPolicy,
+                   stats: DocumentStats) -> Iterator[list[Segment]]:
     for source in sources:
         for record, at in _records(source, stats.report):
-            segments = example_segments(record, prompt_key, response_key)
+            segments = example_segments(record, fmt)
             if isinstance(segments, str):
                 stats.report(source.path, at, segments)
                 continue
@@ -206,18 +222,28 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
         raise DataError("data.format='sft' needs data.input: a .jsonl/.json file (or folder) "
                         "of prompt/response or messages records")
     given = _given_tokenizer(tokenizer_path, vocab_size)
+    chat = find_chat_template(tokenizer_path)
+    fmt = RecordFormat(prompt_key, response_key, chat)
+    tok_config = tokenizer_config(tokenizer_path, chat.template if chat else None)
     key = _manifest_key(input, vocab_size, tokenizer_path, "", errors, 0)
     key["sft"] = {"prompt_key": prompt_key, "response_key": response_key}
+    if tok_config is not None:  # its chat template shapes the tokens
+        key["sft"]["tokenizer_config_sha256"] = hashlib.sha256(
+            json.dumps(tok_config, sort_keys=True).encode()).hexdigest()
     reused, damage = _try_reuse(out_dir, key)
-    if reused is not None and not (damage := _mask_damage(reused)):
+    if reused is not None and not (damage := _mask_damage(reused)
+                                   or _config_damage(out_dir, tok_config)):
         log(f"prepare: reusing {out_dir} ({reused.num_docs} SFT examples, {reused.num_tokens} "
             "tokens; inputs unchanged)")
         return reused
     if damage:
         log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")
+    if chat is not None:
+        log(f"prepare: rendering chat records with the chat template of {chat.directory} "
+            "(assistant replies trained on)")
 
     def examples(stats: DocumentStats) -> Iterator[list[Segment]]:
-        return iter_examples(input, prompt_key, response_key, errors, stats)
+        return iter_examples(input, fmt, errors, stats)
 
     if given is None:
         first = examples(DocumentStats())  # the input's checks raise here, before the log
@@ -227,16 +253,17 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
             given = train_bpe_from_texts(("".join(t for t, _ in ex) for ex in read),
                                          int(vocab_size or 0), None)
     with removed_on_failure(out_dir):
-        result, stats = _write(given, examples, out_dir, progress, log)
+        result, stats = _write(given, examples, out_dir, tok_config, progress, log)
     _write_manifest(out_dir, key, result, stats)
     _log_summary(result, stats, log)
     return result
 
 
 def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Segment]]],
-           out_dir: Path, progress: bool, log: Callable[[str], None]
-           ) -> tuple[PreparedData, DocumentStats]:
-    """data.* and mask.* under temporary names, renamed into place only when all is read."""
+           out_dir: Path, tok_config: dict[str, Any] | None, progress: bool,
+           log: Callable[[str], None]) -> tuple[PreparedData, DocumentStats]:
+    """data.* and mask.* under temporary names, renamed into place only when all is read;
+    then tokenizer.json and tokenizer_config.json (``tok_config``; None: none)."""
     stats, eod = DocumentStats(), eod_id(tok)
     trained = 0
     start = time.perf_counter()
@@ -251,6 +278,7 @@ def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Seg
             bar.update(1)
         (out_dir / "prepare.json").unlink(missing_ok=True)  # files change from here on
         save_tokenizer(tok, out_dir / "tokenizer.json")
+        write_tokenizer_config(out_dir, tok_config)
     seconds = time.perf_counter() - start
     log(f"prepare: tokenized {data.num_docs} SFT examples in {seconds:.1f}s: {data.num_tokens} "
         f"tokens, {trained} of them trained on (responses + EOD), the rest masked")
@@ -258,6 +286,17 @@ def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Seg
                           prefix=out_dir / "data", vocab_size=tok.get_vocab_size(), eod_id=eod,
                           num_docs=data.num_docs, num_tokens=data.num_tokens, reused=False)
     return result, stats
+
+
+def _config_damage(out_dir: Path, tok_config: dict[str, Any] | None) -> str:
+    """'' when ``out_dir``/tokenizer_config.json holds ``tok_config`` (or, for None, is
+    absent), else what is wrong."""
+    path = out_dir / "tokenizer_config.json"
+    try:
+        held = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (ValueError, OSError):
+        held = "unreadable"
+    return "" if held == tok_config else f"its {path.name} is not the tokenizer's"
 
 
 def _mask_damage(prepared: PreparedData) -> str:
