@@ -68,8 +68,10 @@ def _add_train(sub: Any) -> None:
                        "--dry-run checks a config and shows what the run would be (model, "
                        "layout, memory per rank, data) without starting it.",
                        epilog="Use --help-config to list every config field.\n\n"
-                       "nothing lost: re-running a command resumes from its --checkpoint.save "
-                       "(another run's\ncheckpoints are refused: --checkpoint.on_existing="
+                       "nothing lost: every run saves under <logging.dir>/checkpoints (or "
+                       "--checkpoint.save=DIR;\n=none saves nothing) and re-running a command "
+                       "resumes from there (another run's\ncheckpoints are refused: "
+                       "--checkpoint.on_existing="
                        "auto|resume|overwrite|refuse);\nCtrl-C / SIGTERM finish the step, save "
                        "and exit 130 / 143; without --data.input an\nexisting "
                        "--data.prepared_dir is used as it is (never re-prepared; "
@@ -110,9 +112,9 @@ def _add_generate(sub: Any) -> None:
     """``colonnade generate``."""
     g = sub.add_parser("generate", help="sample text from a saved model",
                        description="Continue a prompt with a trained model (one process).")
-    g.add_argument("model_dir", help="a checkpoint root (train --checkpoint.save=DIR) or one "
-                   "of its step_N dirs, a run's logging.dir (its config.toml names the "
-                   "checkpoint), a `convert --from-hf` output, or a Hugging Face "
+    g.add_argument("model_dir", help="a run's logging.dir (train saves under its "
+                   "checkpoints/ unless --checkpoint.save says otherwise), a checkpoint root "
+                   "or one of its step_N dirs, a `convert --from-hf` output, or a Hugging Face "
                    "Llama/GPT-2 folder (config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--prompt", default="def ", help="text to continue (\"\": a new document, "
                    "started after the end-of-document token)")
@@ -145,7 +147,8 @@ def _add_convert(sub: Any) -> None:
                        "that transformers' AutoModelForCausalLM / AutoTokenizer load.")
     way = c.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", metavar="DIR", help="HF model directory to import")
-    way.add_argument("--to-hf", metavar="DIR", help="Colonnade checkpoint to export")
+    way.add_argument("--to-hf", metavar="DIR", help="Colonnade checkpoint to export: a run's "
+                     "logging.dir, a checkpoint root (its latest) or a step_N dir")
     c.add_argument("--out", required=True, metavar="DIR", help="output directory")
     c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="with --to-hf: tensor dtype of model.safetensors and config.json's "

@@ -120,7 +120,8 @@ MODEL_DIR_KINDS = (
     "a Hugging Face Llama/GPT-2 folder (config.json naming its architecture, model*.safetensors, "
     "tokenizer.json), a Colonnade checkpoint (train --checkpoint.save=DIR: its root with a "
     "`latest` marker, or a step_N dir with index.json and tokenizer.json; or convert --from-hf "
-    "output), or a run's logging.dir (its config.toml names checkpoint.save)")
+    "output), or a run's logging.dir (its checkpoints/, or the checkpoint.save its config.toml "
+    "names)")
 
 
 def load_for_generation(directory: str | Path, device: torch.device | None = None
@@ -133,11 +134,10 @@ def load_for_generation(directory: str | Path, device: torch.device | None = Non
 
 
 def _load_on_cpu(directory: str | Path) -> tuple[ModelChunk, Path]:
-    from colonnade.checkpoint.commit import resolve_checkpoint
+    from colonnade.checkpoint.commit import resolve_checkpoint, run_save_dir
     from colonnade.checkpoint.export import load_exported, load_full_state
     from colonnade.checkpoint.format import CheckpointError
     from colonnade.checkpoint.hf import is_hf_dir, read_hf
-    from colonnade.config.load import load_config
     from colonnade.config.sections import Config
     from colonnade.models.build import build_reference
 
@@ -153,15 +153,10 @@ def _load_on_cpu(directory: str | Path) -> tuple[ModelChunk, Path]:
         _config, model = load_exported(path)
         return model, _tokenizer_in(resolve_checkpoint(path), path)
     if (path / "config.toml").is_file():  # a run's logging.dir
-        save = load_config(path / "config.toml").checkpoint.save
-        if not save:
-            raise CheckpointError(f"{path}/config.toml is a run's config without "
-                                  "checkpoint.save: that run saved no model; give "
-                                  f"{MODEL_DIR_KINDS}")
-        if not Path(save).is_dir():
-            raise FileNotFoundError(f"{path}/config.toml names checkpoint.save={save}, which "
-                                    "does not exist here (run from the directory you trained "
-                                    "in, or pass the checkpoint directory itself)")
+        try:
+            save = run_save_dir(path)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}; give {MODEL_DIR_KINDS}") from None
         return _load_on_cpu(save)
     raise FileNotFoundError(f"{path} is not a model directory: give {MODEL_DIR_KINDS}")
 

@@ -146,13 +146,19 @@ def _one_line_failure(run_dir: str, run_id: str, since: float) -> str | None:
 def _stopped_line(config: Config, signum: int) -> str:
     """The launcher's line after Ctrl-C / SIGTERM reached it (it forwards it to the ranks,
     which finish their step and save)."""
+    from colonnade.checkpoint.commit import pending_replacement
     from colonnade.reliability.interrupt import signal_name
     from colonnade.reliability.startup import latest_checkpoint
 
-    latest = latest_checkpoint(config.checkpoint.save)
-    where = (f"latest checkpoint {latest}; re-run the same command to resume"
-             if latest is not None else "no checkpoint was saved (set --checkpoint.save=DIR "
-             "to save on Ctrl-C / SIGTERM)")
+    save = config.checkpoint.save
+    latest = None if pending_replacement(save) is not None else latest_checkpoint(save)
+    if latest is not None:
+        where = f"latest checkpoint {latest}; re-run the same command to resume"
+    elif save is None:
+        where = ("nothing was saved: checkpoint.save=none (leave it unset, or give "
+                 "--checkpoint.save=DIR, to save on Ctrl-C / SIGTERM)")
+    else:
+        where = f"no checkpoint of this run was saved under {save}"
     return f"colonnade: the job was stopped by {signal_name(signum)}; {where}"
 
 

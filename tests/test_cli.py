@@ -142,7 +142,9 @@ def test_generate_on_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     (tmp_path / "config.toml").write_text("[training]\nsteps = 3\n")  # a run that saved none
     assert main(["generate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "without checkpoint.save" in err and "config.toml missing" not in err
+    assert (f"{tmp_path} is a run's logging.dir whose checkpoint.save ({tmp_path / 'checkpoints'})"
+            " holds no committed checkpoint (no latest marker): that run saved no model") in err
+    assert "config.toml missing" not in err
     assert main(["generate", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
 

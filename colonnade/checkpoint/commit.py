@@ -19,10 +19,27 @@ says was saved is what is on disk.
 A crash before 3's rename leaves only a ``.tmp`` directory (ignored, removed next time); a crash
 between 3 and 4 leaves a complete directory that ``latest`` does not name yet; ``latest`` is
 replaced by a rename, so it always names a complete checkpoint.
+
+Replacing an earlier run's checkpoints (``checkpoint.on_existing='overwrite'``) deletes nothing
+at start-up: rank 0 names them in ``replacing.json`` (written atomically,
+:func:`mark_for_replacement`). While the marker exists and ``latest`` is absent or names one
+of them, the new run has committed nothing (:func:`pending_replacement`): start-up never resumes
+from them (a restart starts the new run again, a re-run that does not overwrite is refused),
+and they stay whole, so a crash leaves them as they were. The new run's first commit then
+
+a. if ``latest`` names the directory it is about to write (the same step), removes ``latest``
+   (for a moment there is none, never one naming a missing directory);
+b. moves a marked directory of that name to ``<name>.replaced`` and drops the name from the
+   marker (atomically), so the marker never names the new checkpoint;
+c. commits as above (1-4): ``latest`` now names a checkpoint the marker does not;
+d. moves each marked directory to ``<name>.replaced``, deletes every ``*.replaced`` directory,
+   then the marker (:func:`finish_replacement`; a crash in between is finished by the next
+   commit).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -42,6 +59,10 @@ from colonnade.checkpoint.format import (
 
 LATEST = "latest"
 METADATA = "metadata.json"
+REPLACING = "replacing.json"
+"""The marker naming the checkpoints an ``on_existing='overwrite'`` run replaces."""
+REPLACED = ".replaced"
+"""Suffix of a replaced checkpoint directory awaiting deletion (kept by :func:`prepare_tmp`)."""
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 PhaseHook = Callable[[str], None]
@@ -108,6 +129,9 @@ def commit(root: Path, tmp: Path, step: int, writers: list[int], metadata: dict[
     fsync_path(tmp)
     hook("files_written")
     final = root / step_dirname(step)
+    replacing = read_replacing(root)
+    if replacing is not None and final.name in replacing:
+        _make_room(root, final, replacing, hook)
     aside = _set_aside(root, final) if final.exists() else None
     os.replace(tmp, final)
     fsync_path(root)
@@ -123,6 +147,7 @@ def commit(root: Path, tmp: Path, step: int, writers: list[int], metadata: dict[
     hook("latest_written")
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+    finish_replacement(root, hook)
     prune(root, keep_last)
     return final
 
@@ -143,15 +168,84 @@ def _set_aside(root: Path, final: Path) -> Path:
     return aside
 
 
-def clear_checkpoints(root: Path) -> list[str]:
-    """(rank 0, ``checkpoint.on_existing='overwrite'``) Delete every checkpoint and the
-    ``latest`` marker under ``root``; returns the deleted directory names."""
-    (root / LATEST).unlink(missing_ok=True)
-    names = [step_dirname(s) for s in committed_steps(root)]
+def mark_for_replacement(root: Path) -> list[str]:
+    """(rank 0, ``checkpoint.on_existing='overwrite'`` on a fresh start) Name every committed
+    checkpoint under ``root`` (and those an earlier, unfinished replacement named) in
+    ``replacing.json``, written atomically; deletes nothing (the first commit does). Returns the
+    names, ascending; none: no marker is written."""
+    names = sorted({step_dirname(s) for s in committed_steps(root)}
+                   | set(read_replacing(root) or ()))
+    if names:
+        _write_replacing(root, names)
+    return names
+
+
+def read_replacing(root: Path) -> list[str] | None:
+    """The names ``replacing.json`` lists, or None when there is no marker."""
+    path = Path(root) / REPLACING
+    try:
+        return [str(n) for n in json.loads(path.read_text())["replacing"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} cannot be read ({err!r}); it lists the checkpoints that "
+                              "a run with checkpoint.on_existing=overwrite replaces") from None
+
+
+def pending_replacement(root: str | Path | None) -> list[str] | None:
+    """The checkpoints under ``root`` that an ``on_existing='overwrite'`` run is replacing while
+    it has committed none of its own (the marker exists and ``latest`` is absent or names one
+    of them), else None. While pending, no checkpoint under ``root`` is that run's."""
+    if not root or not Path(root).is_dir():
+        return None
+    names = read_replacing(Path(root))
+    if names is None:
+        return None
+    latest = read_latest(Path(root))
+    return names if latest is None or latest.name in names else None
+
+
+def finish_replacement(root: Path, on_phase: PhaseHook | None = None) -> list[str]:
+    """Step d: once ``latest`` names a checkpoint of the new run, delete the replaced ones and
+    the marker (each directory is renamed to ``*.replaced`` first, so none is ever half
+    deleted under a checkpoint's name). Returns the names deleted; none while pending."""
+    hook = on_phase or (lambda _p: None)
+    names = read_replacing(root)
+    if names is None or pending_replacement(root) is not None:
+        return []
     for name in names:
-        shutil.rmtree(root / name)
+        if (root / name).is_dir():
+            os.replace(root / name, root / (name + REPLACED))
+    fsync_path(root)
+    hook("replaced_moved")
+    for old in root.glob("*" + REPLACED):
+        shutil.rmtree(old, ignore_errors=True)
+    hook("replaced_deleted")
+    (root / REPLACING).unlink()
     fsync_path(root)
     return names
+
+
+def _make_room(root: Path, final: Path, replacing: list[str], hook: PhaseHook) -> None:
+    """Steps a and b: ``final``'s name is a checkpoint being replaced."""
+    latest = read_latest(root)
+    if latest is not None and latest.name == final.name:
+        (root / LATEST).unlink()
+        fsync_path(root)
+        hook("latest_removed")
+    if final.exists():
+        os.replace(final, root / (final.name + REPLACED))
+        fsync_path(root)
+        hook("replaced_set_aside")
+    _write_replacing(root, [n for n in replacing if n != final.name])
+    hook("marker_updated")
+
+
+def _write_replacing(root: Path, names: list[str]) -> None:
+    """Write ``replacing.json`` atomically (temporary file, fsync, rename, fsync root)."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(root / REPLACING, {"replacing": names})
+    fsync_path(root)
 
 
 def committed_steps(root: Path) -> list[int]:
@@ -187,7 +281,8 @@ def read_latest(root: Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A committed checkpoint directory from a root (through ``latest``) or a step directory."""
+    """A committed checkpoint directory from a root (through ``latest``), a step directory or
+    a run's logging.dir (:func:`run_save_dir`)."""
     path = Path(path)
     if (path / INDEX).exists():
         return path
@@ -196,5 +291,40 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if not (latest / INDEX).exists():
             raise CheckpointError(f"{path}/{LATEST} names {latest.name}, which has no {INDEX}")
         return latest
+    if (path / RUN_CONFIG).is_file():
+        return resolve_checkpoint(run_save_dir(path))  # it has a `latest` marker
     raise CheckpointError(f"{path}: neither a checkpoint ({INDEX}) nor a checkpoint root "
-                          f"({LATEST} marker); nothing to load")
+                          f"({LATEST} marker) nor a run's logging.dir; nothing to load")
+
+
+RUN_CONFIG = "config.toml"
+"""The config a run writes into its logging.dir (and every checkpoint holds)."""
+
+
+def run_save_dir(run_dir: str | Path) -> Path:
+    """The checkpoint root of the run whose logging.dir is ``run_dir`` (its config.toml):
+    ``run_dir/checkpoints`` when it saved under the default (checkpoint.save 'auto', or the
+    ``<logging.dir>/checkpoints`` it became; found wherever run_dir now is), else the
+    checkpoint.save it names. Raises :class:`CheckpointError` when that run saved nothing or
+    the directory it names is not there."""
+    from colonnade.config.load import load_config
+    from colonnade.config.validate import SAVE_AUTO, default_save_dir
+
+    run_dir = Path(run_dir)
+    config = load_config(run_dir / RUN_CONFIG)
+    save = config.checkpoint.save
+    if save is None:
+        raise CheckpointError(f"{run_dir}/{RUN_CONFIG} is a run's config with checkpoint.save="
+                              "none: that run saved no model")
+    found = Path(save)
+    if save == SAVE_AUTO or found == default_save_dir(config.logging.dir):
+        found = default_save_dir(run_dir)
+    elif not found.is_dir():
+        raise CheckpointError(f"{run_dir}/{RUN_CONFIG} names checkpoint.save={save}, which "
+                              "does not exist here (run from the directory you trained in, or "
+                              "pass the checkpoint directory itself)")
+    if not (found / LATEST).is_file():
+        raise CheckpointError(f"{run_dir} is a run's logging.dir whose checkpoint.save ({found}) "
+                              f"holds no committed checkpoint (no {LATEST} marker): that run "
+                              "saved no model")
+    return found

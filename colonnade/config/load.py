@@ -148,15 +148,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    """Nested plain dict of the config (None fields dropped, tuples as lists) for TOML/JSON."""
+    """Nested plain dict of the config (tuples as lists) for TOML/JSON. A None field is dropped
+    where None is its default, and written as "none" (which reads back as None) where it is
+    not (checkpoint.save=none), so the text reads back as the same config."""
     out: dict[str, dict[str, Any]] = {}
     for name in SECTIONS:
         section = getattr(config, name)
         values = {}
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if value is None:
+            if value is None and f.default is None:
                 continue
+            if value is None:
+                value = "none"
             values[f.name] = list(value) if isinstance(value, tuple) else value
         out[name] = values
     return out

@@ -430,8 +430,12 @@ class TrainingConfig:
 class CheckpointConfig:
     """Saving and loading."""
 
-    save: str | None = None
-    """Directory to save checkpoints into (None disables saving)."""
+    save: str | None = "auto"
+    """Directory to save checkpoints into: at checkpoint.interval, at the end, and on Ctrl-C /
+    SIGTERM (a re-run of the same command resumes from it). 'auto' (the default):
+    <logging.dir>/checkpoints, which `colonnade generate` / `convert --to-hf` find from the
+    run's logging.dir. 'none' saves nothing (the trained model is lost at exit: an explicit
+    opt-out). A directory literally named auto or none is given as ./auto or ./none."""
     load: str | None = None
     """Colonnade checkpoint (save directory or step_N directory) to resume exactly: weights,
     optimizer, step, data position, LR. A Hugging Face directory or a weights-only checkpoint
@@ -453,7 +457,9 @@ class CheckpointConfig:
     on_existing: str = "auto"
     """When save already holds checkpoints at start: 'auto' resumes from its latest when they
     are this run's (same [model] and data) and refuses another run's; 'resume' resumes from the
-    latest whatever data it saw; 'overwrite' deletes them and starts fresh; 'refuse' stops.
+    latest whatever data it saw; 'overwrite' starts fresh and deletes them once its own first
+    checkpoint is committed (until then they stay as they were, named in
+    <save>/replacing.json, and a restart or re-run never resumes from them); 'refuse' stops.
     A run whose latest checkpoint already reached training.steps exits 0 without training."""
     lr_schedule: str = "check"
     """On resume, when the LR schedule (training.steps, optim.lr, optim.min_lr,

@@ -46,9 +46,11 @@ def resolve(config: Config, world_size: int) -> Config:
     dp = world / (tp * pp * cp) (ep is folded inside tp * cp * dp, it does not divide the
     world); global batch = micro_batch_size * microbatches * dp. A mixture-of-experts model
     (model.num_experts > 0) gets parallel.expert_tp = 1 when it is None (the only supported
-    expert tp degree).
+    expert tp degree). checkpoint.save='auto' becomes <logging.dir>/checkpoints
+    (:func:`resolve_save`).
     Inconsistent explicit values are left for :func:`validate` to report.
     """
+    config = resolve_save(config)
     par, tr = config.parallel, config.training
     model_ranks = par.tp * par.pp * par.cp
     dp = par.dp
@@ -70,6 +72,25 @@ def resolve(config: Config, world_size: int) -> Config:
         parallel=dataclasses.replace(par, dp=dp, expert_tp=expert_tp),
         training=dataclasses.replace(tr, microbatches=micro, global_batch_size=glob),
     )
+
+
+SAVE_AUTO = "auto"
+"""checkpoint.save's default: save under the run's logging.dir (:func:`default_save_dir`)."""
+
+
+def default_save_dir(logging_dir: str | Path) -> Path:
+    """Where checkpoint.save='auto' saves: ``<logging.dir>/checkpoints``."""
+    return Path(logging_dir) / "checkpoints"
+
+
+def resolve_save(config: Config) -> Config:
+    """``config`` with checkpoint.save='auto' replaced by ``<logging.dir>/checkpoints``; any
+    other value (a directory, or None: save nothing) is kept."""
+    ck = config.checkpoint
+    if ck.save != SAVE_AUTO:
+        return config
+    save = str(default_save_dir(config.logging.dir))
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(ck, save=save))
 
 
 def input_parts(spec: str) -> list[str]:
@@ -396,7 +417,11 @@ def _io(c: Config, _: int | None) -> list[str]:
     if c.checkpoint.interval < 0:
         out.append(f"checkpoint.interval={c.checkpoint.interval} must be >= 0.")
     if c.checkpoint.interval > 0 and c.checkpoint.save is None:
-        out.append("checkpoint.interval > 0 needs checkpoint.save=DIR.")
+        out.append("checkpoint.interval > 0 needs checkpoint.save=DIR or 'auto' (the default: "
+                   "<logging.dir>/checkpoints); checkpoint.save=none saves nothing.")
+    if c.checkpoint.save is not None and not c.checkpoint.save.strip():
+        out.append("checkpoint.save is empty; give a directory, 'auto' (the default: "
+                   "<logging.dir>/checkpoints) or 'none' to save nothing.")
     return out
 
 

@@ -178,15 +178,21 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
     When ``checkpoint.save`` holds committed checkpoints, ``checkpoint.on_existing`` decides:
     'auto' resumes from the latest when it is this run's (same model and data) and refuses
     another run's; 'resume' resumes from it (same model and seed needed, other data paths
-    allowed); 'overwrite' starts fresh (the
-    loop deletes them first); 'refuse' stops. A restart always resumes from the latest. Raises
-    :class:`CheckpointError` naming the fix; reads files, writes none.
+    allowed); 'overwrite' starts fresh (they are deleted once its first checkpoint is
+    committed); 'refuse' stops. A restart always resumes from the latest. Checkpoints that an
+    'overwrite' run is replacing before its first commit are never resumed
+    (:func:`_replacing_start`). Raises :class:`CheckpointError` naming the fix; reads files,
+    writes none.
     """
+    from colonnade.checkpoint.commit import pending_replacement
     from colonnade.checkpoint.format import CheckpointError
 
     ck = config.checkpoint
     save = ck.save
     latest = latest_checkpoint(save)
+    replacing = pending_replacement(save)
+    if replacing is not None:
+        return _replacing_start(config, attempt, replacing)
     if latest is None:
         if attempt > 0:
             start = ck.load or ck.init_from or "scratch"
@@ -198,18 +204,56 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
     if attempt == 0 and ck.on_existing == "refuse":
         raise CheckpointError(
             f"checkpoint.save={save} already holds checkpoints (latest {latest.name}) and "
-            "checkpoint.on_existing='refuse'. Pick a new --checkpoint.save, or set "
+            f"checkpoint.on_existing='refuse'. Pick a new {_new_save(config)}, or set "
             "--checkpoint.on_existing=resume to continue from it or =overwrite to replace it.")
     diff = _run_differences(config, latest)
     resumable = not any(d.startswith(("model.", "training.seed")) for d in diff)
     if attempt == 0 and diff and (ck.on_existing == "auto" or not resumable):
         raise CheckpointError(
             f"checkpoint.save={save} holds another run's checkpoints (latest {latest.name}): "
-            f"{'; '.join(diff)}. Pick a new --checkpoint.save for this run, or set "
-            "--checkpoint.on_existing=overwrite to delete them and start fresh"
+            f"{'; '.join(diff)}. Pick a new {_new_save(config)} for this run, or set "
+            "--checkpoint.on_existing=overwrite to start fresh and replace them (deleted once "
+            "it saves)"
             + (" or =resume to continue from them on this data" if resumable else "") + ".")
     prefix = f"restart {attempt}: resuming" if attempt > 0 else "resuming"
     return _with_load(config, save, f"{prefix} from {latest}")
+
+
+def _replacing_start(config: Config, attempt: int, names: list[str]) -> tuple[Config, str]:
+    """Start of a run whose checkpoint.save holds checkpoints ``names`` that a run with
+    checkpoint.on_existing='overwrite' began replacing and has not yet replaced (it committed
+    nothing): a restart of that run and a re-run that overwrites start fresh; any other re-run
+    is refused, so none resumes from them by mistake."""
+    from colonnade.checkpoint.commit import REPLACING
+    from colonnade.checkpoint.format import CheckpointError
+
+    ck = config.checkpoint
+    if attempt > 0:
+        start = ck.load or ck.init_from or "scratch"
+        return config, (f"restart {attempt}: no checkpoint of this run under checkpoint.save="
+                        f"{ck.save} yet (the {len(names)} earlier one(s) it replaces are kept "
+                        f"until its first save); starting again from {start}")
+    if ck.on_existing == "overwrite":
+        return _with_load(config, ck.load, "") if ck.load else (config, "")
+    marker = Path(ck.save or "") / REPLACING
+    raise CheckpointError(
+        f"checkpoint.save={ck.save} holds {len(names)} checkpoint(s) ({names[0]} .. "
+        f"{names[-1]}) that a run with checkpoint.on_existing=overwrite began replacing; it "
+        f"stopped before its first save, so they are kept as they were ({marker} lists them). "
+        "Re-run with --checkpoint.on_existing=overwrite to start that run again (they are "
+        f"deleted once it saves), or pick a new {_new_save(config)}; to resume from them "
+        f"instead, remove {marker}.")
+
+
+def _new_save(config: Config) -> str:
+    """The option that gives a run another checkpoint.save: --logging.dir when it is the
+    default (<logging.dir>/checkpoints), else --checkpoint.save."""
+    from colonnade.config.validate import default_save_dir
+
+    save = config.checkpoint.save
+    if save and Path(save) == default_save_dir(config.logging.dir):
+        return "--logging.dir (checkpoints go to its checkpoints/) or --checkpoint.save"
+    return "--checkpoint.save"
 
 
 def _with_load(config: Config, load: str | None, note: str) -> tuple[Config, str]:

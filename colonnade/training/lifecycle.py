@@ -1,5 +1,6 @@
-"""The run's life cycle around the loop: a save directory to overwrite, a run already finished,
-and the line printed when Ctrl-C / SIGTERM stopped it (:mod:`colonnade.reliability.interrupt`).
+"""The run's life cycle around the loop: a save directory whose checkpoints it replaces, a run
+already finished, and the line printed when Ctrl-C / SIGTERM stopped it
+(:mod:`colonnade.reliability.interrupt`).
 """
 
 from __future__ import annotations
@@ -7,25 +8,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from colonnade.checkpoint.commit import clear_checkpoints
+from colonnade.checkpoint.commit import mark_for_replacement
 from colonnade.checkpoint.training_state import PendingSave, save_training
 from colonnade.config.sections import Config
 from colonnade.reliability.interrupt import signal_name
 from colonnade.reliability.monitor import RankMonitor
 
 
-def clear_for_overwrite(config: Config, groups: Any) -> str:
-    """``checkpoint.on_existing='overwrite'`` on a fresh start: rank 0 deletes the checkpoints
-    under ``checkpoint.save`` before the first save (collective); returns a line for the log."""
+def mark_for_overwrite(config: Config, groups: Any) -> str:
+    """``checkpoint.on_existing='overwrite'`` on a fresh start: rank 0 names the checkpoints
+    under ``checkpoint.save`` in its ``replacing.json`` marker; they are deleted once this run's
+    first checkpoint is committed (:mod:`colonnade.checkpoint.commit`), not before, so a crash
+    until then leaves them as they were. Returns a line for the log ("" on other ranks)."""
     ck = config.checkpoint
-    if not ck.save or ck.on_existing != "overwrite" or ck.load == ck.save:
+    if groups.rank != 0 or not ck.save or ck.on_existing != "overwrite" or ck.load == ck.save:
         return ""
-    names = clear_checkpoints(Path(ck.save)) if groups.rank == 0 else []
-    groups.world.barrier()
+    names = mark_for_replacement(Path(ck.save))
     if not names:
         return ""
-    return (f"checkpoint.on_existing=overwrite: deleted {len(names)} earlier checkpoint(s) under "
-            f"{ck.save} ({names[0]} .. {names[-1]})")
+    return (f"checkpoint.on_existing=overwrite: the {len(names)} earlier checkpoint(s) under "
+            f"{ck.save} ({names[0]} .. {names[-1]}) are kept until this run's first checkpoint "
+            "is committed, then deleted")
 
 
 def write_run_config(directory: str | Path, text: str) -> str:
@@ -45,15 +48,16 @@ def write_run_config(directory: str | Path, text: str) -> str:
 
 def begin_run(config: Config, step: int, groups: Any) -> bool:
     """After loading: False (and a line) when the resumed checkpoint already reached
-    training.steps; else clears the save dir when told to overwrite (collective) and True."""
+    training.steps; else marks the save dir's checkpoints for replacement when told to
+    overwrite (rank 0) and True."""
     log = groups.rank == 0
     if config.checkpoint.load and step >= config.training.steps:
         if log:
             print(finished_note(config, step))
         return False
-    cleared = clear_for_overwrite(config, groups)
-    if cleared and log:
-        print(f"colonnade: {cleared}")
+    marked = mark_for_overwrite(config, groups)
+    if marked:
+        print(f"colonnade: {marked}")
     return True
 
 
@@ -88,6 +92,6 @@ def interrupted_line(signum: int, step: int, saved: Path | None) -> str:
     if saved is not None:
         what = f"saved checkpoint {saved}; re-run the same command to resume"
     else:
-        what = ("nothing was saved: checkpoint.save is unset (add --checkpoint.save=DIR to save "
-                "on Ctrl-C / SIGTERM and resume by re-running)")
+        what = ("nothing was saved: checkpoint.save=none (leave it unset, or give "
+                "--checkpoint.save=DIR, to save on Ctrl-C / SIGTERM and resume by re-running)")
     return f"colonnade: interrupted by {signal_name(signum)} at step {step}; {what}"

@@ -176,10 +176,10 @@ def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
     Raises ConfigError / DataError / CheckpointError naming the fix; writes no file."""
     from colonnade.checkpoint.training_state import preflight_resume
     from colonnade.config.load import ConfigError
-    from colonnade.config.validate import resolve, validate
+    from colonnade.config.validate import resolve, resolve_save, validate
     from colonnade.reliability.startup import resume_config
 
-    config, note = resume_config(config, 0)
+    config, note = resume_config(resolve_save(config), 0)  # checkpoint.save='auto': its dir
     try:
         config = validate(resolve(config, world), world)
     except ConfigError as err:

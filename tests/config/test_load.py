@@ -187,6 +187,17 @@ def test_config_to_dict_drops_none_and_lists_tuples() -> None:
     assert set(data) == set(SECTIONS)
 
 
+def test_a_none_that_is_not_the_default_reads_back_as_none(tmp_path: Path) -> None:
+    """checkpoint.save=none (the opt-out; its default is 'auto') is written as "none", so the
+    run's config.toml does not come back as a run that saves."""
+    cfg = config_from_dict({"checkpoint": {"save": "none"}})
+    assert cfg.checkpoint.save is None and Config().checkpoint.save == "auto"
+    assert config_to_dict(cfg)["checkpoint"]["save"] == "none"
+    path = tmp_path / "run.toml"
+    path.write_text(config_to_toml(cfg))
+    assert load_config(path) == cfg
+
+
 def test_every_field_has_a_docstring() -> None:
     for name, cls in SECTIONS.items():
         docs = field_docs(cls)

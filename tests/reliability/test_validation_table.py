@@ -111,8 +111,10 @@ TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
      [f"{MISSING}/data.bin and {MISSING}/data.idx missing", "run `colonnade prepare`"]),
     ("missing_checkpoint_load", 1, {"checkpoint": {"load": f"{MISSING}/ckpt"}},
      [f"checkpoint.load='{MISSING}/ckpt' does not exist", "unset it to start fresh"]),
-    ("interval_without_save", 1, {"checkpoint": {"interval": 5}},
-     ["checkpoint.interval > 0 needs checkpoint.save=DIR"]),
+    ("interval_without_save", 1, {"checkpoint": {"interval": 5, "save": "none"}},
+     ["checkpoint.interval > 0 needs checkpoint.save=DIR or 'auto'"]),
+    ("empty_save", 1, {"checkpoint": {"save": ""}},
+     ["checkpoint.save is empty", "'none' to save nothing"]),
     # optimizer and numerics
     ("unknown_precision", 1, {"training": {"precision": "fp8"}},
      ["training.precision='fp8' is unknown", "use one of fp32, bf16, fp16, fp64"]),

@@ -5,7 +5,8 @@ step to stop after and saves it, exit 143 with one line naming the checkpoint, t
 resumes with an uninterrupted run's losses) is tested by tests/workflow/test_end_to_end.py on
 its tp2 x dp2 job, which would otherwise repeat the same three launches. SIGTERM to one rank
 only stops the whole job at one step. Ctrl-C of a single-process run exits 130 without a
-traceback; without checkpoint.save it says nothing could be saved and how to enable it.
+traceback, saved under <logging.dir>/checkpoints by default; with checkpoint.save=none it says
+nothing could be saved and how to enable it.
 
 Each job runs with a stop gate (:func:`tests.workflow.cli.start_gated`): the signalled ranks
 take step ``GATE`` only once their signal has arrived. The signal is sent once the job has
@@ -72,8 +73,10 @@ def test_a_signal_to_some_processes_stops_every_rank_at_one_step(
 @pytest.mark.parametrize("save", [True, False], ids=["saved", "nothing_to_save"])
 def test_ctrl_c_of_one_process_saves_and_exits_130(
         corpus: tuple[Path, Path], tmp_path: Path, save: bool) -> None:
-    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    extra = {"checkpoint__save": ckpt} if save else {}
+    """Saved under <logging.dir>/checkpoints by default; checkpoint.save=none saves nothing."""
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints"
+    extra = {} if save else {"checkpoint__save": "none"}
     job = start_gated(["train", *tiny_args(*corpus, run, training__steps=STEPS, **extra)],
                       tmp_path / "job.log", GATE, (0,))
     wait_for_records(job, run, GATE - 1)
@@ -88,5 +91,5 @@ def test_ctrl_c_of_one_process_saves_and_exits_130(
         assert f"saved checkpoint {ckpt / f'step_{step:08d}'}; re-run" in out, out
         assert (ckpt / "latest").read_text().strip() == f"step_{step:08d}"
     else:
-        assert "nothing was saved: checkpoint.save is unset (add --checkpoint.save=DIR" in out
+        assert "nothing was saved: checkpoint.save=none (leave it unset, or give" in out, out
         assert not ckpt.exists()

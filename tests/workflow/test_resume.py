@@ -2,17 +2,28 @@
 run resumes from its latest checkpoint (logged) and metrics.jsonl continues without duplicate
 steps; a finished run exits 0 without training; another run's checkpoints are refused unless
 checkpoint.on_existing says resume / overwrite; what the log says was saved is on disk; and a
-layout change on resume keeps the checkpoint's global batch (same data, same losses)."""
+layout change on resume keeps the checkpoint's global batch (same data, same losses).
+
+Issue 35: 'overwrite' keeps the earlier checkpoints until its own first save (a crash before it
+loses nothing, and neither a restart nor a re-run resumes from them by mistake), also into a
+save dir that does not exist yet."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from colonnade.cli import main
+from colonnade.config.load import load_config
+from colonnade.config.validate import resolve
+from colonnade.reliability.startup import resume_config
+from tests.reliability.faults import Fault, install, uninstall
 from tests.reliability.jobs import losses, tiny_args
 from tests.workflow.cli import hashes, run_cli, steps_logged, steps_logged_file
 
@@ -20,6 +31,21 @@ from tests.workflow.cli import hashes, run_cli, steps_logged, steps_logged_file
 def _crash_after(ckpt: Path, step: int) -> None:
     """Make ``ckpt`` look like a run that died after committing ``step`` (latest names it)."""
     (ckpt / "latest").write_text(f"step_{step:08d}\n")
+
+
+@contextlib.contextmanager
+def _crash_at(step: int) -> Iterator[None]:
+    """Rank 0 raises at the start of ``step`` (a crash: nothing after it runs, no final save);
+    the stop-signal handlers the dead loop left are put back."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    install(Fault("raise", 0, step))
+    try:
+        with pytest.raises(RuntimeError, match=f"injected failure on rank 0 at step {step}"):
+            yield
+    finally:
+        uninstall()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _args(corpus: tuple[Path, Path], run: Path, ckpt: Path, **extra: object) -> list[str]:
@@ -102,11 +128,63 @@ def test_another_runs_checkpoints_are_refused_unless_told(
     assert main([*reseeded, "--checkpoint.on_existing=resume"]) == 0
     assert f"resuming from {ckpt / 'step_00000008'}" in capsys.readouterr().out
     assert main([*wider, "--checkpoint.on_existing=overwrite"]) == 0
-    assert "deleted 3 earlier checkpoint(s)" in capsys.readouterr().out  # steps 4, 8, 12
+    out = capsys.readouterr().out  # steps 4, 8, 12: deleted once step 4 is committed
+    assert (f"the 3 earlier checkpoint(s) under {ckpt} (step_00000004 .. step_00000012) are "
+            "kept until this run's first checkpoint is committed, then deleted") in out, out
     meta = json.loads((ckpt / "step_00000008" / "metadata.json").read_text())
     assert meta["model"]["hidden_size"] == 48
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000004",
                                                       "step_00000008"]
+
+
+def test_overwrite_keeps_the_old_checkpoints_until_its_first_save(
+        finished: tuple[list[str], Path, dict[int, float]], corpus: tuple[Path, Path],
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another model (hidden 48) overwriting the finished run's steps 4 and 8: a crash at step 2,
+    before its first save, leaves them as they were; a restart starts the new run again and a
+    re-run that does not overwrite is refused (neither resumes the old hidden-32 checkpoints);
+    a crash at step 6, after its first save, leaves only its own step 4, which a restart
+    resumes."""
+    _, ckpt, _ = finished
+    before = hashes(ckpt)
+    wider = _args(corpus, tmp_path / "run_b", ckpt, model__hidden_size=48)
+    overwrite = [*wider, "--checkpoint.on_existing=overwrite"]
+    with _crash_at(2):
+        main(overwrite)
+    out = capsys.readouterr().out
+    assert (f"the 2 earlier checkpoint(s) under {ckpt} (step_00000004 .. step_00000008) are "
+            "kept until") in out, out
+    assert {k: v for k, v in hashes(ckpt).items() if k != "replacing.json"} == before
+    config = resolve(load_config(None, overwrite[1:]), 1)
+    restarted, note = resume_config(config, 1)
+    assert restarted.checkpoint.load is None, note
+    assert note == (f"restart 1: no checkpoint of this run under checkpoint.save={ckpt} yet (the "
+                    "2 earlier one(s) it replaces are kept until its first save); starting "
+                    "again from scratch")
+    assert main(wider) == 2
+    err = capsys.readouterr().err
+    assert (f"checkpoint.save={ckpt} holds 2 checkpoint(s) (step_00000004 .. step_00000008) "
+            "that a run with checkpoint.on_existing=overwrite began replacing") in err, err
+    assert f"to resume from them instead, remove {ckpt / 'replacing.json'}" in err, err
+    with _crash_at(6):
+        main(overwrite)
+    capsys.readouterr()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000004"]
+    meta = json.loads((ckpt / "step_00000004" / "metadata.json").read_text())
+    assert meta["model"]["hidden_size"] == 48
+    restarted, note = resume_config(config, 1)
+    assert restarted.checkpoint.load == str(ckpt)
+    assert note == f"restart 1: resuming from {ckpt / 'step_00000004'}"
+
+
+def test_overwrite_into_a_save_dir_that_does_not_exist_yet(
+        corpus: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "new" / "ckpt"
+    argv = ["train", *tiny_args(*corpus, tmp_path / "run", training__steps=2,
+                                checkpoint__save=ckpt, checkpoint__on_existing="overwrite")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002"]
 
 
 def test_layout_change_on_resume_keeps_the_global_batch(
