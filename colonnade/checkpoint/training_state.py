@@ -6,7 +6,8 @@
     total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
     decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
     cp, cp_attention, sp, zero, zero_shard_size, bucket_size, world_size}, model {...the
-    [model] section...}
+    [model] section...}, elapsed_s (seconds of training of the whole run at the save, so a
+    resume's clock goes on from it)
 (cp is not part of the weights: every tensor is replicated over cp, written by cp index 0 of
 the dp x cp replicas, and ZeRO shards over dp x cp reshard like dp's; the layout records it
 for the reader only.)
@@ -108,6 +109,7 @@ def _metadata(trainer: TrainState) -> dict[str, Any]:
                    "bucket_size": par.bucket_size,
                    "world_size": groups.world.size},
         "model": config_to_dict(cfg)["model"],
+        "elapsed_s": float(getattr(trainer, "elapsed_s", 0.0)),
     }
 
 
@@ -197,7 +199,8 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
     """Restore ``trainer`` from a checkpoint written under any layout; returns its metadata.
 
     Restores parameters, optimizer state (masters, moments, step count hence the LR), the
-    step, the sampler position, the RNG tracker and the loss scaler.
+    step, the sampler position, the RNG tracker, the loss scaler and the run's elapsed time
+    (``trainer.elapsed_s``; 0 for a checkpoint older than it).
     """
     from colonnade.checkpoint.finetune import is_weights_only, model_mismatch, weights_only_error
 
@@ -221,6 +224,7 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
     meta["schedule_note"] = schedule_change(meta, trainer.optimizer, ckpt,
                                             trainer.config.checkpoint.lr_schedule)
     trainer.step = int(meta["step"])
+    trainer.elapsed_s = float(meta.get("elapsed_s") or 0.0)
     data = getattr(trainer, "data", None)
     if data is not None and meta.get("sampler") is not None:
         data.sampler.load_state_dict(meta["sampler"])

@@ -449,7 +449,7 @@ class CheckpointConfig:
     this run's checkpoints: a re-run or a restart), it resumes and this only gives the model
     shape."""
     interval: int = 0
-    """Steps between saves (0 saves only at the end when save is set)."""
+    """Steps between saves (0: only at the end and on Ctrl-C / SIGTERM)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a successful save."""
     async_save: bool = False

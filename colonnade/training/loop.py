@@ -28,6 +28,7 @@ from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
     RunClock,
+    format_duration,
     format_line,
     perplexity,
 )
@@ -60,6 +61,20 @@ class Trainer:
         self.optimizer = DistributedOptimizer(self.ddp, cfg.optim, self.groups, cfg.training.steps,
                                               cfg.training.precision)
         self.step = 0
+        self.clock: RunClock | None = None
+        """The loop's clock while :func:`train` runs (None before)."""
+        self.resumed_elapsed_s = 0.0
+        """Seconds of training the resumed checkpoint recorded (0 for a fresh start)."""
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds of training of the whole run, across resumes (what a checkpoint records):
+        the loop's clock while it runs, else what the resumed checkpoint recorded."""
+        return self.clock.elapsed() if self.clock is not None else self.resumed_elapsed_s
+
+    @elapsed_s.setter
+    def elapsed_s(self, seconds: float) -> None:  # a resume (load_training) restores it
+        self.resumed_elapsed_s = seconds
 
     def train_step(self, batches: list[Batch], signum: int = 0) -> dict[str, float]:
         """Forward/backward every micro-batch, reduce gradients, update. Returns metrics;
@@ -158,9 +173,10 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                              rt.groups.world.size, peak)
     bar = _progress(tr.steps, log_cfg.progress and rt.is_logger)
     history: list[dict[str, Any]] = []
-    valid_losses: list[tuple[int, float]] = []
+    valid_losses = _earlier_valid(writer)  # the whole run's: the earlier segments' first
     window_start, window_steps = time.perf_counter(), 0
-    clock = RunClock(trainer.step, tr.steps, tokens_per_step)
+    clock = RunClock(trainer.step, tr.steps, tokens_per_step, trainer.elapsed_s)
+    trainer.clock = clock  # what a save records as the run's elapsed time
     stopper, stop = StopRequest(monitor is None).install(), 0  # Ctrl-C / SIGTERM: save, stop
     if monitor is not None:
         monitor.graceful_stop = True
@@ -226,6 +242,14 @@ def _first_eval(trainer: Trainer, writer: MetricsWriter | None, clock: RunClock
     return trainer.step, loss
 
 
+def _earlier_valid(writer: MetricsWriter | None) -> list[tuple[int, float]]:
+    """(step, validation loss) of the records a resumed run continues (its earlier segments,
+    kept in metrics.jsonl; logging rank only, the one that prints the summary)."""
+    if writer is None:
+        return []
+    return [(int(r["step"]), float(r["valid_loss"])) for r in writer.kept if "valid_loss" in r]
+
+
 def _open_run_log(cfg: Config, rt: Runtime, trainer: Trainer) -> MetricsWriter | None:
     """On the logging rank: the metrics writer (records past the resumed step moved aside,
     said), the run's config.toml, and the start-up line naming the layout; None elsewhere."""
@@ -272,11 +296,15 @@ class _Throughput:
 
 
 def final_summary(result: dict[str, Any]) -> str:
-    """A closing line: first and last validation loss and the relative drop."""
-    valid = result["valid"]
+    """A closing line over the whole run (a resumed run's earlier segments included): first
+    and last validation loss, the relative drop, the steps they span and the training time."""
+    valid = sorted(dict(result["valid"]).items())  # a resume re-evaluates its step: once
     if len(valid) < 2:
         return "no evaluation was run"
-    first, last = valid[0][1], valid[-1][1]
+    (start, first), (end, last) = valid[0], valid[-1]
+    history = result.get("history") or [{}]
+    took = (f", {format_duration(history[-1]['elapsed_s'])} of training"
+            if "elapsed_s" in history[-1] else "")
     return (f"validation loss {first:.4f} -> {last:.4f} "
-            f"({100 * (first - last) / first:.1f}% lower)")
+            f"({100 * (first - last) / first:.1f}% lower) over steps {start}-{end}{took}")
 

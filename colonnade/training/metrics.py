@@ -5,11 +5,14 @@ Parameter and FLOP counts (``tflops_per_device``, ``mfu``) come from
 
 A log record (one line of ``metrics.jsonl``) holds ``step``, ``loss``, ``lr``, ``grad_norm``,
 ``step_time_s``, ``tokens_per_s``, ``tflops_per_device``, ``tokens`` (consumed since step 0),
-``elapsed_s`` (wall time of this process's loop), ``eta_s`` (to ``training.steps`` at the mean
-step time so far), memory, ``mfu`` only against a known peak (``logging.peak_tflops`` or the GPU
-table; a shared CPU has no meaningful peak), and ``valid_loss`` / ``valid_ppl`` (perplexity,
-exp of the validation loss) when evaluated. The validation loss before the first step is a record
-of its own (step 0, no ``loss``).
+``elapsed_s`` (wall time of the training loop over the whole run: a resume continues from the
+time its checkpoint recorded), ``eta_s`` (to ``training.steps`` at this segment's mean step
+time), memory, ``mfu`` only against a known peak (``logging.peak_tflops`` or the GPU table; a
+shared CPU has no meaningful peak), ``valid_loss`` / ``valid_ppl`` (perplexity, exp of the
+validation loss) when evaluated, and ``attempt``: which start of training into this logging.dir
+wrote it (0 the first; every re-run, resume or restart counts one more), so the records a resume
+moves to metrics.dropped.jsonl still say which attempt they came from. The validation loss
+before the first step is a record of its own (step 0, no ``loss``).
 """
 
 from __future__ import annotations
@@ -46,24 +49,34 @@ def perplexity(loss: float) -> float:
 
 
 class RunClock:
-    """Elapsed time, ETA and tokens consumed of a run that starts at ``start_step``."""
+    """Elapsed time, ETA and tokens consumed of a run that starts (or resumes) at ``start_step``
+    after ``elapsed_before_s`` seconds of training in its earlier segments (what the resumed
+    checkpoint recorded; 0 for a fresh start)."""
 
-    def __init__(self, start_step: int, total_steps: int, tokens_per_step: int) -> None:
+    def __init__(self, start_step: int, total_steps: int, tokens_per_step: int,
+                 elapsed_before_s: float = 0.0) -> None:
         self.start_step, self.total_steps = start_step, total_steps
         self.tokens_per_step = tokens_per_step
+        self.elapsed_before_s = elapsed_before_s
         self.t0 = time.perf_counter()
 
+    def elapsed(self) -> float:
+        """Seconds of training of the whole run: the earlier segments' and this one's."""
+        return self.elapsed_before_s + time.perf_counter() - self.t0
+
     def fields(self, step: int) -> dict[str, float]:
-        """``tokens``, ``elapsed_s`` and (once a step is done: JSON has no NaN) ``eta_s``."""
-        elapsed = time.perf_counter() - self.t0
+        """``tokens``, ``elapsed_s`` (the whole run's) and, once this segment has done a step
+        (JSON has no NaN), ``eta_s`` at this segment's mean step time."""
+        segment = time.perf_counter() - self.t0
         done = step - self.start_step
-        out = {"tokens": step * self.tokens_per_step, "elapsed_s": elapsed}
+        out = {"tokens": step * self.tokens_per_step, "elapsed_s": self.elapsed_before_s + segment}
         if done > 0:
-            out["eta_s"] = elapsed / done * max(0, self.total_steps - step)
+            out["eta_s"] = segment / done * max(0, self.total_steps - step)
         return out
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+    """'12m05s' (under an hour) or '3h07m'; '?' when not finite."""
     if not math.isfinite(seconds):
         return "?"
     s = round(seconds)
@@ -86,7 +99,11 @@ class MetricsWriter:
 
     A run that starts at ``start_step`` (a resume; 0 for a fresh start) continues the file
     without duplicates: records of later steps, left by the run it resumes (or by an earlier run
-    in the same directory), are moved to metrics.dropped.jsonl (:attr:`dropped` counts them).
+    in the same directory), are moved to metrics.dropped.jsonl (:attr:`dropped` counts them),
+    each with the ``attempt`` that wrote it. :attr:`kept` holds the records it continues (the
+    earlier segments' history), :attr:`attempt` the number this writer stamps on its records:
+    one more than any record of either file holds (a record without one counts as 0), or 0
+    when there is none.
     """
 
     def __init__(self, directory: str | Path, tensorboard: bool, start_step: int = 0, *,
@@ -95,6 +112,8 @@ class MetricsWriter:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        self.attempt = _next_attempt(self.path, self.dir / "metrics.dropped.jsonl")
+        self.kept: list[dict[str, Any]] = []
         self.dropped = self._truncate_after(start_step)
         self.fh = self.path.open("a")
         self.tb: Any = None
@@ -120,11 +139,11 @@ class MetricsWriter:
         last_kept = start_step if start_step > 0 else -1
         keep, drop = [], []
         for line in self.path.read_text().splitlines():
-            try:
-                step = int(json.loads(line).get("step", 0))
-            except (ValueError, AttributeError, TypeError):
-                step = start_step + 1  # unreadable: not part of this run's history
-            (keep if step <= last_kept else drop).append(line)
+            record = _record(line)
+            step = int(record.get("step", 0)) if record is not None else start_step + 1
+            (keep if step <= last_kept else drop).append(line)  # unreadable: not this run's
+            if record is not None and step <= last_kept:
+                self.kept.append(record)
         if drop:
             with (self.dir / "metrics.dropped.jsonl").open("a") as fh:
                 fh.write("".join(f"{line}\n" for line in drop))
@@ -134,12 +153,13 @@ class MetricsWriter:
         return len(drop)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append a record (and its finite scalars to TensorBoard / W&B)."""
-        self.fh.write(json.dumps(record) + "\n")
+        """Append a record stamped with :attr:`attempt` (and its finite scalars to TensorBoard /
+        W&B)."""
+        self.fh.write(json.dumps({**record, "attempt": self.attempt}) + "\n")
         self.fh.flush()
         step = int(record.get("step", 0))
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))
-                   and k != "step" and math.isfinite(v)}
+                   and k not in ("step", "attempt") and math.isfinite(v)}
         if self.tb is not None:
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
@@ -153,6 +173,27 @@ class MetricsWriter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """One JSONL line as a record, or None when it is not a JSON object with an integer step."""
+    try:
+        record = json.loads(line)
+        int(record.get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _next_attempt(*paths: Path) -> int:
+    """One more than the largest ``attempt`` of the records in ``paths`` (a record without one:
+    0); 0 when they hold no record."""
+    last = -1
+    for path in paths:
+        for line in path.read_text().splitlines() if path.exists() else []:
+            attempt = (_record(line) or {}).get("attempt", 0) if line.strip() else -1
+            last = max(last, attempt if isinstance(attempt, int) else 0)
+    return last + 1
 
 
 def format_line(rec: dict[str, Any]) -> str:
@@ -171,9 +212,10 @@ def format_line(rec: dict[str, Any]) -> str:
     if "mem_peak_gib" in rec:
         parts.append(f"mem {rec['mem_peak_gib']:.2f} GiB")
     if "tokens" in rec:
-        parts += [f"{_count(rec['tokens'])} tok", f"elapsed {_duration(rec['elapsed_s'])}"]
+        parts += [f"{_count(rec['tokens'])} tok",
+                  f"elapsed {format_duration(rec['elapsed_s'])}"]
         if "eta_s" in rec:
-            parts.append(f"ETA {_duration(rec['eta_s'])}")
+            parts.append(f"ETA {format_duration(rec['eta_s'])}")
     return " | ".join(parts)
 
 

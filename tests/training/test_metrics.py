@@ -96,6 +96,12 @@ def test_run_clock_numbers() -> None:
     assert got["tokens"] == 20 * 64
     assert got["elapsed_s"] == pytest.approx(40.0, abs=0.5)
     assert got["eta_s"] == pytest.approx(got["elapsed_s"] / 10 * 10)  # 10 steps done, 10 left
+    resumed = RunClock(start_step=10, total_steps=30, tokens_per_step=64, elapsed_before_s=500.0)
+    resumed.t0 -= 40.0  # resumed 40 s ago after 500 s of training: the ETA is this segment's
+    again = resumed.fields(20)
+    assert again["elapsed_s"] == pytest.approx(540.0, abs=0.5)
+    assert again["eta_s"] == pytest.approx(again["elapsed_s"] - 500.0)
+    assert resumed.elapsed() == pytest.approx(540.0, abs=0.5)
     assert "eta_s" not in RunClock(5, 9, 1).fields(5)  # no step done yet (JSON has no NaN)
     line = format_line({"step": 20, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0,
                         "tokens_per_s": 1.0, "tflops_per_device": 0.0, **got})
@@ -112,7 +118,8 @@ def test_tensorboard_asked_for_but_missing_warns(tmp_path: Path,
     err = capsys.readouterr().err
     assert "logging.tensorboard=true but the tensorboard package is not installed" in err
     assert "pip install -e '.[tb]'" in err and "--logging.tensorboard=false" in err
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0}
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.0,
+                                                                    "attempt": 0}
     assert load_config(None, []).logging.tensorboard is False  # opt-in: no warning by default
 
 
@@ -176,10 +183,31 @@ def test_a_fresh_run_moves_an_earlier_runs_records_aside(tmp_path: Path) -> None
     writer.write({"step": 0, "valid_loss": 7.0})
     writer.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x) for x in lines] == [{"step": 0, "valid_loss": 7.0}]
+    assert [json.loads(x) for x in lines] == [{"step": 0, "valid_loss": 7.0, "attempt": 1}]
     dropped = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["step"] for x in dropped) == [0, 2, 4, 6]
     assert writer.dropped == 3
+
+
+def test_records_say_which_attempt_wrote_them_also_when_dropped(tmp_path: Path) -> None:
+    """Each start of training into a logging.dir stamps its records with the next attempt
+    number (one more than any record holds, in either file), so the records that two resumes
+    from step 2 moved to metrics.dropped.jsonl are told apart; :attr:`kept` is the history a
+    resume continues."""
+    numbers = []
+    for _ in range(3):
+        writer = MetricsWriter(tmp_path, tensorboard=False, start_step=2)
+        numbers.append(writer.attempt)
+        assert [r["step"] for r in writer.kept] == ([] if not numbers[:-1] else [1, 2])
+        for step in ([1, 2, 3, 4] if writer.attempt == 0 else [3, 4]):
+            writer.write({"step": step, "loss": 1.0})
+        writer.close()
+    assert numbers == [0, 1, 2]
+    read = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["attempt"]) for r in read] == [(1, 0), (2, 0), (3, 2), (4, 2)]
+    dropped = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
+    assert [(json.loads(x)["step"], json.loads(x)["attempt"]) for x in dropped] == [
+        (3, 0), (4, 0), (3, 1), (4, 1)]
 
 
 def test_a_different_config_toml_is_kept_not_replaced(tmp_path: Path) -> None:

@@ -6,16 +6,19 @@ layout change on resume keeps the checkpoint's global batch (same data, same los
 
 Issue 35: 'overwrite' keeps the earlier checkpoints until its own first save (a crash before it
 loses nothing, and neither a restart nor a re-run resumes from them by mistake), also into a
-save dir that does not exist yet."""
+save dir that does not exist yet; a resumed run's elapsed time, closing summary and metrics
+records cover the whole run, and a record a resume drops says which attempt wrote it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,6 +188,42 @@ def test_overwrite_into_a_save_dir_that_does_not_exist_yet(
     assert main(argv) == 0, capsys.readouterr().err
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002"]
+
+
+def test_a_resumed_run_reports_the_whole_run(corpus: tuple[Path, Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Resumed at step 4 of 8 from a checkpoint that recorded 1000 s of training: elapsed_s goes
+    on from 1000, the closing summary spans steps 0-8 (the first segment's step-0 validation
+    loss), and every record says which attempt wrote it, the dropped ones too."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    argv = _args(corpus, run, ckpt, training__eval_interval=4, training__eval_batches=1)
+    assert main(argv) == 0, capsys.readouterr().err
+    first = {r["step"]: r for r in _records(run / "metrics.jsonl")}
+    meta_path = ckpt / "step_00000004" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    assert first[3]["elapsed_s"] <= meta["elapsed_s"] <= first[4]["elapsed_s"]  # saved, logged
+    meta_path.write_text(json.dumps({**meta, "elapsed_s": 1000.0}))
+    _crash_after(ckpt, 4)
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    records = _records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(9))
+    for r in records:
+        resumed = r["step"] > 4
+        assert r["attempt"] == int(resumed), r
+        assert (1000.0 <= r["elapsed_s"] < 1100.0) if resumed else r["elapsed_s"] < 1000.0, r
+    assert json.loads((ckpt / "step_00000008" / "metadata.json").read_text())["elapsed_s"] > 1000
+    valid = {r["step"]: r["valid_loss"] for r in records if "valid_loss" in r}
+    assert sorted(valid) == [0, 4, 8]
+    assert f"validation loss {valid[0]:.4f} -> {valid[8]:.4f} (" in out, out
+    assert re.search(r"lower\) over steps 0-8, 1[678]m\d\ds of training", out), out  # 1000 s +
+    dropped = _records(run / "metrics.dropped.jsonl")
+    assert [(r["step"], r["attempt"]) for r in dropped] == [(s, 0) for s in range(5, 9)]
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_layout_change_on_resume_keeps_the_global_batch(
