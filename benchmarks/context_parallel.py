@@ -1,4 +1,4 @@
-"""Context parallelism (issue 16) on CPU: attention alone against a peer, then training steps.
+"""Context parallelism on CPU: attention alone against a peer, then training steps.
 
     .venv/bin/python benchmarks/context_parallel.py [--seqs 4096,8192,16384] [--cps 2,4]
         [--parts attention,model] [--variants ...] [--rounds 3] [--steps 1] [--warmup 1]
@@ -7,7 +7,7 @@
 The defaults take ~6 minutes on a quiet 2-core machine (estimated from a one-round run at
 8k on a loaded one: ~75 s attention, ~40 s model; cost grows ~ s^2 for attention).
 
-Shapes: issue 16's tiny model, hidden 64, 2 layers, 4 heads (head dim d = 16), 4 kv heads
+Shapes: a tiny model, hidden 64, 2 layers, 4 heads (head dim d = 16), 4 kv heads
 (``--kv-heads``), vocab 512, batch 1, fp32, at sequence s in 4k-16k; cp ranks are gloo CPU
 processes with one compute thread each (cp 1 runs on one process; cp 4 on a 2-core machine
 shares cores: its times are then not comparable, the JSON records the core count).

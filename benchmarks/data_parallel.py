@@ -5,7 +5,7 @@ and DeepSpeed ZeRO-0/1/2/3, full training steps of the same model, weights and d
         [--warmup 2] [--micro-batch 0] [--bucket N] [--zero23] [--variants ...] [--quick]
         [--json PATH]
 
-One pool of 2 gloo CPU ranks (one compute thread each) trains issue 19's workload
+One pool of 2 gloo CPU ranks (one compute thread each) trains a peer-table workload
 (benchmarks/workloads.py: gpt2-tiny by default, or llama-tiny; fp32, AdamW at a constant lr,
 no clipping, global batch split over the ranks, ``global / (2 micro_batch)`` micro-batches of
 accumulation per rank) with:
@@ -19,7 +19,7 @@ accumulation per rank) with:
   torch_fsdp2         fully_shard per block + root, gradient sync on the last micro-batch only
   deepspeed_zero0/1/2 deepspeed.initialize(plain model, torch AdamW, ZeRO stage 0/1/2, fp32,
                       gradient_clipping 0): only when ``import deepspeed`` works (see below)
-  with ``--zero23`` (issue 15), gradients reduce-scattered on every micro-batch:
+  with ``--zero23``, gradients reduce-scattered on every micro-batch:
   colonnade_zero2     --parallel.zero_stage=2 (fp32 gradient shard, no full gradient buffer)
   colonnade_zero3     --parallel.zero_stage=3 (parameters sharded, gathered per bucket ahead of
                       use in forward and backward, freed after; reshard_after_forward on)
@@ -41,7 +41,7 @@ Each run builds a variant fresh, runs ``warmup`` steps (the first two are the lo
 variant's global mean loss must equal Colonnade DDP's to 1e-6, workloads.first_loss_check) and
 times ``steps`` steps. Variants are interleaved round by round (order rotated). Reported: per
 variant the median step time over rounds, steps and ranks, and tokens/s = global tokens per step
-/ step time; per row of :data:`ROWS` (issue 19's dp2, dp2 + ZeRO-1; issue 15's dp2 + ZeRO-2,
+/ step time; per row of :data:`ROWS` (dp2, dp2 + ZeRO-1; with --zero23 dp2 + ZeRO-2,
 ZeRO-3, ZeRO-3 no reshard) the fastest of its peers by median tokens/s and the median and
 quartiles over rounds of the per-round ratio t_peer / t_colonnade (same round: drift
 between rounds cancels), and the same ratio by CPU time (both ranks' process CPU seconds per
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", type=int, default=None,
                         help="elements per bucket for every framework (default: their own)")
     parser.add_argument("--zero23", action="store_true",
-                        help=f"also run issue 15's ZeRO-2/3 variants {ZERO23} + deepspeed_zero3")
+                        help=f"also run the ZeRO-2/3 variants {ZERO23} + deepspeed_zero3")
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated subset of {CORE + DEEPSPEED + ZERO23 + OPTIONAL} "
                              "and deepspeed_zero3")

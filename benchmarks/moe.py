@@ -1,4 +1,4 @@
-"""Mixture of experts (issue 17) on CPU: one MoE layer against peers, then training steps.
+"""Mixture of experts on CPU: one MoE layer against peers, then training steps.
 
     .venv/bin/python benchmarks/moe.py [--parts layer,model] [--rounds 3] [--steps 3]
         [--hidden 128] [--experts 8] [--top-k 2] [--expert-ffn 256] [--seq 128] [--batch 4]

@@ -1,4 +1,4 @@
-"""Issue 19's table: Colonnade against the fastest peer on every layout, one workload.
+"""The peer table: Colonnade against the fastest peer on every layout, one workload.
 
     .venv/bin/python benchmarks/peer_table.py [--workload gpt2-tiny] [--quick] [--zero23]
         [--only single_process,data_parallel,tensor_parallel,pipeline] [--repeat N]
@@ -6,13 +6,13 @@
 
 Runs each side-by-side benchmark as a subprocess on ``--workload`` (each writes its JSON with
 a top-level ``rows`` list: layout, colonnade tokens/s, peer, peer_tokens_per_s, ratio), then
-prints and writes the issue's rows as JSON (``peer_table.json``) and a markdown table
+prints and writes the table's rows as JSON (``peer_table.json``) and a markdown table
 (``peer_table.md``):
 
   single_process.py --threads 1 2   1 process, 1 thread / 2 threads  (plain PyTorch loop)
   data_parallel.py                  dp2 (torch DDP, DeepSpeed ZeRO-0); dp2 + ZeRO-1
-                                    (DeepSpeed ZeRO-1/2, FSDP2); with ``--zero23`` also issue
-                                    15's dp2 + ZeRO-2 (DeepSpeed ZeRO-2, FSDP2
+                                    (DeepSpeed ZeRO-1/2, FSDP2); with ``--zero23`` also
+                                    dp2 + ZeRO-2 (DeepSpeed ZeRO-2, FSDP2
                                     reshard_after_forward=False), dp2 + ZeRO-3 (DeepSpeed
                                     ZeRO-3, FSDP2), dp2 + ZeRO-3 no reshard (FSDP2
                                     reshard_after_forward=False)
@@ -24,20 +24,21 @@ prints and writes the issue's rows as JSON (``peer_table.json``) and a markdown 
 
 ``ratio`` is each benchmark's median over interleaved rounds (or alternated steps) of the
 per-round ratio Colonnade tokens/s / peer tokens/s against the fastest peer of the row (the
-highest median tokens/s); >= 1 means Colonnade is at least as fast. The issue's measured ratio
-is shown next to it. Load on a shared machine also drifts over minutes, so one run of one
-benchmark can sit in a slow phase: ``--repeat N`` runs the whole list N times, one after the
-other, writes run k of each benchmark as ``<bench>_<workload>.run<k>.json`` and the table's
-JSON as their pooled rows, whose ratio and quartiles are taken over the rounds of every run
-together (each run's own median shown beside it as "runs ..."). Timings mean something only
+highest median tokens/s); >= 1 means Colonnade is at least as fast. The reference ratio
+(the one first measured for the table, gpt2-tiny) is shown next to it. Load on a shared
+machine also drifts over minutes, so one run of one benchmark can sit in a slow phase:
+``--repeat N`` runs the whole list N times, one after the other, writes run k of each
+benchmark as ``<bench>_<workload>.run<k>.json`` and the table's JSON as their pooled rows,
+whose ratio and quartiles are taken over the rounds of every run together (each run's own
+median shown beside it as "runs ..."). Timings mean something only
 on a quiet machine: ``--quick`` runs every
 benchmark in its smoke-test size and writes to a temporary directory unless ``--results-dir``
 is given. ``--from-json`` rebuilds the table from the JSON files already in the results
-directory without running anything. Issue 15's ZeRO-2/3 rows are not in the default run
+directory without running anything. The ZeRO-2/3 rows are not in the default run
 (they double data_parallel.py's variants): ``--zero23`` runs them; a table built from a JSON
-that has them shows them, after dp2 + ZeRO-1, with no issue-19 ratio; likewise the rows
-"pp2 ZB-H1 (torch ZB1P)" (the same algorithm as ours; the issue's ZB-H1 row keeps torch's ZBV)
-and pp2 ZB-V (pipeline.py runs both by default) follow pp2 ZB-H1 with no issue-19 ratio.
+that has them shows them, after dp2 + ZeRO-1, with no reference ratio; likewise the rows
+"pp2 ZB-H1 (torch ZB1P)" (the same algorithm as ours; the reference ZB-H1 row keeps torch's ZBV)
+and pp2 ZB-V (pipeline.py runs both by default) follow pp2 ZB-H1 with no reference ratio.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                         "benchmark's JSON found in the results directory)")
     p.add_argument("--quick", action="store_true", help="every benchmark's smoke-test size")
     p.add_argument("--zero23", action="store_true",
-                   help="data_parallel.py also runs issue 15's ZeRO-2/3 rows (DeepSpeed "
+                   help="data_parallel.py also runs the ZeRO-2/3 rows (DeepSpeed "
                         "ZeRO-2/3, FSDP2 reshard_after_forward False / True)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole list of benchmarks this many times, one after the "

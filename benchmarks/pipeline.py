@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/pipeline.py [--pp 2 4] [--microbatches 8] [--rounds 5] [--quick]
     .venv/bin/python benchmarks/pipeline.py --workload gpt2-tiny|llama-tiny [--rounds 15]
 
-``--workload gpt2-tiny`` / ``llama-tiny`` (issue 19's workloads): FULL training steps (AdamW
+``--workload gpt2-tiny`` / ``llama-tiny`` (the peer-table workloads): FULL training steps (AdamW
 inside the timed step) at pp = 2 with 4 micro-batches, Colonnade's 1f1b / interleaved_1f1b /
 zb_h1 / zbv against torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B /
 ScheduleZBVZeroBubble (one run, the peer of both zb_h1 and zbv) on cuts of the plain torch.nn

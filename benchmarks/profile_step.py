@@ -1,4 +1,4 @@
-"""Where a Colonnade training step's time goes, by category, per layout (issue 19's table).
+"""Where a Colonnade training step's time goes, by category, per layout (the peer table's).
 
 Builds Colonnade's ``Trainer`` for a workload of :mod:`benchmarks.workloads` on a layout
 (1 process, or 2 ranks of the rank pool with gloo, 1 thread each), runs ``--warmup`` steps, times

@@ -4,7 +4,7 @@
         [--pairs 30] [--warmup 3] [--micro-batch 0] [--clip 0] [--peers plain,plain_fused]
         [--quick] [--json PATH]
 
-Workloads (``--workload``, comma-separated): issue 19's ``gpt2-tiny`` and ``llama-tiny``
+Workloads (``--workload``, comma-separated): the peer table's ``gpt2-tiny`` and ``llama-tiny``
 (benchmarks/workloads.py: same initial weights, copied out of Colonnade's model, same data,
 same maths) and the earlier sizes ``tiny`` (= llama-tiny) and ``small`` (llama, h 256).
 Colonnade runs ``Trainer.train_step`` (the path ``colonnade train`` takes); the peers run the
@@ -21,15 +21,15 @@ the per-pair ratios colonnade tokens/s / peer tokens/s (= t_peer / t_colonnade o
 pair) and its quartiles. A per-pair ratio cancels load that drifts over seconds on a shared
 machine; the CPU clock also ignores time spent descheduled.
 
-Why this and issue 19's 0.91 differ from the earlier version of this script (~1% overhead):
+Why this and the reference ratio 0.91 differ from the earlier version of this script (~1% overhead):
 * workload: the old script timed a llama (h 64 / 256) with global-norm clipping at 1.0 on
-  both sides; the issue times gpt2-tiny without clipping. With clipping off Colonnade still
+  both sides; the reference times gpt2-tiny without clipping. With clipping off Colonnade still
   computed the gradient norm (and its sync), which the plain loop skips entirely; with
   clipping on both paid it, hiding that cost;
-* model: the issue's peers ran exact GELU against Colonnade's tanh GELU (~13 ms/step of
+* model: the reference's peers ran exact GELU against Colonnade's tanh GELU (~13 ms/step of
   2048 tokens at 1 thread); here both run tanh GELU (HF GPT-2's gelu_new), so the models are
   identical;
-* method: the issue took medians of 3 interleaved rounds of many steps by wall clock on a
+* method: the reference took medians of 3 interleaved rounds of many steps by wall clock on a
   shared machine (a round-to-round drift of a few % decides a ratio of 0.91); the old script
   took rounds of 2 steps. Alternated single steps with per-pair ratios are the robust measure
   (earlier profiling: median ratio 0.97-1.00 where 3 rounds said 0.91).

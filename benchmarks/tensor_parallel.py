@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/tensor_parallel.py [--rounds 15] [--steps 1] [--quick] [--json PATH]
     .venv/bin/python benchmarks/tensor_parallel.py --workload gpt2-tiny|llama-tiny [--rounds 15]
 
-``--workload gpt2-tiny`` / ``llama-tiny`` (issue 19's workloads): FULL training steps of the
+``--workload gpt2-tiny`` / ``llama-tiny`` (the peer-table workloads): FULL training steps of the
 whole model (embedding, blocks, head, loss, AdamW) against DTensor plans with and without
 SequenceParallel, in benchmarks/tensor_parallel_train.py (its docstring says how), written to
 benchmarks/results/tensor_parallel_<workload>.json with a top-level "rows" list. The default

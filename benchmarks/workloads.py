@@ -1,4 +1,4 @@
-"""The workloads of issue 19, shared by every side-by-side benchmark (one definition, one data).
+"""The peer-table workloads, shared by every side-by-side benchmark (one definition, one data).
 
 A :class:`Workload` fixes the model shape and the training hyper-parameters; from it come
 
