@@ -204,14 +204,14 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
     if attempt == 0 and ck.on_existing == "refuse":
         raise CheckpointError(
             f"checkpoint.save={save} already holds checkpoints (latest {latest.name}) and "
-            f"checkpoint.on_existing='refuse'. Pick a new {_new_save(config)}, or set "
+            f"checkpoint.on_existing='refuse'. Pick a new {new_save_option(config)}, or set "
             "--checkpoint.on_existing=resume to continue from it or =overwrite to replace it.")
     diff = _run_differences(config, latest)
     resumable = not any(d.startswith(("model.", "training.seed")) for d in diff)
     if attempt == 0 and diff and (ck.on_existing == "auto" or not resumable):
         raise CheckpointError(
             f"checkpoint.save={save} holds another run's checkpoints (latest {latest.name}): "
-            f"{'; '.join(diff)}. Pick a new {_new_save(config)} for this run, or set "
+            f"{'; '.join(diff)}. Pick a new {new_save_option(config)} for this run, or set "
             "--checkpoint.on_existing=overwrite to start fresh and replace them (deleted once "
             "it saves)"
             + (" or =resume to continue from them on this data" if resumable else "") + ".")
@@ -241,13 +241,13 @@ def _replacing_start(config: Config, attempt: int, names: list[str]) -> tuple[Co
         f"{names[-1]}) that a run with checkpoint.on_existing=overwrite began replacing; it "
         f"stopped before its first save, so they are kept as they were ({marker} lists them). "
         "Re-run with --checkpoint.on_existing=overwrite to start that run again (they are "
-        f"deleted once it saves), or pick a new {_new_save(config)}; to resume from them "
+        f"deleted once it saves), or pick a new {new_save_option(config)}; to resume from them "
         f"instead, remove {marker}.")
 
 
-def _new_save(config: Config) -> str:
-    """The option that gives a run another checkpoint.save: --logging.dir when it is the
-    default (<logging.dir>/checkpoints), else --checkpoint.save."""
+def new_save_option(config: Config) -> str:
+    """The option that gives a run another checkpoint.save, for a message's fix: --logging.dir
+    when it is the default (<logging.dir>/checkpoints), else --checkpoint.save."""
     from colonnade.config.validate import default_save_dir
 
     save = config.checkpoint.save

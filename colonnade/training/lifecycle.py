@@ -13,6 +13,7 @@ from colonnade.checkpoint.training_state import PendingSave, save_training
 from colonnade.config.sections import Config
 from colonnade.reliability.interrupt import signal_name
 from colonnade.reliability.monitor import RankMonitor
+from colonnade.reliability.startup import new_save_option
 
 
 def mark_for_overwrite(config: Config, groups: Any) -> str:
@@ -84,7 +85,9 @@ def finished_note(config: Config, step: int) -> str:
     """The line of a re-run whose resumed checkpoint already reached training.steps."""
     return (f"colonnade: {config.checkpoint.load} already holds step {step} >= training.steps="
             f"{config.training.steps}; nothing to train (raise --training.steps to continue, "
-            "or pick a new --checkpoint.save to start over)")
+            f"pick a new {new_save_option(config)} to start over, or set "
+            "--checkpoint.on_existing=overwrite to train it again from the start (its "
+            "checkpoints are deleted once the new run saves))")
 
 
 def interrupted_line(signum: int, step: int, saved: Path | None) -> str:

@@ -40,6 +40,14 @@ def test_a_run_saves_under_its_logging_dir_and_resumes_from_it(
     assert sorted(got) == [1, 2, 3, 4]
     for step in (3, 4):
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0.0), step
+    # the same command once more: finished; the fixes name this run's own options
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert (f"{ckpt} already holds step 4 >= training.steps=4; nothing to train (raise "
+            "--training.steps to continue, pick a new --logging.dir (checkpoints go to its "
+            "checkpoints/) or --checkpoint.save to start over, or set "
+            "--checkpoint.on_existing=overwrite to train it again from the start (its "
+            "checkpoints are deleted once the new run saves))") in capsys.readouterr().out
 
 
 def test_checkpoint_save_none_saves_nothing_and_says_so(
