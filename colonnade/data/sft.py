@@ -193,8 +193,10 @@ def _read_examples(sources: list[Source], fmt: RecordFormat, errors: ErrorPolicy
             stats.bytes += sum(len(text.encode("utf-8")) for text, _ in segments)
             yield segments
     if errors == "strict" and stats.problems:
-        raise CorpusError(problems_message(stats, what="example(s)",
-                                           fix="set data.prompt_key / data.response_key"))
+        fix = "set data.prompt_key / data.response_key"
+        if fmt.chat is not None:  # its refusals are the records' roles or turns, not keys
+            fix = f"messages the chat template of {fmt.chat.directory} accepts; or {fix}"
+        raise CorpusError(problems_message(stats, what="example(s)", fix=fix))
 
 
 def encode_example(tok: Tokenizer, eod: int, segments: list[Segment]) -> tuple[np.ndarray,

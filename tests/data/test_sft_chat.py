@@ -116,7 +116,8 @@ def test_records_the_template_refuses_are_listed(tmp_path: Path) -> None:
             {"role": "assistant", "content": "z"}]
     src = _write(tmp_path / "chats.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": tool}])
     with pytest.raises(CorpusError, match=r"chats.jsonl:2: the chat template of .*tok fails "
-                       r"on it: unknown role tool"):
+                       r"on it: unknown role tool\nfix them \(e.g. messages the chat template of "
+                       r".*tok accepts; or set data.prompt_key / data.response_key\)"):
         prepare_sft(src, tmp_path / "out", None, tmp_path / "tok", progress=False,
                     log=lambda _m: None)
     assert not (tmp_path / "out").exists()
