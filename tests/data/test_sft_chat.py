@@ -131,3 +131,20 @@ def test_records_the_template_refuses_are_listed(tmp_path: Path) -> None:
                        r"the reply of messages\[1\] cannot be located for the loss mask"):
         prepare_sft(src, tmp_path / "out2", None, tmp_path / "odd", progress=False,
                     log=lambda _m: None)
+
+
+def test_a_chat_template_jinja_file_is_applied_and_kept(tmp_path: Path) -> None:
+    """transformers >= 4.50 saves a tokenizer's template as chat_template.jinja: it is applied
+    like a tokenizer_config.json key, and kept there for checkpoints and the HF export."""
+    tok = chat_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>"}))
+    (tmp_path / "tok" / "chat_template.jinja").write_text(CHATML)
+    src = _write(tmp_path / "chats.jsonl", [{"messages": CONVERSATIONS[0]}])
+    prepare_sft(src, tmp_path / "out", None, tmp_path / "tok" / "tokenizer.json",
+                progress=False, log=lambda _m: None)
+    ids = IndexedDataset(tmp_path / "out" / "data")[0].tolist()
+    assert tok.decode(ids[:-1], skip_special_tokens=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhey<|im_end|>\n")
+    kept = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert kept == {"chat_template": CHATML, "eos_token": "<|im_end|>"}
