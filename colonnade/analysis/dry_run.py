@@ -21,6 +21,7 @@ reuses the planner's memory model.)
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -44,7 +45,7 @@ from colonnade.analysis.moe import (
     step_dispatch_bytes,
 )
 from colonnade.analysis.timing import step_time
-from colonnade.config.sections import Config
+from colonnade.config.sections import Config, DataConfig
 from colonnade.models.build import build_reference
 from colonnade.parallel.dims import ParallelDims, layout_text
 
@@ -160,7 +161,10 @@ def moe_lines(config: Config, world: int) -> list[str]:
 
 def data_lines(config: Config) -> list[str]:
     """Documents, tokens, samples per epoch and epochs covered, when the data is prepared;
-    what train would do with the data otherwise (a missing prepared dir is train's error)."""
+    what train would do with the data otherwise (a missing prepared dir is train's error).
+    With data.blend, one line per blended dataset: its share of the samples, its own samples
+    per epoch and the epochs of it this run covers."""
+    from colonnade.config.validate import blend_entries
     from colonnade.data.dataset import WindowDataset
     from colonnade.data.indexed import IndexedDataset
     from colonnade.training.preflight import data_plan
@@ -168,18 +172,38 @@ def data_lines(config: Config) -> list[str]:
     data, tr = config.data, config.training
     plan = data_plan(config)
     prefix = plan.prepared_dir / "data"
+    used = tr.steps * int(tr.global_batch_size or 1)
+    blend = [f"  blend {w:.3g} of the samples: {p}: {_samples_line(p, tr.seq_len, data, w * used)}"
+             for w, p in blend_entries(data.blend)]
+    head = ["data: training samples are drawn from data.blend (validation from "
+            f"{plan.prepared_dir}):"] if blend else []
     if plan.action == "prepare" or not prefix.with_suffix(".idx").is_file():
         source = data.input or "the built-in corpus"
         return [f"data: train would prepare {source} into {plan.prepared_dir} first (a dry "
-                "run prepares nothing; run `colonnade prepare` to see its statistics here)"]
+                "run prepares nothing; run `colonnade prepare` to see its statistics here)",
+                *head, *blend]
     indexed = IndexedDataset(prefix)
     train = WindowDataset(indexed, tr.seq_len, "train", data.valid_fraction)
-    valid = WindowDataset(indexed, tr.seq_len, "valid", data.valid_fraction)
-    used = tr.steps * int(tr.global_batch_size or 1)
+    valid = (f"{len(WindowDataset(indexed, tr.seq_len, 'valid', data.valid_fraction)):,} "
+             "validation" if data.valid_fraction > 0 else
+             "no validation: data.valid_fraction=0")
+    uses = "" if blend else (f"; {tr.steps} steps use {used:,} samples = "
+                             f"{used / len(train):.3g} epochs")
     return [f"data: {plan.prepared_dir}: {len(indexed):,} documents, {indexed.num_tokens:,} "
             f"tokens; {len(train):,} training samples of {tr.seq_len} tokens per epoch "
-            f"({len(valid):,} validation); {tr.steps} steps use {used:,} samples = "
-            f"{used / len(train):.3g} epochs"]
+            f"({valid}){uses}", *head, *blend]
+
+
+def _samples_line(prefix: Path, seq_len: int, data: DataConfig, used: float) -> str:
+    """'N documents, T tokens; S samples per epoch, this run uses U = E epochs' of a blend
+    dataset (its train split, as train blends it)."""
+    from colonnade.data.dataset import WindowDataset
+    from colonnade.data.indexed import IndexedDataset
+
+    indexed = IndexedDataset(prefix)
+    train = WindowDataset(indexed, seq_len, "train", data.valid_fraction)
+    return (f"{len(indexed):,} documents, {indexed.num_tokens:,} tokens; {len(train):,} "
+            f"samples per epoch, this run uses {used:,.0f} = {used / len(train):.3g} epochs")
 
 
 def dry_run(config: Config, world: int) -> str:

@@ -280,7 +280,12 @@ class DataConfig:
     stdlib) in its locations (see prepared_dir). A file (.txt/.md/.py...
     one document each; .jsonl/.ndjson, also .gz/.zst; .json array of records; .csv/.tsv with a
     header; .parquet; .arrow), a directory of such files (sorted), a Hugging Face datasets
-    directory (save_to_disk), a glob ('shards/*.jsonl.zst'), or a comma-separated list."""
+    directory (save_to_disk), a glob ('shards/*.jsonl.zst'), or a comma-separated list. A part
+    may end in ':KEY' to read the text of its records from field/column KEY instead of
+    text_key: 'a.jsonl,b.parquet:body' (a.jsonl under text_key, b.parquet under 'body'; KEY
+    holds no '/'; a path whose name holds ':' is taken whole when it exists). A prepared_dir
+    built from other inputs, keys, tokenizer, vocab size or format is never overwritten
+    unless data.overwrite."""
     prepared_dir: str = "data/stdlib"
     """Directory holding tokenizer.json and data.bin/.idx made by `colonnade prepare`. Without
     data.input, train uses it as it is (an error when it holds no dataset); only data/stdlib
@@ -291,7 +296,7 @@ class DataConfig:
     need not be restated). Its EOD token: <|endoftext|>, <|end_of_text|>, </s>, <eos>."""
     text_key: str = "text"
     """Field (jsonl/json records) or column (csv, parquet, arrow, HF datasets) holding the
-    text of each document."""
+    text of each document; a data.input part with a ':KEY' suffix uses KEY instead."""
     format: str = "text"
     """What `prepare` makes of the input: 'text' (pretraining: documents under text_key, every
     token in the loss) or 'sft' (supervised fine-tuning: .jsonl/.json records of prompt_key +
@@ -318,15 +323,20 @@ class DataConfig:
     """Processes that tokenize during prepare (1: this process, already multi-threaded); the
     output is identical for any value."""
     blend: tuple[str, ...] = ()
-    """Blend of prepared datasets as 'weight:prefix' strings; empty means prepared_dir/data."""
+    """Blend of prepared datasets as 'weight:path' strings, path a prepared dir (DIR) or its
+    dataset prefix (DIR/data); the weights are the fractions of training samples drawn from
+    each and must sum to 1 (within 0.01), e.g. '0.7:data/web,0.3:data/code'. Empty means
+    prepared_dir alone. Validation still uses prepared_dir's valid split."""
     valid_fraction: float = 0.02
-    """Fraction of samples held out for validation."""
+    """Fraction of samples held out for validation (every k-th block of windows, k = 1 /
+    fraction, see data/dataset.py). 0 holds none out and trains on every window; it needs
+    training.eval_interval=0 (no evaluation)."""
     max_corpus_bytes: int = 8_000_000
     """Cap on the built-in corpus size in bytes."""
     overwrite: bool = False
-    """Let `prepare` / `train` replace a prepared_dir that holds a dataset built from other
-    inputs (its prepare.json names them). False refuses, naming both inputs: pick a new
-    prepared_dir or set true to rebuild it."""
+    """Let `prepare` / `train` replace a prepared_dir that holds a dataset built otherwise
+    (its prepare.json records other inputs, text keys, tokenizer, vocab size or format).
+    False refuses, naming the difference: pick a new prepared_dir or set true to rebuild it."""
 
 
 @dataclass(frozen=True, kw_only=True)

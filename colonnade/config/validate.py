@@ -37,7 +37,7 @@ from colonnade.config.choices import (
     WSD_SHAPES,
 )
 from colonnade.config.load import ConfigError
-from colonnade.config.sections import Config, ModelConfig
+from colonnade.config.sections import Config, DataConfig, ModelConfig
 
 
 def resolve(config: Config, world_size: int) -> Config:
@@ -93,19 +93,61 @@ def resolve_save(config: Config) -> Config:
     return dataclasses.replace(config, checkpoint=dataclasses.replace(ck, save=save))
 
 
-def input_parts(spec: str) -> list[str]:
-    """The parts of a data.input spec: the spec itself when it names an existing path, else its
-    comma-separated parts, each a path or a glob (see colonnade.data.readers)."""
+def input_sources(spec: str) -> list[tuple[str, str | None]]:
+    """(path or glob, text key or None) of each part of a data.input spec: the spec itself when
+    it names an existing path, else its comma-separated parts. A part that is not an existing
+    path and ends in ``:KEY`` (KEY without '/' or '\\') reads the text of its records from the
+    field or column KEY instead of data.text_key: ``'a.jsonl,b.parquet:body'``. A path whose
+    name holds ':' is taken whole when it exists (see colonnade.data.readers)."""
     text = str(spec)
     if Path(text).exists():
-        return [text]
-    return [part.strip() for part in text.split(",") if part.strip()]
+        return [(text, None)]
+    return [_split_key(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def _split_key(part: str) -> tuple[str, str | None]:
+    """('path', 'key') of 'path:key'; (part, None) when the part has no ':key' suffix."""
+    head, sep, key = part.rpartition(":")
+    if not sep or not head or Path(part).exists() or "/" in key or "\\" in key:
+        return part, None
+    return head, key.strip()
+
+
+def input_parts(spec: str) -> list[str]:
+    """The paths and globs of a data.input spec, without their ':key' suffixes."""
+    return [part for part, _ in input_sources(spec)]
 
 
 def normalize_input(spec: str) -> str:
-    """A data.input spec with each part resolved to an absolute path (globs kept as patterns),
-    comma-joined: two specs naming the same inputs from different directories compare equal."""
-    return ",".join(str(Path(part).resolve()) for part in input_parts(spec))
+    """A data.input spec with each part resolved to an absolute path (globs kept as patterns)
+    and its ':key' suffix kept, comma-joined: two specs naming the same inputs from different
+    directories compare equal."""
+    return ",".join(str(Path(part).resolve()) + ("" if key is None else f":{key}")
+                    for part, key in input_sources(spec))
+
+
+def blend_prefix(path: str) -> Path:
+    """The indexed-dataset prefix a data.blend entry's path names: ``DIR/data`` when the path
+    is a prepared dir (it holds data.idx; the prefix `colonnade prepare` writes), the path
+    without a trailing .bin/.idx when it names one of the two files, else the path itself."""
+    prefix = Path(path)
+    if prefix.is_dir() and (prefix / "data.idx").is_file():
+        return prefix / "data"
+    return prefix.with_suffix("") if prefix.suffix in (".bin", ".idx") else prefix
+
+
+def blend_entries(blend: tuple[str, ...]) -> list[tuple[float, Path]]:
+    """(weight, prefix) of each 'weight:path' entry of a validated data.blend (see
+    :func:`blend_prefix`)."""
+    out = []
+    for entry in blend:
+        weight, _, path = entry.partition(":")
+        out.append((float(weight), blend_prefix(path)))
+    return out
+
+
+BLEND_SUM_TOLERANCE = 0.01
+"""How far the data.blend weights may sum from 1 (0.33 + 0.33 + 0.33 is accepted)."""
 
 
 def is_glob(part: str) -> bool:
@@ -389,26 +431,7 @@ def _optim(c: Config, _: int | None) -> list[str]:
 
 
 def _io(c: Config, _: int | None) -> list[str]:
-    out = []
-    if c.data.input is not None:
-        parts = input_parts(c.data.input)
-        missing = [p for p in parts
-                   if not (glob.glob(p, recursive=True) if is_glob(p) else Path(p).exists())]
-        if missing or not parts:
-            detail = f" ({', '.join(missing)} not found)" if len(parts) > 1 else ""
-            out.append(f"data.input='{c.data.input}' does not exist{detail}; give a file, "
-                       "directory, glob or comma-separated list of them (text, jsonl, json, csv, "
-                       "parquet, arrow, a HF datasets dir), or leave it unset for the built-in "
-                       "corpus.")
-    for entry in c.data.blend:
-        weight, _sep, prefix = entry.partition(":")
-        try:
-            ok = float(weight) > 0 and bool(prefix)
-        except ValueError:
-            ok = False
-        if not ok:
-            out.append(f"data.blend entry '{entry}' must look like 'weight:path/prefix' with "
-                       "weight > 0.")
+    out = [*_input_problems(c.data), *_blend_problems(c.data)]
     if not c.data.text_key:
         out.append("data.text_key is empty; name the field or column holding the text, "
                    "e.g. --data.text_key=text.")
@@ -422,6 +445,58 @@ def _io(c: Config, _: int | None) -> list[str]:
     if c.checkpoint.save is not None and not c.checkpoint.save.strip():
         out.append("checkpoint.save is empty; give a directory, 'auto' (the default: "
                    "<logging.dir>/checkpoints) or 'none' to save nothing.")
+    return out
+
+
+def _input_problems(data: DataConfig) -> list[str]:
+    """data.input: every part exists (or a glob matches), ':key' suffixes are well formed."""
+    if data.input is None:
+        return []
+    out, sources = [], input_sources(data.input)
+    missing = [p for p, _ in sources
+               if not (glob.glob(p, recursive=True) if is_glob(p) else Path(p).exists())]
+    if missing or not sources:
+        detail = f" ({', '.join(missing)} not found)" if len(sources) > 1 else ""
+        keyed = [f"'{p}:{k}'" for p, k in sources if k and p in missing]
+        read_as = (f" (read as {', '.join(keyed)}: path, then the ':key' suffix naming the "
+                   "text field)") if keyed else ""
+        out.append(f"data.input='{data.input}' does not exist{detail}{read_as}; give a file, "
+                   "directory, glob or comma-separated list of them (text, jsonl, json, csv, "
+                   "parquet, arrow, a HF datasets dir), or leave it unset for the built-in "
+                   "corpus.")
+    for part, key in sources:
+        if key == "":
+            out.append(f"data.input part '{part}:' has an empty text key after ':'; write "
+                       f"'{part}:KEY' (KEY: the field or column holding its text) or drop "
+                       "the ':'.")
+    keyed = [f"{p}:{k}" for p, k in sources if k]
+    if keyed and data.format != "text":
+        out.append(f"data.input parts {', '.join(keyed)} name a text key, which only "
+                   f"data.format='text' reads; data.format='{data.format}' reads "
+                   "data.prompt_key / data.response_key: drop the ':KEY' suffixes.")
+    return out
+
+
+def _blend_problems(data: DataConfig) -> list[str]:
+    """data.blend: 'weight:path' entries with positive weights that sum to 1."""
+    out, weights = [], []
+    for entry in data.blend:
+        weight, _sep, prefix = entry.partition(":")
+        try:
+            ok = float(weight) > 0 and bool(prefix)
+        except ValueError:
+            ok = False
+        if not ok:
+            out.append(f"data.blend entry '{entry}' must look like 'weight:path/prefix' with "
+                       "weight > 0.")
+        else:
+            weights.append((float(weight), prefix))
+    total = sum(w for w, _ in weights)
+    if not out and weights and abs(total - 1.0) > BLEND_SUM_TOLERANCE:
+        fixed = ",".join(f"{w / total:.4g}:{prefix}" for w, prefix in weights)
+        out.append(f"data.blend weights sum to {total:.4g}, not 1: each weight is the "
+                   "fraction of training samples drawn from its dataset. Give fractions that "
+                   f"sum to 1, e.g. --data.blend={fixed} (the same proportions).")
     return out
 
 
@@ -449,12 +524,16 @@ def _files_and_loop(c: Config, _: int | None) -> list[str]:
         out.append(f"data.tokenizer='{c.data.tokenizer}' does not exist; give a tokenizer.json "
                    "(or a Hugging Face model directory holding one) or unset it to train one.")
     for entry in c.data.blend:
-        prefix = Path(entry.partition(":")[2])
+        path = entry.partition(":")[2]
+        prefix = blend_prefix(path)
         missing = [str(prefix.with_suffix(s)) for s in (".bin", ".idx")
                    if prefix.name and not prefix.with_suffix(s).is_file()]
         if missing:
-            out.append(f"data.blend entry '{entry}': {' and '.join(missing)} missing; run "
-                       "`colonnade prepare` for that dataset or fix the prefix.")
+            hint = (f" ({path} is a directory without data.idx: not a prepared dir)"
+                    if Path(path).is_dir() else "")
+            out.append(f"data.blend entry '{entry}': {' and '.join(missing)} missing{hint}; "
+                       "run `colonnade prepare` for that dataset or fix the path (a prepared "
+                       "dir, or its prefix DIR/data).")
     if t.eval_interval < 0:
         out.append(f"training.eval_interval={t.eval_interval} must be >= 0 (0 disables).")
     if t.eval_interval > 0 and t.eval_batches < 1:
@@ -462,7 +541,9 @@ def _files_and_loop(c: Config, _: int | None) -> list[str]:
                    "training.eval_interval > 0.")
     if t.eval_interval > 0 and c.data.valid_fraction <= 0:
         out.append(f"training.eval_interval={t.eval_interval} needs data.valid_fraction > 0 "
-                   "(there is no validation split); set valid_fraction or eval_interval=0.")
+                   f"(with valid_fraction={c.data.valid_fraction:g} no validation split is held "
+                   "out); set --training.eval_interval=0 to train without evaluation, or "
+                   "--data.valid_fraction=0.02 to evaluate.")
     if c.logging.log_interval < 1:
         out.append(f"logging.log_interval={c.logging.log_interval} must be >= 1.")
     return out

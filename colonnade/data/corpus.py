@@ -182,6 +182,25 @@ def _read_all(
         raise CorpusError(problems_message(stats))
 
 
+def no_documents_message(sources: Sequence[Source], stats: DocumentStats, shown: int = 5) -> str:
+    """Why an input gave no document to train on, naming its files (the first `shown`);
+    `prepare` refuses such an input with it, before writing anything."""
+    names = ", ".join(str(s.path) for s in sources[:shown]) + (
+        f" and {len(sources) - shown} more" if len(sources) > shown else "")
+    if stats.problems:
+        why = (f"all {stats.problems} of its documents were unreadable and left out "
+               f"(data.errors='skip'); first: {stats.skipped[0]}")
+    elif all(s.path.stat().st_size == 0 for s in sources):
+        why = "the file is empty" if len(sources) == 1 else "the files are empty"
+    elif stats.empty:
+        why = (f"it holds only blank lines or empty texts ({stats.empty} empty document(s) "
+               "left out)")
+    else:
+        why = "it holds only blank lines"
+    return (f"no documents in {names}: {why}. Nothing was prepared; point data.input at "
+            "files that hold text")
+
+
 def problems_message(stats: DocumentStats, shown: int = 20, what: str = "document(s)",
                      fix: str = "convert to UTF-8, set data.text_key") -> str:
     """One message listing the unreadable `what` (documents; SFT: examples): one line per

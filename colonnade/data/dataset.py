@@ -6,10 +6,15 @@ Megatron's GPTDataset). Sample k of a split covers seq_len + 1 consecutive token
 `base + k * seq_len`: input = sample[:-1], label = sample[1:], and neighbouring samples share one
 token (the label of the last position is the first input of the next sample).
 
-Split (deterministic, no shuffling): with K = (N - 1) // seq_len windows in the whole stream,
-`n_valid = ceil(K * valid_fraction)` windows go to validation and are cut from the END of the
-stream, from its last `n_valid * seq_len + 1` tokens; training takes as many whole windows as fit
-in the tokens before that. The two splits share no token.
+Split (deterministic, no shuffling; `_split_windows`): the K = (N - 1) // seq_len windows of the
+stream are grouped in blocks of `VALID_BLOCK` consecutive windows (smaller blocks for tiny data:
+min(VALID_BLOCK, K // (2 k)), at least 1), and every k-th block, k = max(2, round(1 /
+valid_fraction)), is validation (blocks k - 1, 2k - 1, ...; the last window when no block
+qualifies), so both splits sample the whole corpus rather than validation measuring only its
+last files. Training takes the other windows except the one just before and the one just after
+each validation block (neighbouring windows share a token), so the two splits share no token.
+valid_fraction=0 holds nothing out: every window is training, and the valid split is empty
+(asking for it is an error; train builds no validation set then).
 
 Loss mask (SFT data, :mod:`colonnade.data.sft`): when the indexed dataset's directory also holds
 `mask.bin/.idx` (one 0/1 per token, same documents), a sample is int64 [2, seq_len + 1]: row 0

@@ -3,12 +3,15 @@
 Steps: (1) take the given tokenizer, or train a byte-level BPE one on the same input; (2) encode
 every document, append the EOD token, and stream the ids into an indexed dataset; (3) write
 `prepare.json`, a manifest of what was built from what. A second call with the same inputs finds a
-matching manifest and intact files and reuses them instead of tokenizing again.
+matching manifest and intact files and reuses them instead of tokenizing again; one whose input
+files changed (or data.errors, or the built-in corpus cap) tokenizes again and says why. This
+function rebuilds whatever `out_dir` held: the refusal to replace a dataset whose tokens would
+mean something else (other inputs, keys, tokenizer, format) comes before it, in
+:func:`colonnade.training.preflight.check_prepare_target` (see :mod:`colonnade.data.manifest`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -21,7 +24,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from colonnade.checkpoint.format import removed_on_failure
-from colonnade.config.validate import normalize_input
+from colonnade.config.validate import input_sources, normalize_input
 from colonnade.data.chat import tokenizer_config, write_tokenizer_config
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
@@ -31,15 +34,19 @@ from colonnade.data.corpus import (
     corpus_fingerprint,
     iter_documents,
     iter_stdlib_documents,
+    no_documents_message,
     stdlib_files,
 )
 from colonnade.data.encode import encode_stream
-from colonnade.data.errors import DataError
+from colonnade.data.errors import CorpusError, DataError
 from colonnade.data.indexed import IndexedDataset, IndexedDatasetWriter
+from colonnade.data.manifest import file_sha256
 from colonnade.data.readers import resolve_input
 from colonnade.data.tokenizer import eod_id, load_tokenizer, save_tokenizer, train_bpe_from_texts
 
-MANIFEST_VERSION = 2  # 2: .json read as records, inputs may be globs and comma lists
+MANIFEST_VERSION = 2  # 2: .json read as records, inputs may be globs, comma lists, ':key's
+REUSE_LINE = "prepare: reusing "
+"""How the line logged for a reused build starts (`prepare`, `sft.prepare_sft`)."""
 MAX_MANIFEST_SKIPPED = 1000
 """Unreadable documents listed by name in prepare.json (all are counted)."""
 
@@ -82,7 +89,8 @@ def prepare(
     """Tokenize `input` (None = the built-in stdlib corpus capped at `max_bytes`) into `out_dir`.
 
     `input` is anything `readers.resolve_input` accepts (files, directories, globs, comma lists
-    of text, jsonl(.gz/.zst), json, csv, parquet, arrow, Hugging Face datasets directories).
+    of text, jsonl(.gz/.zst), json, csv, parquet, arrow, Hugging Face datasets directories; a
+    part's ':KEY' suffix reads its records under KEY instead of `text_key`).
     Without `tokenizer_path`, a byte-level BPE tokenizer of `vocab_size` is trained on the same
     input. With one (a tokenizer.json or a directory holding one), `vocab_size` may be None, or
     must equal the tokenizer's size. `num_workers` > 1 encodes in that many processes (the
@@ -101,13 +109,13 @@ def prepare(
     key = _manifest_key(input, vocab_size, tokenizer_path, text_key, errors, max_bytes)
     reused, damage = _try_reuse(out_dir, key)
     if reused is not None:
-        log(
-            f"prepare: reusing {out_dir} ({reused.num_docs} documents, {reused.num_tokens} tokens; "
-            "inputs unchanged)"
-        )
+        log(f"{REUSE_LINE}{out_dir} ({reused.num_docs} documents, {reused.num_tokens} tokens; "
+            "inputs unchanged)")
         return reused
     if damage:
         log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")
+    elif changed := _changed_since(out_dir, key):
+        log(f"prepare: {out_dir} was built before {changed}; tokenizing again")
 
     def documents(stats: DocumentStats) -> Iterator[str]:
         if input is None:
@@ -116,18 +124,42 @@ def prepare(
 
     total = _total_docs(input, max_bytes)
     if given is None:
-        texts = documents(DocumentStats())  # the input's checks raise here, before the log
+        first = DocumentStats()
+        texts = documents(first)  # the input's checks raise here, before the log
         log(f"prepare: training a byte-level BPE tokenizer (vocab_size={vocab_size})")
         with tqdm(texts, total=total, desc="train tokenizer", unit="doc",  # reads the corpus
                   disable=None if progress else True) as read:  # None: off when not a terminal
             given = train_bpe_from_texts(read, int(vocab_size or 0), None)
+        _require_documents(input, first)
     with removed_on_failure(out_dir):
         result, stats = _tokenize(given, documents, out_dir, num_workers, progress, total,
-                                  log)
+                                  log, input)
         write_tokenizer_config(out_dir, tok_config)
-    _write_manifest(out_dir, key, result, stats)
+    _write_manifest(out_dir, key, result, stats, tokenizer_path)
     _log_summary(result, stats, log)
     return result
+
+
+def _changed_since(out_dir: Path, key: dict[str, Any]) -> str:
+    """What changed since `out_dir`'s manifest was written, among what does not change the
+    meaning of its tokens ('' when it has no manifest or nothing of that changed)."""
+    try:
+        recorded = json.loads((out_dir / "prepare.json").read_text()).get("key", {})
+    except (OSError, ValueError, AttributeError):
+        return ""
+    names = {"fingerprint": "the input files changed (sizes or modification times)",
+             "errors": f"data.errors changed ('{recorded.get('errors')}' -> '{key['errors']}')",
+             "max_bytes": "data.max_corpus_bytes changed"}
+    if any(recorded.get(k) != key.get(k) for k in {*recorded, *key} - set(names)):
+        return ""  # another dataset: check_prepare_target refused it or data.overwrite said so
+    return "; ".join(why for name, why in names.items() if recorded.get(name) != key.get(name))
+
+
+def _require_documents(input: str | Path | None, stats: DocumentStats) -> None:
+    """Refuse an input that gave no document (empty files, blank lines, every record
+    unreadable under data.errors='skip'), naming its files."""
+    if input is not None and not stats.documents:
+        raise CorpusError(no_documents_message(resolve_input(input), stats))
 
 
 def _given_tokenizer(tokenizer_path: Path | None, vocab_size: int | None) -> Tokenizer | None:
@@ -159,21 +191,25 @@ def _tokenize(
     progress: bool,
     total: int | None,
     log: Callable[[str], None],
+    input: str | Path | None = None,
 ) -> tuple[PreparedData, DocumentStats]:
     """Encode every document into `out_dir`/data.{bin,idx} and save the tokenizer there.
 
     The dataset is written under temporary names; only when the whole input was read without
-    error are the manifest removed, the tokenizer saved and the files renamed into place.
+    error, and gave a document (`_require_documents`), are the manifest removed, the
+    tokenizer saved and the files renamed into place.
     """
     stats = DocumentStats()
     eod = eod_id(tok)
     start = time.perf_counter()
     with (IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size()) as writer,
-          tqdm(total=total, desc="tokenize", unit="doc", disable=not progress) as bar):
+          tqdm(total=total, desc="tokenize", unit="doc",
+               disable=None if progress else True) as bar):  # None: off when not a terminal
         for ids, lengths in encode_stream(tok, eod, documents(stats), num_workers):
             writer.add_documents(ids, lengths)
             bar.update(stats.documents + stats.empty + stats.problems - bar.n)
             bar.set_postfix(tokens=writer.num_tokens, refresh=False)
+        _require_documents(input, stats)  # raised here, the writer drops its temporary files
         (out_dir / "prepare.json").unlink(missing_ok=True)  # files change from here on
         for stale in ("mask.bin", "mask.idx"):  # an SFT loss mask (data/sft.py) of old data
             (out_dir / stale).unlink(missing_ok=True)
@@ -227,11 +263,7 @@ def _manifest_key(
     max_bytes: int,
 ) -> dict[str, Any]:
     """Everything the outputs depend on; equal keys mean the outputs can be reused."""
-    tok_sha = None
-    if tokenizer_path is not None:
-        path = Path(tokenizer_path)
-        path = path / "tokenizer.json" if path.is_dir() else path
-        tok_sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+    tok_sha = None if tokenizer_path is None else file_sha256(Path(tokenizer_path))
     return {
         "manifest_version": MANIFEST_VERSION,
         "input": None if input is None else normalize_input(str(input)),
@@ -288,11 +320,18 @@ def _try_reuse(out_dir: Path, key: dict[str, Any]) -> tuple[PreparedData | None,
 
 
 def _write_manifest(
-    out_dir: Path, key: dict[str, Any], result: PreparedData, stats: DocumentStats
+    out_dir: Path, key: dict[str, Any], result: PreparedData, stats: DocumentStats,
+    tokenizer_path: Path | None = None,
 ) -> None:
-    """Write prepare.json atomically; its presence marks a complete, reusable output."""
-    body = {
+    """Write prepare.json atomically; its presence marks a complete, reusable output. Beside
+    the key and the result it records, for people and error messages, the given tokenizer's
+    path and the text key each input part was read under."""
+    spec = key.get("input")
+    body: dict[str, Any] = {
         "key": key,
+        "tokenizer": None if tokenizer_path is None else str(Path(tokenizer_path).resolve()),
+        "text_keys": None if not spec or not key.get("text_key") else {
+            part: part_key or key["text_key"] for part, part_key in input_sources(spec)},
         "result": {
             "num_docs": result.num_docs,
             "num_tokens": result.num_tokens,

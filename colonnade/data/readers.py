@@ -13,7 +13,12 @@ anything is read, so an unsupported format or a missing path fails before any wo
   pyarrow (the `datasets` package is not needed);
 * any other directory: every file below it with a supported suffix, sorted by relative path
   (hidden entries are not entered; other files are listed in `ignored`, never read silently);
-* a glob (`*`, `?`, `[`): its matches, sorted; a comma-separated list: each part, in order.
+* a glob (`*`, `?`, `[`): its matches, sorted; a comma-separated list: each part, in order;
+* any part may end in `:KEY`: its record files read their text from field/column KEY instead of
+  `text_key` (`'a.jsonl,b.parquet:body'`; `config.validate.input_sources` parses it).
+
+A file whose first bytes are another format's magic number (a parquet file named `.jsonl`)
+is reported as that format, with the fix (rename it), instead of as undecodable text.
 
 Reading never stops at a bad file or record: each problem (undecodable bytes, invalid JSON, a
 missing column or key, a corrupt archive) is handed to a `Report` callback with where and why,
@@ -34,7 +39,7 @@ from typing import IO, Any
 
 import zstandard
 
-from colonnade.config.validate import input_parts, is_glob
+from colonnade.config.validate import input_sources, is_glob
 from colonnade.data.errors import CorpusError
 
 Report = Callable[[Path, str, str], None]
@@ -68,13 +73,23 @@ READ_ERRORS: tuple[type[BaseException], ...] = (
 ArrowInvalid/ArrowIOError/ArrowNotImplementedError): reported as that file's problem."""
 
 
+MAGIC: tuple[tuple[bytes, str, str], ...] = (
+    (b"PAR1", "parquet", "{stem}.parquet"), (b"ARROW1", "Arrow IPC", "{stem}.arrow"),
+    (b"\x1f\x8b", "gzip", "{name}.gz"), (b"\x28\xb5\x2f\xfd", "zstd", "{name}.zst"),
+)
+"""(leading bytes, format, the name it needs) of binary formats recognised in a file named as
+text, jsonl, json or csv: read as text they would only give 'not valid UTF-8'."""
+
+
 @dataclass(frozen=True)
 class Source:
-    """One file to read: its path, reader name and compression suffix ('' for none)."""
+    """One file to read: its path, reader name, compression suffix ('' for none) and the text
+    key of its records (None: the caller's `text_key`)."""
 
     path: Path
     fmt: str
     compression: str = ""
+    text_key: str | None = None
 
 
 def supported_formats() -> str:
@@ -100,12 +115,17 @@ def resolve_input(spec: str | Path, ignored: list[str] | None = None) -> list[So
     """Every file `spec` names, in reading order (see the module docstring); raises CorpusError
     for a missing path, an empty match or an unsupported format. Files a directory holds in
     other formats are appended to `ignored` (when given) as relative paths."""
-    parts = input_parts(str(spec))
+    parts = input_sources(str(spec))
     if not parts:
         raise CorpusError("data.input is empty; give a file, directory, glob or comma list")
     sources: list[Source] = []
-    for part in parts:
-        sources.extend(_resolve_part(part, ignored))
+    for part, key in parts:
+        found = _resolve_part(part, ignored)
+        if key is not None and found and all(s.fmt == "text" for s in found):
+            raise CorpusError(f"data.input part '{part}:{key}': {part} holds only text files, "
+                              "each one document; a ':KEY' suffix names the text field of "
+                              "record files (jsonl, json, csv, parquet, arrow): drop it")
+        sources.extend(Source(s.path, s.fmt, s.compression, key) for s in found)
     return sources
 
 
@@ -184,12 +204,35 @@ def _hf_dataset_sources(root: Path) -> list[Source]:
 
 
 def read_source(source: Source, text_key: str, report: Report) -> Iterator[str]:
-    """The documents of one source; problems go to `report`, reading goes on where it can."""
+    """The documents of one source (its records' text under `source.text_key`, else
+    `text_key`); problems go to `report`, reading goes on where it can. A file that is another
+    format in disguise (`sniff_mismatch`) is one problem, not one per line."""
     reader = _READERS[source.fmt]
     try:
-        yield from reader(source, text_key, report)
+        mismatch = sniff_mismatch(source)
+        if mismatch:
+            report(source.path, "", mismatch)
+            return
+        yield from reader(source, source.text_key or text_key, report)
     except READ_ERRORS as exc:  # a corrupt or truncated file: say so, go on with the next
         report(source.path, "", f"cannot be read ({' '.join(str(exc).split())})")
+
+
+def sniff_mismatch(source: Source) -> str:
+    """Why `source` is not the format its name says, when its first bytes are the magic number
+    of another (`MAGIC`: a parquet file named .jsonl), else ''. Parquet and arrow files are
+    read by pyarrow, which names its own errors; compressed files are checked by their
+    decompressor."""
+    if source.fmt in ("parquet", "arrow") or source.compression:
+        return ""
+    with source.path.open("rb") as fh:
+        head = fh.read(8)
+    for magic, name, fixed in MAGIC:
+        if head.startswith(magic):
+            new = fixed.format(stem=source.path.stem, name=source.path.name)
+            return (f"looks like a {name} file (it starts with the magic bytes "
+                    f"{magic.decode('latin-1')!r}), not {source.fmt}; rename it to {new}")
+    return ""
 
 
 PEEKED_FORMATS: tuple[str, ...] = ("jsonl", "csv", "tsv", "parquet", "arrow")
@@ -289,11 +332,24 @@ def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                report(source.path, at, f"invalid JSON ({exc.msg})")
+                report(source.path, at, json_problem(exc, line_no))
                 continue
             text = _record_text(record, text_key, source.path, at, report)
             if text is not None:
                 yield text
+
+
+def json_problem(exc: json.JSONDecodeError, line: int) -> str:
+    """The whole of a JSON error, at `line` of the file (a .jsonl's record line, or the line
+    in a .json document) and its column: 'invalid JSON: Invalid control character at line 3
+    column 14 (a raw tab, newline or other control character inside a string: escape it as
+    \\t, \\n or \\uXXXX)'."""
+    where = f"line {line} column {exc.colno}"
+    msg = f"{exc.msg} {where}" if exc.msg.endswith(" at") else f"{exc.msg} at {where}"
+    if exc.msg.startswith("Invalid control character"):
+        msg += (" (a raw tab, newline or other control character inside a string: escape it "
+                "as \\t, \\n or \\uXXXX)")
+    return f"invalid JSON: {msg}"
 
 
 def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
@@ -309,7 +365,7 @@ def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
             yield from _read_jsonl(source, text_key, report)
         else:
-            report(source.path, "", f"invalid JSON ({exc.msg} at line {exc.lineno})")
+            report(source.path, "", json_problem(exc, exc.lineno))
         return
     if isinstance(data, dict):
         data = [data]

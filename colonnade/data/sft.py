@@ -51,19 +51,26 @@ from colonnade.data.chat import (
     tokenizer_config,
     write_tokenizer_config,
 )
-from colonnade.data.corpus import ERROR_POLICIES, DocumentStats, ErrorPolicy, problems_message
+from colonnade.data.corpus import (
+    ERROR_POLICIES,
+    DocumentStats,
+    ErrorPolicy,
+    no_documents_message,
+    problems_message,
+)
 from colonnade.data.dataset import MASK_NAME, load_loss_mask
 from colonnade.data.errors import CorpusError, DataError
 from colonnade.data.indexed import IndexedDataset, IndexedDatasetWriter
 from colonnade.data.prepare import (
     PreparedData,
+    _changed_since,
     _given_tokenizer,
     _log_summary,
     _manifest_key,
     _try_reuse,
     _write_manifest,
 )
-from colonnade.data.readers import Source, _open, resolve_input
+from colonnade.data.readers import Source, _open, json_problem, resolve_input, sniff_mismatch
 from colonnade.data.tokenizer import eod_id, save_tokenizer, train_bpe_from_texts
 
 SFT_FORMATS = ("jsonl", "json")
@@ -114,13 +121,23 @@ def _key_fix(record: dict[Any, Any], prompt_key: str, response_key: str) -> str:
 
 def _records(source: Source, report: Callable[[Path, str, str], None]) -> Iterator[tuple[Any,
                                                                                           str]]:
-    """(record, where) of one .jsonl or .json source; unreadable lines go to ``report``."""
+    """(record, where) of one .jsonl or .json source; unreadable lines go to ``report`` (the
+    JSON error in full, :func:`~colonnade.data.readers.json_problem`), and a file that is
+    another format in disguise (:func:`~colonnade.data.readers.sniff_mismatch`: a parquet file
+    named .jsonl) is one problem, not one per line."""
+    mismatch = sniff_mismatch(source)
+    if mismatch:
+        report(source.path, "", mismatch)
+        return
     with _open(source) as fh:
         if source.fmt == "json":
             try:
                 data = json.loads(fh.read().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                report(source.path, "", f"invalid JSON ({exc})")
+            except UnicodeDecodeError as exc:
+                report(source.path, "", f"not valid UTF-8 ({exc})")
+                return
+            except json.JSONDecodeError as exc:
+                report(source.path, "", json_problem(exc, exc.lineno))
                 return
             for i, record in enumerate(data if isinstance(data, list) else [data]):
                 yield record, f"[{i}]"
@@ -129,9 +146,14 @@ def _records(source: Source, report: Callable[[Path, str, str], None]) -> Iterat
             if not raw.strip():
                 continue
             try:
-                yield json.loads(raw.decode("utf-8")), f":{line_no}"
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                report(source.path, f":{line_no}", f"invalid JSON or not UTF-8 ({exc})")
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                report(source.path, f":{line_no}", f"not valid UTF-8 ({exc})")
+                continue
+            except json.JSONDecodeError as exc:
+                report(source.path, f":{line_no}", json_problem(exc, line_no))
+                continue
+            yield record, f":{line_no}"
 
 
 def iter_examples(input: str | Path, fmt: RecordFormat, errors: ErrorPolicy,
@@ -159,25 +181,30 @@ def iter_examples(input: str | Path, fmt: RecordFormat, errors: ErrorPolicy,
 def first_example_problems(sources: list[Source], fmt: RecordFormat, limit: int = 64
                            ) -> list[str]:
     """``"<where>: <reason>"`` for each of the first ``limit`` .jsonl sources whose first
-    record is not a usable example (a line each: milliseconds; a .json array is parsed whole
-    and is checked with the rest)."""
+    record is not a usable example, one line per file (reading stops at its first problem: a
+    line, milliseconds; a .json array is parsed whole and is checked with the rest)."""
     problems: list[str] = []
+
+    class FirstProblem(Exception):
+        """Stops reading a file at its first problem."""
 
     def note(path: Path, at: str, reason: str) -> None:
         problems.append(f"{path}{at}: {reason}")
+        raise FirstProblem
 
     for source in [s for s in sources if s.fmt == "jsonl"][:limit]:
-        count = len(problems)
         records = _records(source, note)
         try:
             first = next(records, None)
+        except FirstProblem:
+            continue
         finally:
             records.close()
-        if first is not None and len(problems) == count:
+        if first is not None:
             record, at = first
             segments = example_segments(record, fmt)
             if isinstance(segments, str):
-                note(source.path, at, segments)
+                problems.append(f"{source.path}{at}: {segments}")
     return problems
 
 
@@ -240,6 +267,8 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
         return reused
     if damage:
         log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")
+    elif changed := _changed_since(out_dir, key):
+        log(f"prepare: {out_dir} was built before {changed}; tokenizing again")
     if chat is not None:
         log(f"prepare: rendering chat records with the chat template of {chat.directory} "
             "(assistant replies trained on)")
@@ -255,29 +284,34 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
             given = train_bpe_from_texts(("".join(t for t, _ in ex) for ex in read),
                                          int(vocab_size or 0), None)
     with removed_on_failure(out_dir):
-        result, stats = _write(given, examples, out_dir, tok_config, progress, log)
-    _write_manifest(out_dir, key, result, stats)
+        result, stats = _write(given, examples, out_dir, tok_config, progress, log, input)
+    _write_manifest(out_dir, key, result, stats, tokenizer_path)
     _log_summary(result, stats, log)
     return result
 
 
 def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Segment]]],
            out_dir: Path, tok_config: dict[str, Any] | None, progress: bool,
-           log: Callable[[str], None]) -> tuple[PreparedData, DocumentStats]:
-    """data.* and mask.* under temporary names, renamed into place only when all is read;
-    then tokenizer.json and tokenizer_config.json (``tok_config``; None: none)."""
+           log: Callable[[str], None], input: str | Path
+           ) -> tuple[PreparedData, DocumentStats]:
+    """data.* and mask.* under temporary names, renamed into place only when all is read and
+    gave an example (else CorpusError naming the files of ``input``); then tokenizer.json and
+    tokenizer_config.json (``tok_config``; None: none)."""
     stats, eod = DocumentStats(), eod_id(tok)
     trained = 0
     start = time.perf_counter()
     with (IndexedDatasetWriter(out_dir / "data", tok.get_vocab_size()) as data,
           IndexedDatasetWriter(out_dir / MASK_NAME, 2) as mask,
-          tqdm(desc="tokenize sft", unit="example", disable=not progress) as bar):
+          tqdm(desc="tokenize sft", unit="example",
+               disable=None if progress else True) as bar):  # None: off when not a terminal
         for segments in examples(stats):
             ids, keep = encode_example(tok, eod, segments)
             data.add_document(ids)
             mask.add_document(keep)
             trained += int(keep.sum())
             bar.update(1)
+        if not data.num_docs:  # raised here, the writers drop their temporary files
+            raise CorpusError(no_documents_message(resolve_input(input), stats))
         (out_dir / "prepare.json").unlink(missing_ok=True)  # files change from here on
         save_tokenizer(tok, out_dir / "tokenizer.json")
         write_tokenizer_config(out_dir, tok_config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from colonnade.checkpoint.finetune import with_init_from
 from colonnade.config.choices import DATA_FORMATS, tied_across_stages
 from colonnade.config.sections import Config
-from colonnade.config.validate import resolve, validate
+from colonnade.config.validate import blend_entries, resolve, validate
 from colonnade.data import (
     BatchSampler,
     BlendedDataset,
@@ -23,10 +24,17 @@ from colonnade.data import (
     WindowDataset,
     prepare,
 )
+from colonnade.data.prepare import REUSE_LINE
 from colonnade.device import apply_tf32, backend_for, pick_device
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
-from colonnade.training.preflight import check_prepare_target, data_plan
+from colonnade.training.preflight import (
+    DataPlan,
+    check_prepare_target,
+    check_vocab,
+    data_plan,
+    prepare_vocab,
+)
 
 PREPARE_POLL_S = 0.5
 """How often a rank waiting for rank 0's data preparation looks for its word (seconds)."""
@@ -89,29 +97,37 @@ def _cores() -> int:
 
 @dataclass
 class Data:
-    """Train and valid sample sets, the dp-aware sampler and the tokenizer path."""
+    """Train and valid sample sets (valid None with data.valid_fraction=0: no evaluation), the
+    dp-aware sampler and the tokenizer path."""
 
     train: WindowDataset | BlendedDataset
-    valid: WindowDataset
+    valid: WindowDataset | None
     sampler: BatchSampler
     tokenizer: Path
     vocab_size: int
 
 
-def prepare_data(config: Config, log: bool = True) -> Path:
-    """Tokenize the input (or the built-in corpus) once; returns the prepared directory."""
+def prepare_data(config: Config, log: bool = True, say_reuse: bool = True) -> Path:
+    """Tokenize the input (or the built-in corpus) once; returns the prepared directory.
+    ``log``: print what is done (and a progress bar); ``say_reuse`` False leaves out the line
+    of a build found and reused (one the launcher has just announced)."""
     cfg = config.data
     out = Path(cfg.prepared_dir)
-    check_prepare_target(cfg)  # never over another dataset unless data.overwrite
-    # a given tokenizer defines the vocabulary (train checks it fits model.vocab_size)
-    vocab = None if cfg.tokenizer else config.model.vocab_size
+    say: Callable[[str], None] = print if log else (lambda _m: None)
+    if not say_reuse:
+        say = _without_reuse(say)
+    replaced = check_prepare_target(config)  # never over another dataset unless data.overwrite
+    if replaced and log:
+        print(f"prepare: data.overwrite=true: rebuilding {out}, which holds a dataset prepared "
+              f"{'; and '.join(replaced)}")
+    vocab = prepare_vocab(config)
     if cfg.format == "sft":  # prompt/response records + a loss mask (data/sft.py)
         from colonnade.data.sft import prepare_sft
 
         prepare_sft(cfg.input or "", out, vocab, Path(cfg.tokenizer) if cfg.tokenizer else None,
                     prompt_key=cfg.prompt_key, response_key=cfg.response_key,
                     errors=cfg.errors,  # type: ignore[arg-type]
-                    progress=log, log=print if log else (lambda _m: None))
+                    progress=log, log=say)
         return out
     if cfg.format != "text":
         raise DataError(f"data.format='{cfg.format}' is unknown; use one of "
@@ -119,8 +135,13 @@ def prepare_data(config: Config, log: bool = True) -> Path:
     prepare(cfg.input or None, out, vocab, Path(cfg.tokenizer) if cfg.tokenizer else None,
             text_key=cfg.text_key, errors=cfg.errors,  # type: ignore[arg-type]
             max_bytes=cfg.max_corpus_bytes, num_workers=cfg.num_workers,
-            progress=log, log=print if log else (lambda _m: None))
+            progress=log, log=say)
     return out
+
+
+def _without_reuse(say: Callable[[str], None]) -> Callable[[str], None]:
+    """``say`` without the line `prepare` logs when it reuses a build (:data:`REUSE_LINE`)."""
+    return lambda line: None if line.startswith(REUSE_LINE) else say(line)
 
 
 def build_data(config: Config, groups: ProcessGroups) -> Data:
@@ -132,25 +153,21 @@ def build_data(config: Config, groups: ProcessGroups) -> Data:
     out = plan.prepared_dir
     seq, frac = config.training.seq_len, config.data.valid_fraction
     indexed = IndexedDataset(out / "data")
-    valid = WindowDataset(indexed, seq, "valid", frac)
+    valid = WindowDataset(indexed, seq, "valid", frac) if frac > 0 else None
     train: WindowDataset | BlendedDataset = WindowDataset(indexed, seq, "train", frac)
     if config.data.blend:
-        parts, weights = [], []
-        for entry in config.data.blend:
-            weight, _, prefix = entry.partition(":")
-            parts.append(WindowDataset(IndexedDataset(Path(prefix)), seq, "train", frac))
-            weights.append(float(weight))
+        entries = blend_entries(config.data.blend)
+        parts = [WindowDataset(IndexedDataset(prefix), seq, "train", frac)
+                 for _, prefix in entries]
         size = config.training.steps * int(config.training.global_batch_size or 1)
-        train = BlendedDataset(parts, weights, size, config.training.seed)
+        train = BlendedDataset(parts, [w for w, _ in entries], size, config.training.seed)
     tr = config.training
     # by dp index, not dp x cp: the cp ranks of one dp index read the same samples (each
     # model chunk takes its own zigzag rows of them)
     sampler = BatchSampler(len(train), int(tr.global_batch_size or 1), tr.micro_batch_size,
                            groups.dp.rank, groups.dp.size, tr.seed)
+    check_vocab(config, DataPlan("use", out, out / "tokenizer.json"))  # as prepared
     vocab = _tokenizer_vocab(out / "tokenizer.json")
-    if vocab > config.model.vocab_size:
-        raise DataError(f"tokenizer has {vocab} tokens but model.vocab_size="
-                        f"{config.model.vocab_size}; set --model.vocab_size={vocab}")
     return Data(train, valid, sampler, out / "tokenizer.json", vocab)
 
 
@@ -161,9 +178,10 @@ def prepare_once(config: Config, groups: ProcessGroups, poll_s: float = PREPARE_
     ``parallel.timeout_s``, which bounds collectives only. The others poll a key that rank 0
     sets on the job's store (the default group's: every rank of every node reaches it) to
     'ok', or to its error, which they re-raise as a :class:`DataError` naming rank 0. Under
-    ``colonnade train --nproc N`` the launcher has already prepared before the ranks started,
-    and rank 0 only finds the build and reuses it. A rank that then finds no build (a node
-    without a shared file system) prepares its own copy, as before.
+    ``colonnade train --nproc N`` the launcher has already prepared before the ranks started
+    and said so, and rank 0 only finds the build and reuses it, silently (a build it has to
+    make is logged). A rank that then finds no build (a node without a shared file system)
+    prepares its own copy, as before.
     """
     if groups.world.size == 1:
         prepare_data(config)
@@ -174,7 +192,7 @@ def prepare_once(config: Config, groups: ProcessGroups, poll_s: float = PREPARE_
     key = f"colonnade/prepare/{n}"
     if groups.rank == 0:
         try:
-            prepare_data(config)
+            prepare_data(config, say_reuse=False)
         except BaseException as err:
             store.set(key, f"{type(err).__name__}: {' '.join(str(err).split())}")
             raise

@@ -34,7 +34,8 @@ def test_json_array_of_records_is_one_document_per_record(tmp_path: Path) -> Non
     lines.write_bytes(_jsonl(DOCS))
     assert list(iter_documents(lines)) == DOCS
     (tmp_path / "broken.json").write_text('[{"text": "a"},')
-    with pytest.raises(CorpusError, match=r"broken\.json: invalid JSON \(Expecting value"):
+    with pytest.raises(CorpusError, match=r"broken\.json: invalid JSON: Expecting value at "
+                       r"line 1 column 16\n"):
         list(iter_documents(tmp_path / "broken.json"))
 
 

@@ -131,7 +131,8 @@ TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
      ["parallel.watchdog_s=10.0 must be < parallel.timeout_s=10.0", "0.8 x timeout_s"]),
     ("eval_without_valid_split", 1, {"training": {"eval_interval": 10},
                                      "data": {"valid_fraction": 0.0}},
-     ["training.eval_interval=10 needs data.valid_fraction > 0", "or eval_interval=0"]),
+     ["training.eval_interval=10 needs data.valid_fraction > 0",
+      "set --training.eval_interval=0 to train without evaluation"]),
     ("log_interval_zero", 1, {"logging": {"log_interval": 0}},
      ["logging.log_interval=0 must be >= 1"]),
 ]

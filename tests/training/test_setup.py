@@ -60,7 +60,7 @@ def _slow_prepare(args: list[str], fail: bool, key: str) -> dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     real = setup.prepare_data
 
-    def slow(cfg: Any, log: bool = True) -> Path:
+    def slow(cfg: Any, log: bool = True, say_reuse: bool = True) -> Path:
         if groups.rank == 0:
             store.wait([key])  # rank 1 is waiting for the preparation
             if fail:
