@@ -487,7 +487,8 @@ class LoggingConfig:
     log_interval: int = 10
     """Steps between log lines."""
     dir: str = "runs/latest"
-    """Directory for metrics.jsonl, config.toml and TensorBoard events."""
+    """Directory for metrics.jsonl, config.toml and TensorBoard events, and (checkpoint.save
+    'auto', the default) the run's checkpoints/."""
     tensorboard: bool = False
     """Also write TensorBoard events to logging.dir (install the extra: pip install -e '.[tb]';
     asked for but not installed, rank 0 warns and writes metrics.jsonl only)."""
