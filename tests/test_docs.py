@@ -1,12 +1,14 @@
 """README.md and docs/ stay true (issue 35, item 15).
 
-Checked, in-process and without running anything: every docs/ page is linked from the README;
+Checked in-process, starting no rank: every docs/ page is linked from the README;
 every relative link of the README and of docs/ resolves to a file, and its #anchor to a heading
 of that file (GitHub's slugs); every `colonnade` command quoted in a shell block of the README
 or docs/ parses (the subcommand's own argument parser, config fields spelled
 --section.field=value that exist, config files that exist), and the README's `train` commands
 are valid configurations for their world size; `make` targets quoted exist. The README's dry
-run runs (`--dry-run` starts no rank and writes nothing).
+run runs as quoted (in a scratch folder with a tiny prepared data/mine; `--dry-run` starts no
+rank and writes nothing), and the README's support matrix is the one the validator gives
+(:func:`support_matrix`).
 """
 
 from __future__ import annotations
