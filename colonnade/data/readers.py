@@ -294,27 +294,36 @@ def _read_text(source: Source, _key: str, report: Report) -> Iterator[str]:
         yield text
 
 
-def _record_text(record: Any, text_key: str, path: Path, at: str, report: Report) -> str | None:
+def _record_text(record: Any, text_key: str, source: Source, at: str, report: Report
+                 ) -> str | None:
     """The document of one record: the string under `text_key` (or the record, if a string)."""
     if isinstance(record, str):
         return record
     value = record.get(text_key) if isinstance(record, dict) else None
     if isinstance(value, str):
         return value
-    report(path, at, f"no string under key {text_key!r}{_key_hint(record)}")
+    report(source.path, at, f"no string under key {text_key!r}{_key_hint(record, source)}")
     return None
 
 
-def _key_hint(record: Any) -> str:
-    """What a record lacking the text key holds, and the fix: ``--data.text_key=K`` when
-    exactly one of its fields is a string (the usual cause: the corpus names it otherwise)."""
+def key_fix(source: Source, key: str | None = None) -> str:
+    """The setting that reads `source`'s text under `key` (None: some other key): data.text_key,
+    or the ':KEY' suffix of its data.input part when the part has one (issue 35, item 9)."""
+    if source.text_key is None:
+        return "set data.text_key" if key is None else f"set --data.text_key={key}"
+    return ("fix the ':KEY' suffix of its data.input part" if key is None else
+            f"write ':{key}', not ':{source.text_key}', after its data.input part")
+
+
+def _key_hint(record: Any, source: Source) -> str:
+    """What a record lacking the text key holds, and the fix (:func:`key_fix`): the key by name
+    when exactly one of its fields is a string (the usual cause: the corpus names it
+    otherwise)."""
     if not isinstance(record, dict):
         return f" (the record is a JSON {type(record).__name__}); fix the record"
     strings = [str(k) for k, v in record.items() if isinstance(v, str)]
     keys = f" (keys: {', '.join(map(str, record))[:120]})"
-    if len(strings) == 1:
-        return f"{keys}; set --data.text_key={strings[0]} or fix the record"
-    return f"{keys}; set data.text_key or fix the record"
+    return f"{keys}; {key_fix(source, strings[0] if len(strings) == 1 else None)} or fix the record"
 
 
 def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
@@ -334,7 +343,7 @@ def _read_jsonl(source: Source, text_key: str, report: Report) -> Iterator[str]:
             except json.JSONDecodeError as exc:
                 report(source.path, at, json_problem(exc, line_no))
                 continue
-            text = _record_text(record, text_key, source.path, at, report)
+            text = _record_text(record, text_key, source, at, report)
             if text is not None:
                 yield text
 
@@ -373,7 +382,7 @@ def _read_json(source: Source, text_key: str, report: Report) -> Iterator[str]:
         report(source.path, "", "expected a JSON array of records; use .jsonl for one per line")
         return
     for i, record in enumerate(data):
-        doc = _record_text(record, text_key, source.path, f"[{i}]", report)
+        doc = _record_text(record, text_key, source, f"[{i}]", report)
         if doc is not None:
             yield doc
 
@@ -389,7 +398,7 @@ def _read_csv(source: Source, text_key: str, report: Report) -> Iterator[str]:
             header = next(rows, None)
             if header is None or text_key not in header:
                 report(source.path, "", f"no column {text_key!r} in the header "
-                       f"({', '.join(header or [])[:200]}); set data.text_key")
+                       f"({', '.join(header or [])[:200]}); {key_fix(source)}")
                 return
             col = header.index(text_key)
             for row_no, row in enumerate(rows, start=2):
@@ -413,9 +422,9 @@ def _read_columnar(source: Source, text_key: str, report: Report) -> Iterator[st
     batches, schema = _record_batches(source, text_key)
     if text_key not in schema.names:
         texts = [f.name for f in schema if is_text(f.type)]
-        fix = f"--data.text_key={texts[0]}" if len(texts) == 1 else "data.text_key"
+        fix = key_fix(source, texts[0] if len(texts) == 1 else None)
         report(source.path, "", f"no column {text_key!r} (columns: "
-               f"{', '.join(schema.names)[:200]}); set {fix}")
+               f"{', '.join(schema.names)[:200]}); {fix}")
         return
     kind = schema.field(text_key).type
     if not is_text(kind):

@@ -137,3 +137,19 @@ def test_per_source_keys_are_checked_up_front(tmp_path: Path) -> None:
     assert main(_prepare(Path(f"{tmp_path / 'notes.txt'}:body"), tmp_path / "p",
                          "--model.vocab_size=300")) == 2
     assert not (tmp_path / "p").exists()
+
+
+def test_a_wrong_key_suffix_is_named_as_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A ':KEY' suffix that names no field gets the suffix as its fix, not data.text_key."""
+    a = _records(tmp_path / "a.jsonl", key="body")
+    pq.write_table(pa.table({"body": ["w2 w3"], "id": [1]}), tmp_path / "b.parquet")
+    spec = f"{a}:nope,{tmp_path / 'b.parquet'}:nope,{a}"
+    assert main(_prepare(Path(spec), tmp_path / "p", "--model.vocab_size=300")) == 2
+    err = capsys.readouterr().err
+    assert (f"  - {a}:1: no string under key 'nope' (keys: body, prompt, response); fix the "
+            "':KEY' suffix of its data.input part or fix the record\n"
+            f"  - {tmp_path / 'b.parquet'}: no column 'nope' (columns: body, id); write "
+            "':body', not ':nope', after its data.input part\n"
+            f"  - {a}:1: no string under key 'text' (keys: body, prompt, response); set "
+            "data.text_key or fix the record\n") in err, err
