@@ -250,8 +250,9 @@ def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
     from colonnade.config.validate import resolve, resolve_save, validate
     from colonnade.reliability.startup import resume_config
 
+    config = resolve_save(config)  # checkpoint.save='auto': <logging.dir>/checkpoints
     check_tokenizer_history(config)  # before resume_config's model/data comparison
-    config, note = resume_config(resolve_save(config), 0)  # checkpoint.save='auto': its dir
+    config, note = resume_config(config, 0)
     try:
         config = validate(resolve(config, world), world)
     except ConfigError as err:

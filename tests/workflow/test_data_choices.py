@@ -32,13 +32,17 @@ def _word_tokenizer(path: Path, size: int) -> Path:
     return path
 
 
+@pytest.mark.parametrize("save", ["ckpt", "auto"])  # auto: the default, <logging.dir>/checkpoints
 def test_rebuilt_data_is_named_before_any_checkpoint_deletion(
-        corpus: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        corpus: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        save: str) -> None:
     text, source = corpus
-    prepared, ckpt = tmp_path / "prep", tmp_path / "ckpt"
+    prepared = tmp_path / "prep"
+    ckpt = tmp_path / "ckpt" if save == "ckpt" else tmp_path / "run" / "checkpoints"
     shutil.copytree(source, prepared)
     args = [a for a in tiny_args(text, prepared, tmp_path / "run", training__steps=1,
-                                 checkpoint__save=ckpt) if not a.startswith("--data.input=")]
+                                 checkpoint__save=save if save == "auto" else ckpt)
+            if not a.startswith("--data.input=")]
     assert main(["train", *args]) == 0, capsys.readouterr().err
     other = _word_tokenizer(tmp_path / "words.json", 310)
     assert main(["prepare", f"--data.input={text}", f"--data.prepared_dir={prepared}",
