@@ -329,9 +329,11 @@ def _context(c: Config, _: int | None) -> list[str]:
     if p.cp <= 1 or s < 1 or p.tp < 1:
         return out
     if s % (2 * p.cp):
-        out.append(f"training.seq_len={s} is not divisible by 2 x parallel.cp={2 * p.cp} "
-                   "(each cp rank holds 2 of the 2 cp equal sequence chunks); pick a seq_len "
-                   "that is a multiple of 2 cp, or change cp.")
+        k = 2 * p.cp
+        out.append(f"training.seq_len={s} is not divisible by 2 x parallel.cp = {k}: the "
+                   f"zigzag split cuts each sequence into {k} equal chunks and each of the "
+                   f"{p.cp} cp ranks holds 2 of them; pick a seq_len that is a multiple of {k} "
+                   f"(e.g. {-(-s // k) * k}), or change cp.")
     elif p.sp and s % (2 * p.cp * p.tp):
         out.append(f"training.seq_len={s} is not divisible by 2 x parallel.cp x tp="
                    f"{2 * p.cp * p.tp}, needed by parallel.sp=true (each cp rank's s/cp rows "

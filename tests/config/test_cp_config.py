@@ -37,7 +37,9 @@ def test_valid_cp_layouts(world: int, model: dict[str, object], training: dict[s
 
 @pytest.mark.parametrize(("world", "model", "training", "par", "fragments"), [
     (2, TINY, {"seq_len": 30}, {"cp": 2},
-     ["training.seq_len=30 is not divisible by 2 x parallel.cp=4", "multiple of 2 cp"]),
+     ["training.seq_len=30 is not divisible by 2 x parallel.cp = 4: the zigzag split cuts "
+      "each sequence into 4 equal chunks and each of the 2 cp ranks holds 2 of them; pick a "
+      "seq_len that is a multiple of 4 (e.g. 32), or change cp."]),
     (4, TINY, {"seq_len": 20}, {"cp": 2, "tp": 2, "sp": True},
      ["training.seq_len=20 is not divisible by 2 x parallel.cp x tp=8", "parallel.sp=true"]),
     (8, TINY, {"seq_len": 32}, {"cp": 8, "cp_attention": "all_to_all"},

@@ -75,7 +75,7 @@ TABLE: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
     ("tp_chunks_without_sp", 2, {"parallel": {"tp": 2, "tp_comm_chunks": 2}},
      ["parallel.tp_comm_chunks > 1 needs parallel.sp=true"]),
     ("context_parallel_seq", 2, {"parallel": {"cp": 2}, "training": {"seq_len": 30}},
-     ["training.seq_len=30 is not divisible by 2 x parallel.cp=4"]),
+     ["training.seq_len=30 is not divisible by 2 x parallel.cp = 4", "holds 2 of them"]),
     ("bad_rank_order", 1, {"parallel": {"order": "tp-dp-pp"}},
      ["parallel.order='tp-dp-pp' must name each axis", "e.g. 'tp-cp-dp-pp'"]),
     # the expert view: ep x expert_tp folded inside tp x cp x dp of a stage
