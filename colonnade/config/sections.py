@@ -417,6 +417,13 @@ class TrainingConfig:
     (PyTorch's cross_entropy label_smoothing); masked labels (-100) stay out of the loss."""
     device: str = "auto"
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
+    cpu_threads: int | None = None
+    """Intra-op CPU threads of each rank (torch.set_num_threads). None: $OMP_NUM_THREADS when
+    set, else the rank's share of the cores the machine's load leaves free, round((cores -
+    1-minute load average) / ranks on the node), at least 1 and at most cores / ranks: an idle
+    machine gets every core, a busy one fewer threads (OpenMP threads that wait for cores
+    other processes hold slow every step down many times). Ranks x threads above the node's
+    cores is warned about."""
     tf32: bool = True
     """On CUDA, run fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa
     inputs, fp32 accumulate); MFU of fp32 runs is then against the TF32 peak. False keeps

@@ -172,8 +172,11 @@ def _positive(c: Config, _: int | None) -> list[str]:
         "training.steps": c.training.steps, "checkpoint.keep_last": c.checkpoint.keep_last,
         "data.num_workers": c.data.num_workers,
     }
-    if c.model.num_kv_heads is not None:
-        names["model.num_kv_heads"] = c.model.num_kv_heads
+    for name, value in (("model.num_kv_heads", c.model.num_kv_heads),
+                        ("model.vocab_size", c.model.vocab_size),
+                        ("training.cpu_threads", c.training.cpu_threads)):
+        if value is not None:  # None: derived (the tokenizer's vocabulary, the cores' share)
+            names[name] = value
     if c.parallel.dp is not None:
         names["parallel.dp"] = c.parallel.dp
     if c.parallel.expert_tp is not None:

@@ -118,6 +118,8 @@ def test_cpu_threads_are_limited_on_gpu_runs_too(monkeypatch: pytest.MonkeyPatch
     """A (pretend) CUDA rank, one of 4 on a 16-core node, gets 4 threads (it kept all 16)."""
     monkeypatch.setattr(setup, "pick_device", lambda _name, _local: torch.device("cuda", 0))
     monkeypatch.setattr(setup, "_cores", lambda: 16)
+    monkeypatch.setattr(setup, "_load", lambda: 0.0)  # an idle node
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     before = torch.get_num_threads()
     try:
@@ -128,4 +130,5 @@ def test_cpu_threads_are_limited_on_gpu_runs_too(monkeypatch: pytest.MonkeyPatch
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
-    assert [setup.cpu_threads(c, n) for c, n in ((16, 4), (16, 3), (2, 8), (8, 0))] == [4, 5, 1, 8]
+    assert [setup.cpu_threads(None, None, c, n, 0.0)
+            for c, n in ((16, 4), (16, 3), (2, 8), (8, 0))] == [4, 5, 1, 8]
