@@ -4,11 +4,15 @@
 (a save directory with ``latest``, or one ``step_N`` directory; ``colonnade convert --from-hf``
 output too) or a Hugging Face ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` directory. The run takes
 
-* the model shape: every ``[model]`` field from the checkpoint's ``metadata.json`` (or mapped
-  from ``config.json``), resolved by :func:`with_init_from` in the CLI before launch and again
-  inside every rank (torchrun path), so validation sees the real shape. Only the run-time
-  fields :data:`RUN_FIELDS` (dropout, init std) stay the run's own; a shape field set
-  explicitly (``--config`` or ``--model.*``) to another value is refused, naming it;
+* the model: every ``[model]`` field the user did not set, from the checkpoint's
+  ``metadata.json`` (or mapped from ``config.json``), resolved by :func:`with_init_from` where
+  the config is read (``colonnade train`` before launch, ``colonnade.train`` in each torchrun
+  rank), so validation sees the real shape. The run-time fields :data:`RUN_FIELDS` (dropout,
+  init std) are always the run's own, and so is any field the user set that decides no tensor
+  (``max_seq_len`` under RoPE: fine-tuning at a longer or shorter context, ``rope_theta``,
+  ``norm_eps``, ...); a tensor-deciding field (:func:`decides_tensors`, gpt2's ``max_seq_len``
+  among them) set explicitly (``--config`` or ``--model.*``) to another value is refused,
+  naming it;
 * the tokenizer: the checkpoint's ``tokenizer.json`` must be the data's (same content), or the
   run is refused with the fix (prepare the data with ``--data.tokenizer`` = that file);
 * the weights, sharded into this run's layout (any tp / pp / dp, ZeRO-1);
@@ -136,10 +140,14 @@ def _comparable(model: ModelConfig, name: str) -> Any:
 
 
 def with_init_from(config: Config, explicit: Collection[str] | None = None) -> Config:
-    """``config`` with the [model] shape of ``checkpoint.init_from`` (unchanged when unset).
+    """``config`` with the [model] of ``checkpoint.init_from`` (unchanged when unset).
 
     ``explicit``: the model fields the user set (None: those differing from the defaults).
-    A shape field set to another value than the checkpoint's raises :class:`ConfigError`.
+    Every field the user did not set is the checkpoint's. A field the user set keeps the
+    user's value when it decides no tensor (:func:`decides_tensors`): a longer or shorter
+    ``max_seq_len`` under RoPE, ``rope_theta``, ``norm_eps``, dropout, ... A tensor-deciding
+    field set to another value than the checkpoint's raises :class:`ConfigError` naming it.
+    Apply it once, where the config is read (``colonnade train``, ``colonnade.train``).
     """
     path = config.checkpoint.init_from
     if not path:
@@ -154,18 +162,26 @@ def with_init_from(config: Config, explicit: Collection[str] | None = None) -> C
         name = f.name
         if name in RUN_FIELDS:
             continue
-        taken[name] = getattr(saved, name)
         chosen = (name in explicit) if explicit is not None else (
             getattr(mine, name) != getattr(default, name))
-        if chosen and _comparable(mine, name) != _comparable(saved, name):
+        if not chosen:
+            taken[name] = getattr(saved, name)
+        elif decides_tensors(name, saved) and _comparable(mine, name) != _comparable(saved,
+                                                                                      name):
             conflicts.append(f"model.{name}={_comparable(mine, name)} is set but "
-                             f"checkpoint.init_from={path} has {_comparable(saved, name)}")
+                             f"checkpoint.init_from={path} has {_comparable(saved, name)}"
+                             + (POSITION_TABLE_NOTE if name == "max_seq_len" else ""))
     if conflicts:
         raise ConfigError(
             "invalid configuration:\n" + "\n".join(f"  - {c}" for c in conflicts)
-            + "\n  A fine-tuned model keeps its checkpoint's shape: drop these model settings "
-            "(they are taken from the checkpoint).")
+            + "\n  A fine-tuned model keeps the shapes of its checkpoint's tensors: drop these "
+            "model settings (they are taken from the checkpoint).")
     return dataclasses.replace(config, model=dataclasses.replace(mine, **taken))
+
+
+POSITION_TABLE_NOTE = (" (its learned position table has max_seq_len rows; a shorter "
+                       "training.seq_len needs no change of max_seq_len)")
+"""Why max_seq_len is a shape of a model with learned positions (gpt2), said in the refusal."""
 
 
 MOE_SHAPE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense_layers",
@@ -187,14 +203,22 @@ def _position_table(model: ModelConfig) -> bool:
     return spec is not None and spec.positions == "learned"
 
 
+def decides_tensors(name: str, model: ModelConfig) -> bool:
+    """Whether [model] field ``name`` decides which tensors ``model`` has or their shapes:
+    :data:`TENSOR_FIELDS`, and max_seq_len when the model has a learned position table."""
+    return name in TENSOR_FIELDS or (name == "max_seq_len" and _position_table(model))
+
+
 def model_mismatch(saved: dict[str, Any], model: ModelConfig) -> list[str]:
     """Every tensor-deciding field whose value in a checkpoint's metadata ``model`` differs from
-    ``model``'s, as 'model.field=ours (checkpoint: theirs)'."""
+    ``model``'s, as 'model.field=ours (checkpoint: theirs)'. An unset model.vocab_size differs
+    from none: a run resuming the checkpoint takes its size."""
     theirs = config_from_dict({"model": saved}).model
     table = _position_table(model) or _position_table(theirs)
     names = TENSOR_FIELDS + (("max_seq_len",) if table else ())
     return [f"model.{n}={_comparable(model, n)} (checkpoint: {_comparable(theirs, n)})"
-            for n in names if _comparable(model, n) != _comparable(theirs, n)]
+            for n in names if _comparable(model, n) != _comparable(theirs, n)
+            and not (n == "vocab_size" and model.vocab_size is None)]
 
 
 def tokenizer_digest(path: Path) -> str:

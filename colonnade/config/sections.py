@@ -460,7 +460,9 @@ class CheckpointConfig:
     init_from: str | None = None
     """Fine-tune (`colonnade train --init-from=PATH`): start a new run from the weights of a
     Colonnade checkpoint (save or step_N directory) or a Hugging Face Llama/GPT-2 directory,
-    taking its [model] shape (metadata / config.json; a conflicting model.* setting is refused)
+    taking its [model] (metadata / config.json) for every model field not set; a set field
+    that changes a tensor's shape is refused, naming it, and the others (max_seq_len under RoPE,
+    rope_theta, norm_eps, dropout...) are the run's own,
     and requiring its tokenizer.json to be the data's; step, optimizer, LR schedule and data
     order start fresh. When there is a run to resume (load set, or checkpoint.save holding
     this run's checkpoints: a re-run or a restart), it resumes and this only gives the model

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from colonnade.checkpoint.finetune import with_init_from
 from colonnade.config.choices import DATA_FORMATS, tied_across_stages
 from colonnade.config.sections import Config
 from colonnade.config.validate import blend_entries, resolve, validate
@@ -60,11 +59,12 @@ def init_runtime(config: Config) -> Runtime:
 
     Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK set by the launcher) the process joins the
     job; otherwise it is a world of one. The config is checked *before* any group is made.
+    ``checkpoint.init_from``'s model is already in ``config`` (applied where it was read).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    config = validate(resolve(with_init_from(config), world), world)
+    config = validate(resolve(config, world), world)
     device = pick_device(config.training.device, local_rank)
     apply_tf32(device, config.training.tf32)  # fp32 matmuls on TF32 tensor cores (CUDA)
     if world > 1 and not dist.is_initialized():

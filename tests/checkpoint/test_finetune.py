@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tomllib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -280,3 +281,27 @@ def test_rerun_of_an_init_from_run_resumes_its_own_checkpoints(
     assert f"resuming from {save}" in out and "initialised the weights" not in out, out
     assert _steps(run) == [1, 2, 3, 4]  # continued, no duplicates
     assert read_metadata(save)["step"] == 4
+
+
+def test_init_from_keeps_the_set_model_fields_that_decide_no_tensor(
+        data: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--init-from refused every set [model] field, even max_seq_len: a run could not reuse
+    its training config, nor fine-tune at another context length. A field that decides no
+    tensor is now the run's own; a shape change is refused naming the field (gpt2's
+    max_seq_len among them: its learned position table)."""
+    hf = _hf_dir(tmp_path / "hf", data["a"] / "tokenizer.json")  # llama, max_seq_len 32
+    run = tmp_path / "long"
+    assert _run(data, "a", run, f"--init-from={hf}", *TINY, "--model.max_seq_len=64",
+                "--model.rope_theta=1000.0", "--training.seq_len=48") == 0
+    assert "initialised the weights from Hugging Face model" in capsys.readouterr().out
+    model = tomllib.loads((run / "config.toml").read_text())["model"]
+    assert (model["max_seq_len"], model["rope_theta"], model["hidden_size"],
+            model["norm_eps"]) == (64, 1000.0, 32, 1e-6)  # the last two: the checkpoint's
+    gpt2 = _hf_dir(tmp_path / "gpt2", data["a"] / "tokenizer.json", arch="gpt2")
+    status = _run(data, "a", tmp_path / "g", f"--init-from={gpt2}", "--model.max_seq_len=64")
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert (f"model.max_seq_len=64 is set but checkpoint.init_from={gpt2} has 32 (its learned "
+            "position table has max_seq_len rows; a shorter training.seq_len needs no change "
+            "of max_seq_len)") in err, err
+    assert not (tmp_path / "g").exists()
