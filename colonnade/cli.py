@@ -39,7 +39,7 @@ def _config_help(only: dict[str, tuple[str, ...] | None] | None = None) -> str:
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launching (torch elastic launcher)")
-    g.add_argument("--nproc", type=int, default=1,
+    g.add_argument("--nproc", type=int, default=None,
                    help="ranks to start on this node (default: 1)")
     g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
     g.add_argument("--node-rank", type=int, default=0,
@@ -81,7 +81,11 @@ def _add_train(sub: Any) -> None:
                        "--parallel.tp=8 --dry-run",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", help="TOML config file (see configs/)")
-    t.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the config as TOML and exit; the fields derived from the number "
+                   "of ranks (parallel.dp, training.microbatches / global_batch_size) stay "
+                   "unset, so it runs with any --nproc (with --nproc they are checked and shown "
+                   "as comments)")
     t.add_argument("--help-config", action="store_true", help="list every config field")
     t.add_argument("--dry-run", action="store_true",
                    help="validate, build the model on the meta device and print parameters, "
@@ -191,16 +195,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.init_from:
         overrides = [*overrides, f"--checkpoint.init_from={args.init_from}"]
     config = with_init_from(_load(args, overrides), explicit_model_fields(args.config, overrides))
+    ranks_given = args.nproc is not None or args.nnodes > 1
+    args.nproc = 1 if args.nproc is None else args.nproc
     world = args.nproc * args.nnodes
     from colonnade.launch import check_launch_args, launch
 
     bad = check_launch_args(args)  # before the config: --nproc 0 is not a parallel.dp problem
     if bad:
         raise ConfigError("invalid launch arguments:\n" + "\n".join(f"  - {p}" for p in bad))
-    resolved = validate(resolve(config, world), world)
     if args.print_config:
-        print(config_to_toml(resolved))
-        return 0
+        return _print_config(config, world if ranks_given else None)
+    resolved = validate(resolve(config, world), world)
     from colonnade.training.metrics import logging_problems
 
     problems = logging_problems(resolved.logging)  # e.g. W&B asked for but not installed
@@ -240,6 +245,31 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.node_rank == 0 and data_plan(resolved).action == "prepare":
         prepare_data(resolved)  # once, before launch: its errors are one line
     return launch(resolved, args, overrides)
+
+
+DERIVED_FIELDS = (("parallel", "dp"), ("parallel", "expert_tp"), ("training", "microbatches"),
+                  ("training", "global_batch_size"))
+"""Fields :func:`~colonnade.config.validate.resolve` derives from the world size."""
+
+
+def _print_config(config: Config, world: int | None) -> int:
+    """``train --print-config``: ``config`` as TOML, checked against ``world`` ranks (None:
+    --nproc / --nnodes not given, so only the rules that need no world size). The fields
+    derived from the world size stay unset unless the config sets them, so the text runs with
+    any --nproc; with a world, their values for it follow as a comment."""
+    if world is None:
+        print(config_to_toml(validate(config)))
+        return 0
+    resolved = validate(resolve(config, world), world)
+    print(config_to_toml(config))
+    derived = [f"{section}.{name} = {getattr(getattr(resolved, section), name)}"
+               for section, name in DERIVED_FIELDS
+               if getattr(getattr(config, section), name) is None
+               and getattr(getattr(resolved, section), name) is not None]
+    if derived:
+        print(f"# derived for {world} rank(s), left unset above so that this config runs with "
+              f"any --nproc: {', '.join(derived)}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
