@@ -25,6 +25,14 @@ checkpoint keep in their ``tokenizer_config.json``; a ``chat_template.jinja`` is
 the config), else :data:`colonnade.data.chat.BUILTIN_CHAT_TEMPLATE`, Colonnade's built-in
 ``"<role>: <content>\n"`` format.
 
+Vocabulary: ``config.json``'s ``vocab_size`` is the model's ``model.vocab_size``, the rows of
+its embedding and output head, as transformers requires. Unless ``model.vocab_size`` was set
+larger (padding), that is the tokenizer's size; a padded model loads and generates in
+transformers as Llama 3 / Qwen2 checkpoints do, whose ``vocab_size`` exceeds
+``len(tokenizer)``: the rows past the tokenizer are never a training target, so their logits
+are only pushed down, and they are exported as trained rather than cut (which would change
+the softmax of every other token).
+
 Special tokens: Colonnade separates documents with one end-of-document token
 (:func:`colonnade.data.tokenizer.eod_id`), so eos, bos and pad are all that token, as for GPT-2.
 A checkpoint imported from HF keeps its own ``tokenizer_config.json`` (chat template, bos token
@@ -110,9 +118,9 @@ def special_tokens(tokenizer_dir: Path, model: ModelConfig) -> tuple[dict[str, A
         if tid is None:
             raise CheckpointError(f"{src}: {role} {text!r} is not in tokenizer.json; fix or "
                                   "delete tokenizer_config.json")
-        if tid >= model.vocab_size:
+        if tid >= model.vocab:
             raise CheckpointError(f"{tokenizer_dir}/tokenizer.json: {role} {text!r} has id "
-                                  f"{tid}, outside model.vocab_size={model.vocab_size}; the "
+                                  f"{tid}, outside model.vocab_size={model.vocab}; the "
                                   "tokenizer does not belong to this model")
         ids[f"{role}_id"] = tid
     return config, ids

@@ -101,7 +101,7 @@ def _layer_fwd_bwd_s(model: ModelConfig, micro_batch: int,
     for layers in (1, 3):
         net = build_reference(Config(model=dataclasses.replace(model, num_layers=layers)),
                               torch.float32)
-        tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+        tokens = torch.randint(0, model.vocab, (micro_batch, seq_len))  # [b, s]
         times.append(_median_time(lambda net=net, tokens=tokens: net(tokens, tokens).backward(),
                                   repeats=7, inner=3))
     layer = (times[1] - times[0]) / 2
@@ -249,7 +249,7 @@ def _segment(model: ModelConfig, seq_len: int) -> Callable[[], None]:
     from colonnade.models.build import build_reference
 
     net = build_reference(Config(model=dataclasses.replace(model, num_layers=1)), torch.float32)
-    tokens = torch.randint(0, model.vocab_size, (1, seq_len))  # [b, s]
+    tokens = torch.randint(0, model.vocab, (1, seq_len))  # [b, s]
 
     def run() -> None:
         with torch.no_grad():
@@ -309,7 +309,7 @@ def _parallel_work(model: ModelConfig, micro_batch: int, seq_len: int) -> float:
 
     torch.set_num_threads(1)
     net = build_reference(Config(model=dataclasses.replace(model, num_layers=2)), torch.float32)
-    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+    tokens = torch.randint(0, model.vocab, (micro_batch, seq_len))  # [b, s]
 
     def work() -> float:
         t0 = time.perf_counter()
@@ -344,7 +344,7 @@ def _sync_skew(model: ModelConfig, micro_batch: int, seq_len: int, iters: int = 
 
     torch.set_num_threads(1)
     net = build_reference(Config(model=dataclasses.replace(model, num_layers=1)), torch.float32)
-    tokens = torch.randint(0, model.vocab_size, (micro_batch, seq_len))  # [b, s]
+    tokens = torch.randint(0, model.vocab, (micro_batch, seq_len))  # [b, s]
 
     def seg() -> float:
         t0 = time.perf_counter()

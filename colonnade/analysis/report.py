@@ -37,7 +37,7 @@ def header(p: Plan) -> str:
     w, c = p.workload, p.cluster
     m = w.model
     return (f"{m.arch} l={m.num_layers} h={m.hidden_size} a={m.num_heads} kv={m.kv_heads} "
-            f"V={m.vocab_size} ({moe_param_counts(w.model)['total'] / 1e9:.2f}B params), "
+            f"V={m.vocab} ({moe_param_counts(w.model)['total'] / 1e9:.2f}B params), "
             f"seq {w.seq_len}, "
             f"global batch {w.global_batch}, {w.precision}, attention={w.attention}\n"
             f"{p.gpus} x {c.device} ({c.memory_gib:g} GiB, {c.peak_tflops:g} TFLOP/s peak, "

@@ -70,7 +70,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict[str, 
     """config.json contents for a ModelConfig; ``dtype`` (e.g. 'bfloat16') is written as
     ``dtype`` and as ``torch_dtype``, the key older transformers releases read."""
     fmt = hf_format(cfg)
-    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+    common = {"vocab_size": cfg.vocab, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "dtype": dtype, "torch_dtype": dtype}
     return {**common, "architectures": [fmt.hf_class], **fmt.write_config(cfg)}
 

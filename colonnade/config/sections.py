@@ -28,6 +28,13 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
 }
 """model.arch -> its traits; keys equal config.choices.ARCHS (checked by models.spec)."""
 
+DEFAULT_VOCAB_SIZE = 2048
+"""What an unset model.vocab_size means where no tokenizer is at hand (the size of the BPE
+`prepare` trains, the planner, a model built directly)."""
+VOCAB_PAD_MULTIPLE = 128
+"""Megatron's make-vocab-size-divisible-by default: a model.vocab_size up to the tokenizer's
+size rounded up to a multiple of this x tp is deliberate padding, not a mistake."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -47,8 +54,17 @@ class ModelConfig:
     ffn_hidden_size: int | None = None
     """MLP width; None means the SwiGLU rule round_up(8h/3, 64) for a gated MLP (llama), else
     4h (gpt2)."""
-    vocab_size: int = 2048
-    """Tokenizer vocabulary size V (the embedding is padded to a multiple of tp if needed)."""
+    vocab_size: int | None = None
+    """Vocabulary size V: rows of the embedding and of the output head. None (the default):
+    the tokenizer's size, which `train` takes once the data's tokenizer.json is known (a
+    resumed or fine-tuned run: the checkpoint's); where there is no tokenizer (the BPE that
+    `prepare` trains, the planner, a model built directly) it means 2048. The model pads the
+    table itself with zero rows to a multiple of parallel.tp (masked out of the loss and the
+    logits), so V needs no rounding for tp. Set it to leave room for tokens added later or to
+    pad for GPU matmuls as Megatron's make-vocab-size-divisible-by does (to a multiple of
+    128 x tp): up to the tokenizer's size rounded up to a multiple of 128 x tp is taken as
+    such padding; a larger V trains rows no token uses and is warned about, with the numbers;
+    a V below the tokenizer's size is refused."""
     max_seq_len: int = 256
     """Length of the position table (gpt2) / the RoPE cache; sequences may not be longer."""
     rope_theta: float = 10000.0
@@ -112,6 +128,14 @@ class ModelConfig:
     """None: dropless (every routed token is computed). A number c: each expert takes at most
     ceil(c * s * k / E) tokens of each sequence of length s, the earliest positions first;
     dropped token slots contribute nothing (the token keeps its residual) and are counted."""
+
+    @property
+    def vocab(self) -> int:
+        """vocab_size with its None default resolved where no tokenizer is at hand (a model
+        built directly, the planner, synthetic batches, the BPE `prepare` trains):
+        :data:`DEFAULT_VOCAB_SIZE`. `train` sets vocab_size from the tokenizer (or the
+        checkpoint) before it builds the model."""
+        return self.vocab_size if self.vocab_size is not None else DEFAULT_VOCAB_SIZE
 
     @property
     def kv_heads(self) -> int:

@@ -20,7 +20,7 @@ def random_batches(config: Config, *, seed: int = 0, count: int | None = None,
     gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count if count is not None else tr.microbatches or 1):
-        ids = torch.randint(0, config.model.vocab_size, (tr.micro_batch_size, tr.seq_len + 1),
+        ids = torch.randint(0, config.model.vocab, (tr.micro_batch_size, tr.seq_len + 1),
                             generator=gen)  # [b, s + 1]
         out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
     return out

@@ -129,7 +129,7 @@ class LayerShape:
         return cls(
             facts=arch_facts(model), layers=model.num_layers, hidden=model.hidden_size,
             heads=model.num_heads, kv_hidden=model.kv_heads * model.head_dim,
-            ffn=model.ffn_size, vocab=model.vocab_size, max_seq_len=model.max_seq_len,
+            ffn=model.ffn_size, vocab=model.vocab, max_seq_len=model.max_seq_len,
             tied=model.tie_embeddings, bias=model.bias,
             hidden_dropout=model.hidden_dropout > 0,
             attention_dropout=model.attention_dropout > 0, qkv_bias=model.qkv_bias,

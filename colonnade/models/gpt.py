@@ -79,7 +79,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, learned_positions: bool) -> None:
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, "embedding.word",
+        self.word = VocabParallelEmbedding(cfg.vocab, cfg.hidden_size, ctx, "embedding.word",
                                            std=cfg.init_std)
         self.position = None
         if learned_positions:
@@ -144,9 +144,9 @@ class ModelChunk(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         if last:
             self.final_norm = spec.final_norm(cfg, ctx, "final_norm")
-            pad = padded_vocab(cfg.vocab_size, ctx.tp) - cfg.vocab_size
+            pad = padded_vocab(cfg.vocab, ctx.tp) - cfg.vocab
             self.head = ColumnParallelLinear(
-                cfg.hidden_size, cfg.vocab_size, ctx, "head", bias=False, std=cfg.init_std,
+                cfg.hidden_size, cfg.vocab, ctx, "head", bias=False, std=cfg.init_std,
                 padded_rows=pad, tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
             tie_weights(self)  # the embedding's Parameter here, else a tied copy (pp > 1)
 
@@ -215,7 +215,7 @@ class ModelChunk(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
         loss = cross_entropy(logits, labels if first else labels.t(), self.ctx.group,
-                             self.cfg.vocab_size, self.label_smoothing,
+                             self.cfg.vocab, self.label_smoothing,
                              reduction="sum")  # [] summed over [s, b]
         if reduction == "sum":
             return loss
@@ -253,7 +253,7 @@ class ModelChunk(nn.Module):
         x = self.embedding(tokens) if caches is None else self._embed_cached(tokens, caches)
         x = self.run_layers(x, caches)
         logits = mp.gather_last(self.logits(x), self.ctx.group)  # [b, s, V'] or [s, b, V']
-        logits = logits[..., : self.cfg.vocab_size]
+        logits = logits[..., : self.cfg.vocab]
         return logits if self.ctx.batch_first else logits.transpose(0, 1)  # [b, s, V]
 
     def _embed_cached(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from colonnade.training.metrics import (
     perplexity,
 )
 from colonnade.training.moe import begin_moe_step, end_moe_step, install_moe_state
+from colonnade.training.progress import progress_bar
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
     forward_backward,
@@ -42,6 +43,7 @@ from colonnade.training.step import (
     set_train_mode,
     start_mean_loss,
 )
+from colonnade.training.vocab import with_data_vocab
 
 
 class Trainer:
@@ -136,23 +138,15 @@ class Trainer:
         return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=False,
-                disable=None)  # None: off when stdout is not a terminal (logs stay readable)
-
-
 def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     """Run a whole training job on this rank; returns a summary (losses, throughput).
 
     ``monitor`` (the launcher's per-rank heartbeat / hang watchdog) is told about every step.
     """
     rt = init_runtime(config)
+    data = build_data(rt.config, rt.groups)
+    rt = with_data_vocab(rt, data.vocab_size)  # model.vocab_size unset: the tokenizer's
     cfg = rt.config
-    data = build_data(cfg, rt.groups)
     trainer = Trainer(rt, data)
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
     check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
@@ -171,7 +165,6 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
               "--logging.peak_tflops=PEAK to report MFU)")
     throughput = _Throughput(tokens_per_step, flops_per_token(cfg.model, tr.seq_len),
                              rt.groups.world.size, peak)
-    bar = _progress(tr.steps, log_cfg.progress and rt.is_logger)
     history: list[dict[str, Any]] = []
     valid_losses = _earlier_valid(writer)  # the whole run's: the earlier segments' first
     window_start, window_steps = time.perf_counter(), 0
@@ -180,46 +173,45 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     stopper, stop = StopRequest(monitor is None).install(), 0  # Ctrl-C / SIGTERM: save, stop
     if monitor is not None:
         monitor.graceful_stop = True
-    if tr.eval_interval:
-        valid_losses.append(_first_eval(trainer, writer, clock))
-    while trainer.step < tr.steps:
-        if monitor is not None:
-            monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
-        metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
-        stop = int(metrics.pop("stop_signal"))  # every rank stops after this step
-        window_steps += 1
-        check_step(trainer, metrics)  # training.on_nan: raise or skip, before anything is saved
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        step = trainer.step
-        if ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps and not stop:
-            if pending is not None:
-                pending.wait()
-            pending = save_training(trainer, ck.save, keep_last=ck.keep_last,
-                                    async_save=ck.async_save, tokenizer=data.tokenizer)
-        evaluate = not stop and tr.eval_interval and (step % tr.eval_interval == 0
-                                                      or step == tr.steps)
-        if evaluate:
-            valid_losses.append((step, trainer.evaluate()))
-        if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop:
-            synchronize(rt.device)
-            dt = (time.perf_counter() - window_start) / max(1, window_steps)
-            rec = {"step": step, **metrics, **throughput.fields(dt),
-                   **memory_stats(rt.device), **clock.fields(step)}
+    with progress_bar(tr.steps, log_cfg.progress and rt.is_logger) as bar:  # prints: whole lines
+        if tr.eval_interval:
+            valid_losses.append(_first_eval(trainer, writer, clock))
+        while trainer.step < tr.steps:
+            if monitor is not None:
+                monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
+            metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
+            stop = int(metrics.pop("stop_signal"))  # every rank stops after this step
+            window_steps += 1
+            check_step(trainer, metrics)  # training.on_nan: raise or skip, before any save
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            step = trainer.step
+            if (ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps
+                    and not stop):
+                if pending is not None:
+                    pending.wait()
+                pending = save_training(trainer, ck.save, keep_last=ck.keep_last,
+                                        async_save=ck.async_save, tokenizer=data.tokenizer)
+            evaluate = not stop and tr.eval_interval and (step % tr.eval_interval == 0
+                                                          or step == tr.steps)
             if evaluate:
-                rec["valid_loss"] = valid_losses[-1][1]
-                rec["valid_ppl"] = perplexity(rec["valid_loss"])
-            history.append(rec)
-            if writer is not None:
-                writer.write(rec)
-                line = format_line(rec)
-                (bar.write if bar is not None else print)(line)
-            window_start, window_steps = time.perf_counter(), 0
-        if stop:
-            break
-    if bar is not None:
-        bar.close()
+                valid_losses.append((step, trainer.evaluate()))
+            if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop:
+                synchronize(rt.device)
+                dt = (time.perf_counter() - window_start) / max(1, window_steps)
+                rec = {"step": step, **metrics, **throughput.fields(dt),
+                       **memory_stats(rt.device), **clock.fields(step)}
+                if evaluate:
+                    rec["valid_loss"] = valid_losses[-1][1]
+                    rec["valid_ppl"] = perplexity(rec["valid_loss"])
+                history.append(rec)
+                if writer is not None:
+                    writer.write(rec)
+                    print(format_line(rec), flush=True)
+                window_start, window_steps = time.perf_counter(), 0
+            if stop:
+                break
     end_run(trainer, pending, stop, data.tokenizer, monitor)  # a signal now: noted, ignored
     stopper.restore()
     if writer is not None:
