@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colonnade.config.data_paths import input_sources, normalize_input
 from colonnade.config.sections import DataConfig
-from colonnade.config.validate import input_sources, normalize_input
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from colonnade.checkpoint.format import removed_on_failure
-from colonnade.config.validate import input_sources, normalize_input
+from colonnade.config.data_paths import input_sources, normalize_input
 from colonnade.data.chat import tokenizer_config, write_tokenizer_config
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,

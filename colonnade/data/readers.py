@@ -15,7 +15,7 @@ anything is read, so an unsupported format or a missing path fails before any wo
   (hidden entries are not entered; other files are listed in `ignored`, never read silently);
 * a glob (`*`, `?`, `[`): its matches, sorted; a comma-separated list: each part, in order;
 * any part may end in `:KEY`: its record files read their text from field/column KEY instead of
-  `text_key` (`'a.jsonl,b.parquet:body'`; `config.validate.input_sources` parses it).
+  `text_key` (`'a.jsonl,b.parquet:body'`; `config.data_paths.input_sources` parses it).
 
 A file whose first bytes are another format's magic number (a parquet file named `.jsonl`)
 is reported as that format, with the fix (rename it), instead of as undecodable text.
@@ -39,7 +39,7 @@ from typing import IO, Any
 
 import zstandard
 
-from colonnade.config.validate import input_sources, is_glob
+from colonnade.config.data_paths import input_sources, is_glob
 from colonnade.data.errors import CorpusError
 
 Report = Callable[[Path, str, str], None]

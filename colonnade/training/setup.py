@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from colonnade.config.choices import DATA_FORMATS, tied_across_stages
+from colonnade.config.data_paths import blend_entries
 from colonnade.config.sections import Config
-from colonnade.config.validate import blend_entries, resolve, validate
+from colonnade.config.validate import resolve, validate
 from colonnade.data import (
     BatchSampler,
     BlendedDataset,

@@ -111,7 +111,7 @@ def test_per_source_text_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_per_source_keys_are_checked_up_front(tmp_path: Path) -> None:
-    from colonnade.config.validate import input_sources
+    from colonnade.config.data_paths import input_sources
 
     colon = tmp_path / "odd:name.jsonl"  # an existing path holding ':' is taken whole
     colon.write_text("{}\n")
