@@ -206,17 +206,39 @@ def _samples_line(prefix: Path, seq_len: int, data: DataConfig, used: float) -> 
             f"samples per epoch, this run uses {used:,.0f} = {used / len(train):.3g} epochs")
 
 
+VOCAB_UNKNOWN = " (model.vocab_size unset: the size of the BPE prepare would train)"
+"""Said of the vocabulary when no tokenizer exists yet to take its size from."""
+
+
+def _known_vocab(config: Config) -> Config:
+    """``config`` with an unset model.vocab_size taken as train would (the checkpoint a resume
+    loads, or the tokenizer the run will use) when that is known before preparing."""
+    from colonnade.data.errors import DataError
+    from colonnade.training.preflight import data_plan
+    from colonnade.training.vocab import resolve_vocab
+
+    if config.model.vocab_size is not None:
+        return config
+    try:
+        return resolve_vocab(config, data_plan(config).tokenizer)
+    except DataError:  # no prepared data: data_lines names the problem
+        return config
+
+
 def dry_run(config: Config, world: int) -> str:
-    """The report of a validated, resolved config on ``world`` ranks."""
+    """The report of a validated, resolved config on ``world`` ranks (model.vocab_size unset:
+    the tokenizer's as train would take it, when that tokenizer exists already)."""
+    config = _known_vocab(config)
     tr, m = config.training, config.model
     dims = ParallelDims.from_config(config.parallel, world)
     total = meta_param_count(config)
     tokens = int(tr.global_batch_size or 1) * tr.seq_len
+    unknown = VOCAB_UNKNOWN if m.vocab_size is None else ""
     lines = [
         "dry run: nothing was started, written or prepared",
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
-        f"vocab {m.vocab_size}: {total:,} parameters ({total / 1e9:.3g} B; built on the meta "
-        "device)",
+        f"vocab {m.vocab}{unknown}: {total:,} parameters ({total / 1e9:.3g} B; built on the "
+        "meta device)",
         f"layout: {layout_text(config.parallel, dims.describe())} on {world} rank(s)",
         f"batch: global {tr.global_batch_size} x seq {tr.seq_len} = {tokens:,} tokens per step "
         f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "

@@ -106,7 +106,7 @@ def _positive(c: Config, _: int | None) -> list[str]:
     out = []
     names = {
         "model.num_layers": c.model.num_layers, "model.hidden_size": c.model.hidden_size,
-        "model.num_heads": c.model.num_heads, "model.vocab_size": c.model.vocab_size,
+        "model.num_heads": c.model.num_heads,
         "model.max_seq_len": c.model.max_seq_len, "training.seq_len": c.training.seq_len,
         "training.micro_batch_size": c.training.micro_batch_size, "parallel.tp": c.parallel.tp,
         "parallel.pp": c.parallel.pp, "parallel.vp": c.parallel.vp, "parallel.cp": c.parallel.cp,
@@ -187,7 +187,7 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
     if tp >= 1 and m.kv_heads % tp:
         out.append(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tp={tp}; use "
                    "tp <= kv heads that divides them, or more kv heads.")
-    if tp > m.vocab_size >= 1:
+    if m.vocab_size is not None and tp > m.vocab_size >= 1:
         out.append(f"parallel.tp={tp} exceeds model.vocab_size={m.vocab_size}: every tp rank "
                    "needs at least one vocabulary row; use tp <= vocab_size.")
     if tp >= 1 and m.ffn_size % tp:

@@ -75,7 +75,7 @@ def _is_default(path: Path) -> bool:
 def prepare_vocab(config: Config) -> int | None:
     """The vocab size `prepare` is asked for: model.vocab_size for the BPE it trains, None
     with data.tokenizer (the tokenizer defines the vocabulary; train checks it fits)."""
-    return None if config.data.tokenizer else config.model.vocab_size
+    return None if config.data.tokenizer else config.model.vocab
 
 
 def check_prepare_target(config: Config) -> list[str]:
@@ -149,7 +149,8 @@ def _tokenizer_origin(plan: DataPlan) -> str:
 def check_vocab(config: Config, plan: DataPlan) -> None:
     """The tokenizer the run will use must fit model.vocab_size (before anything is written);
     the error names where that tokenizer came from."""
-    if plan.tokenizer is None or not plan.tokenizer.is_file():
+    if (plan.tokenizer is None or not plan.tokenizer.is_file()
+            or config.model.vocab_size is None):  # unset: the tokenizer's (training/vocab.py)
         return
     from colonnade.data import load_tokenizer
 
@@ -249,6 +250,7 @@ def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
     from colonnade.config.load import ConfigError
     from colonnade.config.validate import resolve, resolve_save, validate
     from colonnade.reliability.startup import resume_config
+    from colonnade.training.vocab import resolve_vocab
 
     config = resolve_save(config)  # checkpoint.save='auto': <logging.dir>/checkpoints
     check_tokenizer_history(config)  # before resume_config's model/data comparison
@@ -265,6 +267,7 @@ def preflight(config: Config, world: int) -> tuple[Config, list[str]]:
             "--training.global_batch_size to change it.)") from None
     plan = data_plan(config)
     check_datasets(config, plan)
+    config = resolve_vocab(config, plan.tokenizer)  # model.vocab_size unset: the tokenizer's
     check_vocab(config, plan)
     preflight_resume(config)
     return config, [note] if note else []
