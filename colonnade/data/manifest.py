@@ -77,6 +77,15 @@ def planned_identity(data: DataConfig, vocab_size: int | None) -> Identity:
     return _identity(spec, data.text_key, tok_sha, vocab_size, sft)
 
 
+def trained_vocab(manifest: dict[str, Any], data: DataConfig) -> int | None:
+    """The vocab size of the byte-level BPE that the build recorded in `manifest` trained, when
+    that build read the same input, keys and format as `data` would; else None."""
+    old = recorded_identity(manifest.get("key", {}))
+    new = planned_identity(data, None)
+    same = (old.paths, old.text_keys, old.sft) == (new.paths, new.text_keys, new.sft)
+    return old.vocab_size if same and old.tokenizer_sha256 is None else None
+
+
 def _describe_input(paths: tuple[str, ...] | None) -> str:
     return "the built-in corpus (no data.input)" if paths is None else f"'{','.join(paths)}'"
 

@@ -73,9 +73,19 @@ def _is_default(path: Path) -> bool:
 
 
 def prepare_vocab(config: Config) -> int | None:
-    """The vocab size `prepare` is asked for: model.vocab_size for the BPE it trains, None
-    with data.tokenizer (the tokenizer defines the vocabulary; train checks it fits)."""
-    return None if config.data.tokenizer else config.model.vocab
+    """The vocab size `prepare` is asked for: None with data.tokenizer (the tokenizer defines
+    the vocabulary; train checks it fits); else model.vocab_size for the BPE it trains. Unset,
+    that is the size of the BPE data.prepared_dir already holds for this same input (a re-run
+    without --model.vocab_size reuses that build rather than being refused for a size it never
+    asked for), else the default (ModelConfig.vocab)."""
+    if config.data.tokenizer:
+        return None
+    if config.model.vocab_size is None and (manifest := read_manifest(
+            Path(config.data.prepared_dir))) is not None:
+        from colonnade.data.manifest import trained_vocab
+
+        return trained_vocab(manifest, config.data) or config.model.vocab
+    return config.model.vocab
 
 
 def check_prepare_target(config: Config) -> list[str]:

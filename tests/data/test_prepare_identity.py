@@ -153,3 +153,18 @@ def test_a_wrong_key_suffix_is_named_as_the_fix(
             "':body', not ':nope', after its data.input part\n"
             f"  - {a}:1: no string under key 'text' (keys: body, prompt, response); set "
             "data.text_key or fix the record\n") in err, err
+
+
+def test_unset_vocab_reuses_the_bpe_of_the_same_input(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """model.vocab_size unset asks for no size: a re-run reuses the BPE already built from
+    this input (it was refused as 'vocab_size=2048, where the dir holds 300')."""
+    data = _records(tmp_path / "stories.jsonl")
+    out = tmp_path / "p"
+    assert main(_prepare(data, out, "--model.vocab_size=300")) == 0
+    capsys.readouterr()
+    assert main(_prepare(data, out)) == 0
+    assert f"prepare: reusing {out} (4 documents" in capsys.readouterr().out
+    other = _records(tmp_path / "other.jsonl", key="body")
+    assert main(_prepare(other, out, "--data.text_key=body", "--data.overwrite=true")) == 0
+    assert json.loads((out / "prepare.json").read_text())["key"]["vocab_size"] == 2048
