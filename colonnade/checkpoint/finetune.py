@@ -45,6 +45,7 @@ from colonnade.checkpoint.format import CheckpointError, CheckpointReader
 from colonnade.checkpoint.hf import is_hf_dir, load_hf_into_chunks, model_config_from_hf
 from colonnade.checkpoint.sharded import load_model, load_optimizer
 from colonnade.checkpoint.state import TrainState
+from colonnade.config.data_paths import blend_entries
 from colonnade.config.load import ConfigError, config_from_dict, load_config, parse_overrides
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.spec import ARCH_SPECS
@@ -237,8 +238,9 @@ def check_tokenizers(config: Config, data_tokenizer: Path | None = None) -> None
     if not data.is_file():
         return
     want = tokenizer_digest(data)
-    for entry in config.data.blend:
-        beside = Path(entry.partition(":")[2]).parent / "tokenizer.json"
+    for entry, (_, prefix) in zip(config.data.blend, blend_entries(config.data.blend),
+                                  strict=True):
+        beside = prefix.parent / "tokenizer.json"
         if beside.is_file() and tokenizer_digest(beside) != want:
             raise ConfigError(
                 f"data.blend entry '{entry}' was tokenized with {beside}, another tokenizer "

@@ -114,3 +114,20 @@ def test_launched_rank_does_not_repeat_the_prepare_line(
     prepare_once(config, SimpleNamespace(world=world, rank=0))  # type: ignore[arg-type]
     assert capsys.readouterr().out == ""
     assert store.get("colonnade/prepare/1") == b"ok"
+
+
+def test_blend_dir_of_another_tokenizer_is_refused(
+        corpus: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A blend entry that names a prepared dir (not DIR/data) is checked against the data's
+    tokenizer too: its tokenizer.json is DIR's, not DIR's parent's."""
+    text, prepared = corpus
+    other = tmp_path / "words"
+    assert main(["prepare", f"--data.input={text}", f"--data.prepared_dir={other}",
+                 f"--data.tokenizer={_word_tokenizer(tmp_path / 'w.json', 310)}"]) == 0
+    args = [a for a in tiny_args(text, prepared, tmp_path / "run", training__steps=1,
+                                 model__vocab_size=310) if not a.startswith("--data.input=")]
+    capsys.readouterr()
+    assert main(["train", *args, f"--data.blend=0.5:{prepared},0.5:{other}"]) == 2
+    assert (f"data.blend entry '0.5:{other}' was tokenized with {other}/tokenizer.json, another "
+            f"tokenizer than the data's {prepared}/tokenizer.json") in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
