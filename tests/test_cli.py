@@ -163,7 +163,8 @@ def test_help_of_prepare_plan_and_train(capsys: pytest.CaptureFixture[str]) -> N
     text = _help(["prepare"], capsys)
     assert "--data.input=None" in text and "--data.text_key=text" in text
     assert "Field (jsonl/json records) or column" in text  # the field's docstring
-    assert "--model.vocab_size=2048" in text and "--optim.lr" not in text
+    assert "--model.vocab_size=None" in text and "--optim.lr" not in text  # the tokenizer's
+    assert "None (the default): the tokenizer's size" in text
     assert "colonnade prepare --data.input=my_texts/" in text
     text = _help(["plan"], capsys)
     assert "Choose a parallel layout before you train" in text

@@ -57,10 +57,12 @@ class ModelConfig:
     vocab_size: int | None = None
     """Vocabulary size V: rows of the embedding and of the output head. None (the default):
     the tokenizer's size, which `train` takes once the data's tokenizer.json is known (a
-    resumed or fine-tuned run: the checkpoint's); where there is no tokenizer (the BPE that
-    `prepare` trains, the planner, a model built directly) it means 2048. The model pads the
-    table itself with zero rows to a multiple of parallel.tp (masked out of the loss and the
-    logits), so V needs no rounding for tp. Set it to leave room for tokens added later or to
+    resumed or fine-tuned run: the checkpoint's); where there is no tokenizer yet it means
+    2048 (the BPE that `prepare` trains, the planner, a model built directly), except that a
+    re-prepare of the same input reuses the BPE data.prepared_dir holds, whatever its size
+    (`train --data.input=X` run twice). The model pads the table itself with zero rows to a
+    multiple of parallel.tp (masked out of the loss and the logits), so V needs no rounding
+    for tp. Set it to leave room for tokens added later or to
     pad for GPU matmuls as Megatron's make-vocab-size-divisible-by does (to a multiple of
     128 x tp): up to the tokenizer's size rounded up to a multiple of 128 x tp is taken as
     such padding; a larger V trains rows no token uses and is warned about, with the numbers;
