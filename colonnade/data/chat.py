@@ -183,6 +183,17 @@ def tokenizer_config(tokenizer_path: Path | None, template: str | None = None
     return config or None
 
 
+def config_damage(out_dir: Path, config: dict[str, Any] | None) -> str:
+    """'' when ``out_dir``/tokenizer_config.json holds ``config`` (from :func:`tokenizer_config`;
+    for None: is absent), else what is wrong."""
+    path = out_dir / "tokenizer_config.json"
+    try:
+        held = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (ValueError, OSError):
+        held = "unreadable"
+    return "" if held == config else f"its {path.name} is not the tokenizer's"
+
+
 def write_tokenizer_config(out_dir: Path, config: dict[str, Any] | None) -> None:
     """Write ``config`` (from :func:`tokenizer_config`) as ``out_dir``/tokenizer_config.json,
     atomically; None removes one that an earlier prepare of ``out_dir`` left (it belonged to

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from colonnade.checkpoint.format import removed_on_failure
 from colonnade.config.data_paths import input_sources, normalize_input
-from colonnade.data.chat import tokenizer_config, write_tokenizer_config
+from colonnade.data.chat import config_damage, tokenizer_config, write_tokenizer_config
 from colonnade.data.corpus import (
     DEFAULT_MAX_BYTES,
     ERROR_POLICIES,
@@ -111,6 +111,10 @@ def prepare(
     if reused is not None:
         log(f"{REUSE_LINE}{out_dir} ({reused.num_docs} documents, {reused.num_tokens} tokens; "
             "inputs unchanged)")
+        if tokenizer_path is not None and config_damage(out_dir, tok_config):
+            write_tokenizer_config(out_dir, tok_config)  # the tokens do not depend on it
+            log(f"prepare: {out_dir}: tokenizer_config.json (special tokens, chat template) "
+                f"updated to the one of {tokenizer_path}")
         return reused
     if damage:
         log(f"prepare: {out_dir} was built from these inputs but {damage}; tokenizing again")

@@ -47,6 +47,7 @@ from colonnade.data.chat import (
     Segment,
     builtin_segments,
     check_messages,
+    config_damage,
     find_chat_template,
     tokenizer_config,
     write_tokenizer_config,
@@ -261,7 +262,7 @@ def prepare_sft(input: str | Path, out_dir: Path, vocab_size: int | None,
             json.dumps(tok_config, sort_keys=True).encode()).hexdigest()
     reused, damage = _try_reuse(out_dir, key)
     if reused is not None and not (damage := _mask_damage(reused)
-                                   or _config_damage(out_dir, tok_config)):
+                                   or config_damage(out_dir, tok_config)):
         log(f"prepare: reusing {out_dir} ({reused.num_docs} SFT examples, {reused.num_tokens} "
             "tokens; inputs unchanged)")
         return reused
@@ -322,17 +323,6 @@ def _write(tok: Tokenizer, examples: Callable[[DocumentStats], Iterator[list[Seg
                           prefix=out_dir / "data", vocab_size=tok.get_vocab_size(), eod_id=eod,
                           num_docs=data.num_docs, num_tokens=data.num_tokens, reused=False)
     return result, stats
-
-
-def _config_damage(out_dir: Path, tok_config: dict[str, Any] | None) -> str:
-    """'' when ``out_dir``/tokenizer_config.json holds ``tok_config`` (or, for None, is
-    absent), else what is wrong."""
-    path = out_dir / "tokenizer_config.json"
-    try:
-        held = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (ValueError, OSError):
-        held = "unreadable"
-    return "" if held == tok_config else f"its {path.name} is not the tokenizer's"
 
 
 def _mask_damage(prepared: PreparedData) -> str:

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from colonnade.data import CorpusError, IndexedDataset
 from colonnade.data.chat import BUILTIN_CHAT_TEMPLATE, builtin_segments
+from colonnade.data.prepare import prepare
 from colonnade.data.sft import prepare_sft
 from colonnade.data.tokenizer import train_bpe_from_texts
 
@@ -148,3 +149,22 @@ def test_a_chat_template_jinja_file_is_applied_and_kept(tmp_path: Path) -> None:
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhey<|im_end|>\n")
     kept = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert kept == {"chat_template": CHATML, "eos_token": "<|im_end|>"}
+
+
+def test_a_reused_dataset_takes_the_tokenizers_new_chat_template(tmp_path: Path) -> None:
+    """Pretraining data reused as it is (same tokenizer.json, same input) still gets the
+    tokenizer folder's current tokenizer_config.json, logged: its tokens do not depend on it,
+    but checkpoints and the HF export carry it."""
+    chat_tokenizer(tmp_path / "tok")
+    (tmp_path / "c.txt").write_text("hello there, how are you? " * 20)
+    logged: list[str] = []
+    prepare(tmp_path / "c.txt", tmp_path / "out", None, tmp_path / "tok", progress=False,
+            log=logged.append)
+    other = {"chat_template": BUILTIN_CHAT_TEMPLATE, "eos_token": "<|im_end|>"}
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(other))
+    logged.clear()
+    assert prepare(tmp_path / "c.txt", tmp_path / "out", None, tmp_path / "tok",
+                   progress=False, log=logged.append).reused
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == other
+    assert logged[1] == (f"prepare: {tmp_path / 'out'}: tokenizer_config.json (special tokens, "
+                         f"chat template) updated to the one of {tmp_path / 'tok'}")
