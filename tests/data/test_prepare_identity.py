@@ -168,3 +168,17 @@ def test_unset_vocab_reuses_the_bpe_of_the_same_input(
     other = _records(tmp_path / "other.jsonl", key="body")
     assert main(_prepare(other, out, "--data.text_key=body", "--data.overwrite=true")) == 0
     assert json.loads((out / "prepare.json").read_text())["key"]["vocab_size"] == 2048
+
+
+def test_other_sft_keys_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _records(tmp_path / "chat.jsonl")
+    out = tmp_path / "p"
+    assert main(_prepare(data, out, "--model.vocab_size=300", "--data.format=sft")) == 0
+    capsys.readouterr()
+    before = hashes(out)
+    assert main(_prepare(data, out, "--model.vocab_size=300", "--data.format=sft",
+                         "--data.prompt_key=text")) == 2
+    assert ("holds a dataset prepared with data.prompt_key='prompt', data.response_key="
+            "'response', where this run reads 'text', 'response'; refusing to overwrite it."
+            ) in capsys.readouterr().err
+    assert hashes(out) == before
