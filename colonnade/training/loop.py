@@ -145,7 +145,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     """
     rt = init_runtime(config)
     data = build_data(rt.config, rt.groups)
-    rt = with_data_vocab(rt, data.vocab_size)  # model.vocab_size unset: the tokenizer's
+    rt = dataclasses.replace(rt, config=with_data_vocab(  # vocab_size unset: the tokenizer's
+        rt.config, rt.groups.world.size, data.vocab_size, rt.is_logger))
     cfg = rt.config
     trainer = Trainer(rt, data)
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 from colonnade.config.sections import VOCAB_PAD_MULTIPLE, Config, ModelConfig
-from colonnade.training.setup import Runtime
 
 
 def tokenizer_size(path: Path) -> int:
@@ -89,14 +88,15 @@ def vocab_warning(model: ModelConfig, tokens: int, tp: int) -> str | None:
             "deliberate padding).")
 
 
-def with_data_vocab(rt: Runtime, tokens: int) -> Runtime:
-    """``rt`` with model.vocab_size unset taken from the data's tokenizer (``tokens``: its
-    size; first known here when `prepare` has just trained the BPE), validated again; the
-    logging rank warns on stderr of a set size beyond the tokenizer's padding."""
+def with_data_vocab(config: Config, world: int, tokens: int, is_logger: bool) -> Config:
+    """``config`` with model.vocab_size unset taken from the data's tokenizer (``tokens``: its
+    size; first known here when `prepare` has just trained the BPE), validated again for
+    ``world`` ranks; the logging rank warns on stderr of a set size beyond the tokenizer's
+    padding."""
     from colonnade.config.validate import validate
 
-    config = validate(with_tokenizer_vocab(rt.config, tokens), rt.groups.world.size)
+    config = validate(with_tokenizer_vocab(config, tokens), world)
     note = vocab_warning(config.model, tokens, config.parallel.tp)
-    if note and rt.is_logger:
+    if note and is_logger:
         print(f"colonnade: warning: {note}", file=sys.stderr, flush=True)
-    return dataclasses.replace(rt, config=config)
+    return config
