@@ -145,18 +145,33 @@ def prepare(
 
 
 def _changed_since(out_dir: Path, key: dict[str, Any]) -> str:
-    """What changed since `out_dir`'s manifest was written, among what does not change the
-    meaning of its tokens ('' when it has no manifest or nothing of that changed)."""
+    """What changed since `out_dir`'s manifest was written, among what is tokenized again
+    rather than refused: the input files, data.errors, the built-in corpus cap, and (SFT) the
+    given tokenizer's tokenizer_config.json, whose chat template renders the records ('' when
+    it has no manifest or nothing of that changed)."""
     try:
-        recorded = json.loads((out_dir / "prepare.json").read_text()).get("key", {})
-    except (OSError, ValueError, AttributeError):
+        recorded = _reasons_view(json.loads((out_dir / "prepare.json").read_text())["key"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ""
+    key = _reasons_view(key)
     names = {"fingerprint": "the input files changed (sizes or modification times)",
              "errors": f"data.errors changed ('{recorded.get('errors')}' -> '{key['errors']}')",
-             "max_bytes": "data.max_corpus_bytes changed"}
+             "max_bytes": "data.max_corpus_bytes changed",
+             "tokenizer_config": "the tokenizer's tokenizer_config.json (special tokens, chat "
+                                 "template) changed"}
     if any(recorded.get(k) != key.get(k) for k in {*recorded, *key} - set(names)):
         return ""  # another dataset: check_prepare_target refused it or data.overwrite said so
     return "; ".join(why for name, why in names.items() if recorded.get(name) != key.get(name))
+
+
+def _reasons_view(key: dict[str, Any]) -> dict[str, Any]:
+    """A manifest key with the SFT tokenizer_config_sha256 lifted out of key['sft'] as
+    'tokenizer_config' (:func:`_changed_since` names it as a reason)."""
+    sft = key.get("sft")
+    if not isinstance(sft, dict):
+        return key
+    rest = {name: value for name, value in sft.items() if name != "tokenizer_config_sha256"}
+    return {**key, "sft": rest, "tokenizer_config": sft.get("tokenizer_config_sha256")}
 
 
 def _require_documents(input: str | Path | None, stats: DocumentStats) -> None:

@@ -182,3 +182,24 @@ def test_other_sft_keys_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
             "'response', where this run reads 'text', 'response'; refusing to overwrite it."
             ) in capsys.readouterr().err
     assert hashes(out) == before
+
+
+def test_a_changed_chat_template_rebuilds_and_says_why(tmp_path: Path) -> None:
+    """SFT chat records rendered with the tokenizer's template are tokenized again when the
+    template changed - and the log says so (it rebuilt silently)."""
+    from colonnade.data.sft import prepare_sft
+    from tests.data.test_sft_chat import BUILTIN_CHAT_TEMPLATE, CONVERSATIONS, chat_tokenizer
+
+    chat_tokenizer(tmp_path / "tok")
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    out, logged = tmp_path / "p", []
+    prepare_sft(src, out, None, tmp_path / "tok", progress=False, log=logged.append)
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": BUILTIN_CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    logged.clear()
+    assert not prepare_sft(src, out, None, tmp_path / "tok", progress=False,
+                           log=logged.append).reused
+    assert logged[0] == (f"prepare: {out} was built before the tokenizer's "
+                         "tokenizer_config.json (special tokens, chat template) changed; "
+                         "tokenizing again")
