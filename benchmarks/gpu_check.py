@@ -182,8 +182,8 @@ def train(ctx: Context, name: str, config: str, steps: int, extra: list[str],
             f"--logging.dir={run_dir}", "--logging.progress=false",
             "--logging.tensorboard=false",
             "--data.prepared_dir=data/stdlib-2k", *extra]
-    if save:
-        args.append(f"--checkpoint.save={ctx.workdir / 'ckpt' / name}")
+    save_dir = ctx.workdir / "ckpt" / name if save else "none"  # none: no 1.3B final save
+    args.append(f"--checkpoint.save={save_dir}")
     run_cli(ctx, args, cap_s=240, cwd=ctx.workdir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_done = [r for r in records if "loss" in r]

@@ -4,8 +4,9 @@
 take any object with these attributes (the Trainer is one, a test's namespace another).
 Optional attributes they look up with ``getattr`` when present: ``ddp`` (the data-parallel
 wrapper; its parameter gathers are finished before a save), ``data`` (the sampler's position),
-``scaler`` (else ``optimizer.scaler``) and ``checkpoint_stager`` (pinned host buffers reused by
-every asynchronous save, set on first use).
+``scaler`` (else ``optimizer.scaler``), ``checkpoint_stager`` (pinned host buffers reused by
+every asynchronous save, set on first use) and ``elapsed_s`` (seconds of training of the whole
+run, recorded by a save and restored by a resume; 0 when absent).
 """
 
 from __future__ import annotations
