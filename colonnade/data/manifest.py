@@ -125,7 +125,8 @@ def differences(manifest: dict[str, Any], data: DataConfig, vocab_size: int | No
     if old.paths != new.paths:
         out.append(f"from {_describe_input(old.paths)}, not from {_describe_input(new.paths)}")
     if (old.sft is None) != (new.sft is None):
-        was, now = ("sft", "text") if old.sft is not None else ("text", "sft")
+        was = "sft" if old.sft is not None else "text"
+        now = "sft" if new.sft is not None else "text"
         out.append(f"as data.format='{was}', where this run asks data.format='{now}'")
     elif old.sft != new.sft and old.sft is not None and new.sft is not None:
         out.append(f"with data.prompt_key='{old.sft[0]}', data.response_key='{old.sft[1]}', "

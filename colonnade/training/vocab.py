@@ -83,7 +83,7 @@ def vocab_warning(model: ModelConfig, tokens: int, tp: int) -> str | None:
             f"{'' if model.tie_embeddings else ' and output-head'} rows ({params:,} "
             "parameters) belong to no token, and the untrained model's loss starts near "
             f"ln {size} = {math.log(size):.2f} instead of ln {tokens} = {math.log(tokens):.2f}; "
-            "unset model.vocab_size to take the tokenizer's size (up to "
+            "unset model.vocab_size (--model.vocab_size=none) to take the tokenizer's size (up to "
             f"{padded_size(tokens, tp)}, a multiple of {VOCAB_PAD_MULTIPLE} x tp, is taken as "
             "deliberate padding).")
 

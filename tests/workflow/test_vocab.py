@@ -66,8 +66,9 @@ def test_vocab_size_is_the_tokenizers_unless_set(corpus: tuple[Path, Path], tmp_
         f"colonnade: warning: model.vocab_size=2048 but the tokenizer has {tokens} tokens: "
         f"{extra} embedding and output-head rows ({extra * 32 * 2:,} parameters) belong to no "
         f"token, and the untrained model's loss starts near ln 2048 = 7.62 instead of "
-        f"ln {tokens} = {math.log(tokens):.2f}; unset model.vocab_size to take the tokenizer's "
-        f"size (up to {-(-tokens // 128) * 128}, a multiple of 128 x tp, is taken as "
+        f"ln {tokens} = {math.log(tokens):.2f}; unset model.vocab_size "
+        f"(--model.vocab_size=none) to take the tokenizer's size "
+        f"(up to {-(-tokens // 128) * 128}, a multiple of 128 x tp, is taken as "
         "deliberate padding)."]
     assert params["2048"] - params["unset"] == extra * 32 * 2  # embedding and head rows
     for name, vocab in (("unset", tokens), ("2048", 2048)):
