@@ -25,6 +25,7 @@ says which one to follow (:func:`schedule_change`).
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -299,8 +300,14 @@ def schedule_change(meta: dict[str, Any], optimizer: Any, ckpt: Path, mode: str)
         return ""
     step = int(optimizer.step_count)
     old_total, old_cfg = with_schedule(optimizer.cfg, saved)
-    old, new = (lr_at(step, old_total, old_cfg),
-                lr_at(step, optimizer.total_steps, optimizer.cfg))
+    at = next((t for t in range(step, max(old_total, optimizer.total_steps) + 1)
+               if not math.isclose(lr_at(t, old_total, old_cfg),
+                                   lr_at(t, optimizer.total_steps, optimizer.cfg),
+                                   rel_tol=1e-12)), None)
+    if at is None:  # e.g. both totals inside the warmup: every step left gets the same LR
+        return ""
+    old, new = (lr_at(at, old_total, old_cfg),
+                lr_at(at, optimizer.total_steps, optimizer.cfg))
     diff = ", ".join(f"{SCHEDULE_FIELDS[k]} {saved[k]} -> {now[k]}" for k in changed)
     if mode == "checkpoint":
         optimizer.total_steps, optimizer.cfg = old_total, old_cfg
@@ -309,6 +316,6 @@ def schedule_change(meta: dict[str, Any], optimizer: Any, ckpt: Path, mode: str)
         return f"switched to this run's LR schedule ({diff}): LR {old:.3g} -> {new:.3g}"
     raise CheckpointError(
         f"{ckpt} was trained under another LR schedule ({diff}); resuming would move the LR "
-        f"at step {step} from {old:.3g} to {new:.3g}. Set --checkpoint.lr_schedule=checkpoint "
+        f"at step {at} from {old:.3g} to {new:.3g}. Set --checkpoint.lr_schedule=checkpoint "
         "to keep the saved schedule (training.steps then only says when to stop) or "
         "--checkpoint.lr_schedule=config to switch to this run's.")

@@ -127,6 +127,19 @@ def test_resume_under_a_changed_wsd_schedule_is_detected(tmp_path: Path) -> None
         schedule_change(old, to_wsd, tmp_path, "check")
 
 
+def test_a_schedule_change_that_moves_no_lr_left_is_no_change(tmp_path: Path) -> None:
+    """Raising training.steps while both totals are inside the warmup changes no LR any step
+    left will use: the resume goes on (it was refused, naming 'from 0.00105 to 0.00105');
+    where the LRs part, the message names the first step that differs, not the resume step."""
+    cos = dataclasses.replace(WSD, decay="cosine", warmup_steps=20, lr=3e-3, min_lr=3e-4)
+    inside = SimpleNamespace(total_steps=8, step_count=6, cfg=cos)
+    assert schedule_change(_meta(6, cos), inside, tmp_path, "check") == ""
+    past = SimpleNamespace(total_steps=40, step_count=6, cfg=cos)
+    with pytest.raises(CheckpointError) as info:
+        schedule_change(_meta(30, cos), past, tmp_path, "check")
+    assert "at step 21 from 0.00293 to 0.00298" in str(info.value)  # the decay starts at 20
+
+
 def _wsd_trainer(decay_fraction: float, lr_schedule: str) -> Any:
     """A single-process fp32 trainer of the checkpoint tests' tiny model under wsd, 6 steps."""
     import torch
