@@ -326,7 +326,9 @@ class DataConfig:
     format: str = "text"
     """What `prepare` makes of the input: 'text' (pretraining: documents under text_key, every
     token in the loss) or 'sft' (supervised fine-tuning: .jsonl/.json records of prompt_key +
-    response_key, or chat records under "messages" [{"role", "content"}]; writes a loss mask,
+    response_key, or chat records under "messages" [{"role", "content"}], rendered with
+    data.tokenizer's chat template when it has one, else as "<role>: <content>\n" per message
+    (data/chat.py), only assistant replies trained on; writes a loss mask,
     mask.bin/.idx, beside data.bin/.idx so training masks the prompt and the non-assistant
     turns out of the loss (labels -100); samples are packed windows as in pretraining). `train`
     picks the mask up from the prepared dir by itself."""
