@@ -146,12 +146,11 @@ def _one_line_failure(run_dir: str, run_id: str, since: float) -> str | None:
 def _stopped_line(config: Config, signum: int) -> str:
     """The launcher's line after Ctrl-C / SIGTERM reached it (it forwards it to the ranks,
     which finish their step and save)."""
-    from colonnade.checkpoint.commit import pending_replacement
     from colonnade.reliability.interrupt import signal_name
     from colonnade.reliability.startup import latest_checkpoint
 
     save = config.checkpoint.save
-    latest = None if pending_replacement(save) is not None else latest_checkpoint(save)
+    latest = latest_checkpoint(save)
     if latest is not None:
         where = f"latest checkpoint {latest}; re-run the same command to resume"
     elif save is None:

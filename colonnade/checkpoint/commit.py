@@ -215,7 +215,7 @@ def finish_replacement(root: Path, on_phase: PhaseHook | None = None) -> list[st
         return []
     for name in names:
         if (root / name).is_dir():
-            os.replace(root / name, root / (name + REPLACED))
+            _move_to_replaced(root, name)
     fsync_path(root)
     hook("replaced_moved")
     for old in root.glob("*" + REPLACED):
@@ -234,11 +234,20 @@ def _make_room(root: Path, final: Path, replacing: list[str], hook: PhaseHook) -
         fsync_path(root)
         hook("latest_removed")
     if final.exists():
-        os.replace(final, root / (final.name + REPLACED))
+        _move_to_replaced(root, final.name)
         fsync_path(root)
         hook("replaced_set_aside")
     _write_replacing(root, [n for n in replacing if n != final.name])
     hook("marker_updated")
+
+
+def _move_to_replaced(root: Path, name: str) -> None:
+    """Rename ``root/name`` to ``name.replaced``; one of that name left by a crashed replacement
+    (already on its way out) is deleted first, or the rename fails on every later save."""
+    target = root / (name + REPLACED)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(root / name, target)
 
 
 def _write_replacing(root: Path, names: list[str]) -> None:

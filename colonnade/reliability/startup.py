@@ -111,11 +111,13 @@ def init_distributed(config: Config) -> bool:
 
 
 def latest_checkpoint(root: str | Path | None) -> Path | None:
-    """The checkpoint the ``latest`` marker under ``root`` names, or None."""
-    if not root or not Path(root).is_dir():
-        return None
-    from colonnade.checkpoint.commit import read_latest
+    """The checkpoint the ``latest`` marker under ``root`` names, or None; None too while a run
+    with checkpoint.on_existing=overwrite is replacing the checkpoints there and has committed
+    none of its own (none of them is a run's to resume or to compare with)."""
+    from colonnade.checkpoint.commit import pending_replacement, read_latest
 
+    if not root or not Path(root).is_dir() or pending_replacement(root) is not None:
+        return None
     return read_latest(Path(root))
 
 
@@ -224,7 +226,7 @@ def _replacing_start(config: Config, attempt: int, names: list[str]) -> tuple[Co
     checkpoint.on_existing='overwrite' began replacing and has not yet replaced (it committed
     nothing): a restart of that run and a re-run that overwrites start fresh; any other re-run
     is refused, so none resumes from them by mistake."""
-    from colonnade.checkpoint.commit import REPLACING
+    from colonnade.checkpoint.commit import LATEST, REPLACED, REPLACING, read_latest
     from colonnade.checkpoint.format import CheckpointError
 
     ck = config.checkpoint
@@ -235,13 +237,25 @@ def _replacing_start(config: Config, attempt: int, names: list[str]) -> tuple[Co
                         f"until its first save); starting again from {start}")
     if ck.on_existing == "overwrite":
         return _with_load(config, ck.load, "") if ck.load else (config, "")
-    marker = Path(ck.save or "") / REPLACING
+    root = Path(ck.save or "")
+    marker, held = root / REPLACING, f"{len(names)} checkpoint(s)"
+    if names:
+        held += f" ({names[0]} .. {names[-1]})"
+    start_again = ("Re-run with --checkpoint.on_existing=overwrite to start that run again (they "
+                   f"are deleted once it saves), or pick a new {new_save_option(config)}")
+    if read_latest(root) is None:  # its first save was under way: `latest` is already gone
+        aside = sorted(p.name for p in root.glob("*" + REPLACED))
+        raise CheckpointError(
+            f"checkpoint.save={ck.save} holds {held} that a run with "
+            "checkpoint.on_existing=overwrite began replacing; it stopped during its first save, "
+            f"after the earlier {LATEST} marker was removed"
+            + (f" and {', '.join(aside)} set aside" if aside else "")
+            + f" ({marker} lists what it replaces), so there is nothing to resume from. "
+            f"{start_again}.")
     raise CheckpointError(
-        f"checkpoint.save={ck.save} holds {len(names)} checkpoint(s) ({names[0]} .. "
-        f"{names[-1]}) that a run with checkpoint.on_existing=overwrite began replacing; it "
-        f"stopped before its first save, so they are kept as they were ({marker} lists them). "
-        "Re-run with --checkpoint.on_existing=overwrite to start that run again (they are "
-        f"deleted once it saves), or pick a new {new_save_option(config)}; to resume from them "
+        f"checkpoint.save={ck.save} holds {held} that a run with "
+        "checkpoint.on_existing=overwrite began replacing; it stopped before its first save, so "
+        f"they are kept as they were ({marker} lists them). {start_again}; to resume from them "
         f"instead, remove {marker}.")
 
 

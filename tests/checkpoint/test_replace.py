@@ -23,6 +23,7 @@ from colonnade.checkpoint.commit import (
     read_latest,
     step_dirname,
 )
+from colonnade.reliability.startup import latest_checkpoint
 
 OLD = (4, 8)
 """The earlier run's checkpoints (``latest`` names step 8)."""
@@ -64,6 +65,8 @@ def test_marking_deletes_nothing_and_makes_the_old_set_not_this_runs(tmp_path: P
     assert json.loads((root / REPLACING).read_text()) == {"replacing": names}
     assert pending_replacement(root) == names
     assert read_latest(root) == root / "step_00000008" and committed_steps(root) == [4, 8]
+    # none of them is a run's: start-up neither resumes from nor compares tokenizers with them
+    assert latest_checkpoint(root) is None
     assert mark_for_replacement(tmp_path / "missing") == []  # nothing to replace: no marker
     assert not (tmp_path / "missing").exists()
 
@@ -104,10 +107,48 @@ def test_a_crash_in_the_first_commit_leaves_old_or_new(tmp_path: Path, new_step:
             assert len(kept) == 1, (step, sorted(p.name for p in root.iterdir()))
     else:  # committed: latest names the new checkpoint
         assert latest == root / step_dirname(new_step) and _run_of(latest) == "new"
-    # the restarted run saves again (a committed one from its step on): all is finished
+    # the restarted run marks again (as its start-up does) and saves again (a committed one from
+    # its step on): all is finished, also where a crashed commit left its own step_X beside the
+    # old step_X.replaced (the rename to .replaced failed on every later save)
+    if pending is not None:
+        mark_for_replacement(root)
     steps = [new_step] if pending is not None else [new_step, new_step + 1]
     _save(root, steps[-1], "new")
     assert read_latest(root) == root / step_dirname(steps[-1])
     assert committed_steps(root) == steps
     assert all(_run_of(root / step_dirname(s)) == "new" for s in steps)
     assert sorted(p.name for p in root.iterdir()) == ["latest", *map(step_dirname, steps)]
+
+
+@pytest.mark.parametrize("phase", ["latest_removed", "replaced_set_aside", "marker_updated",
+                                   "renamed"])
+def test_a_plain_rerun_after_a_crash_in_the_first_save_is_refused_by_name(
+        tmp_path: Path, phase: str) -> None:
+    """One earlier checkpoint, the overwriting run's first save at the same step crashes after
+    ``latest`` is gone: a re-run without overwrite is refused naming what was set aside and
+    offering no resume (removing the marker would resume nothing: it raised IndexError on an
+    emptied marker, and offered that advice)."""
+    from colonnade.checkpoint.format import CheckpointError
+    from colonnade.config.sections import CheckpointConfig, Config
+    from colonnade.reliability.startup import resume_config
+
+    root = tmp_path / "ck"
+    _save(root, 8, "old")
+    mark_for_replacement(root)
+
+    def crash(name: str) -> None:
+        if name == phase:
+            raise Crash(name)
+
+    with contextlib.suppress(Crash):
+        _save(root, 8, "new", crash)
+    assert read_latest(root) is None and pending_replacement(root) is not None
+    config = Config(checkpoint=CheckpointConfig(save=str(root)))
+    with pytest.raises(CheckpointError) as info:
+        resume_config(config, 0)
+    text = str(info.value)
+    assert "stopped during its first save" in text and "nothing to resume from" in text
+    assert f"remove {root / REPLACING}" not in text
+    assert ("step_00000008.replaced set aside" in text) == (phase != "latest_removed")
+    fresh, note = resume_config(config, 1)  # a restart starts that run again
+    assert fresh.checkpoint.load is None and note.startswith("restart 1: no checkpoint")
