@@ -222,9 +222,11 @@ def stage_train_demo(ctx: Context) -> dict[str, Any]:
 
 
 def stage_train_1p3b(ctx: Context) -> dict[str, Any]:
-    """configs/gpt3-1.3b.toml (tiny layers on the CPU smoke run) on the demo's data."""
+    """configs/gpt3-1.3b.toml (tiny layers on the CPU smoke run) on the demo's data: its
+    vocab_size (50257) stays, the data's 2048-token tokenizer is named (unnamed, a 50257-token
+    BPE would be asked for and the demo's prepared dir is refused as another dataset)."""
     return train(ctx, "gpt3-1.3b", "configs/gpt3-1.3b.toml", ctx.sizes.big_steps,
-                 ctx.sizes.big, save=False)
+                 [*ctx.sizes.big, "--data.tokenizer=data/stdlib-2k/tokenizer.json"], save=False)
 
 
 def stage_sdpa(ctx: Context) -> dict[str, Any]:
