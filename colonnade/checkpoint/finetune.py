@@ -215,8 +215,8 @@ def model_mismatch(saved: dict[str, Any], model: ModelConfig) -> list[str]:
     ``model``'s, as 'model.field=ours (checkpoint: theirs)'. An unset model.vocab_size differs
     from none: a run resuming the checkpoint takes its size."""
     theirs = config_from_dict({"model": saved}).model
-    table = _position_table(model) or _position_table(theirs)
-    names = TENSOR_FIELDS + (("max_seq_len",) if table else ())
+    names = [n for n in (*TENSOR_FIELDS, "max_seq_len")
+             if decides_tensors(n, model) or decides_tensors(n, theirs)]
     return [f"model.{n}={_comparable(model, n)} (checkpoint: {_comparable(theirs, n)})"
             for n in names if _comparable(model, n) != _comparable(theirs, n)
             and not (n == "vocab_size" and model.vocab_size is None)]
