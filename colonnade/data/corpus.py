@@ -161,8 +161,9 @@ def iter_documents(
         raise CorpusError(
             f"the first record of {len(first)} file(s) cannot be read (checked before reading "
             "the corpus):\n" + "\n".join(f"  - {line}" for line in first)
-            + "\nfix them (e.g. set data.text_key), or leave unreadable records out with "
-            "data.errors='skip' (--data.errors=skip)")
+            + "\nfix each as its line says (rename the file, set data.text_key or a ':KEY' "
+            "suffix), or leave unreadable records out with data.errors='skip' "
+            "(--data.errors=skip)")
     return _read_all(sources, text_key, errors, stats)
 
 

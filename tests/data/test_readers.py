@@ -169,8 +169,9 @@ def test_one_line_per_file_and_reason_with_the_key_to_set(tmp_path: Path) -> Non
     assert str(info.value) == (
         "the first record of 1 file(s) cannot be read (checked before reading the corpus):\n"
         f"  - {path}:1: no string under key 'text' (keys: content, id); set "
-        "--data.text_key=content or fix the record\nfix them (e.g. set data.text_key), or leave "
-        "unreadable records out with data.errors='skip' (--data.errors=skip)")
+        "--data.text_key=content or fix the record\nfix each as its line says (rename the file, "
+        "set data.text_key or a ':KEY' suffix), or leave unreadable records out with "
+        "data.errors='skip' (--data.errors=skip)")
     assert list(iter_documents(path, text_key="content"))[:2] == ["doc 0", "doc 1"]
     path.write_text('{"text": "first"}\n' + path.read_text())
     with pytest.raises(CorpusError) as info:
