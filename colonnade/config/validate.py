@@ -1,4 +1,5 @@
-"""The one place where cross-field configuration checks live.
+"""The one place where cross-field configuration checks live (the mixture-of-experts rules,
+one of :data:`RULES`, in :mod:`colonnade.config.rules_moe`).
 
 :func:`resolve` derives the free degrees (dp, micro-batches, global batch) from the world size;
 :func:`validate` runs every rule and raises one :class:`ConfigError` listing each violated rule
@@ -25,9 +26,6 @@ from colonnade.config.choices import (
     GRAD_REDUCE_DTYPES,
     LR_DECAYS,
     LR_SCHEDULE_POLICIES,
-    MOE_AUX_LOSS_TYPES,
-    MOE_DISPATCHERS,
-    MOE_ROUTERS,
     NAN_POLICIES,
     ON_EXISTING,
     PRECISIONS,
@@ -43,7 +41,8 @@ from colonnade.config.data_paths import (
     is_glob,
 )
 from colonnade.config.load import ConfigError
-from colonnade.config.sections import Config, DataConfig, ModelConfig
+from colonnade.config.rules_moe import moe_rules
+from colonnade.config.sections import Config, DataConfig
 
 
 def resolve(config: Config, world_size: int) -> Config:
@@ -557,78 +556,9 @@ def _zero(c: Config, _: int | None) -> list[str]:
     return out
 
 
-def _moe_fields(m: ModelConfig) -> list[str]:
-    """Ranges and choices of the model.moe_* fields (checked only when num_experts > 0)."""
-    out = []
-    if not 1 <= m.moe_top_k <= m.num_experts:
-        out.append(f"model.moe_top_k={m.moe_top_k} must be in [1, model.num_experts="
-                   f"{m.num_experts}] (experts each token is sent to).")
-    for name, low, value in (("moe_layer_freq", 1, m.moe_layer_freq),
-                             ("moe_first_dense_layers", 0, m.moe_first_dense_layers),
-                             ("moe_shared_expert_ffn_hidden_size", 0,
-                              m.moe_shared_expert_ffn_hidden_size),
-                             ("moe_ffn_hidden_size", 1, m.expert_ffn_size)):
-        if value < low:
-            out.append(f"model.{name}={value} must be >= {low}.")
-    if m.moe_layer_freq >= 1 and m.num_layers >= 1 and not any(
-            map(m.is_moe_layer, range(m.num_layers))):
-        out.append(f"model.moe_first_dense_layers={m.moe_first_dense_layers} leaves no MoE "
-                   f"layer among model.num_layers={m.num_layers}; lower it or set "
-                   "model.num_experts=0.")
-    for name, value in (("moe_aux_loss_coeff", m.moe_aux_loss_coeff),
-                        ("moe_z_loss_coeff", m.moe_z_loss_coeff),
-                        ("moe_router_bias_update_rate", m.moe_router_bias_update_rate)):
-        if value < 0:
-            out.append(f"model.{name}={value} must be >= 0 (0 turns it off).")
-    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
-        out.append(f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 (slots per "
-                   "expert relative to an even split); unset it for dropless routing.")
-    if m.moe_shared_expert_gate and m.moe_shared_expert_ffn_hidden_size <= 0:
-        out.append("model.moe_shared_expert_gate=true needs a shared expert: set "
-                   "model.moe_shared_expert_ffn_hidden_size > 0 or the gate to false.")
-    for name, value, allowed in (("model.moe_router", m.moe_router, MOE_ROUTERS),
-                                 ("model.moe_aux_loss_type", m.moe_aux_loss_type,
-                                  MOE_AUX_LOSS_TYPES)):
-        if value not in allowed:
-            out.append(f"{name}='{value}' is unknown; use one of {', '.join(allowed)}.")
-    return out
-
-
-def _moe(c: Config, _: int | None) -> list[str]:
-    """Mixture of experts: the model.moe_* fields, and what the parallel layout supports with
-    experts (ep dividing the experts, expert_tp = 1, sp under tp > 1, ZeRO stage <= 1)."""
-    m, p, out = c.model, c.parallel, []
-    if p.moe_dispatcher not in MOE_DISPATCHERS:
-        out.append(f"parallel.moe_dispatcher='{p.moe_dispatcher}' is unknown; use one of "
-                   f"{', '.join(MOE_DISPATCHERS)}.")
-    if m.num_experts < 0:
-        out.append(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model).")
-    if not m.moe:
-        return out
-    out.extend(_moe_fields(m))
-    if p.ep >= 1 and m.num_experts % p.ep:
-        out.append(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}; "
-                   "each ep rank holds num_experts / ep experts: pick ep dividing num_experts.")
-    if p.expert_tp is not None and p.expert_tp > 1:
-        out.append(f"parallel.expert_tp={p.expert_tp}: expert tensor parallelism is not "
-                   "supported yet; set parallel.expert_tp=1.")
-    if p.tp > 1 and not p.sp:
-        out.append(f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sp=true "
-                   "(the tp ranks must route different tokens); set sp=true or tp=1.")
-    if m.moe_shared_expert_ffn_hidden_size > 0 and p.tp >= 1 and (
-            m.moe_shared_expert_ffn_hidden_size % p.tp):
-        out.append(f"model.moe_shared_expert_ffn_hidden_size="
-                   f"{m.moe_shared_expert_ffn_hidden_size} is not divisible by parallel.tp="
-                   f"{p.tp} (the shared expert is tp-split); make it a multiple of tp.")
-    if p.zero >= 2:
-        out.append(f"parallel.zero_stage={p.zero} is not supported with a mixture-of-experts "
-                   "model yet; use ZeRO stage 0 or 1 (parallel.zero_stage <= 1).")
-    return out
-
-
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _context, _pipeline,
                            _batch, _optim, _io, _reliability, _files_and_loop, _compile, _zero,
-                           _moe)
+                           moe_rules)
 
 
 def problems(config: Config, world_size: int | None = None) -> list[str]:
