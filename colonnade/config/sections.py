@@ -9,176 +9,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from colonnade.config.model import (  # re-exported: the model section lives there
+    ARCH_TRAITS,
+    DEFAULT_VOCAB_SIZE,
+    VOCAB_PAD_MULTIPLE,
+    ArchTraits,
+    ModelConfig,
+)
 
-@dataclass(frozen=True)
-class ArchTraits:
-    """The facts about an architecture that configuration needs before any model exists
-    (validation, the default MLP width). :mod:`colonnade.models.spec` declares each
-    architecture's classes and checks at import that its spec agrees with these."""
+__all__ = [
+    "ARCH_TRAITS",
+    "DEFAULT_VOCAB_SIZE",
+    "SECTIONS",
+    "VOCAB_PAD_MULTIPLE",
+    "ArchTraits",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainingConfig",
+]
+"""The section classes; the model section's names are re-exported from
+:mod:`colonnade.config.model`."""
 
-    rope: bool
-    """Rotary positions (the head dim must be even); False: a learned position table."""
-    gated_mlp: bool
-    """A gated MLP (3 matrices, e.g. SwiGLU): default width round_up(8h/3, 64), else 4h."""
-
-
-ARCH_TRAITS: dict[str, ArchTraits] = {
-    "llama": ArchTraits(rope=True, gated_mlp=True),
-    "gpt2": ArchTraits(rope=False, gated_mlp=False),
-}
-"""model.arch -> its traits; keys equal config.choices.ARCHS (checked by models.spec)."""
-
-DEFAULT_VOCAB_SIZE = 2048
-"""What an unset model.vocab_size means where no tokenizer is at hand (the size of the BPE
-`prepare` trains, the planner, a model built directly)."""
-VOCAB_PAD_MULTIPLE = 128
-"""Megatron's make-vocab-size-divisible-by default: a model.vocab_size up to the tokenizer's
-size rounded up to a multiple of this x tp is deliberate padding, not a mistake."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the decoder-only transformer."""
-
-    arch: str = "llama"
-    """'llama' (RMSNorm, RoPE, SwiGLU, GQA, no biases) or 'gpt2' (LayerNorm, learned positions,
-    GELU, biases)."""
-    num_layers: int = 4
-    """Number of transformer layers."""
-    hidden_size: int = 64
-    """Model width h."""
-    num_heads: int = 4
-    """Attention (query) heads a; head dim = hidden_size / num_heads."""
-    num_kv_heads: int | None = None
-    """Key/value heads for grouped-query attention; None means num_heads (plain multi-head)."""
-    ffn_hidden_size: int | None = None
-    """MLP width; None means the SwiGLU rule round_up(8h/3, 64) for a gated MLP (llama), else
-    4h (gpt2)."""
-    vocab_size: int | None = None
-    """Vocabulary size V: rows of the embedding and of the output head. None (the default):
-    the tokenizer's size, which `train` takes once the data's tokenizer.json is known (a
-    resumed or fine-tuned run: the checkpoint's); where there is no tokenizer yet it means
-    2048 (the BPE that `prepare` trains, the planner, a model built directly), except that a
-    re-prepare of the same input reuses the BPE data.prepared_dir holds, whatever its size
-    (`train --data.input=X` run twice). The model pads the table itself with zero rows to a
-    multiple of parallel.tp (masked out of the loss and the logits), so V needs no rounding
-    for tp. Set it to leave room for tokens added later or to
-    pad for GPU matmuls as Megatron's make-vocab-size-divisible-by does (to a multiple of
-    128 x tp): up to the tokenizer's size rounded up to a multiple of 128 x tp is taken as
-    such padding; a larger V trains rows no token uses and is warned about, with the numbers;
-    a V below the tokenizer's size is refused."""
-    max_seq_len: int = 256
-    """Length of the position table (gpt2) / the RoPE cache; sequences may not be longer."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency (llama)."""
-    norm_eps: float = 1e-5
-    """Epsilon of RMSNorm / LayerNorm."""
-    tie_embeddings: bool = False
-    """Share the input embedding and the output head weights (GPT-2 does)."""
-    bias: bool = False
-    """Biases in linear layers (GPT-2 uses them)."""
-    qkv_bias: bool = False
-    """Biases on the attention's q, k, v projections only (Qwen2, Qwen2-MoE); model.bias
-    already puts them on every linear layer."""
-    hidden_dropout: float = 0.0
-    """Dropout on the residual branches and embedding output (0 disables)."""
-    attention_dropout: float = 0.0
-    """Dropout on the attention probabilities (0 disables)."""
-    init_std: float = 0.02
-    """Std of the normal initialisation; output projections use init_std / sqrt(2 * num_layers)."""
-    num_experts: int = 0
-    """Routed experts per mixture-of-experts (MoE) layer; 0 makes a dense model. An MoE
-    layer replaces the MLP: a router sends each token to moe_top_k experts (each an MLP of
-    the architecture's kind: SwiGLU for llama, GELU for gpt2) and sums their outputs weighted
-    by the router's probabilities."""
-    moe_top_k: int = 2
-    """Experts each token is sent to (k <= num_experts)."""
-    moe_ffn_hidden_size: int | None = None
-    """Hidden width of each routed expert; None means ffn_hidden_size's resolved value."""
-    moe_layer_freq: int = 1
-    """Every moe_layer_freq-th layer (counting after moe_first_dense_layers, the first of
-    each group) is an MoE layer; 1 makes every such layer MoE."""
-    moe_first_dense_layers: int = 0
-    """The first this-many layers keep a dense MLP (DeepSeek-V3 keeps 3)."""
-    moe_router: str = "softmax"
-    """'softmax': probabilities softmax(logits) over all experts, the top k kept (Mixtral,
-    Switch); 'sigmoid': scores sigmoid(logits), the top k of scores + a per-expert bias chosen
-    (the bias only selects, it never weights), then the kept scores normalised (DeepSeek-V3's
-    auxiliary-loss-free balancing)."""
-    moe_norm_topk_prob: bool = True
-    """Renormalise the k kept weights of a token to sum to 1 (Mixtral, Qwen3-MoE: True;
-    Qwen2-MoE: False). The sigmoid router always normalises."""
-    moe_router_bias_update_rate: float = 1e-3
-    """Sigmoid router: after each step every expert's selection bias moves by this rate
-    toward balance, b_i += rate * sign(mean load - load_i), loads counted over the global
-    batch (0 turns the update off)."""
-    moe_shared_expert_ffn_hidden_size: int = 0
-    """Width of a dense shared expert every token passes through, added to the routed
-    output (Qwen2-MoE, DeepSeek); 0: none."""
-    moe_shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(x w_g), w_g [1, h] (Qwen2-MoE)."""
-    moe_aux_loss_coeff: float = 0.0
-    """Weight of the Switch/GShard load-balancing loss E * sum_i f_i P_i (f_i the fraction of
-    routed token slots sent to expert i, P_i its mean router probability); 0: off."""
-    moe_aux_loss_type: str = "global"
-    """Over which tokens f_i and P_i of the balancing loss are counted: 'seq' (each sequence
-    alone, then averaged over sequences) or 'global' (all tokens of the micro-batch across
-    every data-parallel, context-parallel and sequence-parallel rank)."""
-    moe_z_loss_coeff: float = 0.0
-    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0: off."""
-    moe_capacity_factor: float | None = None
-    """None: dropless (every routed token is computed). A number c: each expert takes at most
-    ceil(c * s * k / E) tokens of each sequence of length s, the earliest positions first;
-    dropped token slots contribute nothing (the token keeps its residual) and are counted."""
-
-    @property
-    def vocab(self) -> int:
-        """vocab_size with its None default resolved where no tokenizer is at hand (a model
-        built directly, the planner, synthetic batches, the BPE `prepare` trains):
-        :data:`DEFAULT_VOCAB_SIZE`. `train` sets vocab_size from the tokenizer (or the
-        checkpoint) before it builds the model."""
-        return self.vocab_size if self.vocab_size is not None else DEFAULT_VOCAB_SIZE
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value head count with the None default resolved."""
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        """Per-head width h / a."""
-        return self.hidden_size // self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        """MLP width with the None default resolved."""
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        traits = self.traits
-        if traits is not None and not traits.gated_mlp:
-            return 4 * self.hidden_size
-        return -(-(8 * self.hidden_size // 3) // 64) * 64
-
-    @property
-    def moe(self) -> bool:
-        """Whether any layer is a mixture-of-experts layer."""
-        return self.num_experts > 0
-
-    def is_moe_layer(self, index: int) -> bool:
-        """Whether global layer ``index`` is an MoE layer (moe_first_dense_layers and
-        moe_layer_freq; always False for a dense model)."""
-        k = index - self.moe_first_dense_layers
-        return self.moe and k >= 0 and k % self.moe_layer_freq == 0
-
-    @property
-    def expert_ffn_size(self) -> int:
-        """Routed expert width with the None default resolved."""
-        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
-
-    @property
-    def traits(self) -> ArchTraits | None:
-        """What configuration knows of ``arch`` (None for a name the validator rejects)."""
-        return ARCH_TRAITS.get(self.arch)
 
 
 @dataclass(frozen=True, kw_only=True)
