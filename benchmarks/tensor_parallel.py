@@ -101,7 +101,7 @@ class PlainAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_size
         self.d = d
         self.q = nn.Linear(h, cfg.num_heads * d, bias=False)
         self.k = nn.Linear(h, cfg.kv_heads * d, bias=False)

@@ -9,8 +9,10 @@ positions (RoPE or learned).
 
 Notation: E bytes per activation element (8 fp64, 4 fp32, 2 bf16/fp16), A = max(E, 4) (what
 16-bit runs keep in fp32: RMSNorm's up-cast input and 1/rms, attention's log-sum-exp),
-s sequence, b micro-batch, h hidden, a heads, g kv heads, d = h/a, h_kv = g d, f ffn width,
-t tp, r = s/t with sp else s (rows of the residual stream a rank holds).  Per layer:
+s sequence, b micro-batch, h hidden, a heads, g kv heads, d head dim (h/a unless
+model.head_dim is set), h_kv = g d, f ffn width, t tp, r = s/t with sp else s (rows of the
+residual stream a rank holds).  q, the attention output and the out-proj input are a d wide;
+the formulas below write h for it (a d = h unless model.head_dim is set).  Per layer:
 
     norms (x2)     RMSNorm (x32 * rsqrt(mean x32^2) then .to(E) * w): input A r b h (the input
                    itself when E >= 4), 1/rms A r b, normalised x E r b h.
@@ -149,6 +151,8 @@ class ActivationShape:
     """Bytes per activation element E."""
     facts: ArchFacts = LLAMA_FACTS
     """Norm, MLP and position kinds of the layer."""
+    head_dim: int | None = None
+    """d, the width of one head; None: h / a."""
     hidden_dropout: bool = False
     """Dropout on the residual branches (two keep-masks per layer)."""
     attention_dropout: bool = False
@@ -174,6 +178,16 @@ class ActivationShape:
         return "blockwise" if self.attention_dropout else "flash"
 
     @property
+    def d(self) -> int:
+        """d, one head's width (``head_dim`` with its h / a default)."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """a d, the width of q and of the attention output (h unless head_dim is set)."""
+        return self.heads * self.d
+
+    @property
     def local_seq(self) -> int:
         """s_l = s / cp, the rows of each sample this rank holds."""
         return self.seq // self.cp
@@ -191,7 +205,8 @@ class ActivationShape:
            cp_attention: str = "ring") -> ActivationShape:
         """The shape of ``m``'s layers for micro-batch [b, s] on a tp (+sp) x cp rank."""
         return cls(seq=seq, batch=batch, hidden=m.hidden, heads=m.heads,
-                   kv_heads=m.kv_hidden * m.heads // m.hidden, ffn=m.ffn, tp=tp, sp=sp,
+                   kv_heads=m.kv_hidden // m.head_dim, ffn=m.ffn, tp=tp, sp=sp,
+                   head_dim=m.head_dim,
                    cp=cp, cp_attention=cp_attention, elem=elem, facts=m.facts,
                    hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                    attention=attention)
@@ -220,9 +235,9 @@ def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
     s, b, a, t, e = x.local_seq, x.batch, x.heads, x.tp, x.elem
     lse = max(e, 4) * s * b * a / t  # fp32 log-sum-exp [b, a/t, s_l]
     if x.cp > 1:
-        out = e * float(s) * b * x.hidden / t  # [b, a/t, s_l, d]: a fresh tensor, kept
+        out = e * float(s) * b * x.q_width / t  # [b, a/t, s_l, d]: a fresh tensor, kept
         if x.cp_attention == "all_to_all":  # full s, a/(t cp) heads: q, out, lse as the ring's
-            kv = 2.0 * e * x.seq * b * (x.hidden // x.heads) * x.a2a_kv_heads
+            kv = 2.0 * e * x.seq * b * x.d * x.a2a_kv_heads
             kept = out if x.kernel == "flash" else 0.0  # blockwise writes [s, b, ...]: a copy
             return "core_all_to_all", q + kv + kept + lse
         return "core_ring", q + kv + out + lse
@@ -246,18 +261,18 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     rows = s // t if x.sp else s
     if recompute == "full":
         return {"block_input": float(e * rows * b * h)}
-    sbh, h_kv = float(s * b * h), x.kv_heads * (h // x.heads)
+    sbh, h_kv = float(s * b * h), x.kv_heads * x.d
     terms = {"norms": _norm_bytes(x, rows),
              "column_inputs": 2.0 * e * sbh}  # attention's and the MLP's, [s, b, h] with sp
-    q, kv = e * sbh / t, 2.0 * e * s * b * h_kv / t
+    q, kv = e * float(s * b) * x.q_width / t, 2.0 * e * s * b * h_kv / t
     if recompute == "selective" and not (x.cp > 1 and x.cp_attention == "ring"):
         terms["core_inputs"] = q + kv
     else:  # the ring is not checkpointed by selective recompute: it keeps only q k v out lse
         name, value = _core_bytes(x, q, kv)
         terms[name] = value
     if x.cp > 1 and x.facts.rope:  # cos, sin gathered at the rank's positions [s_l, b, 1, d/2]
-        terms["rope_tables"] = e * float(s) * b * (h // x.heads)
-    terms["out_proj_input"] = e * sbh / t
+        terms["rope_tables"] = e * float(s) * b * x.d
+    terms["out_proj_input"] = e * float(s * b) * x.q_width / t
     terms["mlp"] = 2.0 * (x.facts.mlp_matrices - 1) * e * s * b * x.ffn / t
     if x.hidden_dropout:
         terms["dropout_masks"] = 2.0 * rows * b * h  # bool
@@ -271,13 +286,13 @@ def cp_buffer_bytes(x: ActivationShape) -> float:
     cp = 1."""
     if x.cp == 1:
         return 0.0
-    e, b, d = x.elem, x.batch, x.hidden // x.heads
+    e, b, d, hq = x.elem, x.batch, x.d, x.q_width
     if x.cp_attention == "all_to_all":
-        return e * float(x.seq) * b * (2 * x.hidden / (x.tp * x.cp) + 2 * d * x.a2a_kv_heads)
+        return e * float(x.seq) * b * (2 * hq / (x.tp * x.cp) + 2 * d * x.a2a_kv_heads)
     acc, rows = max(e, 4), float(x.local_seq) * b
     n_kv = 2.0 * rows * x.kv_heads * d / x.tp
-    blocks = (3 + (2 if x.kv_heads < x.heads else 0)) * e * rows / 2 * x.hidden / x.tp
-    return 2 * e * n_kv + 3 * acc * n_kv + acc * rows * x.hidden / x.tp + blocks
+    blocks = (3 + (2 if x.kv_heads < x.heads else 0)) * e * rows / 2 * hq / x.tp
+    return 2 * e * n_kv + 3 * acc * n_kv + acc * rows * hq / x.tp + blocks
 
 
 def layer_bytes(x: ActivationShape, recompute: str = "none") -> float:

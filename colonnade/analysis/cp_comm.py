@@ -90,11 +90,11 @@ def all_to_all_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
     """The all-to-all variant's per-layer traffic and time (all exposed)."""
     m, cp, t = w.shape, layout.cp, layout.tp
     tokens = layout.local_tokens(w.seq_len)
-    d = m.hidden // m.heads
+    d = m.head_dim
     kv_local = m.kv_hidden // d // t
     kv_x = kv_local if kv_local % cp == 0 else cp  # cp k_r kv heads' rows pass through
-    qkv = [tokens * m.hidden / t * w.elem] + [tokens * d * kv_x * w.elem] * 2
-    tensors = [*qkv, tokens * m.hidden / t * w.elem]  # q, k, v, out
+    qkv = [tokens * m.q_hidden / t * w.elem] + [tokens * d * kv_x * w.elem] * 2
+    tensors = [*qkv, tokens * m.q_hidden / t * w.elem]  # q, k, v, out
     redo = {"full": tensors, "selective": qkv}.get(layout.recompute, [])
     per_node = min(cp, max(1, c.gpus_per_node // t))
 

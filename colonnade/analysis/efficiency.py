@@ -69,11 +69,11 @@ def layer_gemms(w: Workload, layout: Layout) -> tuple[list[tuple[float, float]],
     tokens = layout.local_tokens(s)
     h, f = m.hidden, m.ffn
     gate = m.mlp_matrices - 1  # column matrices of the MLP (gate and up, or fc)
-    shapes = [(h, (h + 2 * m.kv_hidden) / t), (h / t, h), (h, gate * f / t), (f / t, h)]
+    q = m.q_hidden
+    shapes = [(h, (q + 2 * m.kv_hidden) / t), (q / t, h), (h, gate * f / t), (f / t, h)]
     mats = [(2 * tokens * k * n, gemm_intensity(tokens, k, n, e)) for k, n in shapes]
-    d = h / m.heads
-    core = gemm_intensity(s, d, s, e, write_out=w.attention != "flash")
-    return mats, (4.0 * s * h * tokens / t, core)
+    core = gemm_intensity(s, m.head_dim, s, e, write_out=w.attention != "flash")
+    return mats, (4.0 * s * q * tokens / t, core)
 
 
 def layer_gemm_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:

@@ -157,7 +157,7 @@ def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
     """Elements of the largest single parameter held by ``stage``: the embedding / head
     (V h / t) on the first and last stages, else a layer's largest matrix."""
     h, t = m.hidden, layout.tp
-    biggest = max(h * h, h * m.kv_hidden, h * m.ffn) / t
+    biggest = max(h * m.q_hidden, h * m.kv_hidden, h * m.ffn) / t
     if stage in ("first", "last", "only", "ends"):
         biggest = max(biggest, m.vocab * h / t)
     return biggest
@@ -168,7 +168,7 @@ def largest_module(m: LayerShape, layout: Layout, stage: str) -> float:
     (its matrices), the attention (q, k, v, o) or, on the first / last stage, the embedding
     or head (V h / t)."""
     h, t = m.hidden, layout.tp
-    biggest = max(m.mlp_matrices * h * m.ffn, 2 * h * h + 2 * h * m.kv_hidden) / t
+    biggest = max(m.mlp_matrices * h * m.ffn, 2 * h * m.q_hidden + 2 * h * m.kv_hidden) / t
     if stage in ("first", "last", "only", "ends"):
         biggest = max(biggest, m.vocab * h / t)
     return biggest

@@ -100,7 +100,7 @@ def _tp_options(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> list[i
     m = w.shape
     cap = cons.max_tp or c.gpus_per_node
     opts = [cons.tp] if cons.tp else [t for t in divisors(gpus) if t <= cap]
-    kv = m.kv_hidden // (m.hidden // m.heads)
+    kv = m.kv_hidden // m.head_dim
     return [t for t in opts if gpus % t == 0 and m.heads % t == 0 and kv % t == 0
             and m.ffn % t == 0]
 
@@ -136,7 +136,7 @@ def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False) -> b
     m = w.shape
     if w.seq_len % (2 * cp * (tp if sp else 1)):
         return False
-    heads, kv = m.heads // tp, m.kv_hidden // (m.hidden // m.heads) // tp
+    heads, kv = m.heads // tp, m.kv_hidden // m.head_dim // tp
     if kind == "all_to_all":
         return heads % cp == 0 and (kv % cp == 0 or cp % kv == 0)
     return not m.attention_dropout

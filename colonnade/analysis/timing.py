@@ -153,7 +153,7 @@ def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> 
     rep = 4 * e * h + 2 * (3 * e + (1 if m.hidden_dropout else 0)) * h
     shard = m.mlp_matrices * e * m.ffn
     if m.rope:
-        shard += 2 * e * (h + m.kv_hidden)
+        shard += 2 * e * (m.q_hidden + m.kv_hidden)
     core = 0.0
     if w.attention != "flash":  # eager or blockwise: the softmax runs over s x s scores
         core = 2 * e * m.heads * w.seq_len

@@ -190,7 +190,7 @@ MOE_SHAPE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense_la
                     "moe_shared_expert_gate")
 """[model] fields that decide tensors only when model.num_experts > 0."""
 TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                 "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias", "qkv_bias",
+                 "head_dim", "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias", "qkv_bias",
                  "num_experts", *MOE_SHAPE_FIELDS)
 """[model] fields that decide which tensors a model has and their shapes (and max_seq_len for
 a learned position table, gpt2's): a checkpoint loads only into a model equal in all of them.

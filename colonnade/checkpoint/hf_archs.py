@@ -89,13 +89,14 @@ def _llama_read(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError("config.json: attention_bias != mlp_bias; Colonnade has one "
                          "model.bias switch for every linear layer")
     h, a = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, h // a):
-        raise ValueError(f"config.json: head_dim={hf['head_dim']} != hidden_size / heads")
+    head_dim = hf.get("head_dim")
+    if head_dim == h // a and h % a == 0:
+        head_dim = None  # the default: model.head_dim unset
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; llama needs silu")
     return ModelConfig(
         arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=a,
-        num_kv_heads=hf.get("num_key_value_heads") or a,
+        num_kv_heads=hf.get("num_key_value_heads") or a, head_dim=head_dim,
         ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         max_seq_len=hf["max_position_embeddings"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
@@ -107,7 +108,7 @@ def _llama_write(cfg: ModelConfig) -> dict[str, Any]:
     return {"model_type": "llama", "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+            "head_dim": cfg.head_size, "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": cfg.bias,
             "mlp_bias": cfg.bias,
             "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},

@@ -54,8 +54,8 @@ def _common_read(hf: dict[str, Any], key: str) -> dict[str, Any]:
     dense = _llama_read(dict(hf, attention_bias=False, mlp_bias=False))
     coeff = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
     return {f: getattr(dense, f) for f in (
-        "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
-        "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "init_std")} | {
+        "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+        "vocab_size", "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "init_std")} | {
         "moe_top_k": hf["num_experts_per_tok"], "moe_router": "softmax",
         "moe_aux_loss_coeff": coeff, "moe_aux_loss_type": "global"}
 

@@ -48,7 +48,11 @@ class ModelConfig:
     hidden_size: int = 64
     """Model width h."""
     num_heads: int = 4
-    """Attention (query) heads a; head dim = hidden_size / num_heads."""
+    """Attention (query) heads a; each of width model.head_dim."""
+    head_dim: int | None = None
+    """Width d of each attention head; None means hidden_size / num_heads. q projects h ->
+    a d, k and v h -> kv d, the output a d -> h; a d need not equal h (Llama 3.2 3B, Qwen3,
+    gpt-oss set it). Even with RoPE."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means num_heads (plain multi-head)."""
     ffn_hidden_size: int | None = None
@@ -145,9 +149,14 @@ class ModelConfig:
         return self.num_kv_heads or self.num_heads
 
     @property
-    def head_dim(self) -> int:
-        """Per-head width h / a."""
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Per-head width d: head_dim with its None default (h / a) resolved."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of all query heads together, a d (the attention output's width)."""
+        return self.num_heads * self.head_size
 
     @property
     def ffn_size(self) -> int:

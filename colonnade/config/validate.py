@@ -116,6 +116,7 @@ def _positive(c: Config, _: int | None) -> list[str]:
         "data.num_workers": c.data.num_workers,
     }
     for name, value in (("model.num_kv_heads", c.model.num_kv_heads),
+                        ("model.head_dim", c.model.head_dim),
                         ("model.vocab_size", c.model.vocab_size),
                         ("training.cpu_threads", c.training.cpu_threads)):
         if value is not None:  # None: derived (the tokenizer's vocabulary, the cores' share)
@@ -174,9 +175,10 @@ def _order(order: str, ep: int) -> list[str]:
 
 def _model_shape(c: Config, _: int | None) -> list[str]:
     m, tp, out = c.model, c.parallel.tp, []
-    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+    if m.head_dim is None and m.num_heads >= 1 and m.hidden_size % m.num_heads:
         out.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads="
-                   f"{m.num_heads}; pick a head count that divides the width.")
+                   f"{m.num_heads}; pick a head count that divides the width, or set "
+                   "model.head_dim.")
     if m.kv_heads >= 1 and m.num_heads % m.kv_heads:
         out.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
                    f"{m.kv_heads}; each kv head must serve a whole group of query heads.")
@@ -192,9 +194,10 @@ def _model_shape(c: Config, _: int | None) -> list[str]:
     if tp >= 1 and m.ffn_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={tp}; "
                    "set ffn_hidden_size to a multiple of tp.")
-    if m.traits is not None and m.traits.rope and m.head_dim % 2:
-        out.append(f"head dim {m.head_dim} (model.hidden_size / model.num_heads) must be even "
-                   "for RoPE.")
+    if m.traits is not None and m.traits.rope and m.num_heads >= 1 and m.head_size % 2:
+        source = ("model.head_dim" if m.head_dim is not None
+                  else "model.hidden_size / model.num_heads")
+        out.append(f"head dim {m.head_size} ({source}) must be even for RoPE.")
     if c.training.seq_len > m.max_seq_len:
         out.append(f"training.seq_len={c.training.seq_len} exceeds model.max_seq_len="
                    f"{m.max_seq_len}; raise max_seq_len or shorten the sequence.")

@@ -52,7 +52,7 @@ from colonnade.tensor_parallel.sharding import output_std
 def rope_tables(cfg: ModelConfig, device: torch.device | None,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_seq_len, d/2] for RoPE with base ``rope_theta``."""
-    d = cfg.head_dim
+    d = cfg.head_size
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)  # [S, d/2]
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
@@ -158,7 +158,7 @@ class Attention(nn.Module):
         self.dropout_site = f"{key}.attn_dropout"
         """The attention dropout's site, formatted once (no per-layer constant in a compiled
         layer's graph)."""
-        tp, d, h = ctx.tp, cfg.head_dim, cfg.hidden_size
+        tp, d, h = ctx.tp, cfg.head_size, cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_heads // tp, cfg.kv_heads // tp
         std, qkv_bias = cfg.init_std, cfg.bias or cfg.qkv_bias
         self.q = ColumnParallelLinear(h, cfg.num_heads * d, ctx, f"{key}.q", bias=qkv_bias, std=std)
@@ -183,7 +183,7 @@ class Attention(nn.Module):
                 cache: KVCache | None = None, doc: DocContext | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h] when :attr:`batch_first`, else [s(/tp), b, h] ->
         [s(/tp), b, h]; ``doc``: document-boundary resets."""
-        d = self.cfg.head_dim
+        d = self.cfg.head_size
         q, k, v = column_parallel(x, [self.q, self.k, self.v])  # one tp entry for all three
         lead = q.shape[:2]  # (b, s) or (s, b)
         s = lead[1] if self.batch_first else lead[0]

@@ -4,15 +4,16 @@ Every count derives from a small set of architecture facts resolved in ONE funct
 :func:`arch_facts` (the MLP's weight-matrix count, whether the norm has a bias, the kind of
 positions); nothing here or above asks ``cfg.arch`` itself.
 
-Notation: l layers, h hidden size, a query heads, d = h/a head dim, h_kv = kv_heads * d,
-f MLP width, V vocabulary, s sequence length, B samples per step, k the MLP's h x f weight
-matrices (3 gated, e.g. SwiGLU; 2 plain, e.g. GELU).
+Notation: l layers, h hidden size, a query heads, d head dim (model.head_dim, h/a unless
+set), h_q = a d (= h unless head_dim is set), h_kv = kv_heads * d, f MLP width, V vocabulary,
+s sequence length, B samples per step, k the MLP's h x f weight matrices (3 gated, e.g.
+SwiGLU; 2 plain, e.g. GELU).
 
 Parameters of one layer
-    attention h^2 + 2 h h_kv + h^2 (Q, K, V, out), MLP k h f, two norms 2h each with a bias
-    (LayerNorm), h each without (RMSNorm); with ``bias``: h + 2 h_kv (QKV) + h (out) +
+    attention h h_q + 2 h h_kv + h_q h (Q, K, V, out), MLP k h f, two norms 2h each with a
+    bias (LayerNorm), h each without (RMSNorm); with ``bias``: h_q + 2 h_kv (QKV) + h (out) +
     (k - 1) f (the MLP's column matrices) + h (its row matrix).
-    gpt2 (k = 2, LayerNorm, biases, f = 4h): 12h^2 + 13h.  llama (k = 3, RMSNorm): 2h^2 +
+    gpt2 (k = 2, LayerNorm, biases, f = 4h): 12h^2 + 13h.  llama (k = 3, RMSNorm): 2 h h_q +
     2 h h_kv + 3hf + 2h.
 Outside the layers: token embedding Vh, learned positions max_seq_len * h (none with RoPE),
 final norm (2h or h), output head Vh unless tied.  For gpt2 with f = 4h, biases, tied head and
@@ -20,8 +21,8 @@ max_seq_len = s this is Narayanan et al.'s P = 12lh^2 (1 + 13/(12h) + (V+s)/(12l
 final LayerNorm's 2h.
 
 FLOPs (a multiply-add counts 2) per token of one layer's forward pass:
-    matmuls 2 * (weight-matrix parameters of the layer) + core attention 4 s h
-    (QK^T: 2 s h, scores x V: 2 s h; the full s x s square, causal mask not discounted, as
+    matmuls 2 * (weight-matrix parameters of the layer) + core attention 4 s h_q
+    (QK^T: 2 s h_q, scores x V: 2 s h_q; the full s x s square, causal mask not discounted, as
     Megatron counts it).  Logits 2hV per token.  Backward = 2 x forward.  Full recompute
     repeats each layer's forward once (not the logits); selective recompute repeats the core
     attention (4 s h).  Model FLOPs per token (MFU): 3 (l (2 matrix params + 4 s h) + 2 h V).
@@ -104,6 +105,8 @@ class LayerShape:
     """h."""
     heads: int
     """a, query heads."""
+    q_hidden: int
+    """h_q = a * d, the width of all query heads (h unless model.head_dim is set)."""
     kv_hidden: int
     """h_kv = kv_heads * d."""
     ffn: int
@@ -128,12 +131,18 @@ class LayerShape:
         """Resolve the defaults (kv heads, ffn width) and the facts of ``model``."""
         return cls(
             facts=arch_facts(model), layers=model.num_layers, hidden=model.hidden_size,
-            heads=model.num_heads, kv_hidden=model.kv_heads * model.head_dim,
+            heads=model.num_heads, q_hidden=model.q_size,
+            kv_hidden=model.kv_heads * model.head_size,
             ffn=model.ffn_size, vocab=model.vocab, max_seq_len=model.max_seq_len,
             tied=model.tie_embeddings, bias=model.bias,
             hidden_dropout=model.hidden_dropout > 0,
             attention_dropout=model.attention_dropout > 0, qkv_bias=model.qkv_bias,
         )
+
+    @property
+    def head_dim(self) -> int:
+        """d, the width of one head (h_q / a)."""
+        return self.q_hidden // self.heads
 
     @property
     def mlp_matrices(self) -> int:
@@ -149,7 +158,7 @@ class LayerShape:
 def layer_matrix_params(m: LayerShape) -> int:
     """Weight-matrix parameters of one layer (the ones that cost 2 FLOPs per token each)."""
     h = m.hidden
-    return 2 * h * h + 2 * h * m.kv_hidden + m.mlp_matrices * h * m.ffn
+    return 2 * h * m.q_hidden + 2 * h * m.kv_hidden + m.mlp_matrices * h * m.ffn
 
 
 def layer_norm_params(m: LayerShape) -> int:
@@ -162,9 +171,9 @@ def layer_params(m: LayerShape) -> int:
     h = m.hidden
     biases = 0
     if m.bias:
-        biases = (h + 2 * m.kv_hidden) + h + (m.mlp_matrices - 1) * m.ffn + h
+        biases = (m.q_hidden + 2 * m.kv_hidden) + h + (m.mlp_matrices - 1) * m.ffn + h
     elif m.qkv_bias:
-        biases = h + 2 * m.kv_hidden
+        biases = m.q_hidden + 2 * m.kv_hidden
     return layer_matrix_params(m) + biases + layer_norm_params(m)
 
 
@@ -246,13 +255,13 @@ def moe_mlp_forward_flops_per_token(cfg: ModelConfig) -> float:
 
 
 def layer_forward_flops_per_token(m: LayerShape, seq_len: int) -> float:
-    """One layer's forward FLOPs per token: 2 * matrix params + 4 s h."""
+    """One layer's forward FLOPs per token: 2 * matrix params + 4 s h_q."""
     return 2.0 * layer_matrix_params(m) + attention_core_flops_per_token(m, seq_len)
 
 
 def attention_core_flops_per_token(m: LayerShape, seq_len: int) -> float:
-    """Core attention forward FLOPs per token: QK^T and scores x V, 4 s h."""
-    return 4.0 * seq_len * m.hidden
+    """Core attention forward FLOPs per token: QK^T and scores x V, 4 s h_q."""
+    return 4.0 * seq_len * m.q_hidden
 
 
 def logits_forward_flops_per_token(m: LayerShape) -> float:
@@ -283,7 +292,7 @@ def step_flops(m: LayerShape, seq_len: int, global_batch: int, recompute: str) -
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward = 3 x forward, no recompute):
-    3 (l (2 matrix params + 4 s h) + 2 h V); what MFU divides by. Each MoE layer counts its
+    3 (l (2 matrix params + 4 s h_q) + 2 h V); what MFU divides by. Each MoE layer counts its
     active MLP (:func:`moe_mlp_forward_flops_per_token`) instead of the dense one."""
     m = LayerShape.of(cfg)
     per_layer = 3.0 * layer_forward_flops_per_token(m, seq_len)

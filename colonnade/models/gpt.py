@@ -271,7 +271,7 @@ class ModelChunk(nn.Module):
         out = []
         for layer in self.layers.values():
             attn = layer.attn
-            shape = (batch, attn.kv_heads, length, self.cfg.head_dim)
+            shape = (batch, attn.kv_heads, length, self.cfg.head_size)
             w = attn.q.weight
             out.append(KVCache(w.new_zeros(shape), w.new_zeros(shape)))
         return out

@@ -74,7 +74,7 @@ class PlainBlock(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         m = cfg.model
-        h, d, bias = m.hidden_size, m.head_dim, m.bias
+        h, d, bias = m.hidden_size, m.head_size, m.bias
         self.llama, self.heads, self.kv, self.d = m.arch == "llama", m.num_heads, m.kv_heads, d
         norm = nn.RMSNorm if self.llama else nn.LayerNorm
         self.ln1, self.ln2 = norm(h, eps=m.norm_eps), norm(h, eps=m.norm_eps)

@@ -173,7 +173,7 @@ def make_exact(model: Any, cfg: ModelConfig) -> None:
     """Remove HF Llama's float32 islands: the RMSNorm cast (same formula in float64) and the
     float32 RoPE tables (:class:`Float64Rope`, base from ``cfg``, the HF model's shape);
     attention already runs SDPA in float64."""
-    model.model.rotary_emb = Float64Rope(cfg.rope_theta, cfg.head_dim)
+    model.model.rotary_emb = Float64Rope(cfg.rope_theta, cfg.head_size)
     norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 2 * cfg.num_layers + 1
     for norm in norms:
