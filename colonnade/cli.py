@@ -17,6 +17,15 @@ from colonnade.config.load import ConfigError, config_to_toml, field_docs, load_
 from colonnade.config.sections import SECTIONS, Config
 from colonnade.config.validate import resolve, validate
 
+
+def _hf_classes() -> str:
+    """The Hugging Face classes Colonnade reads and writes, from the formats' registry (so the
+    help texts stay true as families are added)."""
+    from colonnade.checkpoint.hf_moe import ALL_FORMATS
+
+    return ", ".join(fmt.hf_class for fmt in ALL_FORMATS.values())
+
+
 PREPARE_FIELDS: dict[str, tuple[str, ...] | None] = {"data": None, "model": ("vocab_size",)}
 """The config fields `colonnade prepare` reads (None: the whole section)."""
 
@@ -94,8 +103,8 @@ def _add_train(sub: Any) -> None:
                    "and prepares nothing; exit 0")
     t.add_argument("--init-from", metavar="PATH",
                    help="fine-tune: start from the weights of a Colonnade checkpoint or a "
-                   "Hugging Face Llama/GPT-2 directory, with its model shape (no --model.* "
-                   "needed) and tokenizer (must be the data's); step, optimizer and data "
+                   f"Hugging Face directory ({_hf_classes()}), with its model shape (no "
+                   "--model.* needed) and tokenizer (must be the data's); step, optimizer and data "
                    "start fresh (= --checkpoint.init_from=PATH; --checkpoint.load resumes)")
     _add_launch_args(t)
 
@@ -119,7 +128,7 @@ def _add_generate(sub: Any) -> None:
     g.add_argument("model_dir", help="a run's logging.dir (train saves under its "
                    "checkpoints/ unless --checkpoint.save says otherwise), a checkpoint root "
                    "or one of its step_N dirs, a `convert --from-hf` output, or a Hugging Face "
-                   "Llama/GPT-2 folder (config.json, *.safetensors, tokenizer.json)")
+                   f"folder ({_hf_classes()}; config.json, *.safetensors, tokenizer.json)")
     g.add_argument("--prompt", default="def ", help="text to continue (\"\": a new document, "
                    "started after the end-of-document token)")
     g.add_argument("--max-new-tokens", type=int, default=120,
@@ -143,8 +152,7 @@ def _add_generate(sub: Any) -> None:
 def _add_convert(sub: Any) -> None:
     """``colonnade convert``."""
     c = sub.add_parser("convert", help="Hugging Face <-> Colonnade checkpoint conversion",
-                       description="Convert LlamaForCausalLM / GPT2LMHeadModel / "
-                       "MixtralForCausalLM / Qwen2MoeForCausalLM directories. "
+                       description=f"Convert Hugging Face directories ({_hf_classes()}). "
                        "--to-hf writes config.json, generation_config.json, model.safetensors "
                        "and the tokenizer (tokenizer.json, tokenizer_config.json, "
                        "special_tokens_map.json; bos/eos/pad = its end-of-document token) "

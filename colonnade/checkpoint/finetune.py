@@ -105,7 +105,8 @@ def source_model(path: str | Path) -> ModelConfig:
         raise ConfigError(
             f"checkpoint.init_from={path} is neither a Colonnade checkpoint (a save directory "
             "with 'latest' or a step_N directory) nor a Hugging Face model directory "
-            f"(config.json naming LlamaForCausalLM or GPT2LMHeadModel): {err}") from err
+            "(config.json naming one of the classes `colonnade convert --help` lists): "
+            f"{err}") from err
     return config_from_dict({"model": meta["model"]}).model
 
 

@@ -241,10 +241,19 @@ def _shard_files(directory: Path) -> list[Path]:
 
 
 def _hf_config(directory: Path) -> ModelConfig:
+    """The ModelConfig of an HF directory's config.json; what Colonnade cannot run (a class,
+    rope type or setting it does not know, a missing key) is a :class:`CheckpointError`
+    naming the file: bad input, refused in one line (exit 2) by every command."""
     if not is_hf_dir(directory):
         raise CheckpointError(f"{directory}/config.json missing or without 'architectures': "
                               "not a Hugging Face model directory")
-    return model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    try:
+        return model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    except KeyError as err:
+        raise CheckpointError(f"{directory}/config.json has no {err} key") from err
+    except ValueError as err:
+        raise CheckpointError(f"{directory}/config.json: "
+                              f"{str(err).removeprefix('config.json: ')}") from err
 
 
 def read_hf(directory: str | Path, progress: bool = False
