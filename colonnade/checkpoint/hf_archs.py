@@ -12,24 +12,36 @@ counterpart adds one entry here.
 * GPT-2: ``Conv1D`` weights are stored [in, out], the transpose of ``nn.Linear``'s [out, in]:
   every c_attn / c_proj / c_fc weight is transposed, and the fused ``c_attn`` [h, 3h]
   (bias [3h]) is split into q, k, v along its output columns.
+* Mistral: Llama's names and config; ``sliding_window`` on every layer. Qwen2: Llama's names
+  plus q/k/v biases (``qkv_bias_names``, model.qkv_bias); ``use_sliding_window`` with
+  ``max_window_layers`` / ``layer_types``. Their window fields: :mod:`~colonnade.checkpoint.
+  hf_window` (``HFFormat.window``); their MoE classes (Mixtral, Qwen2-MoE):
+  :mod:`colonnade.checkpoint.hf_moe`.
+* Qwen3: Llama's names plus ``self_attn.q_norm`` / ``k_norm`` [head_dim] (our
+  ``attn.q_norm`` / ``attn.k_norm``, :mod:`colonnade.models.qk_norm`); no biases; an explicit
+  ``head_dim`` (model.head_dim). Qwen3-MoE is in :mod:`colonnade.checkpoint.hf_moe`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from colonnade.checkpoint.hf_rope import read_rope, write_rope
+from colonnade.checkpoint.hf_window import EVERY_LAYER, FROM_K
 from colonnade.config.sections import ModelConfig
 
 
 @dataclass(frozen=True)
 class HFRef:
-    """Where a Colonnade tensor lives in an HF file: tensor ``name``, stored transposed
-    (GPT-2's Conv1D [in, out]), as block ``block`` of ``blocks`` equal blocks along the stored
-    last dim (q, k, v of GPT-2's fused c_attn [h, 3h] and its bias [3h])."""
+    """Where a Colonnade tensor lives in an HF file: tensor ``name``, stored transposed (its
+    last two dims swapped: GPT-2's Conv1D [in, out], gpt-oss's experts [E, in, out]), as block
+    ``block`` of ``blocks`` equal blocks along the stored last dim (q, k, v of GPT-2's fused
+    c_attn [h, 3h] and its bias [3h]), contiguous or, with ``interleave``, strided."""
 
     name: str
     transpose: bool = False
@@ -41,6 +53,10 @@ class HFRef:
     expert: int | None = None
     """This HF tensor holds expert ``expert``'s slice (our dim 0) of a stacked tensor
     (:meth:`per_expert` makes these; the export side)."""
+    interleave: bool = False
+    """Block ``block`` is the stored last dim's elements block, block + blocks, ... (a stride
+    of ``blocks``: gpt-oss's gate_up_proj [E, h, 2f], gate = [..., 0::2], up = [..., 1::2]);
+    False: the block-th contiguous run."""
 
     def tensor_name(self, j: int = 0) -> str:
         """The HF tensor holding (expert ``j`` of) our values."""
@@ -50,15 +66,20 @@ class HFRef:
         """Our full shape for the HF tensor's shape ``stored`` (one expert's when stacked)."""
         shape = list(stored)
         shape[-1] //= self.blocks
-        ours = tuple(reversed(shape)) if self.transpose else tuple(shape)
+        ours = swap_last(tuple(shape)) if self.transpose else tuple(shape)
         return (self.experts, *ours) if self.experts else ours
 
     def per_expert(self) -> list[HFRef]:
         """One ref per HF tensor: expert j's slice for a stacked ref, else ``[self]``."""
         if not self.experts:
             return [self]
-        return [HFRef(self.name.format(j=j), self.transpose, self.block, self.blocks, 0, j)
-                for j in range(self.experts)]
+        return [HFRef(self.name.format(j=j), self.transpose, self.block, self.blocks, 0, j,
+                      self.interleave) for j in range(self.experts)]
+
+
+def swap_last(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` (or offsets) with its last two entries swapped: a stored transpose."""
+    return (*shape[:-2], shape[-1], shape[-2])
 
 
 @dataclass(frozen=True)
@@ -75,16 +96,29 @@ class HFFormat:
     """Colonnade key -> where its values are in the HF tensors."""
     to_hf: Callable[[ModelConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     """Full Colonnade tensors -> the HF state dict (inverse of reading through ``refs``)."""
+    window: str | None = None
+    """Which layers the class's sliding window covers, one of the rules of
+    :mod:`colonnade.checkpoint.hf_window` (config.json's window fields are read and written
+    by :mod:`colonnade.checkpoint.hf` through it); None: the class has no sliding-window
+    attention, and a model with model.sliding_window is refused on export."""
+
+
+def refs_to_hf(refs: dict[str, HFRef], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF state dict of full tensors for refs without blocks or transposes (renames, and a
+    stacked tensor's expert j as its own tensor)."""
+    out = {}
+    for ours, ref in refs.items():
+        for sub in ref.per_expert():
+            value = full[ours] if sub.expert is None else full[ours][sub.expert]
+            out[sub.name] = value.contiguous()
+    return out
 
 
 # ----------------------------------------------------------------------------- llama
 
 
 def _llama_read(hf: dict[str, Any]) -> ModelConfig:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json: rope_type={rope.get('rope_type')!r} is not "
-                         "supported (only default RoPE)")
+    rope = read_rope(hf)  # refuses a rope setting it does not understand
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise ValueError("config.json: attention_bias != mlp_bias; Colonnade has one "
                          "model.bias switch for every linear layer")
@@ -98,8 +132,7 @@ def _llama_read(hf: dict[str, Any]) -> ModelConfig:
         arch="llama", num_layers=hf["num_hidden_layers"], hidden_size=h, num_heads=a,
         num_kv_heads=hf.get("num_key_value_heads") or a, head_dim=head_dim,
         ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_seq_len=hf["max_position_embeddings"], **rope,
         norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
         bias=bool(hf.get("attention_bias", False)), init_std=hf.get("initializer_range", 0.02))
 
@@ -110,9 +143,7 @@ def _llama_write(cfg: ModelConfig) -> dict[str, Any]:
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
             "head_dim": cfg.head_size, "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": cfg.bias,
-            "mlp_bias": cfg.bias,
-            "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
-            "rope_theta": cfg.rope_theta}
+            "mlp_bias": cfg.bias, **write_rope(cfg)}
 
 
 def _llama_names(cfg: ModelConfig) -> dict[str, str]:
@@ -141,6 +172,118 @@ def _llama_refs(cfg: ModelConfig) -> dict[str, HFRef]:
 
 def _llama_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {theirs: full[ours].contiguous() for ours, theirs in _llama_names(cfg).items()}
+
+
+# ----------------------------------------------------------------------------- qwen3
+
+
+def qwen3_refuse(hf: dict[str, Any]) -> None:
+    """Refuse what Colonnade's qwen3 cannot run of a Qwen3 / Qwen3-MoE config.json."""
+    if hf.get("attention_bias"):
+        raise ValueError("config.json: attention_bias=true (biases on q, k, v and o only) is "
+                         "not supported for Qwen3; the released models have none")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported for Qwen3 "
+                         "yet (sliding-window attention); the released models leave it false")
+
+
+def qwen3_norm_names(cfg: ModelConfig) -> dict[str, str]:
+    """Qwen3's per-head q/k RMSNorm weights [d]: Colonnade key -> HF name."""
+    return {f"layers.{i}.attn.{n}_norm.weight": f"model.layers.{i}.self_attn.{n}_norm.weight"
+            for i in range(cfg.num_layers) for n in "qk"}
+
+
+def qwen3_write_check(cfg: ModelConfig, hf_class: str) -> None:
+    """Refuse a qwen3 model that ``hf_class`` cannot express (biases)."""
+    if cfg.bias or cfg.qkv_bias:
+        raise ValueError(f"cannot express as {hf_class}: model.bias / model.qkv_bias (Qwen3 "
+                         "has no biases); set both false")
+
+
+def _qwen3_read(hf: dict[str, Any]) -> ModelConfig:
+    qwen3_refuse(hf)
+    dense = _llama_read(dict(hf, attention_bias=False, mlp_bias=False))
+    return dataclasses.replace(dense, arch="qwen3")
+
+
+def _qwen3_write(cfg: ModelConfig) -> dict[str, Any]:
+    qwen3_write_check(cfg, "Qwen3ForCausalLM")
+    out = _llama_write(cfg)
+    out.pop("mlp_bias")
+    return out | {"model_type": "qwen3", "use_sliding_window": False, "sliding_window": None,
+                  "max_window_layers": cfg.num_layers}
+
+
+def _qwen3_names(cfg: ModelConfig) -> dict[str, str]:
+    """Colonnade key -> HF name for Qwen3: Llama's names and the q/k norms."""
+    return _llama_names(cfg) | qwen3_norm_names(cfg)
+
+
+def _qwen3_refs(cfg: ModelConfig) -> dict[str, HFRef]:
+    return {ours: HFRef(theirs) for ours, theirs in _qwen3_names(cfg).items()}
+
+
+def _qwen3_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {theirs: full[ours].contiguous() for ours, theirs in _qwen3_names(cfg).items()}
+
+
+# ----------------------------------------------------------------------------- mistral, qwen2
+
+
+def _mistral_read(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("config.json: MistralForCausalLM has no biases (attention_bias / "
+                         "mlp_bias set)")
+    return dataclasses.replace(_llama_read(hf), arch="mistral")
+
+
+def _mistral_write(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.bias or cfg.qkv_bias:
+        raise ValueError("cannot express as MistralForCausalLM: model.bias / model.qkv_bias "
+                         "(Mistral has no biases); set both false, or use arch qwen2 for q/k/v "
+                         "biases")
+    out = _llama_write(cfg)
+    for k in ("attention_bias", "mlp_bias"):
+        out.pop(k)
+    return out | {"model_type": "mistral"}  # sliding_window: hf_window
+
+
+def _qwen2_read(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("config.json: Qwen2ForCausalLM has biases on q, k, v only "
+                         "(attention_bias / mlp_bias set)")
+    return dataclasses.replace(_llama_read(hf), arch="qwen2", qkv_bias=True)
+
+
+def _qwen2_write(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.bias or not cfg.qkv_bias:
+        raise ValueError("cannot express as Qwen2ForCausalLM: it has biases on q, k and v "
+                         "only; set model.qkv_bias=true and model.bias=false")
+    out = _llama_write(cfg)
+    for k in ("attention_bias", "mlp_bias"):
+        out.pop(k)
+    return out | {"model_type": "qwen2"}  # use_sliding_window, layer_types...: hf_window
+
+
+def qkv_bias_names(cfg: ModelConfig) -> dict[str, str]:
+    """The q, k, v biases of ``cfg.qkv_bias`` (Qwen2, Qwen2-MoE): Colonnade key -> HF name."""
+    if not cfg.qkv_bias or cfg.bias:  # model.bias already names them (_llama_names)
+        return {}
+    return {f"layers.{i}.attn.{n}.bias": f"model.layers.{i}.self_attn.{n}_proj.bias"
+            for i in range(cfg.num_layers) for n in "qkv"}
+
+
+def _qwen2_names(cfg: ModelConfig) -> dict[str, str]:
+    """Colonnade key -> HF name for Qwen2: Llama's names and the q/k/v biases."""
+    return _llama_names(cfg) | qkv_bias_names(cfg)
+
+
+def _qwen2_refs(cfg: ModelConfig) -> dict[str, HFRef]:
+    return {ours: HFRef(theirs) for ours, theirs in _qwen2_names(cfg).items()}
+
+
+def _qwen2_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {theirs: full[ours].contiguous() for ours, theirs in _qwen2_names(cfg).items()}
 
 
 # ----------------------------------------------------------------------------- gpt2
@@ -219,6 +362,11 @@ def _gpt2_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
 HF_FORMATS: dict[str, HFFormat] = {
     "llama": HFFormat("LlamaForCausalLM", _llama_read, _llama_write, _llama_refs, _llama_to_hf),
     "gpt2": HFFormat("GPT2LMHeadModel", _gpt2_read, _gpt2_write, _gpt2_refs, _gpt2_to_hf),
+    "qwen3": HFFormat("Qwen3ForCausalLM", _qwen3_read, _qwen3_write, _qwen3_refs, _qwen3_to_hf),
+    "mistral": HFFormat("MistralForCausalLM", _mistral_read, _mistral_write, _llama_refs,
+                        _llama_to_hf, window=EVERY_LAYER),
+    "qwen2": HFFormat("Qwen2ForCausalLM", _qwen2_read, _qwen2_write, _qwen2_refs, _qwen2_to_hf,
+                      window=FROM_K),
 }
 """model.arch -> its HF form (an architecture without one cannot be imported or exported)."""
 

@@ -1,5 +1,9 @@
-"""Hugging Face forms of mixture-of-experts models: ``MixtralForCausalLM`` and
-``Qwen2MoeForCausalLM``, both Colonnade ``arch="llama"`` with ``model.num_experts > 0``.
+"""Hugging Face forms of mixture-of-experts models: ``MixtralForCausalLM`` (Colonnade
+``arch="mistral"`` with ``model.num_experts > 0``, its ``sliding_window`` on every layer) and
+``Qwen2MoeForCausalLM`` (``arch="qwen2"`` with experts; ``use_sliding_window`` with
+``layer_types``); both read through :data:`MOE_BY_ARCH`. A model.arch='llama' MoE model
+(checkpoints from before those archs) still exports as either, :func:`moe_format_key`
+choosing.
 
 Files are written in the per-expert layout of the Hub checkpoints (what ``save_pretrained``
 writes: transformers >= 5 fuses experts in memory, ``gate_up_proj`` [E, 2f, h], and converts
@@ -17,6 +21,10 @@ back on save): expert j's SwiGLU weights are separate tensors, which our stacked
   (i + 1) % decoder_sparse_step == 0, which is model.moe_first_dense_layers = step - 1 and
   model.moe_layer_freq = step (a prefix of mlp_only_layers adds to the dense prefix);
   other layers are dense SwiGLU MLPs of width intermediate_size.
+* Qwen3-MoE (``arch="qwen3"`` with experts, :data:`MOE_BY_ARCH`): Qwen2-MoE's router, experts
+  and sparse-layer rule (``decoder_sparse_step``, ``mlp_only_layers``, ``moe_intermediate_size``,
+  ``norm_topk_prob``: True in the released models), no shared expert, no biases; attention is
+  Qwen3's (per-head ``q_norm`` / ``k_norm``, ``head_dim``).
 
 The aux loss coefficient maps to router_aux_loss_coef (HF adds it only with
 output_router_logits, so a coefficient of 0 writes output_router_logits=false).
@@ -26,8 +34,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from colonnade.checkpoint.hf_archs import (
     HF_FORMATS,
     HFFormat,
@@ -35,10 +41,18 @@ from colonnade.checkpoint.hf_archs import (
     _llama_names,
     _llama_read,
     _llama_write,
+    qwen3_norm_names,
+    qwen3_refuse,
+    qwen3_write_check,
+    refs_to_hf,
 )
+from colonnade.checkpoint.hf_deepseek import DEEPSEEK_V3
+from colonnade.checkpoint.hf_gpt_oss import FORMAT as GPT_OSS
+from colonnade.checkpoint.hf_rope import ROPE_FIELDS
+from colonnade.checkpoint.hf_window import EVEN_BELOW_K, EVERY_LAYER
 from colonnade.config.sections import ModelConfig
 
-MIXTRAL, QWEN2_MOE = "mixtral", "qwen2_moe"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral", "qwen2_moe", "qwen3_moe"
 """Keys of :data:`MOE_FORMATS`."""
 
 _SWIGLU = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
@@ -47,22 +61,20 @@ _MIXTRAL_EXPERT = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
 
 def _common_read(hf: dict[str, Any], key: str) -> dict[str, Any]:
     """Llama-like fields of an MoE config.json as ModelConfig keyword arguments."""
-    if hf.get("use_sliding_window") or (key == MIXTRAL and hf.get("sliding_window")):
-        raise ValueError("config.json: sliding-window attention is not supported")
     if hf.get("router_jitter_noise"):
         raise ValueError("config.json: router_jitter_noise != 0 is not supported")
     dense = _llama_read(dict(hf, attention_bias=False, mlp_bias=False))
     coeff = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
     return {f: getattr(dense, f) for f in (
         "arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-        "vocab_size", "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "init_std")} | {
+        "vocab_size", "max_seq_len", *ROPE_FIELDS, "norm_eps", "tie_embeddings", "init_std")} | {
         "moe_top_k": hf["num_experts_per_tok"], "moe_router": "softmax",
         "moe_aux_loss_coeff": coeff, "moe_aux_loss_type": "global"}
 
 
 def _mixtral_read(hf: dict[str, Any]) -> ModelConfig:
     f = hf["intermediate_size"]
-    return ModelConfig(**_common_read(hf, MIXTRAL), ffn_hidden_size=f,
+    return ModelConfig(**(_common_read(hf, MIXTRAL) | {"arch": "mistral"}), ffn_hidden_size=f,
                        num_experts=hf["num_local_experts"], moe_ffn_hidden_size=f,
                        moe_norm_topk_prob=True)
 
@@ -86,7 +98,8 @@ def _qwen_read(hf: dict[str, Any]) -> ModelConfig:
     if not hf.get("shared_expert_intermediate_size"):
         raise ValueError("config.json: Qwen2-MoE without a shared expert is not supported")
     first, freq = _qwen_layers(hf)
-    return ModelConfig(**_common_read(hf, QWEN2_MOE), ffn_hidden_size=hf["intermediate_size"],
+    return ModelConfig(**(_common_read(hf, QWEN2_MOE) | {"arch": "qwen2"}),
+                       ffn_hidden_size=hf["intermediate_size"],
                        qkv_bias=bool(hf.get("qkv_bias", True)), num_experts=hf["num_experts"],
                        moe_ffn_hidden_size=hf["moe_intermediate_size"],
                        moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -105,6 +118,7 @@ def _common_write(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
 
 
 def _mixtral_write(cfg: ModelConfig) -> dict[str, Any]:
+    _mixtral_check(cfg)
     return _common_write(cfg, "mixtral") | {
         "intermediate_size": cfg.expert_ffn_size, "num_local_experts": cfg.num_experts,
         "sliding_window": None, "router_jitter_noise": 0.0}
@@ -125,6 +139,47 @@ def _qwen_write(cfg: ModelConfig) -> dict[str, Any]:
                          f"{cfg.moe_layer_freq} after moe_first_dense_layers="
                          f"{cfg.moe_first_dense_layers}; Qwen2-MoE's sparse layers are those "
                          "with (i + 1) % step == 0 (first dense layers = step - 1 + k step)")
+    return out
+
+
+def _qwen3_moe_read(hf: dict[str, Any]) -> ModelConfig:
+    qwen3_refuse(hf)
+    first, freq = _qwen_layers(hf)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))  # Hub's / transformers 5's
+    if not experts:
+        raise ValueError("config.json: Qwen3-MoE without num_experts (num_local_experts)")
+    return ModelConfig(**(_common_read(hf, QWEN3_MOE) | {"arch": "qwen3"}),
+                       ffn_hidden_size=hf["intermediate_size"], num_experts=experts,
+                       moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                       moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       moe_layer_freq=freq, moe_first_dense_layers=first)
+
+
+def _qwen3_moe_write(cfg: ModelConfig) -> dict[str, Any]:
+    qwen3_write_check(cfg, "Qwen3MoeForCausalLM")
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        raise ValueError("cannot express as Qwen3MoeForCausalLM: "
+                         "model.moe_shared_expert_ffn_hidden_size > 0 (Qwen3-MoE has no shared "
+                         "expert); set it to 0")
+    _check(cfg, QWEN3_MOE)
+    out = _qwen_write(cfg)
+    for k in ("shared_expert_intermediate_size", "qkv_bias"):
+        out.pop(k)
+    return out | {"model_type": "qwen3_moe", "attention_bias": False,
+                  "sliding_window": None}
+
+
+def _qwen3_moe_refs(cfg: ModelConfig) -> dict[str, HFRef]:
+    out = _attention_refs(cfg) | {ours: HFRef(theirs)
+                                  for ours, theirs in qwen3_norm_names(cfg).items()}
+    e = cfg.num_experts
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}.mlp"
+        out[f"{ours}.router.weight"] = HFRef(f"{theirs}.gate.weight")
+        for o, t in _SWIGLU:
+            out[f"{ours}.experts.{o}"] = HFRef(f"{theirs}.experts.{{j}}.{t}.weight", experts=e)
     return out
 
 
@@ -171,17 +226,6 @@ def _qwen_refs(cfg: ModelConfig) -> dict[str, HFRef]:
     return out
 
 
-def refs_to_hf(refs: dict[str, HFRef], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF state dict of full tensors for refs without blocks or transposes (renames, and a
-    stacked tensor's expert j as its own tensor)."""
-    out = {}
-    for ours, ref in refs.items():
-        for sub in ref.per_expert():
-            value = full[ours] if sub.expert is None else full[ours][sub.expert]
-            out[sub.name] = value.contiguous()
-    return out
-
-
 def _check(cfg: ModelConfig, key: str) -> None:
     """Refuse what the HF class cannot express."""
     problems = []
@@ -197,41 +241,75 @@ def _check(cfg: ModelConfig, key: str) -> None:
         raise ValueError(f"cannot express as {key}: " + "; ".join(problems))
 
 
+def _qwen2_moe_check(cfg: ModelConfig) -> None:
+    """Refuse what Qwen2MoeForCausalLM cannot express (it needs a gated shared expert)."""
+    if not cfg.moe_shared_expert_gate or not cfg.moe_shared_expert_ffn_hidden_size:
+        raise ValueError("Qwen2-MoE needs a gated shared expert (model."
+                         "moe_shared_expert_ffn_hidden_size > 0, moe_shared_expert_gate)")
+    _check(cfg, QWEN2_MOE)
+
+
+def _qwen2_moe_write(cfg: ModelConfig) -> dict[str, Any]:
+    _qwen2_moe_check(cfg)
+    return _qwen_write(cfg)
+
+
+def _mixtral_check(cfg: ModelConfig) -> None:
+    """Refuse what MixtralForCausalLM cannot express."""
+    if (cfg.moe_first_dense_layers or cfg.moe_layer_freq != 1 or not cfg.moe_norm_topk_prob
+            or cfg.moe_shared_expert_ffn_hidden_size):
+        raise ValueError("Mixtral needs every layer MoE (moe_first_dense_layers=0, "
+                         "moe_layer_freq=1), moe_norm_topk_prob=true and no shared expert "
+                         "(a gated shared expert is Qwen2-MoE: model.arch='qwen2')")
+    _check(cfg, MIXTRAL)
+
+
 def moe_format_key(cfg: ModelConfig) -> str:
-    """Which HF MoE class a llama MoE model is: Qwen2-MoE with a gated shared expert (or
-    q/k/v biases), Mixtral when every layer is MoE and the top k are renormalised."""
+    """Which HF MoE class a model.arch='llama' MoE model (checkpoints from before arch
+    'mistral' and 'qwen2') is: Qwen2-MoE with a gated shared expert (or q/k/v biases), Mixtral
+    when every layer is MoE and the top k are renormalised."""
     traits = cfg.traits
     if traits is None or not (traits.rope and traits.gated_mlp):  # RoPE + SwiGLU experts
         raise ValueError(f"model.arch={cfg.arch!r} with experts has no Hugging Face form "
                          "(Mixtral and Qwen2-MoE are llama-like: RoPE, SwiGLU experts)")
     if cfg.moe_shared_expert_ffn_hidden_size or cfg.qkv_bias:
-        if not cfg.moe_shared_expert_gate or not cfg.moe_shared_expert_ffn_hidden_size:
-            raise ValueError("Qwen2-MoE needs a gated shared expert (model."
-                             "moe_shared_expert_ffn_hidden_size > 0, moe_shared_expert_gate)")
-        _check(cfg, QWEN2_MOE)
+        _qwen2_moe_check(cfg)
         return QWEN2_MOE
-    if cfg.moe_first_dense_layers or cfg.moe_layer_freq != 1 or not cfg.moe_norm_topk_prob:
-        raise ValueError("Mixtral needs every layer MoE (moe_first_dense_layers=0, "
-                         "moe_layer_freq=1) and moe_norm_topk_prob=true; a shared expert "
-                         "makes it Qwen2-MoE")
-    _check(cfg, MIXTRAL)
+    _mixtral_check(cfg)
     return MIXTRAL
 
 
 MOE_FORMATS: dict[str, HFFormat] = {
     MIXTRAL: HFFormat("MixtralForCausalLM", _mixtral_read, _mixtral_write, _mixtral_refs,
-                      lambda cfg, full: refs_to_hf(_mixtral_refs(cfg), full)),
-    QWEN2_MOE: HFFormat("Qwen2MoeForCausalLM", _qwen_read, _qwen_write, _qwen_refs,
-                        lambda cfg, full: refs_to_hf(_qwen_refs(cfg), full)),
+                      lambda cfg, full: refs_to_hf(_mixtral_refs(cfg), full),
+                      window=EVERY_LAYER),
+    QWEN2_MOE: HFFormat("Qwen2MoeForCausalLM", _qwen_read, _qwen2_moe_write, _qwen_refs,
+                        lambda cfg, full: refs_to_hf(_qwen_refs(cfg), full),
+                        window=EVEN_BELOW_K),
+    QWEN3_MOE: HFFormat("Qwen3MoeForCausalLM", _qwen3_moe_read, _qwen3_moe_write,
+                        _qwen3_moe_refs, lambda cfg, full: refs_to_hf(_qwen3_moe_refs(cfg), full)),
 }
 """The mixture-of-experts HF forms (llama-like, :func:`moe_format_key` picks one)."""
 
-ALL_FORMATS: dict[str, HFFormat] = {**HF_FORMATS, **MOE_FORMATS}
+MOE_BY_ARCH: dict[str, str] = {"qwen3": QWEN3_MOE, "mistral": MIXTRAL, "qwen2": QWEN2_MOE}
+"""model.arch -> the key in :data:`MOE_FORMATS` of its models with experts (its models without
+are :data:`~colonnade.checkpoint.hf_archs.HF_FORMATS`'); arch llama's MoE class is chosen by
+:func:`moe_format_key`."""
+
+FAMILY_FORMATS: dict[str, HFFormat] = {"deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS}
+"""model.arch -> its one HF form, with or without experts (DeepseekV3ForCausalLM's first
+layers are dense, the rest MoE; GptOssForCausalLM is MoE in every layer)."""
+
+ALL_FORMATS: dict[str, HFFormat] = {**HF_FORMATS, **MOE_FORMATS, **FAMILY_FORMATS}
 """Every HF form Colonnade reads and writes."""
 
 
 def format_for(cfg: ModelConfig) -> HFFormat:
     """The HF form of ``cfg``: its architecture's, or the MoE class it matches."""
+    if cfg.arch in FAMILY_FORMATS:
+        return FAMILY_FORMATS[cfg.arch]
+    if cfg.arch in MOE_BY_ARCH:
+        return MOE_FORMATS[MOE_BY_ARCH[cfg.arch]] if cfg.moe else HF_FORMATS[cfg.arch]
     if cfg.moe or cfg.qkv_bias:
         return MOE_FORMATS[moe_format_key(cfg)]
     if cfg.arch not in HF_FORMATS:

@@ -7,8 +7,12 @@ schedule functions or the parameter dtypes, checks at import that the table cove
 
 from __future__ import annotations
 
-ARCHS: tuple[str, ...] = ("llama", "gpt2")
+ARCHS: tuple[str, ...] = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "deepseek_v3",
+                          "gpt_oss")
 """model.arch: decoder architectures (colonnade.models.spec declares each)."""
+ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "dynamic", "llama3", "yarn")
+"""model.rope_scaling: how RoPE's frequencies are stretched for a longer context
+(colonnade.models.rope computes each; HF's rope_type, with 'none' for its 'default')."""
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 """parallel.schedule: pipeline schedules (colonnade.pipeline.schedules builds each)."""
 SCHEDULE_PLACEMENT: dict[str, str] = {"zbv": "v"}

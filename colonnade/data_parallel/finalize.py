@@ -5,6 +5,9 @@ The data-parallel reduction (bucketed, overlapped with backward) lives in
 :mod:`colonnade.data_parallel.ddp`. After it two partial-sum cases remain:
 * sequence parallelism: tp-replicated parameters (norms, row-parallel biases, gpt2 positions)
   saw only this rank's sequence chunk, so their gradients are summed across tp;
+* norms over tp-split heads (``tp_partial_grad``, Qwen3's q/k norm weights [d]): each rank
+  applied them to its own heads only, so their gradients are summed across tp whether or not
+  sp is on (the sum over every rank's heads is the single-process gradient);
 * tied embeddings with pp > 1: the first stage's embedding and the last stage's head (its
   ``tied_copy``, under the same key) hold the same logical weight; their gradients are summed
   across the embedding group.
@@ -27,7 +30,8 @@ from colonnade.parallel.groups import ProcessGroups
 
 
 def _is_partial(p: nn.Parameter) -> bool:
-    return bool(getattr(getattr(p, "sharding", None), "sp_partial_grad", False))
+    """A gradient that is a partial sum over tp (:attr:`Sharding.partial_over_tp`)."""
+    return bool(getattr(getattr(p, "sharding", None), "partial_over_tp", False))
 
 
 def _is_tied(p: nn.Parameter) -> bool:
@@ -36,7 +40,8 @@ def _is_tied(p: nn.Parameter) -> bool:
 
 def reduce_sp_and_tied(chunks: list[nn.Module], groups: ProcessGroups, tied: bool,
                        ddp: DataParallel | None = None) -> None:
-    """All-reduce sp-partial gradients over tp and tied-embedding gradients over pp ends
+    """All-reduce tp-partial gradients (sp-partial ones and those of norms over tp-split
+    heads) over tp and tied-embedding gradients over pp ends
     (nothing is looked at when neither group has more than one rank). ZeRO-2/3 (``ddp``):
     on the owned shard pieces of those parameters."""
     tied = tied and groups.pp.size > 1 and groups.embedding.size > 1

@@ -28,18 +28,22 @@ dropout draws the rows of the full [s, b, h] mask that the rank holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from colonnade.config.sections import ModelConfig
+from colonnade.context_parallel import masks
 from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
 from colonnade.context_parallel.layout import local_ranges, take_local, zigzag_index, zigzag_ranges
 from colonnade.context_parallel.ring import ring_attention
+from colonnade.context_parallel.sinks import attention_with_sinks
 from colonnade.eager import eager
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
+from colonnade.models.rope import rope_cos_sin
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -51,11 +55,10 @@ from colonnade.tensor_parallel.sharding import output_std
 
 def rope_tables(cfg: ModelConfig, device: torch.device | None,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [max_seq_len, d/2] for RoPE with base ``rope_theta``."""
-    d = cfg.head_size
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)  # [S, d/2]
-    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+    """cos, sin of shape [max_seq_len, d/2] for RoPE with base ``rope_theta``, scaled by
+    model.rope_scaling and multiplied by its attention factor (:mod:`colonnade.models.rope`);
+    d is ``cfg.rope_dim`` (the head width, or MLA's rotary part)."""
+    return rope_cos_sin(cfg, cfg.rope_dim, device, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,6 +154,12 @@ class Attention(nn.Module):
 
     direct_children = ("q", "k", "v")
     """Children whose weights ``column_parallel`` may read directly (see there)."""
+    head_norms: ClassVar[int] = 0
+    """Norms of width d over each head the layer holds (:meth:`before_rope`; Qwen3's q and k
+    norms: 2), what the parameter counters read."""
+    has_sinks: ClassVar[bool] = False
+    """A learned sink logit per head (:meth:`head_sinks`; gpt-oss's
+    :class:`~colonnade.models.gpt_oss.SinkAttention`), what the parameter counters read."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str, layer: int) -> None:
         super().__init__()
@@ -167,6 +176,14 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(cfg.num_heads * d, h, ctx, f"{key}.o", bias=cfg.bias,
                                    std=output_std(std, cfg.num_layers))
         self.recompute_core = False
+        self.window = cfg.window(layer)
+        """This layer's sliding window W (query i attends keys i - W < j <= i), or None."""
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        """An empty KV cache of ``length`` positions: k, v [b, kv/tp, S, d]."""
+        shape = (batch, self.kv_heads, length, self.cfg.head_size)
+        w = self.q.weight
+        return KVCache(w.new_zeros(shape), w.new_zeros(shape))
 
     @property
     def batch_first(self) -> bool:
@@ -190,6 +207,7 @@ class Attention(nn.Module):
         q = q.view(*lead, self.heads, d)  # [b, s, a/tp, d] or [s, b, a/tp, d]
         k = k.view(*lead, self.kv_heads, d)  # [b, s, kv/tp, d] or [s, b, kv/tp, d]
         v = v.view(*lead, self.kv_heads, d)
+        q, k = self.before_rope(q, k)
         start = cache.length if cache is not None else 0
         if rope is not None:  # rotated in the memory order: SDPA's output then keeps it
             cos, sin = self._rope_angles(rope, start, s, doc)
@@ -211,6 +229,14 @@ class Attention(nn.Module):
         else:
             out = self.core_attention(q, k, v, start, mask)
         return self.o(out)
+
+    def before_rope(self, q: torch.Tensor, k: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What happens to q [., ., a/tp, d] and k [., ., kv/tp, d] between the head split
+        and RoPE (both before the KV cache and cp's exchange): nothing here; a subclass's
+        per-head transform (Qwen3's q/k RMSNorm, :class:`~colonnade.models.qk_norm.
+        QKNormAttention`). Shapes are kept."""
+        return q, k
 
     def _rope_angles(self, rope: tuple[torch.Tensor, torch.Tensor], start: int, s: int,
                      doc: DocContext | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +270,10 @@ class Attention(nn.Module):
         (document reset). Returns [b, s, a/tp * d] (batch-first) or [s, b, a/tp * d].
 
         Causal is bottom-right aligned: query i (absolute position start + i) sees keys
-        j <= start + i, also for a prefill of s > 1 tokens after a cached prefix (start > 0).
+        j <= start + i, also for a prefill of s > 1 tokens after a cached prefix (start > 0);
+        a layer with a sliding window W (:attr:`window`) also needs j > start + i - W, an
+        explicit [s, S] band (AND-ed with ``mask``) in every path below
+        (:func:`colonnade.context_parallel.masks.attention_mask`).
         Which path runs:
 
         * attention dropout 0 (or eval): fused ``F.scaled_dot_product_attention`` (flash /
@@ -266,23 +295,35 @@ class Attention(nn.Module):
         """:meth:`core_attention` before the output reshape: q [b, n, s, d], k/v
         [b, n_kv, S, d] -> [b, n, s, d]. ``head_offset``: index of q's first head among this
         tp rank's heads (all-to-all attention hands each cp rank a share of them), which
-        places the dropout mask's heads."""
+        places the dropout mask's and the sinks' heads."""
         p = self.cfg.attention_dropout if self.training else 0.0
         s, total = q.shape[2], k.shape[2]
+        mask = masks.attention_mask(s, total, self.window, mask, q.device)  # + the window
+        sinks = self.head_sinks(head_offset, q.shape[1])  # [n] or None
         if p > 0.0:
             spec = DropoutSpec(self.ctx.rng, self.dropout_site, p, self.heads * self.ctx.tp,
                                self.ctx.tp_rank * self.heads + head_offset)
-            out = dropout_attention(q, k, v, spec, mask)  # [b, n, s, d]
+            out = dropout_attention(q, k, v, spec, mask, sinks=sinks)  # [b, n, s, d]
         else:
             gqa = k.shape[1] != q.shape[1]
             if mask is None and start > 0 and s > 1:  # prefill after a cached prefix
-                mask = causal_mask(s, total, q.device)
-            if mask is not None:
+                mask = masks.causal(s, total, q.device)
+            if sinks is not None:  # the fused kernel that returns lse, then the sink merge
+                out = attention_with_sinks(q, k, v, sinks, causal=mask is None and s > 1,
+                                           mask=mask)
+            elif mask is not None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1,
                                                      enable_gqa=gqa)
         return out
+
+    def head_sinks(self, head_offset: int, n: int) -> torch.Tensor | None:
+        """Sink logits [n] of this tp rank's heads head_offset .. head_offset + n - 1, which
+        join each row's softmax denominator (gpt-oss's :class:`~colonnade.models.gpt_oss.
+        SinkAttention`: every path above, ring cp and all-to-all cp apply them); None here:
+        plain attention."""
+        return None
 
     def _cp_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  doc: DocContext | None) -> torch.Tensor:
@@ -308,7 +349,8 @@ def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if ctx.cp_attention == "ring":
         doc_ids = doc.doc_ids if doc is not None else None  # [b, s] or None
         return ring_attention(q, k, v, ctx.cp, causal=True, doc_ids=doc_ids,
-                              overlap=ctx.cp_overlap)
+                              overlap=ctx.cp_overlap, sinks=attn.head_sinks(0, attn.heads),
+                              window=attn.window)
     mask = doc.mask if doc is not None else None  # [b, 1, s, s] (natural order) or None
 
     def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
@@ -316,11 +358,6 @@ def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return attn.attend(qh, kh, vh, 0, mask, head_offset)  # [b, a/tp/cp, s, d]
 
     return all_to_all_attention(q, k, v, ctx.cp, attend)
-
-
-def causal_mask(s: int, total: int, device: torch.device) -> torch.Tensor:
-    """Bottom-right causal mask [s, S] (True: may attend): query i sees keys j <= i + S - s."""
-    return torch.ones(s, total, dtype=torch.bool, device=device).tril(total - s)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,

@@ -14,7 +14,9 @@ Parameters of one layer
     bias (LayerNorm), h each without (RMSNorm); with ``bias``: h_q + 2 h_kv (QKV) + h (out) +
     (k - 1) f (the MLP's column matrices) + h (its row matrix).
     gpt2 (k = 2, LayerNorm, biases, f = 4h): 12h^2 + 13h.  llama (k = 3, RMSNorm): 2 h h_q +
-    2 h h_kv + 3hf + 2h.
+    2 h h_kv + 3hf + 2h.  Norms over each head (the attention class's ``head_norms``: Qwen3's
+    q and k norms, 2) add head_norms * d; attention sinks (the class's ``has_sinks``:
+    gpt-oss) add one logit per query head, a.
 Outside the layers: token embedding Vh, learned positions max_seq_len * h (none with RoPE),
 final norm (2h or h), output head Vh unless tied.  For gpt2 with f = 4h, biases, tied head and
 max_seq_len = s this is Narayanan et al.'s P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh)) plus the
@@ -32,7 +34,8 @@ exactly Narayanan et al. 2021 eq. (3); without recompute 72 B s l h^2 (1 + s/(6h
 
 Mixture of experts (E routed experts of width f_e, k per token, shared expert width f_s, n_moe
 MoE layers): an MoE layer's MLP replaces the dense k h f block by
-    router E h (+ E: the sigmoid router's selection bias, a parameter without gradient),
+    router E h (+ E: the sigmoid router's selection bias, a parameter without gradient;
+    + E: the learned logit bias of model.moe_router_bias, gpt-oss),
     E routed experts of k h f_e (+ (k - 1) f_e + h with biases: gpt2),
     a shared expert k h f_s (+ biases) and its gate h when configured;
 the ACTIVE parameters per token count k of the E routed experts. Forward FLOPs per token of
@@ -62,6 +65,12 @@ class ArchFacts:
     False: RMSNorm (weight only; keeps its fp32 input and 1/rms)."""
     positions: str
     """'rope' (rotary, no parameters) or 'learned' (a max_seq_len x h table)."""
+    head_norms: int = 0
+    """Norms of width d over each attention head per layer (the attention class's
+    ``head_norms``; Qwen3's q and k norms: 2), d weights each, replicated over tp."""
+    sinks: bool = False
+    """One learned sink logit per query head per layer (the attention class's ``has_sinks``;
+    gpt-oss), split over tp with the heads."""
 
     @property
     def rope(self) -> bool:
@@ -78,14 +87,17 @@ class ArchFacts:
 def arch_facts(model: ModelConfig) -> ArchFacts:
     """The facts of ``model``'s architecture, read from its layer spec
     (:func:`colonnade.models.spec.arch_spec`: ``layer(i).mlp.matrices``,
-    ``layer(i).norm.has_bias``, ``positions``); the one place they are resolved.
+    ``layer(i).norm.has_bias``, ``layer(i).attention.head_norms``, ``positions``); the one
+    place they are resolved.
 
     Every layer must agree: the counts and the activation model assume identical layers.
     Cached per config (the planner asks it for every layout it scores).
     """
     spec = arch_spec(model)
     facts = {ArchFacts(mlp_matrices=int(layer.mlp.matrices),
-                       norm_has_bias=bool(layer.norm.has_bias), positions=str(spec.positions))
+                       norm_has_bias=bool(layer.norm.has_bias), positions=str(spec.positions),
+                       head_norms=int(getattr(layer.attention, "head_norms", 0)),
+                       sinks=bool(getattr(layer.attention, "has_sinks", False)))
              for layer in (spec.layer(i) for i in range(model.num_layers))}
     if len(facts) != 1:
         raise ValueError(f"model.arch='{model.arch}': its layers differ ({sorted(map(str, facts))})"
@@ -125,6 +137,10 @@ class LayerShape:
     """Dropout on the attention probabilities."""
     qkv_bias: bool = False
     """Biases on q, k, v only (model.qkv_bias; model.bias already has them)."""
+    mla: MLAShape | None = None
+    """Multi-head latent attention's widths (model.arch='deepseek_v3'), else None. h_q and
+    h_kv are then a (d_n + d_r) each (the expanded per-head q and k) for the activation model;
+    the parameter and FLOP counts use these widths instead."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> LayerShape:
@@ -137,7 +153,16 @@ class LayerShape:
             tied=model.tie_embeddings, bias=model.bias,
             hidden_dropout=model.hidden_dropout > 0,
             attention_dropout=model.attention_dropout > 0, qkv_bias=model.qkv_bias,
-        )
+        ) if not model.mla else cls(
+            facts=arch_facts(model), layers=model.num_layers, hidden=model.hidden_size,
+            heads=model.num_heads, q_hidden=model.num_heads * model.mla_qk_head_dim,
+            kv_hidden=model.num_heads * model.mla_qk_head_dim,
+            ffn=model.ffn_size, vocab=model.vocab, max_seq_len=model.max_seq_len,
+            tied=model.tie_embeddings, bias=False, hidden_dropout=model.hidden_dropout > 0,
+            attention_dropout=model.attention_dropout > 0,
+            mla=MLAShape(model.mla_q_lora_rank or 0, model.mla_kv_lora_rank,
+                         model.mla_qk_nope_head_dim, model.mla_qk_rope_head_dim,
+                         model.mla_v_head_dim))
 
     @property
     def head_dim(self) -> int:
@@ -155,15 +180,53 @@ class LayerShape:
         return self.facts.rope
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention's widths (:mod:`colonnade.models.mla`)."""
+
+    q_rank: int
+    """r_q, the query compression rank (0: one h -> a d projection)."""
+    kv_rank: int
+    """r, the key/value latent width."""
+    nope: int
+    """d_n, the per-head query/key width without rope."""
+    rope: int
+    """d_r, the rotary width (one shared key head)."""
+    v: int
+    """d_v, the per-head value width."""
+
+    def matrix_params(self, h: int, a: int) -> int:
+        """W_qa h r_q + W_qb r_q a d (or W_q h a d) + W_kva h (r + d_r) + W_kvb r a (d_n +
+        d_v) + W_o a d_v h, with d = d_n + d_r."""
+        d = self.nope + self.rope
+        q = h * self.q_rank + self.q_rank * a * d if self.q_rank else h * a * d
+        return (q + h * (self.kv_rank + self.rope) + self.kv_rank * a * (self.nope + self.v)
+                + a * self.v * h)
+
+    @property
+    def norm_params(self) -> int:
+        """The two latent RMSNorms' weights, r_q + r (replicated over tp)."""
+        return self.q_rank + self.kv_rank
+
+
+def attention_matrix_params(m: LayerShape) -> int:
+    """Weight-matrix parameters of one layer's attention: 2 h h_q + 2 h h_kv (q, k, v, o), or
+    MLA's (:meth:`MLAShape.matrix_params`)."""
+    if m.mla is not None:
+        return m.mla.matrix_params(m.hidden, m.heads)
+    return 2 * m.hidden * m.q_hidden + 2 * m.hidden * m.kv_hidden
+
+
 def layer_matrix_params(m: LayerShape) -> int:
     """Weight-matrix parameters of one layer (the ones that cost 2 FLOPs per token each)."""
-    h = m.hidden
-    return 2 * h * m.q_hidden + 2 * h * m.kv_hidden + m.mlp_matrices * h * m.ffn
+    return attention_matrix_params(m) + m.mlp_matrices * m.hidden * m.ffn
 
 
 def layer_norm_params(m: LayerShape) -> int:
-    """Parameters of one layer's two norms (replicated on every tp rank)."""
-    return 2 * m.facts.norm_params * m.hidden
+    """Parameters of one layer's two norms and its per-head norms (replicated on every tp
+    rank): 2 h (x 2 with biases) + head_norms d."""
+    latent = m.mla.norm_params if m.mla is not None else 0  # MLA's latent norms
+    return 2 * m.facts.norm_params * m.hidden + m.facts.head_norms * m.head_dim + latent
 
 
 def layer_params(m: LayerShape) -> int:
@@ -174,7 +237,8 @@ def layer_params(m: LayerShape) -> int:
         biases = (m.q_hidden + 2 * m.kv_hidden) + h + (m.mlp_matrices - 1) * m.ffn + h
     elif m.qkv_bias:
         biases = m.q_hidden + 2 * m.kv_hidden
-    return layer_matrix_params(m) + biases + layer_norm_params(m)
+    sinks = m.heads if m.facts.sinks else 0
+    return layer_matrix_params(m) + biases + layer_norm_params(m) + sinks
 
 
 def position_params(m: LayerShape) -> int:
@@ -215,7 +279,8 @@ def moe_mlp_params(cfg: ModelConfig) -> dict[str, int]:
     router), ``routed`` (E experts), ``shared`` (shared expert + gate)."""
     m, e, h = LayerShape.of(cfg), cfg.num_experts, cfg.hidden_size
     shared = cfg.moe_shared_expert_ffn_hidden_size
-    return {"router": e * h + (e if cfg.moe_router == "sigmoid" else 0),
+    router_biases = (e if cfg.moe_router == "sigmoid" else 0) + (e if cfg.moe_router_bias else 0)
+    return {"router": e * h + router_biases,
             "routed": e * mlp_params(m, cfg.expert_ffn_size),
             "shared": mlp_params(m, shared) + (h if shared > 0 and cfg.moe_shared_expert_gate
                                                else 0)}
@@ -260,7 +325,10 @@ def layer_forward_flops_per_token(m: LayerShape, seq_len: int) -> float:
 
 
 def attention_core_flops_per_token(m: LayerShape, seq_len: int) -> float:
-    """Core attention forward FLOPs per token: QK^T and scores x V, 4 s h_q."""
+    """Core attention forward FLOPs per token: QK^T and scores x V, 4 s h_q (MLA: 2 s a
+    (d_n + d_r) + 2 s a d_v)."""
+    if m.mla is not None:
+        return 2.0 * seq_len * m.heads * (m.mla.nope + m.mla.rope + m.mla.v)
     return 4.0 * seq_len * m.q_hidden
 
 

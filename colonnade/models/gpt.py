@@ -267,11 +267,6 @@ class ModelChunk(nn.Module):
         return x
 
     def new_caches(self, batch: int, length: int) -> list[KVCache]:
-        """Empty KV caches of ``length`` positions for every layer of this chunk."""
-        out = []
-        for layer in self.layers.values():
-            attn = layer.attn
-            shape = (batch, attn.kv_heads, length, self.cfg.head_size)
-            w = attn.q.weight
-            out.append(KVCache(w.new_zeros(shape), w.new_zeros(shape)))
-        return out
+        """Empty KV caches of ``length`` positions for every layer of this chunk (each
+        attention class shapes its own, :meth:`Attention.new_cache`)."""
+        return [layer.attn.new_cache(batch, length) for layer in self.layers.values()]

@@ -5,7 +5,10 @@ LayerSpec`'s ``norm`` and an ``ArchSpec``'s ``final_norm``) and the class attrib
 ``has_bias`` that parameter counters read: a norm holds h weights, plus h biases if it has one.
 
 Parameters are replicated across tp; under sp each rank normalises only its sequence chunk,
-so their gradients are partial sums (``sp_partial_grad``) all-reduced across tp later.
+so their gradients are partial sums (``sp_partial_grad``) all-reduced across tp later. A norm
+built with ``per_head`` (Qwen3's q/k norm, :mod:`colonnade.models.qk_norm`) normalises each of
+the rank's tp-split heads over their width d: its gradient is a partial sum over the heads,
+with or without sp (``tp_partial_grad``), all-reduced across tp the same way.
 """
 
 from __future__ import annotations
@@ -27,13 +30,19 @@ class Norm(nn.Module):
     has_bias: ClassVar[bool] = False
     """Whether the norm holds a bias b [h] (initialised to zeros) next to its weight."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str, *,
+                 width: int | None = None, per_head: bool = False) -> None:
+        """``width``: the normalised dim (default h). ``per_head``: the norm runs on each of
+        this rank's tp-split heads (q/k norm, width d), so its gradient is a partial sum over
+        tp with or without sp (``tp_partial_grad``) instead of one under sp only."""
         super().__init__()
-        self.eps, h = cfg.norm_eps, cfg.hidden_size
-        self.weight = ctx.param(Sharding(f"{key}.weight", (h,), sp_partial_grad=ctx.sp), 0.0,
-                                "ones")
-        self.bias = (ctx.param(Sharding(f"{key}.bias", (h,), sp_partial_grad=ctx.sp), 0.0,
-                               "zeros") if self.has_bias else None)
+        self.eps, h = cfg.norm_eps, cfg.hidden_size if width is None else width
+        sp_partial = ctx.sp and not per_head
+        self.weight = ctx.param(Sharding(f"{key}.weight", (h,), sp_partial_grad=sp_partial,
+                                         tp_partial_grad=per_head), 0.0, "ones")
+        self.bias = (ctx.param(Sharding(f"{key}.bias", (h,), sp_partial_grad=sp_partial,
+                                        tp_partial_grad=per_head), 0.0, "zeros")
+                     if self.has_bias else None)
 
 
 class RMSNorm(Norm):

@@ -29,8 +29,11 @@ from torch import nn
 from colonnade.config.choices import ARCHS
 from colonnade.config.sections import ARCH_TRAITS, ModelConfig
 from colonnade.models.blocks import Attention
+from colonnade.models.gpt_oss import GptOssMoELayer, SinkAttention
+from colonnade.models.mla import MLAttention
 from colonnade.models.mlps import GeluMLP, SwiGLUMLP
 from colonnade.models.norms import LayerNorm, RMSNorm
+from colonnade.models.qk_norm import QKNormAttention
 from colonnade.moe.layer import MoELayer
 from colonnade.tensor_parallel.context import ParallelContext
 
@@ -107,6 +110,12 @@ class ArchSpec:
 ARCH_SPECS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", "rope", RMSNorm, LayerSpec(RMSNorm, Attention, SwiGLUMLP)),
     "gpt2": ArchSpec("gpt2", "learned", LayerNorm, LayerSpec(LayerNorm, Attention, GeluMLP)),
+    "mistral": ArchSpec("mistral", "rope", RMSNorm, LayerSpec(RMSNorm, Attention, SwiGLUMLP)),
+    "qwen2": ArchSpec("qwen2", "rope", RMSNorm, LayerSpec(RMSNorm, Attention, SwiGLUMLP)),
+    "qwen3": ArchSpec("qwen3", "rope", RMSNorm, LayerSpec(RMSNorm, QKNormAttention, SwiGLUMLP)),
+    "deepseek_v3": ArchSpec("deepseek_v3", "rope", RMSNorm,
+                            LayerSpec(RMSNorm, MLAttention, SwiGLUMLP)),
+    "gpt_oss": ArchSpec("gpt_oss", "rope", RMSNorm, LayerSpec(RMSNorm, SinkAttention, SwiGLUMLP)),
 }
 """The registered architectures, keyed by ``model.arch``."""
 
@@ -134,7 +143,10 @@ class GeluMoELayer(MoELayer):
     """The shared expert's dense MLP class."""
 
 
-MOE_MLPS: dict[str, MLPClass] = {"llama": SwiGLUMoELayer, "gpt2": GeluMoELayer}
+MOE_MLPS: dict[str, MLPClass] = {"llama": SwiGLUMoELayer, "gpt2": GeluMoELayer,
+                                 "mistral": SwiGLUMoELayer, "qwen2": SwiGLUMoELayer,
+                                 "qwen3": SwiGLUMoELayer, "deepseek_v3": SwiGLUMoELayer,
+                                 "gpt_oss": GptOssMoELayer}
 """The mixture-of-experts MLP class of each registered architecture."""
 
 
@@ -172,7 +184,10 @@ def _check_registry() -> None:
                              f"config.choices.ARCHS {list(ARCHS)}")
     for name, spec in ARCH_SPECS.items():
         traits = ARCH_TRAITS[name]
-        if spec.rope != traits.rope or (spec.layer(0).mlp.matrices == 3) != traits.gated_mlp:
+        attention = spec.layer(0).attention
+        mla = isinstance(attention, type) and issubclass(attention, MLAttention)
+        if (spec.rope != traits.rope or (spec.layer(0).mlp.matrices == 3) != traits.gated_mlp
+                or mla != traits.mla):
             raise AssertionError(f"ARCH_SPECS[{name!r}] disagrees with ARCH_TRAITS[{name!r}]")
 
 

@@ -3,12 +3,15 @@
 Router (t tokens, h hidden, E experts, k per token; x [t, h] in the contract's row order, the
 [s_l, b] flattening, s major):
 
-* logits ``z = x W^T`` [t, E] in fp32 (fp64 when the model is fp64), W [E, h] replicated;
+* logits ``z = x W^T (+ c)`` [t, E] in fp32 (fp64 when the model is fp64), W [E, h]
+  replicated, c [E] the learned ``bias`` with ``model.moe_router_bias`` (gpt-oss);
 * 'softmax': ``p = softmax(z)`` [t, E]; the k largest ``p`` are chosen, their values are the
   weights, divided by their sum when ``moe_norm_topk_prob``; ``probs = p``;
 * 'sigmoid' (DeepSeek-V3): scores ``g = sigmoid(z)`` [t, E]; the k largest ``g + b`` are
-  chosen (b [E] the selection bias ``expert_bias``, never a weight); weights = chosen ``g``
-  divided by their sum; ``probs = g / sum_e g_e`` (per token) for the balancing loss.
+  chosen (b [E] the selection bias ``expert_bias``, never a weight), among the experts of the
+  ``moe_topk_group`` best of ``moe_n_group`` groups when n_group > 1 (:func:`group_limit`);
+  weights = chosen ``g``, divided by their sum when ``moe_norm_topk_prob``, times
+  ``moe_routed_scaling_factor``; ``probs = g / sum_e g_e`` (per token) for the balancing loss.
 
 Ties are broken towards the lower expert id (a stable descending sort), so the choice is
 deterministic and identical in every layout.
@@ -79,8 +82,13 @@ class Router(nn.Module):
         e, h = cfg.num_experts, cfg.hidden_size
         self.num_experts, self.k, self.kind = e, cfg.moe_top_k, cfg.moe_router
         self.norm_topk = cfg.moe_norm_topk_prob
+        self.groups, self.topk_group = cfg.moe_n_group, cfg.moe_topk_group
+        self.scale = cfg.moe_routed_scaling_factor
         self.weight = ctx.param(Sharding(f"{key}.weight", (e, h), sp_partial_grad=ctx.sp),
                                 cfg.init_std)
+        self.bias = (ctx.param(Sharding(f"{key}.bias", (e,), sp_partial_grad=ctx.sp), 0.0,
+                               "zeros") if cfg.moe_router_bias else None)
+        """[E] added to the logits (gpt-oss's linear router), a partial gradient under sp."""
         self.expert_bias: nn.Parameter | None = None
         if self.kind == "sigmoid":
             bias = make_param(Sharding(f"{key}.expert_bias", (e,)), tp_coords(ctx.tp_rank, ctx.tp),
@@ -92,7 +100,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [t, h] -> Routing (module docstring for the formulas)."""
         dtype = router_dtype(x.dtype)
-        logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [t, E]
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        logits = F.linear(x.to(dtype), self.weight.to(dtype), bias)  # [t, E]
         if self.kind == "softmax":
             probs = torch.softmax(logits, dim=-1)  # [t, E]
             expert = top_k(probs.detach(), self.k)  # [t, k]
@@ -104,11 +113,31 @@ class Router(nn.Module):
         select = scores.detach()
         if self.expert_bias is not None:
             select = select + self.expert_bias.to(dtype)
+        if self.groups > 1:
+            select = group_limit(select, self.groups, self.topk_group)
         expert = top_k(select, self.k)  # [t, k]
         weight = scores.gather(1, expert)  # [t, k]
-        weight = weight / weight.sum(dim=-1, keepdim=True)
+        if self.norm_topk:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            weight = weight * self.scale
         probs = scores / scores.sum(dim=-1, keepdim=True)  # [t, E]
         return Routing(expert, weight, probs, logits)
+
+
+def group_limit(select: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): the E experts form ``groups`` equal groups of
+    consecutive ids; a group scores the sum of its two largest ``select`` values, the
+    ``keep`` best groups stay eligible (ties: the lower group id) and every other expert's
+    selection score becomes -inf. select [t, E] -> [t, E]."""
+    t, e = select.shape
+    grouped = select.view(t, groups, e // groups)  # [t, G, E/G]
+    score = grouped.topk(min(2, e // groups), dim=-1).values.sum(dim=-1)  # [t, G]
+    best = top_k(score, keep)  # [t, keep]
+    allowed = torch.zeros(t, groups, dtype=torch.bool, device=select.device)
+    allowed.scatter_(1, best, True)  # [t, G]
+    allowed = allowed.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)  # [t, E]
+    return select.masked_fill(~allowed, float("-inf"))
 
 
 class SumOver(torch.autograd.Function):

@@ -15,6 +15,9 @@ gradient-norm ownership all derive from it:
   to a multiple of tp);
 * ``sp_partial_grad``: a tp-replicated parameter whose gradient is only a partial sum under
   sequence parallelism (norm weights, row-parallel biases): it is all-reduced across tp;
+* ``tp_partial_grad``: a tp-replicated parameter applied to each of the rank's tp-split heads
+  (Qwen3's q/k norm weights [d]), so its gradient is a partial sum over the heads of every tp
+  rank with or without sp: it is always all-reduced across tp;
 * ``tied_copy``: the last pipeline stage's copy of a tied parameter (the output head tied to
   the word embedding): same key (so same initial value and checkpoint name), gradient summed
   with the first stage's over the embedding group, never saved nor counted in the norm.
@@ -73,6 +76,9 @@ class Sharding:
     """Zero rows appended along the tp dim before splitting (vocabulary padding)."""
     sp_partial_grad: bool = False
     """tp-replicated, but the gradient is a partial sum under sp: all-reduced across tp."""
+    tp_partial_grad: bool = False
+    """tp-replicated, applied to tp-split heads: the gradient is a partial sum over each rank's
+    heads whatever sp, all-reduced across tp (:attr:`partial_over_tp`)."""
     tied_copy: bool = False
     """A later pipeline stage's copy of the first stage's parameter of the same key."""
     splits: tuple[tuple[str, int], ...] = ()
@@ -94,6 +100,12 @@ class Sharding:
             raise ValueError(f"{self.key}: padded_rows needs a tp split")
         object.__setattr__(self, "splits", splits)
         object.__setattr__(self, "dim", dict(splits).get("tp"))
+
+    @property
+    def partial_over_tp(self) -> bool:
+        """This rank's gradient is a partial sum to be all-reduced across tp after backward
+        (``sp_partial_grad`` or ``tp_partial_grad``)."""
+        return self.sp_partial_grad or self.tp_partial_grad
 
     @property
     def split_axes(self) -> tuple[str, ...]:

@@ -78,9 +78,10 @@ def test_ties_go_to_lower_expert_id() -> None:
 def test_sigmoid_routing_bias_selects_but_never_weights() -> None:
     w = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
     x = _x([[1.0, 2.0]])  # logits [1, 2, 3]
-    cfg = _cfg(moe_router="sigmoid", moe_norm_topk_prob=False)  # sigmoid always normalises
-    router = _router(cfg, w)
     s = [1 / (1 + math.exp(-v)) for v in (1.0, 2.0, 3.0)]
+    raw = _router(_cfg(moe_router="sigmoid", moe_norm_topk_prob=False), w)(x)
+    assert torch.allclose(raw.weight, _x([[s[2], s[1]]]), atol=TOL)  # not renormalised
+    router = _router(_cfg(moe_router="sigmoid"), w)  # moe_norm_topk_prob=True
     r = router(x)
     assert r.expert.tolist() == [[2, 1]]
     assert torch.allclose(r.weight, _x([[s[2] / (s[1] + s[2]), s[1] / (s[1] + s[2])]]), atol=TOL)
@@ -183,3 +184,19 @@ def test_state_records_sums_and_skips_recomputation() -> None:
     assert got.aux_means() == {"load_balance": 0.5} and got.dropped_fraction == 3 / 8
     state.reset()
     assert state.read() == {} and state.steps == 1 and state.aux_scale == 0.5
+
+
+def test_group_limited_sigmoid_routing_and_scaling() -> None:
+    """DeepSeek-V3's router: 4 experts in 2 groups, a token's experts only from its best group
+    (the sum of the group's two largest biased scores), weights normalised then x 2.5."""
+    w = [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 1.0]]
+    x = _x([[3.0, 2.0]])  # logits [3, 0, 2, 2]: expert 0 is best, group 1 (2 + 2) beats 3 + 0
+    s = [1 / (1 + math.exp(-v)) for v in (3.0, 0.0, 2.0, 2.0)]
+    free = _router(_cfg(num_experts=4, moe_router="sigmoid"), w)(x)
+    assert free.expert.tolist() == [[0, 2]]
+    cfg = _cfg(num_experts=4, moe_router="sigmoid", moe_n_group=2, moe_topk_group=1,
+               moe_routed_scaling_factor=2.5)
+    r = _router(cfg, w)(x)
+    assert r.expert.tolist() == [[2, 3]]
+    assert torch.allclose(r.weight, _x([[1.25, 1.25]]), atol=TOL)
+    assert torch.allclose(r.probs, _x([[v / sum(s) for v in s]]), atol=TOL)

@@ -1,0 +1,105 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``) through the family harness: multi-head latent
+attention (q rank, kv rank, interleaved rope part), a dense first layer, then MoE layers with
+the sigmoid router limited to 1 of 2 expert groups, a random selection bias, routed scaling
+and a shared expert; transformers' logits, loss, gradients, greedy text and a bit-for-bit round
+trip; the single-process run's losses and parameters under each layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from colonnade.config.sections import ModelConfig
+from tests.families.harness import Layout, check_layouts, hf_check, randomize, tiny
+
+HF_TINY = {"vocab_size": 67, "hidden_size": 32, "intermediate_size": 48,
+           "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+           "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+           "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+           "max_position_embeddings": 64,
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "mscale": 1.0,
+                               "mscale_all_dim": 0.8},
+           "tie_word_embeddings": False, "num_nextn_predict_layers": 0}
+"""A tiny DeepSeek-V3: d = 16 + 8 != d_v = 12 (so v's width differs from q's and k's); YaRN
+as DeepSeek-V3 has it, with mscale != mscale_all_dim so that both the rope tables' attention
+factor and MLA's softmax factor differ from 1."""
+
+MLA = {"mla_kv_lora_rank": 16, "mla_q_lora_rank": 24, "mla_qk_nope_head_dim": 16,
+       "mla_qk_rope_head_dim": 8, "mla_v_head_dim": 12}
+"""The same attention as Colonnade model fields."""
+
+MOE = {"num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 16, "moe_first_dense_layers": 1,
+       "moe_router": "sigmoid", "moe_n_group": 2, "moe_topk_group": 1,
+       "moe_routed_scaling_factor": 2.5, "moe_shared_expert_ffn_hidden_size": 16}
+"""The layout runs' experts (fewer, so ep2 holds two each)."""
+
+
+def test_deepseek_v3_against_transformers(tmp_path: Path) -> None:
+    model = randomize(transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**HF_TINY)))
+    gen = torch.Generator().manual_seed(3)
+    for layer in model.model.layers[1:]:  # a selection bias that changes the choice
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.3)
+    ours = hf_check(model, tmp_path, vocab=67)
+    assert (ours.arch, ours.mla_q_lora_rank, ours.mla_v_head_dim, ours.moe_n_group,
+            ours.moe_topk_group, ours.moe_routed_scaling_factor,
+            ours.moe_shared_expert_ffn_hidden_size, ours.moe_first_dense_layers,
+            ours.rope_scaling, ours.rope_mscale_all_dim) == (
+        "deepseek_v3", 24, 12, 2, 1, 2.5, 16, 1, "yarn", 0.8)
+
+
+def test_deepseek_v3_reader_refuses_mtp(tmp_path: Path) -> None:
+    from colonnade.checkpoint.hf import model_config_from_hf
+
+    hf = transformers.DeepseekV3Config(**(HF_TINY | {"num_nextn_predict_layers": 1})).to_dict()
+    hf["architectures"] = ["DeepseekV3ForCausalLM"]
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=1"):
+        model_config_from_hf(hf)
+
+
+def test_deepseek_v3_config_refusals() -> None:
+    """The validator names each field: MLA widths missing, MLA fields on another arch, a group
+    limit on the softmax router, more experts than the eligible groups hold."""
+    from colonnade.config.sections import Config
+    from colonnade.config.validate import problems
+
+    def found(**model: Any) -> str:
+        return "\n".join(problems(Config(model=ModelConfig(**model))))
+
+    assert "model.mla_kv_lora_rank=0 must be >= 1" in found(arch="deepseek_v3")
+    assert "model.mla_* fields are set but model.arch='llama'" in found(mla_kv_lora_rank=16)
+    assert "model.num_kv_heads=2: multi-head latent attention" in found(
+        arch="deepseek_v3", num_kv_heads=2, **MLA)
+    assert "model.moe_n_group=2: group-limited routing is built for" in found(
+        num_experts=4, moe_n_group=2)
+    assert "model.moe_top_k=4 exceeds the experts of model.moe_topk_group=1" in found(
+        num_experts=4, moe_top_k=4, moe_router="sigmoid", moe_n_group=2)
+    assert found(arch="deepseek_v3", **MLA, **MOE) == ""
+
+
+def _model(**changes: Any) -> ModelConfig:
+    return tiny(ModelConfig(arch="deepseek_v3", num_layers=2, hidden_size=32, num_heads=4,
+                            ffn_hidden_size=48, **MLA), **changes)
+
+
+def test_mla_layouts(run_ranks: Callable[..., list[Any]]) -> None:
+    """Dense DeepSeek-V3 (MLA + SwiGLU): tp2 without sp (the replicated down projections'
+    partial gradients), pp2, dp2 ZeRO-3, cp2 ring and all_to_all (v padded to d)."""
+    check_layouts(run_ranks, _model(), [
+        Layout(tp=2), Layout(pp=2), Layout(dp=2, zero=3), Layout(cp=2),
+        Layout(cp=2, cp_attention="all_to_all")])
+
+
+def test_deepseek_v3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
+    """DeepSeek-V3 with experts: tp2 + sp, dp2 ZeRO-1, ep2 with both dispatchers."""
+    check_layouts(run_ranks, _model(**MOE), [
+        Layout(tp=2, sp=True), Layout(dp=2, zero=1), Layout(dp=2, ep=2),
+        Layout(dp=2, ep=2, dispatcher="all_gather")])
