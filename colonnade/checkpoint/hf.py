@@ -26,6 +26,7 @@ HF tensor and one of its parts, whatever the model size.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -40,9 +41,10 @@ from torch import nn
 from tqdm import tqdm
 
 from colonnade.checkpoint.format import CheckpointError
-from colonnade.checkpoint.hf_archs import HFRef
+from colonnade.checkpoint.hf_archs import HFRef, swap_last
 from colonnade.checkpoint.hf_moe import ALL_FORMATS
 from colonnade.checkpoint.hf_moe import format_for as hf_format
+from colonnade.checkpoint.hf_window import read_window, write_window
 from colonnade.checkpoint.pieces import Box, pad_to_local
 from colonnade.checkpoint.sharded import rank_coords
 from colonnade.config.sections import ModelConfig
@@ -61,7 +63,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     arch = (hf.get("architectures") or [""])[0]
     for fmt in ALL_FORMATS.values():
         if fmt.hf_class == arch:
-            return fmt.read_config(hf)
+            cfg = fmt.read_config(hf)
+            if fmt.window is None:
+                return cfg
+            return dataclasses.replace(cfg, **read_window(hf, fmt.window))
     known = " or ".join(fmt.hf_class for fmt in ALL_FORMATS.values())
     raise ValueError(f"config.json: architecture {arch!r} is not supported ({known})")
 
@@ -70,9 +75,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32") -> dict[str, 
     """config.json contents for a ModelConfig; ``dtype`` (e.g. 'bfloat16') is written as
     ``dtype`` and as ``torch_dtype``, the key older transformers releases read."""
     fmt = hf_format(cfg)
+    if fmt.window is None and cfg.sliding_window is not None:
+        raise ValueError(f"cannot express as {fmt.hf_class}: model.sliding_window="
+                         f"{cfg.sliding_window} (the class has no sliding-window attention); "
+                         "unset it, or train an arch whose class has one (mistral, qwen2)")
     common = {"vocab_size": cfg.vocab, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "dtype": dtype, "torch_dtype": dtype}
-    return {**common, "architectures": [fmt.hf_class], **fmt.write_config(cfg)}
+    window = write_window(cfg, fmt.window, fmt.hf_class) if fmt.window is not None else {}
+    return {**common, "architectures": [fmt.hf_class], **fmt.write_config(cfg), **window}
 
 
 def hf_refs(cfg: ModelConfig) -> dict[str, HFRef]:
@@ -84,8 +94,11 @@ def hf_slice(ref: HFRef, box: Box, stored: tuple[int, ...]) -> tuple[slice, ...]
     """Index into the HF tensor (shape ``stored``) of box ``box`` of our tensor."""
     offsets, shape = box
     if ref.transpose:
-        offsets, shape = offsets[::-1], shape[::-1]
+        offsets, shape = swap_last(offsets), swap_last(shape)
     out = [slice(o, o + n) for o, n in zip(offsets, shape, strict=True)]
+    if ref.interleave:  # the strided block's rows lie inside this contiguous run
+        out[-1] = slice(out[-1].start * ref.blocks, out[-1].stop * ref.blocks)
+        return tuple(out)
     shift = ref.block * (stored[-1] // ref.blocks)
     out[-1] = slice(out[-1].start + shift, out[-1].stop + shift)
     return tuple(out)
@@ -101,7 +114,9 @@ def take_box(get: Callable[[str, tuple[slice, ...]], torch.Tensor],
         return torch.stack([take_box(get, shape_of, one, sub)
                             for one in ref.per_expert()[o0:o0 + n0]])  # [n0, ...]
     values = get(ref.name, hf_slice(ref, box, shape_of(ref.name)))
-    return values.t().contiguous() if ref.transpose else values
+    if ref.interleave:
+        values = values[..., ref.block::ref.blocks]
+    return values.transpose(-1, -2).contiguous() if ref.transpose else values.contiguous()
 
 
 def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -153,7 +168,7 @@ def hf_specs(cfg: ModelConfig, shape_of: ShapeOf, dtype: torch.dtype) -> list[HF
     for name, parts in hf_parts(cfg).items():
         ours_shapes = [(shape_of(ours)[1:] if ref.expert is not None else shape_of(ours), ref)
                        for ours, ref in parts]
-        shapes = [shape[::-1] if ref.transpose else shape for shape, ref in ours_shapes]
+        shapes = [swap_last(shape) if ref.transpose else shape for shape, ref in ours_shapes]
         out.append((name, (*shapes[0][:-1], sum(s[-1] for s in shapes)), dtype))
     return out
 
@@ -180,9 +195,12 @@ def hf_tensors(cfg: ModelConfig, get: TensorGet, specs: Sequence[HFSpec]
                     kept.clear()
                     kept[ours] = get(ours)
                 part = kept[ours][ref.expert]
-            part = part.t() if ref.transpose else part
+            part = part.transpose(-1, -2) if ref.transpose else part
             n = part.shape[-1]
-            out[..., at:at + n] = part
+            if ref.interleave:
+                out[..., ref.block::ref.blocks] = part
+            else:
+                out[..., at:at + n] = part
             at += n
             del part  # one part alive at a time
         yield name, out

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import torch
 
+from colonnade.context_parallel import masks
+
 CPU_FLASH = "cpu_flash"
 CUDA_FLASH = "cuda_flash"
 CUDA_EFFICIENT = "cuda_efficient"
@@ -95,7 +97,8 @@ def full_mask(n: int, m: int, causal: bool, mask: torch.Tensor | None,
               device: torch.device) -> torch.Tensor | None:
     """Boolean [.., n, m] mask (True = attend) combining ``mask`` (broadcastable to
     [b, 1, n, m]) and top-left causality; None when nothing is masked."""
-    tri = torch.ones(n, m, dtype=torch.bool, device=device).tril() if causal else None
+    tri = masks.band(torch.arange(n, device=device), torch.arange(m, device=device),
+                     None) if causal else None  # [n, m], j <= i
     if mask is None:
         return tri
     return mask if tri is None else mask & tri

@@ -14,6 +14,12 @@ each (query chunk cq, key chunk ck) pair of the step::
     causal and ck == cq: the diagonal block              -> causal block kernel
     otherwise          : the whole block is visible      -> full block kernel
 
+With a sliding window of W keys (``window``, :mod:`colonnade.context_parallel.masks`) a pair
+whose keys are all at least W positions behind all its queries is skipped too (the k/v block
+still travels: later ranks need it), and a pair the window cuts runs with the band mask
+i - W < j <= i of its rows' global positions (:func:`~colonnade.context_parallel.masks.
+block_kind`); :func:`block_counts` counts the computed and skipped pairs.
+
 ``doc_ids`` adds a boolean mask per pair, doc[q rows] == doc[k rows] (on top of causality).
 Each query chunk's partials are merged by the online softmax
 (:func:`colonnade.context_parallel.kernels.merge`); q, k, v, out and lse are saved.
@@ -42,7 +48,8 @@ from typing import Any
 
 import torch
 
-from colonnade.context_parallel import kernels
+from colonnade.context_parallel import kernels, masks
+from colonnade.context_parallel.sinks import merge_sinks, sinks_grad
 from colonnade.eager import eager
 from colonnade.parallel.comm import CommGroup, Handle
 
@@ -58,13 +65,25 @@ def pieces(cp: int, rank: int, s_local: int) -> list[Piece]:
     return [(rank, 0, n), (2 * cp - 1 - rank, n, s_local)]
 
 
-def pair_kind(cq: int, ck: int, causal: bool) -> str | None:
-    """'diag' (causal block), 'full', or None (skipped: every key is in the future)."""
-    if not causal:
-        return "full"
-    if ck > cq:
-        return None
-    return "diag" if ck == cq else "full"
+def pair_kind(qp: Piece, kp: Piece, n: int, causal: bool, window: int | None) -> str:
+    """:func:`~colonnade.context_parallel.masks.block_kind` of a (query piece, kv piece) pair
+    (chunk c covers global rows c n .. c n + n - 1): 'skip', 'full', 'diag' or 'band'."""
+    return masks.block_kind(qp[0] * n, qp[2] - qp[1], kp[0] * n, kp[2] - kp[1], causal, window)
+
+
+def block_counts(cp: int, s: int, causal: bool = True, window: int | None = None
+                 ) -> dict[str, int]:
+    """Block pairs of one ring attention call over all cp ranks and steps, by kind ('skip',
+    'full', 'diag', 'band'): 4 cp^2 pairs in all (cp = 1: one), sequence length s."""
+    out = dict.fromkeys((masks.SKIP, masks.FULL, masks.DIAG, masks.BAND), 0)
+    s_local = s // cp
+    n = s_local // 2 if cp > 1 else s_local
+    for rank in range(cp):
+        for source in range(cp):
+            for qp in pieces(cp, rank, s_local):
+                for kp in pieces(cp, source, s_local):
+                    out[pair_kind(qp, kp, n, causal, window)] += 1
+    return out
 
 
 def pair_mask(doc_ids: torch.Tensor | None, qp: Piece, kp: Piece, n: int
@@ -82,8 +101,9 @@ class _Ring:
     """The ring's geometry for one call: sizes, peers, chunks and masks."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, group: CommGroup, causal: bool,
-                 doc_ids: torch.Tensor | None, scale: float) -> None:
+                 doc_ids: torch.Tensor | None, scale: float, window: int | None) -> None:
         self.group, self.causal, self.doc_ids, self.scale = group, causal, doc_ids, scale
+        self.window, self.device = window, q.device
         self.cp, self.rank = group.size, max(group.rank, 0)
         s_local = q.shape[2]
         self.n = s_local // 2 if self.cp > 1 else s_local
@@ -102,10 +122,15 @@ class _Ring:
         kv_pieces = pieces(self.cp, self.source(t), self.q_pieces[-1][2])
         for qp in self.q_pieces:
             for kp in kv_pieces:
-                kind = pair_kind(qp[0], kp[0], self.causal)
-                if kind is not None:
-                    out.append((qp, kp, kind == "diag",
-                                pair_mask(self.doc_ids, qp, kp, self.n)))
+                kind = pair_kind(qp, kp, self.n, self.causal, self.window)
+                if kind == masks.SKIP:
+                    continue
+                mask = pair_mask(self.doc_ids, qp, kp, self.n)  # [b, 1, n_q, n_k] or None
+                if kind == masks.BAND:
+                    cut = masks.block_band(qp[0] * self.n, qp[2] - qp[1], kp[0] * self.n,
+                                           kp[2] - kp[1], self.window, self.device)[None, None]
+                    mask = cut if mask is None else mask & cut  # [1 | b, 1, n_q, n_k]
+                out.append((qp, kp, kind == masks.DIAG, mask))
         return out
 
     def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], name: str) -> Handle:
@@ -219,25 +244,33 @@ class OpRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 group: CommGroup, causal: bool, doc_ids: torch.Tensor | None, overlap: bool,
-                scale: float) -> torch.Tensor:
-        """Ring forward (module doc)."""
-        ring = _Ring(q, k, group, causal, doc_ids, scale)
+                scale: float, window: int | None, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Ring forward (module doc); ``sinks`` merged once with the final lse
+        (:mod:`~colonnade.context_parallel.sinks`)."""
+        ring = _Ring(q, k, group, causal, doc_ids, scale, window)
         out, lse = ring_forward(ring, q, k, v, overlap)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.overlap = ring, overlap
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         """Ring backward (module doc)."""
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.ring, dout.contiguous(), q, k, v, out, lse,
-                                   ctx.overlap)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.overlap)
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)  # local rows
+        return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
-           doc_ids: torch.Tensor | None) -> None:
+           doc_ids: torch.Tensor | None, causal: bool, window: int | None) -> None:
+    if window is not None and (window < 1 or not causal):
+        raise ValueError(f"ring_attention: window={window} needs causal attention and a "
+                         "window >= 1 (model.sliding_window)")
     if q.dim() != 4 or k.shape != v.shape or k.shape[2] != q.shape[2]:
         raise ValueError(f"ring_attention wants q [b, a, s_l, d] and k, v [b, kv, s_l, d]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -255,17 +288,24 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
 @eager
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup, *,
                    causal: bool = True, doc_ids: torch.Tensor | None = None,
-                   overlap: bool = True, scale: float | None = None) -> torch.Tensor:
+                   overlap: bool = True, scale: float | None = None,
+                   window: int | None = None, sinks: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Exact softmax attention of the cp rank's local query rows over the whole sequence.
 
     q [b, a, s_l, d], k / v [b, kv, s_l, d] (GQA: a % kv == 0, kv not expanded), the rank's
     rows in zigzag local order (s = s_l cp); ``doc_ids`` int64 [b, s] over the full sequence
     in natural order (query i attends key j iff doc_ids[i] == doc_ids[j], and j <= i when
-    ``causal``); ``scale`` defaults to 1 / sqrt(d). Returns out [b, a, s_l, d], same layout
-    as q. A group of size 1 computes plain local attention. Not traced by torch.compile (a
-    graph break).
+    ``causal``); ``scale`` defaults to 1 / sqrt(d); ``window``: a causal sliding window of W
+    keys, query i also needs i - j < W (:mod:`~colonnade.context_parallel.masks`); ``sinks``
+    [a]: per-head sink logits joining every row's softmax denominator, merged after the ring
+    with the final lse (:mod:`~colonnade.context_parallel.sinks`; their gradient covers this
+    rank's rows, summed over cp like any replicated weight's). Returns out [b, a, s_l, d],
+    same layout as q. A group of size 1 computes plain local attention. Not traced by
+    torch.compile (a graph break).
     """
-    _check(q, k, v, group.size, doc_ids)
+    _check(q, k, v, group.size, doc_ids, causal, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out: torch.Tensor = OpRingAttention.apply(q, k, v, group, causal, doc_ids, overlap, scale)
+    out: torch.Tensor = OpRingAttention.apply(q, k, v, group, causal, doc_ids, overlap, scale,
+                                              window, sinks)
     return out

