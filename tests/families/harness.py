@@ -302,11 +302,14 @@ def family_config(model: ModelConfig, layout: Layout) -> Config:
     return resolved(Config(model=model, parallel=par, training=tr, optim=opt), layout.world)
 
 
-def rank_train(model: ModelConfig, layout: Layout) -> dict[str, Any]:
+def rank_train(model: ModelConfig, layout: Layout, eod: int | None = None) -> dict[str, Any]:
     """Rank side: :data:`STEPS` Trainer steps of ``model`` under ``layout`` on the synthetic
     global batches; the losses and this rank's share of the full parameters after them
-    (dp/cp rank 0, tp rank 0 of each stage gives its stage's)."""
+    (dp/cp rank 0, tp rank 0 of each stage gives its stage's). ``eod``: packed documents end
+    at this token id, positions and attention reset there in every chunk (what
+    data.reset_position_ids / reset_attention_mask install)."""
     from colonnade.checkpoint.export import full_state
+    from colonnade.models.blocks import DocReset
     from colonnade.parallel.dims import ParallelDims
     from colonnade.parallel.groups import ProcessGroups
     from colonnade.training.loop import Trainer
@@ -317,6 +320,9 @@ def rank_train(model: ModelConfig, layout: Layout) -> dict[str, Any]:
     dims = ParallelDims.from_config(cfg.parallel, layout.world)
     groups = ProcessGroups.build(dims, experts=model.moe)
     trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
+    if eod is not None:
+        for chunk in trainer.chunks:
+            chunk.doc_reset = DocReset(eod)
     dp, rank = groups.dp.size, groups.dp.rank
     losses = []
     for step in range(STEPS):
@@ -331,20 +337,22 @@ def rank_train(model: ModelConfig, layout: Layout) -> dict[str, Any]:
     return {"losses": losses, "params": state if keep else {}}
 
 
-def reference(run_ranks: Callable[..., list[Any]], model: ModelConfig) -> dict[str, Any]:
-    """The single-process run of ``model`` (one pool rank)."""
-    (ref,) = run_ranks(1, rank_train, model, Layout())
+def reference(run_ranks: Callable[..., list[Any]], model: ModelConfig,
+              eod: int | None = None) -> dict[str, Any]:
+    """The single-process run of ``model`` (one pool rank; ``eod``: :func:`rank_train`)."""
+    (ref,) = run_ranks(1, rank_train, model, Layout(), eod)
     return ref
 
 
 def check_layouts(run_ranks: Callable[..., list[Any]], model: ModelConfig,
                   layouts: Sequence[Layout], ref: dict[str, Any] | None = None,
-                  tol: float = TOL) -> dict[str, Any]:
+                  tol: float = TOL, eod: int | None = None) -> dict[str, Any]:
     """Each layout's losses and final parameters equal the single-process run's (``ref``, or
-    computed here) to ``tol`` relative; returns the reference for further layouts."""
-    ref = reference(run_ranks, model) if ref is None else ref
+    computed here) to ``tol`` relative; returns the reference for further layouts. ``eod``:
+    document resets at that token id in every run (:func:`rank_train`)."""
+    ref = reference(run_ranks, model, eod) if ref is None else ref
     for layout in layouts:
-        results = run_ranks(layout.world, rank_train, model, layout)
+        results = run_ranks(layout.world, rank_train, model, layout, eod)
         for res in results:
             for step, (a, b) in enumerate(zip(res["losses"], ref["losses"], strict=True)):
                 assert abs(a - b) <= tol * abs(b), f"{layout}: step {step} loss {a!r} != {b!r}"

@@ -4,11 +4,14 @@ presets' parameter counts against transformers' on the meta device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import transformers
 
-from tests.families.harness import hf_check, randomize
+from colonnade.config.sections import ModelConfig
+from tests.families.harness import Layout, check_layouts, hf_check, randomize, tiny
 
 
 def test_qwen2_against_transformers(tmp_path: Path) -> None:
@@ -22,3 +25,16 @@ def test_qwen2_against_transformers(tmp_path: Path) -> None:
     assert (ours.arch, ours.qkv_bias, ours.bias, ours.tie_embeddings) == ("qwen2", True, False,
                                                                          True)
     assert (ours.sliding_window, ours.sliding_window_layers) == (4, (1, 2))
+
+
+def test_qwen2_window_layouts(run_ranks: Callable[..., list[Any]]) -> None:
+    """q/k/v biases, tied embeddings, a window of 3 on layers 1-3 of 4 (shorter than a cp
+    rank's zigzag chunk of 4 rows: ring blocks skipped, diagonal blocks cut)."""
+    model = tiny(ModelConfig(arch="qwen2", num_layers=4, hidden_size=32, num_heads=4,
+                             num_kv_heads=2, ffn_hidden_size=48, qkv_bias=True,
+                             tie_embeddings=True, sliding_window=3,
+                             sliding_window_layers=(1, 2, 3)))
+    check_layouts(run_ranks, model, [
+        Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vp=2, schedule="interleaved_1f1b"),
+        Layout(dp=2, zero=1), Layout(dp=2, zero=3), Layout(cp=2),
+        Layout(cp=2, cp_attention="all_to_all")])
