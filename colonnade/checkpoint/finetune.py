@@ -190,13 +190,17 @@ MOE_SHAPE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense_la
                     "moe_router", "moe_shared_expert_ffn_hidden_size",
                     "moe_shared_expert_gate")
 """[model] fields that decide tensors only when model.num_experts > 0."""
+MLA_SHAPE_FIELDS = ("mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_nope_head_dim",
+                    "mla_qk_rope_head_dim", "mla_v_head_dim")
+"""[model] fields of multi-head latent attention's tensor widths (deepseek_v3)."""
 TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                  "head_dim", "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias", "qkv_bias",
-                 "num_experts", *MOE_SHAPE_FIELDS)
+                 "num_experts", *MOE_SHAPE_FIELDS, *MLA_SHAPE_FIELDS)
 """[model] fields that decide which tensors a model has and their shapes (and max_seq_len for
 a learned position table, gpt2's): a checkpoint loads only into a model equal in all of them.
 The MoE ones decide which layers have experts, how many and how wide, the shared expert and its
-gate, and (sigmoid router) the expert_bias tensor."""
+gate, and (sigmoid router) the expert_bias tensor; the MLA ones (deepseek_v3) the attention's
+projection widths."""
 
 
 def _position_table(model: ModelConfig) -> bool:

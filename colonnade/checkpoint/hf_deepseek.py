@@ -62,7 +62,7 @@ def _refuse(hf: dict[str, Any]) -> None:
             hf["num_hidden_layers"]):
         problems.append("n_shared_experts=0 (DeepSeek-V3's MoE layers have a shared expert)")
     if problems:
-        raise ValueError("config.json (DeepseekV3ForCausalLM): " + "; ".join(problems))
+        raise ValueError("DeepseekV3ForCausalLM: " + "; ".join(problems))
 
 
 def read_config(hf: dict[str, Any]) -> ModelConfig:

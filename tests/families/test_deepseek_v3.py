@@ -103,3 +103,30 @@ def test_deepseek_v3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     check_layouts(run_ranks, _model(**MOE), [
         Layout(tp=2, sp=True), Layout(dp=2, zero=1), Layout(dp=2, ep=2),
         Layout(dp=2, ep=2, dispatcher="all_gather")])
+
+
+def test_deepseek_v3_preset_count_and_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/deepseek-v3.toml: 671,026,419,200 parameters (transformers' meta-device count of
+    DeepseekV3ForCausalLM plus its 58 x 256 e_score_correction_bias buffers, which Colonnade
+    holds as parameters without gradient; no multi-token-prediction module), 37,552,297,472
+    active; `train --dry-run` prints both."""
+    from colonnade.checkpoint.hf import hf_config_from_model
+    from colonnade.cli import main
+    from colonnade.config.load import load_config
+    from colonnade.models.counts import active_param_count, param_count
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "deepseek-v3.toml"
+    model = load_config(path).model
+    total, active = 671_026_419_200, 37_552_297_472
+    assert (param_count(model)["total"], active_param_count(model)) == (total, active)
+    hf = hf_config_from_model(model)
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items()
+                                               if k != "architectures"})
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(cfg)
+    biases = sum(b.numel() for n, b in theirs.named_buffers()
+                 if n.endswith("e_score_correction_bias"))
+    assert (theirs.num_parameters(), biases) == (total - 58 * 256, 58 * 256)
+    assert main(["train", "--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "671,026,419,200 parameters total, 37,552,297,472 active per token" in out

@@ -99,3 +99,34 @@ def test_llama3_rope_layouts(run_ranks: Callable[..., list[Any]]) -> None:
         Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vp=2, schedule="interleaved_1f1b"),
         Layout(dp=2, zero=1), Layout(dp=2, zero=3), Layout(cp=2),
         Layout(cp=2, cp_attention="all_to_all")])
+
+
+PRESETS = {"llama3.1-8b": (8_030_261_248, 8.0), "llama3.1-70b": (70_553_706_496, 8.0),
+           "llama3.2-1b": (1_235_814_400, 32.0), "llama3.2-3b": (3_212_749_824, 32.0)}
+"""Llama 3.x presets: parameters of the published model (transformers' count) and its rope
+factor."""
+
+
+def test_llama3x_presets_count_as_transformers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each preset's count equals transformers' LlamaForCausalLM on the meta device, built from
+    the preset's own HF export config (rope settings as published); `train --dry-run` prints
+    it."""
+    from colonnade.analysis.cli import configs_dir
+    from colonnade.checkpoint.hf import hf_config_from_model
+    from colonnade.cli import main
+    from colonnade.config.load import load_config
+
+    for name, (count, factor) in PRESETS.items():
+        model = load_config(configs_dir() / f"{name}.toml").model
+        assert param_count(model)["total"] == count, name
+        hf = hf_config_from_model(model)
+        assert hf["rope_parameters"] == {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}, name
+        assert hf["max_position_embeddings"] == 131072
+        with torch.device("meta"):
+            theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+        assert theirs.num_parameters() == count, name
+    assert main(["train", "--config", str(configs_dir() / "llama3.1-8b.toml"), "--dry-run"]) == 0
+    assert "8,030,261,248 parameters" in capsys.readouterr().out
