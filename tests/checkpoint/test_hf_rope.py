@@ -57,7 +57,7 @@ def test_old_spellings_are_read() -> None:
 ], ids=["longrope", "unknown_type", "foreign_key", "unknown_key", "missing_factor",
         "partial_rotary", "per_layer_type"])
 def test_rope_settings_it_does_not_run_are_refused(rope: dict[str, Any], words: str) -> None:
-    with pytest.raises(ValueError, match="config.json") as err:
+    with pytest.raises(ValueError, match=r"config\.json") as err:
         _read(**rope)
     assert words in str(err.value)
 
