@@ -99,6 +99,8 @@ class MoEShape:
     """The load-balancing loss is on."""
     norm_topk: bool = True
     """The k kept weights are renormalised (keeps their sum)."""
+    router_bias: bool = False
+    """The router's logits have a learned bias [E] (model.moe_router_bias, gpt-oss)."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> MoEShape:
@@ -115,7 +117,8 @@ class MoEShape:
                                     if model.is_moe_layer(i)),
                    layers=model.num_layers, z_loss=model.moe_z_loss_coeff > 0,
                    aux_loss=model.moe_aux_loss_coeff > 0,
-                   norm_topk=model.moe_norm_topk_prob or model.moe_router == "sigmoid")
+                   norm_topk=model.moe_norm_topk_prob or model.moe_router == "sigmoid",
+                   router_bias=model.moe and model.moe_router_bias)
 
     @property
     def moe(self) -> bool:
@@ -141,8 +144,10 @@ class MoEShape:
 
     @property
     def router_params(self) -> int:
-        """Router weight E h (+ the sigmoid router's E selection biases)."""
-        return self.experts * self.hidden + (self.experts if self.sigmoid else 0)
+        """Router weight E h (+ the sigmoid router's E selection biases, + the E logit
+        biases of model.moe_router_bias)."""
+        biases = int(self.sigmoid) + int(self.router_bias)
+        return self.experts * self.hidden + biases * self.experts
 
     @property
     def shared_params(self) -> int:

@@ -45,6 +45,21 @@ def _moe_fields(m: ModelConfig) -> list[str]:
     return out
 
 
+def _swiglu_clamp(m: ModelConfig) -> list[str]:
+    """model.moe_swiglu_alpha / limit: gpt-oss's experts only, a positive limit."""
+    defaults = ModelConfig()
+    changed = [f"model.{name}={getattr(m, name)}" for name in ("moe_swiglu_alpha",
+                                                                "moe_swiglu_limit")
+               if getattr(m, name) != getattr(defaults, name)]
+    if m.arch != "gpt_oss" and changed:
+        return [f"{', '.join(changed)}: only model.arch='gpt_oss' has clamped SwiGLU experts; "
+                "leave them at their defaults."]
+    if not m.moe_swiglu_limit > 0:
+        return [f"model.moe_swiglu_limit={m.moe_swiglu_limit} must be > 0 (the clamp of "
+                "gpt-oss's expert activations)."]
+    return []
+
+
 def moe_rules(c: Config, _: int | None) -> list[str]:
     """Mixture of experts: the model.moe_* fields, and what the parallel layout supports with
     experts (ep dividing the experts, expert_tp = 1, sp under tp > 1, ZeRO stage <= 1)."""
@@ -54,6 +69,7 @@ def moe_rules(c: Config, _: int | None) -> list[str]:
                    f"{', '.join(MOE_DISPATCHERS)}.")
     if m.num_experts < 0:
         out.append(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model).")
+    out.extend(_swiglu_clamp(m))
     if not m.moe:
         return out
     out.extend(_moe_fields(m))

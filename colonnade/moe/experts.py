@@ -8,7 +8,9 @@ bits: the seeded initialisation blocks tile the expert dim.
 Per expert e (f = ``model.expert_ffn_size``, h the hidden size), on its rows x_e [n_e, h]:
 
 * gated (llama, SwiGLU): ``y_e = (silu(x_e G_e^T) * (x_e U_e^T)) D_e^T``, with
-  ``gate`` G [E, f, h], ``up`` U [E, f, h], ``down`` D [E, h, f];
+  ``gate`` G [E, f, h], ``up`` U [E, f, h], ``down`` D [E, h, f]; with ``biases`` (gpt-oss)
+  ``gate_bias`` [E, f], ``up_bias`` [E, f] and ``down_bias`` [E, h] added after each product,
+  and the activation the layer names (gpt-oss: :func:`clamped_swiglu`);
 * plain (gpt2, GELU): ``y_e = gelu_tanh(x_e U_e^T + u_e) D_e^T + d_e``, with ``up`` U
   [E, f, h], ``down`` D [E, h, f] and, with ``model.bias``, ``up_bias`` u [E, f] and
   ``down_bias`` d [E, h] (zeros at init).
@@ -19,7 +21,7 @@ Initialisation: normal(0, init_std) for gate and up, the scaled output std
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,14 +46,35 @@ def is_gated(cfg: ModelConfig) -> bool:
     return traits.gated_mlp
 
 
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``act(gate [t_e, f], up [t_e, f]) -> [t_e, f]``: a gated expert's hidden activation."""
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated experts' default activation: silu(gate) * up, [t_e, f] each."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
+    """gpt-oss's expert activation (transformers' GptOssExperts): with g = min(gate, limit)
+    and u = clamp(up, -limit, limit), ``(u + 1) * g * sigmoid(alpha g)``, [t_e, f] each."""
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g))
+    return act
+
+
 class GroupedExperts(nn.Module):
     """E_local experts' stacked weights (see the module docstring for names and maths).
 
-    ``gated`` None: from the architecture (:func:`is_gated`).
+    ``gated`` None: from the architecture (:func:`is_gated`). ``biases`` None: with
+    ``model.bias`` on plain experts only; True: on every expert matrix (gated too).
+    ``activation``: a gated expert's act(gate, up) (default :func:`swiglu`).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, key: str,
-                 gated: bool | None = None) -> None:
+                 gated: bool | None = None, biases: bool | None = None,
+                 activation: GatedActivation = swiglu) -> None:
         super().__init__()
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
         if e % ctx.ep_size:
@@ -70,7 +93,10 @@ class GroupedExperts(nn.Module):
         self.gate = param("gate", (e, f, h), std) if self.gated else None
         self.up = param("up", (e, f, h), std)
         self.down = param("down", (e, h, f), out_std)
-        bias = cfg.bias and not self.gated
+        self.activation = activation
+        bias = cfg.bias and not self.gated if biases is None else biases
+        self.gate_bias = (param("gate_bias", (e, f), 0.0, "zeros")
+                          if bias and self.gated else None)
         self.up_bias = param("up_bias", (e, f), 0.0, "zeros") if bias else None
         self.down_bias = param("down_bias", (e, h), 0.0, "zeros") if bias else None
 
@@ -83,7 +109,10 @@ class GroupedExperts(nn.Module):
         if self.up_bias is not None:
             up = up + _rows(self.up_bias, sizes, tokens.shape[0])
         if self.gate is not None:
-            hidden = F.silu(grouped_mm(tokens, self.gate, sizes)) * up  # [t_e, f]
+            gate = grouped_mm(tokens, self.gate, sizes)  # [t_e, f]
+            if self.gate_bias is not None:
+                gate = gate + _rows(self.gate_bias, sizes, tokens.shape[0])
+            hidden = self.activation(gate, up)  # [t_e, f]
         else:
             hidden = gelu_tanh(up)  # [t_e, f]
         out = grouped_mm(hidden, self.down, sizes)  # [t_e, h]

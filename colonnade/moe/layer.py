@@ -82,7 +82,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"{key}: an MoE layer needs model.num_experts > 0")
         self.cfg, self.ctx, self.key, self.index = cfg, ctx, key, layer
         self.router = Router(cfg, ctx, f"{key}.router")
-        self.experts = GroupedExperts(cfg, ctx, f"{key}.experts", gated=self.gated)
+        self.experts = self.make_experts(cfg, ctx, f"{key}.experts")
         width = cfg.moe_shared_expert_ffn_hidden_size
         if width > 0 and self.shared_class is None:
             raise ValueError(f"{key}: model.moe_shared_expert_ffn_hidden_size={width} needs an "
@@ -94,6 +94,11 @@ class MoELayer(nn.Module):
                             if width > 0 and cfg.moe_shared_expert_gate else None)
         ep = ctx.ep if ctx.ep is not None else CommGroup("ep", [0], None, CommStats(), 0)
         self.dispatcher = make_dispatcher(ctx.moe_dispatcher, ep, cfg.num_experts)
+
+    def make_experts(self, cfg: ModelConfig, ctx: ParallelContext, key: str) -> GroupedExperts:
+        """The routed experts (``gated`` from the class); a subclass names other biases or
+        another gated activation (gpt-oss)."""
+        return GroupedExperts(cfg, ctx, key, gated=self.gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h] (module docstring); batch-first x [b, s, h]

@@ -1,0 +1,102 @@
+"""gpt-oss (``GptOssForCausalLM``) through the family harness: attention sinks, alternating
+sliding-window / full layers, the biased router (top-k of the logits, softmax over the k
+kept) and experts with biases and the clamped SwiGLU, against transformers' eager gpt-oss;
+and the single-process run's losses and parameters under the layouts of issue 36."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from colonnade.checkpoint.hf import hf_config_from_model, model_config_from_hf
+from colonnade.cli import main
+from colonnade.config.load import load_config
+from colonnade.config.sections import ModelConfig
+from colonnade.models.counts import active_param_count, param_count
+from tests.families.harness import (
+    Layout,
+    check_layouts,
+    hf_check,
+    randomize,
+    save_hf,
+    tiny,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def hf_gpt_oss(**changes: Any) -> transformers.GptOssForCausalLM:
+    """A tiny random GptOssForCausalLM: 2 layers (sliding, full), h 32, 4 heads of 8, 2 kv
+    heads, top-2 of 4 experts of width 24, window 5 (< the checks' 12-token sequences),
+    gpt-oss's own rope (YaRN factor 32 over 4096, beta_fast 32, beta_slow 1, not truncated);
+    every weight random, the sinks included (:func:`randomize`)."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, max_position_embeddings=32 * 4096,
+        **changes)
+    return randomize(transformers.GptOssForCausalLM(cfg))
+
+
+def test_gpt_oss_against_transformers(tmp_path: Path) -> None:
+    ours = hf_check(hf_gpt_oss(), tmp_path, vocab=67)
+    assert (ours.arch, ours.head_size, ours.num_experts, ours.moe_top_k) == ("gpt_oss", 8, 4, 2)
+    assert (ours.sliding_window, [ours.window(i) for i in range(2)]) == (5, [5, None])
+    assert ours.bias and ours.moe_router_bias and ours.moe_swiglu_limit == 7.0
+    assert (ours.rope_scaling, ours.rope_factor, ours.rope_truncate) == ("yarn", 32.0, False)
+
+
+def test_gpt_oss_layouts(run_ranks: Callable[..., list[Any]]) -> None:
+    """Sinks, a window of 5 in layer 0 (of 16-token sequences), biased router and experts:
+    tp2 + sp, pp2, dp2 + ZeRO-1, cp2 (ring and all-to-all), ep2 (both dispatchers)."""
+    model = tiny(ModelConfig(arch="gpt_oss", num_layers=2, hidden_size=32, num_heads=4,
+                             num_kv_heads=2, head_dim=8, ffn_hidden_size=24, bias=True,
+                             num_experts=4, moe_top_k=2, moe_router_bias=True,
+                             sliding_window=5, sliding_window_layers=(0,), init_std=0.3))
+    check_layouts(run_ranks, model, [
+        Layout(tp=2, sp=True), Layout(pp=2), Layout(dp=2, zero=1), Layout(cp=2),
+        Layout(cp=2, cp_attention="all_to_all"), Layout(dp=2, ep=2),
+        Layout(dp=2, ep=2, dispatcher="all_gather")])
+
+
+PRESETS = {  # name: (transformers' count on the meta device, active parameters)
+    "gpt-oss-20b": (20_914_757_184, 4_187_440_704),
+    "gpt-oss-120b": (116_829_156_672, 5_711_982_912),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_gpt_oss_preset_counts(name: str) -> None:
+    """The presets' total and active counts (all but k = 4 of the E experts skipped per
+    layer) equal transformers' on the meta device; their config.json reads back the same."""
+    total, active = PRESETS[name]
+    model = load_config(CONFIGS / f"{name}.toml").model
+    assert (param_count(model)["total"], active_param_count(model)) == (total, active)
+    hf = hf_config_from_model(model)
+    assert model_config_from_hf(hf) == model
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items()
+                                               if k != "architectures"})
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(cfg)
+    experts = sum(p.numel() for n, p in theirs.named_parameters() if ".experts." in n)
+    e = model.num_experts
+    assert (theirs.num_parameters(), theirs.num_parameters() - experts * (e - 4) // e) == (
+        total, active)
+
+
+def test_a_quantised_gpt_oss_folder_is_refused(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The Hub's MXFP4 files (config.json with quantization_config) are refused in one line,
+    exit 2, naming the way out; nothing is written."""
+    hf = hf_gpt_oss()
+    hf.config.quantization_config = {"quant_method": "mxfp4"}
+    directory = save_hf(hf, tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(directory), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "quantization_config (quant_method='mxfp4')" in err and "dequantize" in err, err
+    assert "Traceback" not in err and not (tmp_path / "ck").exists()
