@@ -47,9 +47,10 @@ def attention_mask(s: int, total: int, window: int | None, mask: torch.Tensor | 
                    device: torch.device) -> torch.Tensor | None:
     """The boolean mask core attention applies to s queries over S = ``total`` keys: ``mask``
     ([b, 1, s, S], the document reset's, already causal) AND-ed with the window's band, or the
-    windowed causal mask [1, 1, s, S] alone; without a window ``mask`` unchanged (None: plain
-    causal, which the kernels apply natively)."""
-    if window is None:
+    windowed causal mask [1, 1, s, S] alone; without a window, or one that cuts nothing
+    (S <= W: no query is W positions past any key), ``mask`` unchanged (None: plain causal,
+    which the kernels apply natively: the flash kernels stay usable)."""
+    if window is None or total <= window:
         return mask
     windowed = causal(s, total, device, window)[None, None]  # [1, 1, s, S]
     return windowed if mask is None else mask & windowed

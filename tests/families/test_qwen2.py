@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 import transformers
 
 from colonnade.config.sections import ModelConfig
@@ -38,3 +40,35 @@ def test_qwen2_window_layouts(run_ranks: Callable[..., list[Any]]) -> None:
         Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vp=2, schedule="interleaved_1f1b"),
         Layout(dp=2, zero=1), Layout(dp=2, zero=3), Layout(cp=2),
         Layout(cp=2, cp_attention="all_to_all")])
+
+
+PRESETS = {"mistral-7b-v0.1": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
+           "qwen2.5-0.5b": 494_032_768}
+"""Published shapes: transformers' parameter count of each (meta device)."""
+
+
+def test_mistral_qwen2_presets_count_as_transformers(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """Each preset's count equals transformers' on the meta device, the model built from the
+    preset's own HF export config (Mistral's window 4096 on every layer, Qwen2.5's tied 0.5B
+    and full attention); `train --dry-run` prints it."""
+    from colonnade.analysis.cli import configs_dir
+    from colonnade.checkpoint.hf import hf_config_from_model
+    from colonnade.cli import main
+    from colonnade.config.load import load_config
+    from colonnade.models.counts import param_count
+
+    for name, count in PRESETS.items():
+        model = load_config(configs_dir() / f"{name}.toml").model
+        assert param_count(model)["total"] == count, name
+        hf = hf_config_from_model(model)
+        cfg = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items()
+                                                   if k != "architectures"})
+        with torch.device("meta"):
+            theirs = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert (type(theirs).__name__, theirs.num_parameters()) == (hf["architectures"][0],
+                                                                    count), name
+        assert cfg.sliding_window == (4096 if name.startswith("mistral") else None), name
+    assert main(["train", "--config", str(configs_dir() / "qwen2.5-0.5b.toml"),
+                 "--dry-run"]) == 0
+    assert "494,032,768 parameters" in capsys.readouterr().out
