@@ -69,7 +69,7 @@ def test_rope_init_matches_transformers(name: str) -> None:
     assert torch.equal(cos[0, :, :4], cos[0, :, 4:])
 
 
-@pytest.mark.parametrize("name", ["llama3", "yarn", "linear"])
+@pytest.mark.parametrize("name", ["llama3", "yarn", "linear", "dynamic"])
 def test_scaled_rope_against_transformers(tmp_path: Path, name: str) -> None:
     model = randomize(transformers.LlamaForCausalLM(_llama(ROPES[name])))
     ours = hf_check(model, tmp_path, vocab=67)
