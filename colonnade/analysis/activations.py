@@ -37,6 +37,9 @@ the formulas below write h for it (a d = h unless model.head_dim is set).  Per l
                    E s b h_kv/t each, the softmax output E a s^2 b/t and, with attention
                    dropout, its 1-byte mask a s^2 b/t and output E a s^2 b/t.
     out-proj input E s b h/t (the [s, b, a/t d] copy of the attention output).
+    head norms     (Qwen3's q/k RMSNorm, the facts' ``head_norms``) per head of q and k,
+                   (a + g)/t of them: up-cast input A s b d, 1/rms A s b, normalised copy
+                   E s b d (recomputed under full recompute only).
     MLP, split over t: 2 (k - 1) E s b f/t: gated (k = 3, SwiGLU silu(gate x) * up x) keeps
                    gate, up, silu(gate) and the product; plain (k = 2, GELU) its input and
                    output.
@@ -229,6 +232,18 @@ def _norm_bytes(x: ActivationShape, rows: int) -> float:
     return 2.0 * (acc * rows * b * h + acc * rows * b + e * rows * b * h)
 
 
+def _head_norm_bytes(x: ActivationShape) -> float:
+    """The per-head RMSNorms of q (a/t heads) and k (g/t heads) of width d (the facts'
+    ``head_norms``, Qwen3): RMSNorm's terms per head over the rank's s_l rows, up-cast input
+    A s_l b d, 1/rms A s_l b and the normalised copy E s_l b d (the input is the projection's
+    output, which RoPE alone would not keep)."""
+    if not x.facts.head_norms:
+        return 0.0
+    e, acc, rows = x.elem, max(x.elem, 4), float(x.local_seq) * x.batch
+    heads = (x.heads + x.kv_heads) / x.tp
+    return heads * rows * (acc * x.d + acc + e * x.d)
+
+
 def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
     """(term name, bytes) of the core attention without recompute, by kernel (cp > 1: by cp
     attention kind)."""
@@ -264,6 +279,8 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     sbh, h_kv = float(s * b * h), x.kv_heads * x.d
     terms = {"norms": _norm_bytes(x, rows),
              "column_inputs": 2.0 * e * sbh}  # attention's and the MLP's, [s, b, h] with sp
+    if x.facts.head_norms:
+        terms["head_norms"] = _head_norm_bytes(x)
     q, kv = e * float(s * b) * x.q_width / t, 2.0 * e * s * b * h_kv / t
     if recompute == "selective" and not (x.cp > 1 and x.cp_attention == "ring"):
         terms["core_inputs"] = q + kv
