@@ -130,3 +130,30 @@ def test_llama3x_presets_count_as_transformers(capsys: pytest.CaptureFixture[str
         assert theirs.num_parameters() == count, name
     assert main(["train", "--config", str(configs_dir() / "llama3.1-8b.toml"), "--dry-run"]) == 0
     assert "8,030,261,248 parameters" in capsys.readouterr().out
+
+
+def test_head_dim_in_the_activation_model() -> None:
+    """The planner's activation bytes of a layer whose heads are wider than h / a (a d = 64,
+    h = 32) equal the bytes the layer saves for backward (no recompute: 330,752 per layer;
+    selective), and the h / a shape's (281,600) would not."""
+    import dataclasses
+
+    from colonnade.analysis.activations import ActivationShape, chunk_layer_bytes
+    from colonnade.analysis.measure import measure_layers, relative_error
+    from colonnade.models.build import build_chunks
+    from colonnade.models.recompute import RecomputePlan, install
+    from tests.recompute.harness import rank_groups, tiny_config
+
+    config = tiny_config("llama", layers=2, dropout=0.0, seq=32)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, head_dim=16))
+    (chunk,) = build_chunks(config, rank_groups(config), dtype=torch.float64)
+    tr, m = config.training, config.model
+    shape = ActivationShape.from_model(m, tr.seq_len, tr.micro_batch_size, dtype=torch.float64)
+    narrow = dataclasses.replace(shape, head_dim=None)
+    x = torch.randn(tr.seq_len, tr.micro_batch_size, m.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))  # [s, b, h]
+    for plan in (RecomputePlan(), RecomputePlan("selective")):
+        install([chunk], plan)
+        got = measure_layers(chunk, x).mean
+        assert got == chunk_layer_bytes(shape, plan, 2) / 2, plan  # to the byte
+        assert relative_error(got, chunk_layer_bytes(narrow, plan, 2) / 2) > 0.05, plan
