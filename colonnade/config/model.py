@@ -23,6 +23,9 @@ class ArchTraits:
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V3): the model.mla_* widths are required, and
     num_kv_heads / head_dim / biases do not apply."""
+    clamped_swiglu: bool = False
+    """Its experts use gpt-oss's clamped SwiGLU (model.moe_swiglu_alpha / moe_swiglu_limit
+    apply; other architectures refuse them set)."""
 
 
 ARCH_TRAITS: dict[str, ArchTraits] = {
@@ -32,7 +35,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
     "qwen2": ArchTraits(rope=True, gated_mlp=True),
     "qwen3": ArchTraits(rope=True, gated_mlp=True),
     "deepseek_v3": ArchTraits(rope=True, gated_mlp=True, mla=True),
-    "gpt_oss": ArchTraits(rope=True, gated_mlp=True),
+    "gpt_oss": ArchTraits(rope=True, gated_mlp=True, clamped_swiglu=True),
 }
 """model.arch -> its traits; keys equal config.choices.ARCHS (checked by models.spec)."""
 

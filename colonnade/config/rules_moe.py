@@ -51,9 +51,10 @@ def _swiglu_clamp(m: ModelConfig) -> list[str]:
     changed = [f"model.{name}={getattr(m, name)}" for name in ("moe_swiglu_alpha",
                                                                 "moe_swiglu_limit")
                if getattr(m, name) != getattr(defaults, name)]
-    if m.arch != "gpt_oss" and changed:
-        return [f"{', '.join(changed)}: only model.arch='gpt_oss' has clamped SwiGLU experts; "
-                "leave them at their defaults."]
+    traits = m.traits
+    if changed and traits is not None and not traits.clamped_swiglu:
+        return [f"{', '.join(changed)}: model.arch='{m.arch}' has no clamped SwiGLU experts "
+                "(gpt_oss has); leave them at their defaults."]
     if not m.moe_swiglu_limit > 0:
         return [f"model.moe_swiglu_limit={m.moe_swiglu_limit} must be > 0 (the clamp of "
                 "gpt-oss's expert activations)."]

@@ -56,6 +56,9 @@ class GptOssMoELayer(MoELayer):
     """h x f weight matrices per expert: gate, up, down."""
     gated: ClassVar[bool] = True
     """Gated (clamped SwiGLU) experts."""
+    clamped_swiglu: ClassVar[bool] = True
+    """The clamped SwiGLU of model.moe_swiglu_alpha / limit (config's ArchTraits say so too,
+    checked by :func:`colonnade.models.spec._check_registry`)."""
     shared_class = SwiGLUMLP
     """The shared expert's dense MLP class (gpt-oss has none; the validator refuses one)."""
 

@@ -186,8 +186,9 @@ def _check_registry() -> None:
         traits = ARCH_TRAITS[name]
         attention = spec.layer(0).attention
         mla = isinstance(attention, type) and issubclass(attention, MLAttention)
+        clamped = getattr(MOE_MLPS.get(name), "clamped_swiglu", False)
         if (spec.rope != traits.rope or (spec.layer(0).mlp.matrices == 3) != traits.gated_mlp
-                or mla != traits.mla):
+                or mla != traits.mla or clamped != traits.clamped_swiglu):
             raise AssertionError(f"ARCH_SPECS[{name!r}] disagrees with ARCH_TRAITS[{name!r}]")
 
 

@@ -52,14 +52,16 @@ def test_gpt_oss_against_transformers(tmp_path: Path) -> None:
 
 
 def test_gpt_oss_layouts(run_ranks: Callable[..., list[Any]]) -> None:
-    """Sinks, a window of 5 in layer 0 (of 16-token sequences), biased router and experts:
-    tp2 + sp, pp2, dp2 + ZeRO-1, cp2 (ring and all-to-all), ep2 (both dispatchers)."""
-    model = tiny(ModelConfig(arch="gpt_oss", num_layers=2, hidden_size=32, num_heads=4,
+    """Sinks, a window of 5 in the even layers of 4 (16-token sequences), biased router and
+    experts: tp2 + sp, pp2 (1F1B and interleaved), dp2 + ZeRO-1, cp2 (ring and all-to-all),
+    ep2 (both dispatchers). ZeRO-2/3 are refused for every MoE model (config/rules_moe.py)."""
+    model = tiny(ModelConfig(arch="gpt_oss", num_layers=4, hidden_size=32, num_heads=4,
                              num_kv_heads=2, head_dim=8, ffn_hidden_size=24, bias=True,
                              num_experts=4, moe_top_k=2, moe_router_bias=True,
-                             sliding_window=5, sliding_window_layers=(0,), init_std=0.3))
+                             sliding_window=5, sliding_window_layers=(0, 2), init_std=0.3))
     check_layouts(run_ranks, model, [
-        Layout(tp=2, sp=True), Layout(pp=2), Layout(dp=2, zero=1), Layout(cp=2),
+        Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vp=2, schedule="interleaved_1f1b"),
+        Layout(dp=2, zero=1), Layout(cp=2),
         Layout(cp=2, cp_attention="all_to_all"), Layout(dp=2, ep=2),
         Layout(dp=2, ep=2, dispatcher="all_gather")])
 
