@@ -139,3 +139,50 @@ def test_grouped_experts_forward_matches_plain_mlps(arch: str) -> None:
             h = F.gelu(xe @ experts.up[e].T + experts.up_bias[e], approximate="tanh")
             rows.append(h @ experts.down[e].T + experts.down_bias[e])
     assert torch.allclose(got, torch.cat(rows), rtol=1e-12, atol=1e-14)
+
+
+def _gpt_oss_rows(experts: GroupedExperts, x: torch.Tensor, counts: list[int],
+                  alpha: float, limit: float) -> torch.Tensor:
+    """transformers' GptOssExperts per expert: (x G^T + g), (x U^T + u), clamped SwiGLU
+    (u' + 1) g' sigmoid(alpha g'), g' = min(gate, limit), u' = clamp(up, +-limit); down + d."""
+    assert experts.gate is not None and experts.gate_bias is not None
+    assert experts.up_bias is not None and experts.down_bias is not None
+    rows, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x[start:start + n]
+        start += n
+        gate = (xe @ experts.gate[e].T + experts.gate_bias[e]).clamp(max=limit)
+        up = (xe @ experts.up[e].T + experts.up_bias[e]).clamp(-limit, limit)
+        h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+        rows.append(h @ experts.down[e].T + experts.down_bias[e])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gpt_oss_experts_biases_and_clamped_swiglu(dtype: torch.dtype) -> None:
+    """gpt-oss's experts (biases on gate, up, down; the clamped SwiGLU with a limit the
+    random activations cross) equal the per-expert formula, forward and every gradient; in
+    float32 through torch._grouped_mm (the kernel path; float64 takes the loop)."""
+    from colonnade.moe.experts import clamped_swiglu
+
+    cfg = dataclasses.replace(_model("llama", bias=True), arch="gpt_oss", moe_swiglu_limit=1.5)
+    ctx = dataclasses.replace(_context(1, 0), dtype=dtype)
+    experts = GroupedExperts(cfg, ctx, "k", gated=True, biases=True,
+                             activation=clamped_swiglu(1.702, 1.5))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)  # non-zero biases too
+    counts = [2, 0, 3, 1]
+    x = torch.randn(6, cfg.hidden_size, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    got = experts(x, torch.tensor(counts))
+    want = _gpt_oss_rows(experts, x, counts, 1.702, 1.5)
+    params = [p for _, p in sorted(experts.named_parameters())]
+    g_got = torch.autograd.grad(got.square().sum(), params)
+    g_want = torch.autograd.grad(want.square().sum(), params)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert float((got - want).detach().norm() / want.detach().norm()) <= tol
+    for (name, _), a, b in zip(sorted(experts.named_parameters()), g_got, g_want, strict=True):
+        assert float((a - b).norm() / b.norm()) <= tol, name
+    assert sorted(dict(experts.named_parameters())) == [
+        "down", "down_bias", "gate", "gate_bias", "up", "up_bias"]
+    assert dtype == torch.float64 or grouped_mm_supported("cpu", dtype)
