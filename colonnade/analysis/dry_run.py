@@ -45,7 +45,7 @@ from colonnade.analysis.moe import (
     step_dispatch_bytes,
 )
 from colonnade.analysis.timing import step_time
-from colonnade.config.sections import Config, DataConfig
+from colonnade.config.sections import Config, DataConfig, ModelConfig
 from colonnade.models.build import build_reference
 from colonnade.parallel.dims import ParallelDims, layout_text
 
@@ -225,6 +225,16 @@ def _known_vocab(config: Config) -> Config:
         return config
 
 
+def _heads_and_rope(m: ModelConfig) -> str:
+    """The model line's head width when model.head_dim sets it and its RoPE scaling, e.g.
+    ' of 128, rope llama3 x8.0 (original context 8192)'; '' for neither."""
+    out = f" of {m.head_dim}" if m.head_dim is not None else ""
+    if m.rope_scaling != "none":
+        original = m.rope_original_max_seq_len or m.max_seq_len
+        out += f", rope {m.rope_scaling} x{m.rope_factor:g} (original context {original})"
+    return out
+
+
 def dry_run(config: Config, world: int) -> str:
     """The report of a validated, resolved config on ``world`` ranks (model.vocab_size unset:
     the tokenizer's as train would take it, when that tokenizer exists already)."""
@@ -236,9 +246,9 @@ def dry_run(config: Config, world: int) -> str:
     unknown = VOCAB_UNKNOWN if m.vocab_size is None else ""
     lines = [
         "dry run: nothing was started, written or prepared",
-        f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, "
-        f"vocab {m.vocab}{unknown}: {total:,} parameters ({total / 1e9:.3g} B; built on the "
-        "meta device)",
+        f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
+        f"{_heads_and_rope(m)}, vocab {m.vocab}{unknown}: {total:,} parameters "
+        f"({total / 1e9:.3g} B; built on the meta device)",
         f"layout: {layout_text(config.parallel, dims.describe())} on {world} rank(s)",
         f"batch: global {tr.global_batch_size} x seq {tr.seq_len} = {tokens:,} tokens per step "
         f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "

@@ -129,7 +129,8 @@ def test_llama3x_presets_count_as_transformers(capsys: pytest.CaptureFixture[str
             theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
         assert theirs.num_parameters() == count, name
     assert main(["train", "--config", str(configs_dir() / "llama3.1-8b.toml"), "--dry-run"]) == 0
-    assert "8,030,261,248 parameters" in capsys.readouterr().out
+    assert ("32 heads, rope llama3 x8 (original context 8192), vocab 128256: 8,030,261,248 "
+            "parameters") in capsys.readouterr().out
 
 
 def test_head_dim_in_the_activation_model() -> None:
