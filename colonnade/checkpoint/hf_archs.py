@@ -19,7 +19,8 @@ counterpart adds one entry here.
   :mod:`colonnade.checkpoint.hf_moe`.
 * Qwen3: Llama's names plus ``self_attn.q_norm`` / ``k_norm`` [head_dim] (our
   ``attn.q_norm`` / ``attn.k_norm``, :mod:`colonnade.models.qk_norm`); no biases; an explicit
-  ``head_dim`` (model.head_dim). Qwen3-MoE is in :mod:`colonnade.checkpoint.hf_moe`.
+  ``head_dim`` (model.head_dim); sliding windows as Qwen2's (``use_sliding_window``,
+  ``max_window_layers`` / ``layer_types``). Qwen3-MoE is in :mod:`colonnade.checkpoint.hf_moe`.
 """
 
 from __future__ import annotations
@@ -178,13 +179,11 @@ def _llama_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def qwen3_refuse(hf: dict[str, Any]) -> None:
-    """Refuse what Colonnade's qwen3 cannot run of a Qwen3 / Qwen3-MoE config.json."""
+    """Refuse what Colonnade's qwen3 cannot run of a Qwen3 / Qwen3-MoE config.json (its
+    window fields are read through the format's ``window`` rule)."""
     if hf.get("attention_bias"):
         raise ValueError("config.json: attention_bias=true (biases on q, k, v and o only) is "
                          "not supported for Qwen3; the released models have none")
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported for Qwen3 "
-                         "yet (sliding-window attention); the released models leave it false")
 
 
 def qwen3_norm_names(cfg: ModelConfig) -> dict[str, str]:
@@ -210,8 +209,7 @@ def _qwen3_write(cfg: ModelConfig) -> dict[str, Any]:
     qwen3_write_check(cfg, "Qwen3ForCausalLM")
     out = _llama_write(cfg)
     out.pop("mlp_bias")
-    return out | {"model_type": "qwen3", "use_sliding_window": False, "sliding_window": None,
-                  "max_window_layers": cfg.num_layers}
+    return out | {"model_type": "qwen3"}  # use_sliding_window, layer_types...: hf_window
 
 
 def _qwen3_names(cfg: ModelConfig) -> dict[str, str]:
@@ -362,7 +360,8 @@ def _gpt2_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
 HF_FORMATS: dict[str, HFFormat] = {
     "llama": HFFormat("LlamaForCausalLM", _llama_read, _llama_write, _llama_refs, _llama_to_hf),
     "gpt2": HFFormat("GPT2LMHeadModel", _gpt2_read, _gpt2_write, _gpt2_refs, _gpt2_to_hf),
-    "qwen3": HFFormat("Qwen3ForCausalLM", _qwen3_read, _qwen3_write, _qwen3_refs, _qwen3_to_hf),
+    "qwen3": HFFormat("Qwen3ForCausalLM", _qwen3_read, _qwen3_write, _qwen3_refs, _qwen3_to_hf,
+                      window=FROM_K),
     "mistral": HFFormat("MistralForCausalLM", _mistral_read, _mistral_write, _llama_refs,
                         _llama_to_hf, window=EVERY_LAYER),
     "qwen2": HFFormat("Qwen2ForCausalLM", _qwen2_read, _qwen2_write, _qwen2_refs, _qwen2_to_hf,

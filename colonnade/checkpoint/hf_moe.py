@@ -24,7 +24,8 @@ back on save): expert j's SwiGLU weights are separate tensors, which our stacked
 * Qwen3-MoE (``arch="qwen3"`` with experts, :data:`MOE_BY_ARCH`): Qwen2-MoE's router, experts
   and sparse-layer rule (``decoder_sparse_step``, ``mlp_only_layers``, ``moe_intermediate_size``,
   ``norm_topk_prob``: True in the released models), no shared expert, no biases; attention is
-  Qwen3's (per-head ``q_norm`` / ``k_norm``, ``head_dim``).
+  Qwen3's (per-head ``q_norm`` / ``k_norm``, ``head_dim``); ``use_sliding_window`` windows
+  every layer (:data:`~colonnade.checkpoint.hf_window.EVERY_LAYER_IF_USED`).
 
 The aux loss coefficient maps to router_aux_loss_coef (HF adds it only with
 output_router_logits, so a coefficient of 0 writes output_router_logits=false).
@@ -49,7 +50,7 @@ from colonnade.checkpoint.hf_archs import (
 from colonnade.checkpoint.hf_deepseek import DEEPSEEK_V3
 from colonnade.checkpoint.hf_gpt_oss import FORMAT as GPT_OSS
 from colonnade.checkpoint.hf_rope import ROPE_FIELDS
-from colonnade.checkpoint.hf_window import EVEN_BELOW_K, EVERY_LAYER
+from colonnade.checkpoint.hf_window import EVEN_BELOW_K, EVERY_LAYER, EVERY_LAYER_IF_USED
 from colonnade.config.sections import ModelConfig
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral", "qwen2_moe", "qwen3_moe"
@@ -165,8 +166,7 @@ def _qwen3_moe_write(cfg: ModelConfig) -> dict[str, Any]:
     out = _qwen_write(cfg)
     for k in ("shared_expert_intermediate_size", "qkv_bias"):
         out.pop(k)
-    return out | {"model_type": "qwen3_moe", "attention_bias": False,
-                  "sliding_window": None}
+    return out | {"model_type": "qwen3_moe", "attention_bias": False}  # window: hf_window
 
 
 def _qwen3_moe_refs(cfg: ModelConfig) -> dict[str, HFRef]:
@@ -287,7 +287,8 @@ MOE_FORMATS: dict[str, HFFormat] = {
                         lambda cfg, full: refs_to_hf(_qwen_refs(cfg), full),
                         window=EVEN_BELOW_K),
     QWEN3_MOE: HFFormat("Qwen3MoeForCausalLM", _qwen3_moe_read, _qwen3_moe_write,
-                        _qwen3_moe_refs, lambda cfg, full: refs_to_hf(_qwen3_moe_refs(cfg), full)),
+                        _qwen3_moe_refs, lambda cfg, full: refs_to_hf(_qwen3_moe_refs(cfg), full),
+                        window=EVERY_LAYER_IF_USED),
 }
 """The mixture-of-experts HF forms (llama-like, :func:`moe_format_key` picks one)."""
 

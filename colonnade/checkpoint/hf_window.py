@@ -13,6 +13,9 @@ transformers' convention is Colonnade's (:mod:`colonnade.context_parallel.masks`
 * ``Qwen2MoeForCausalLM`` (:data:`EVEN_BELOW_K`): only with ``use_sliding_window``; the layers
   of ``layer_types`` marked "sliding_attention", by default the even ones below
   ``max_window_layers``.
+* ``Qwen3MoeForCausalLM`` (:data:`EVERY_LAYER_IF_USED`): every layer, only with
+  ``use_sliding_window`` (the class has no ``layer_types`` nor ``max_window_layers``: both are
+  ignored, so a ``layer_types`` leaving some layer in full attention is refused).
 * :data:`ALTERNATE` (gpt-oss's rule): when ``sliding_window`` is set, the layers of
   ``layer_types`` marked "sliding_attention", by default the even ones (layer 0 windowed).
 
@@ -29,6 +32,8 @@ from colonnade.config.sections import ModelConfig
 
 EVERY_LAYER, FROM_K, EVEN_BELOW_K, ALTERNATE = "every_layer", "from_k", "even_below_k", "alternate"
 """Which layers a class's ``sliding_window`` applies to by default (module doc)."""
+EVERY_LAYER_IF_USED = "every_layer_if_used"
+"""Every layer, switched by ``use_sliding_window`` (Qwen3-MoE; module doc)."""
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 """The ``layer_types`` entries of the two attention kinds."""
@@ -56,16 +61,18 @@ def read_window(hf: dict[str, Any], rule: str) -> dict[str, Any]:
                          f"{SLIDING!r} / {FULL!r}; other attention kinds are not supported")
     on = hf.get("sliding_window") is not None if rule in (EVERY_LAYER, ALTERNATE) else bool(
         hf.get("use_sliding_window"))
-    if rule == EVERY_LAYER and types is not None and FULL in types and on:
+    every = rule in (EVERY_LAYER, EVERY_LAYER_IF_USED)
+    if every and types is not None and FULL in types and on:
         raise ValueError("config.json: layer_types with full_attention layers; this class "
-                         "(Mistral / Mixtral) windows every layer and ignores layer_types")
+                         "(Mistral / Mixtral / Qwen3-MoE) windows every layer and ignores "
+                         "layer_types")
     if not on:
         return {"sliding_window": None, "sliding_window_layers": None}
     window = hf.get("sliding_window")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"config.json: sliding_window={window!r} must be an integer >= 1 "
                          "(the keys each query attends)")
-    if rule == EVERY_LAYER:
+    if every:
         return {"sliding_window": window, "sliding_window_layers": None}
     default = _default_layers(rule, n, hf.get("max_window_layers", n))
     layers = [i for i, t in enumerate(types) if t == SLIDING] if types is not None else default
@@ -84,11 +91,13 @@ def write_window(cfg: ModelConfig, rule: str, hf_class: str) -> dict[str, Any]:
     """The config.json fields of ``cfg``'s window for a class of ``rule``; refuses windowed
     layers the class cannot express."""
     layers = windowed_layers(cfg)
-    if rule == EVERY_LAYER:
+    if rule in (EVERY_LAYER, EVERY_LAYER_IF_USED):
         if layers and len(layers) != cfg.num_layers:
             raise ValueError(f"cannot express as {hf_class}: model.sliding_window_layers="
                              f"{list(cfg.sliding_window_layers or ())} (the class windows "
                              "every layer or none); unset sliding_window_layers")
+        if rule == EVERY_LAYER_IF_USED:
+            return {"use_sliding_window": bool(layers), "sliding_window": cfg.sliding_window}
         return {"sliding_window": cfg.sliding_window}
     n = cfg.num_layers
     types = [SLIDING if i in layers else FULL for i in range(n)]

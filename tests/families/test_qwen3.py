@@ -29,25 +29,31 @@ SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_
 
 
 def test_qwen3_against_transformers(tmp_path: Path) -> None:
+    """Tied, with a sliding window of 5 keys from layer max_window_layers = 1 on (layer 0
+    attends in full), over 12 tokens and 32 generated."""
     cfg = transformers.Qwen3Config(vocab_size=67, num_hidden_layers=2, tie_word_embeddings=True,
-                                   **SHAPE)
+                                   use_sliding_window=True, sliding_window=5,
+                                   max_window_layers=1, **SHAPE)
     ours = hf_check(randomize(transformers.Qwen3ForCausalLM(cfg)), tmp_path, vocab=67)
     assert (ours.arch, ours.head_size, ours.kv_heads, ours.tie_embeddings) == (
         "qwen3", 16, 2, True)
+    assert (ours.window(0), ours.window(1)) == (None, 5)
 
 
 def test_qwen3_moe_against_transformers(tmp_path: Path) -> None:
     """Layer 0 dense (mlp_only_layers), layers 1-2 MoE with 4 experts, top 2 renormalised;
-    the router's float32 softmax island removed (float64_softmax), so 1e-10 holds."""
+    the router's float32 softmax island removed (float64_softmax), so 1e-10 holds. Every
+    layer windowed (use_sliding_window, 6 keys)."""
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=67, num_hidden_layers=3, mlp_only_layers=[0], num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
-        tie_word_embeddings=False, **SHAPE)
+        tie_word_embeddings=False, use_sliding_window=True, sliding_window=6, **SHAPE)
     ours = hf_check(randomize(transformers.Qwen3MoeForCausalLM(cfg)), tmp_path, vocab=67)
     assert (ours.arch, ours.num_experts, ours.moe_top_k, ours.moe_first_dense_layers) == (
         "qwen3", 4, 2, 1)
     assert (ours.expert_ffn_size, ours.ffn_size, ours.moe_shared_expert_ffn_hidden_size) == (
         24, 48, 0)
+    assert (ours.sliding_window, ours.sliding_window_layers) == (6, None)
 
 
 QWEN3 = tiny(ModelConfig(arch="qwen3", num_layers=4, hidden_size=32, num_heads=4,
