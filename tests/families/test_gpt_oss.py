@@ -1,7 +1,9 @@
 """gpt-oss (``GptOssForCausalLM``) through the family harness: attention sinks, alternating
 sliding-window / full layers, the biased router (top-k of the logits, softmax over the k
-kept) and experts with biases and the clamped SwiGLU, against transformers' eager gpt-oss;
-and the single-process run's losses and parameters under the layouts of issue 36."""
+kept) and experts with biases and the clamped SwiGLU, against transformers' eager gpt-oss
+(logits 8e-16, gradients 1e-14 relative); the single-process run's losses and parameters under
+the layouts of issue 36; the presets' parameter counts; a fine-tune from an HF folder through
+the CLI (cp2 x ep2) whose export transformers loads; the MXFP4 folders refused."""
 
 from __future__ import annotations
 
@@ -36,10 +38,10 @@ def hf_gpt_oss(**changes: Any) -> transformers.GptOssForCausalLM:
     gpt-oss's own rope (YaRN factor 32 over 4096, beta_fast 32, beta_slow 1, not truncated);
     every weight random, the sinks included (:func:`randomize`)."""
     cfg = transformers.GptOssConfig(
-        vocab_size=67, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=5, max_position_embeddings=32 * 4096,
-        **changes)
+        **({"vocab_size": 67} | changes), hidden_size=32, intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        max_position_embeddings=32 * 4096)
     return randomize(transformers.GptOssForCausalLM(cfg))
 
 
@@ -102,3 +104,75 @@ def test_a_quantised_gpt_oss_folder_is_refused(tmp_path: Path,
     err = capsys.readouterr().err
     assert "quantization_config (quant_method='mxfp4')" in err and "dequantize" in err, err
     assert "Traceback" not in err and not (tmp_path / "ck").exists()
+
+
+HARMONY = ("{% for message in messages %}{{ '<|start|>' + message['role'] + '<|message|>' "
+           "+ message['content'] + '<|end|>' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|start|>assistant<|message|>' }}{% endif %}")
+"""gpt-oss's harmony chat format, reduced to role and content (no channels, no preamble)."""
+
+
+def test_gpt_oss_fine_tune_from_hf_folder_in_cp2_ep2_and_export(tmp_path: Path) -> None:
+    """A user's gpt-oss fine-tune through the CLI: SFT chats prepared with the HF folder's
+    tokenizer and chat template, `train --init-from` under cp2 (all-to-all) x ep2 (sinks,
+    windows, experts split), loss falls; `convert --to-hf` loads in transformers with zero
+    warnings and gives our logits."""
+    import json
+    import logging
+    import warnings
+
+    from colonnade.checkpoint.export import load_exported
+    from colonnade.data.tokenizer import train_bpe_from_texts
+    from tests.reliability.jobs import losses
+    from tests.workflow.cli import run_cli
+
+    words = ["red", "green", "blue", "cat", "dog", "tree", "sun", "moon"]
+    chats = [[{"role": "user", "content": f"say {a} {b}"},
+              {"role": "assistant", "content": f"{a} {b} {a}"}] for a in words for b in words]
+    tok = train_bpe_from_texts([" ".join(m["content"] for m in c) for c in chats] * 4, 300, None)
+    tok.add_special_tokens(["<|start|>", "<|message|>", "<|end|>"])
+    hf = save_hf(hf_gpt_oss(vocab_size=tok.get_vocab_size()), tmp_path / "hf")
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": HARMONY,
+                                                          "eos_token": "<|end|>"}))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    status, out = run_cli(["prepare", "--data.format=sft", f"--data.input={data}",
+                           f"--data.tokenizer={hf}", f"--data.prepared_dir={tmp_path / 'sft'}"])
+    assert status == 0, out
+    steps = 10
+    status, out = run_cli([
+        "train", "--nproc", "2", "--parallel.cp=2", "--parallel.cp_attention=all_to_all",
+        "--parallel.ep=2", f"--init-from={hf}", "--data.format=sft",
+        f"--data.prepared_dir={tmp_path / 'sft'}", "--training.seq_len=32",
+        "--training.micro_batch_size=2", "--training.microbatches=2",
+        f"--training.steps={steps}", "--training.eval_interval=0", "--training.device=cpu",
+        "--optim.lr=1e-2", "--optim.warmup_steps=1", "--logging.log_interval=1",
+        "--logging.progress=false", f"--logging.dir={tmp_path / 'run'}",
+        f"--checkpoint.save={tmp_path / 'ck'}"])
+    assert status == 0, out
+    assert "initialised the weights from Hugging Face model" in out, out
+    got = losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, steps + 1)) and got[steps] < got[1] - 1.0, got
+    status, out = run_cli(["convert", "--to-hf", str(tmp_path / "ck"), "--out",
+                           str(tmp_path / "export")])
+    assert status == 0, out
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not caught and not logged, [str(w.message) for w in caught] + logged
+    assert type(model).__name__ == "GptOssForCausalLM"
+    _, ours = load_exported(tmp_path / "ck", dtype=torch.float32)
+    ids = torch.randint(0, tok.get_vocab_size(), (2, 12), generator=torch.Generator())
+    with torch.no_grad():
+        mine = ours.eval()(ids).transpose(0, 1)[..., :tok.get_vocab_size()]
+        err = float((model.eval()(ids).logits - mine).abs().max())
+    assert err < 1e-4, err
