@@ -25,7 +25,8 @@ final LayerNorm's 2h.
 FLOPs (a multiply-add counts 2) per token of one layer's forward pass:
     matmuls 2 * (weight-matrix parameters of the layer) + core attention 4 s h_q
     (QK^T: 2 s h_q, scores x V: 2 s h_q; the full s x s square, causal mask not discounted, as
-    Megatron counts it).  Logits 2hV per token.  Backward = 2 x forward.  Full recompute
+    Megatron counts it; a layer with a sliding window W counts min(s, W) keys per query, the
+    band's s x W rectangle).  Logits 2hV per token.  Backward = 2 x forward.  Full recompute
     repeats each layer's forward once (not the logits); selective recompute repeats the core
     attention (4 s h).  Model FLOPs per token (MFU): 3 (l (2 matrix params + 4 s h) + 2 h V).
 For gpt2 with f = 4h: per iteration with full recompute
@@ -141,6 +142,9 @@ class LayerShape:
     """Multi-head latent attention's widths (model.arch='deepseek_v3'), else None. h_q and
     h_kv are then a (d_n + d_r) each (the expanded per-head q and k) for the activation model;
     the parameter and FLOP counts use these widths instead."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window W (model.sliding_window where model.window(i) has it, None
+    for full attention); empty: no layer is windowed."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> LayerShape:
@@ -153,6 +157,7 @@ class LayerShape:
             tied=model.tie_embeddings, bias=model.bias,
             hidden_dropout=model.hidden_dropout > 0,
             attention_dropout=model.attention_dropout > 0, qkv_bias=model.qkv_bias,
+            windows=_windows(model),
         ) if not model.mla else cls(
             facts=arch_facts(model), layers=model.num_layers, hidden=model.hidden_size,
             heads=model.num_heads, q_hidden=model.num_heads * model.mla_qk_head_dim,
@@ -162,7 +167,7 @@ class LayerShape:
             attention_dropout=model.attention_dropout > 0,
             mla=MLAShape(model.mla_q_lora_rank or 0, model.mla_kv_lora_rank,
                          model.mla_qk_nope_head_dim, model.mla_qk_rope_head_dim,
-                         model.mla_v_head_dim))
+                         model.mla_v_head_dim), windows=_windows(model))
 
     @property
     def head_dim(self) -> int:
@@ -325,11 +330,22 @@ def layer_forward_flops_per_token(m: LayerShape, seq_len: int) -> float:
 
 
 def attention_core_flops_per_token(m: LayerShape, seq_len: int) -> float:
-    """Core attention forward FLOPs per token: QK^T and scores x V, 4 s h_q (MLA: 2 s a
-    (d_n + d_r) + 2 s a d_v)."""
+    """Core attention forward FLOPs per token of a layer: QK^T and scores x V, 4 s h_q (MLA:
+    2 s a (d_n + d_r) + 2 s a d_v), s the keys counted per query: the sequence (the full
+    square), or min(s, W) in a layer with a sliding window W (the band's rectangle), averaged
+    over the layers (:attr:`LayerShape.windows`)."""
+    keys = [seq_len if w is None else min(seq_len, w) for w in m.windows] or [seq_len]
+    s = sum(keys) / len(keys)
     if m.mla is not None:
-        return 2.0 * seq_len * m.heads * (m.mla.nope + m.mla.rope + m.mla.v)
-    return 4.0 * seq_len * m.q_hidden
+        return 2.0 * s * m.heads * (m.mla.nope + m.mla.rope + m.mla.v)
+    return 4.0 * s * m.q_hidden
+
+
+def _windows(model: ModelConfig) -> tuple[int | None, ...]:
+    """model.window(i) of every layer; () when none is windowed."""
+    if model.sliding_window is None:
+        return ()
+    return tuple(model.window(i) for i in range(model.num_layers))
 
 
 def logits_forward_flops_per_token(m: LayerShape) -> float:

@@ -45,3 +45,57 @@ def test_mistral_window_layouts_with_document_reset(run_ranks: Callable[..., lis
                          num_kv_heads=2, ffn_hidden_size=48, sliding_window=3)), vocab_size=7)
     check_layouts(run_ranks, model, [Layout(tp=2, sp=True), Layout(pp=2), Layout(cp=2),
                                      Layout(cp=2, cp_attention="all_to_all")], eod=0)
+
+
+def test_window_flops_count_the_band() -> None:
+    """Model FLOPs per token count min(s, W) keys per query in a windowed layer: Mistral 7B's
+    window 4096 at s = 8192 saves 3 l 4 (s - W) h_q = 3 x 32 x 4 x 4096 x 4096; at s <= W
+    nothing; a window on half the layers saves half of it."""
+    from colonnade.analysis.cli import configs_dir
+    from colonnade.config.load import load_config
+    from colonnade.models.counts import flops_per_token
+
+    model = load_config(configs_dir() / "mistral-7b-v0.1.toml").model
+    full = dataclasses.replace(model, sliding_window=None)
+    half = dataclasses.replace(model, sliding_window_layers=tuple(range(16)))
+    assert flops_per_token(full, 8192) - flops_per_token(model, 8192) == 3 * 32 * 4 * 4096 ** 2
+    assert flops_per_token(full, 8192) - flops_per_token(half, 8192) == 3 * 16 * 4 * 4096 ** 2
+    assert flops_per_token(full, 4096) == flops_per_token(model, 4096) == 49_104_814_080
+
+
+def test_window_refusals() -> None:
+    """The validator names each bad window field; a class without the window (Llama) or with
+    another layer rule (Mistral: every layer) refuses on export rather than drop it; a
+    config.json whose layer_types the class would ignore, or names another kind, is refused."""
+    import pytest
+
+    from colonnade.checkpoint.hf import hf_config_from_model, model_config_from_hf
+    from colonnade.config.sections import Config
+    from colonnade.config.validate import problems
+
+    def found(**changes: Any) -> list[str]:
+        return problems(Config(model=ModelConfig(num_layers=4, **changes)))
+
+    assert found(sliding_window=0) == [
+        "model.sliding_window=0 must be >= 1 (the keys each query attends, itself included); "
+        "unset it for full attention."]
+    assert "needs model.sliding_window" in found(sliding_window_layers=(1,))[0]
+    assert "outside 0 .. model.num_layers - 1 = 3" in found(sliding_window=4,
+                                                           sliding_window_layers=(2, 4))[0]
+    assert "strictly ascending" in found(sliding_window=4, sliding_window_layers=(2, 1))[0]
+    assert found(sliding_window=4, sliding_window_layers=(1, 3)) == []
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: model\.sliding_window=4"):
+        hf_config_from_model(ModelConfig(arch="llama", sliding_window=4))
+    with pytest.raises(ValueError, match=r"MistralForCausalLM: model\.sliding_window_layers"):
+        hf_config_from_model(ModelConfig(arch="mistral", num_layers=4, sliding_window=4,
+                                         sliding_window_layers=(1, 3)))
+    qwen2 = hf_config_from_model(ModelConfig(arch="qwen2", num_layers=4, qkv_bias=True,
+                                             sliding_window=4, sliding_window_layers=(1, 3)))
+    assert (qwen2["use_sliding_window"], qwen2["layer_types"]) == (True, [
+        "full_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    assert model_config_from_hf(qwen2).sliding_window_layers == (1, 3)  # layer_types rule
+    mistral = hf_config_from_model(ModelConfig(arch="mistral", num_layers=2, sliding_window=4))
+    with pytest.raises(ValueError, match="ignores layer_types"):
+        model_config_from_hf(mistral | {"layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match="other attention kinds"):
+        model_config_from_hf(qwen2 | {"layer_types": ["chunked_attention"] * 4})
