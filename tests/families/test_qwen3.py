@@ -57,8 +57,9 @@ def test_qwen3_moe_against_transformers(tmp_path: Path) -> None:
 
 
 QWEN3 = tiny(ModelConfig(arch="qwen3", num_layers=4, hidden_size=32, num_heads=4,
-                         num_kv_heads=2, head_dim=16, ffn_hidden_size=48, norm_eps=1e-6))
-"""The dense layout model: 4 layers (pp2 x vp2), head_dim 16."""
+                         num_kv_heads=2, head_dim=16, ffn_hidden_size=48, norm_eps=1e-6,
+                         tie_embeddings=True))
+"""The dense layout model: 4 layers (pp2 x vp2), head_dim 16, tied (as Qwen3-0.6B)."""
 
 
 def test_qwen3_layouts(run_ranks: Callable[..., list[Any]]) -> None:
@@ -73,7 +74,8 @@ def test_qwen3_layouts(run_ranks: Callable[..., list[Any]]) -> None:
 
 def test_qwen3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     model = dataclasses.replace(QWEN3, num_layers=2, num_experts=4, moe_top_k=2,
-                                moe_ffn_hidden_size=24, moe_first_dense_layers=1)
+                                moe_ffn_hidden_size=24, moe_first_dense_layers=1,
+                                tie_embeddings=False)
     check_layouts(run_ranks, model, [
         Layout(dp=2, ep=2), Layout(dp=2, ep=2, dispatcher="all_gather"),
         Layout(tp=2, sp=True, dp=2, ep=2)])
