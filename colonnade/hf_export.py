@@ -257,6 +257,10 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None,
                               "pass a new --out directory or delete the old export first")
     ckpt = resolve_checkpoint(path)
     model: ModelConfig = load_config(ckpt / "config.toml").model
+    try:  # a model its HF class cannot express (biases, windows...) is refused before writing
+        hf_config_from_model(model)
+    except ValueError as err:
+        raise CheckpointError(f"{ckpt}: {err}") from err
     reader = CheckpointReader(ckpt)
     source = checkpoint_source(reader)
     out = Path(out)

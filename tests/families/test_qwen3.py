@@ -123,3 +123,28 @@ def test_qwen3_activation_bytes_match_the_planner(dtype: torch.dtype) -> None:
         install([chunk], plan)
         want = chunk_layer_bytes(shape, plan, m.num_layers) / m.num_layers
         assert measure_layers(chunk, x).mean == want, plan
+
+
+def test_qwen3_export_refuses_what_its_class_cannot_express(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert --to-hf`` of a qwen3 model with biases, or a Qwen3-MoE with a shared expert:
+    exit 2 with one line naming the field, nothing written (was a traceback, exit 1)."""
+    from colonnade.checkpoint.convert import write_model_checkpoint
+    from colonnade.checkpoint.export import full_state
+    from colonnade.cli import main
+    from colonnade.config.sections import Config
+    from colonnade.models.build import build_reference
+    from colonnade.parallel.groups import ProcessGroups
+
+    for name, changes, field in (
+            ("bias", {"bias": True}, "model.bias"),
+            ("shared", {"num_experts": 4, "moe_shared_expert_ffn_hidden_size": 16},
+             "moe_shared_expert_ffn_hidden_size")):
+        config = Config(model=dataclasses.replace(QWEN3, num_layers=2, **changes))
+        full = full_state([build_reference(config)], ProcessGroups.single())
+        ckpt = write_model_checkpoint(tmp_path / name, config, full)
+        out = tmp_path / f"hf_{name}"
+        assert main(["convert", "--to-hf", str(ckpt), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "cannot express as Qwen3" in err and field in err and "Traceback" not in err
+        assert not out.exists()
