@@ -101,6 +101,9 @@ class MoEShape:
     """The k kept weights are renormalised (keeps their sum)."""
     router_bias: bool = False
     """The router's logits have a learned bias [E] (model.moe_router_bias, gpt-oss)."""
+    clamped_swiglu: bool = False
+    """gpt-oss's experts: their activation keeps only gate and up (moe.experts.ClampedSwiGLU),
+    one [T k, f] tensor less than SwiGLU's gate, silu(gate), up."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> MoEShape:
@@ -118,7 +121,8 @@ class MoEShape:
                    layers=model.num_layers, z_loss=model.moe_z_loss_coeff > 0,
                    aux_loss=model.moe_aux_loss_coeff > 0,
                    norm_topk=model.moe_norm_topk_prob or model.moe_router == "sigmoid",
-                   router_bias=model.moe and model.moe_router_bias)
+                   router_bias=model.moe and model.moe_router_bias,
+                   clamped_swiglu=bool(model.traits and model.traits.clamped_swiglu))
 
     @property
     def moe(self) -> bool:
@@ -273,7 +277,8 @@ def moe_activation_terms(x: MoEShape, tokens: float, full_rows: float, elem: int
              "routing": 16.0 * tokens * k + a * tokens * k + (a * tokens if x.norm_topk else 0)
              + e * tokens * k,
              "dispatched": e * tokens * k * h,
-             "expert_hidden": 2.0 * (x.matrices - 1) * e * tokens * k * x.expert_ffn,
+             "expert_hidden": (2.0 * (x.matrices - 1) - x.clamped_swiglu) * e * tokens * k
+             * x.expert_ffn,
              "expert_out": e * tokens * k * h,
              "combine_rows": e * tokens * k * h}
     if x.z_loss:

@@ -22,6 +22,7 @@ Initialisation: normal(0, init_std) for gate and up, the scaled output std
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,12 +56,45 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
-    """gpt-oss's expert activation (transformers' GptOssExperts): with g = min(gate, limit)
-    and u = clamp(up, -limit, limit), ``(u + 1) * g * sigmoid(alpha g)``, [t_e, f] each."""
-    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+class ClampedSwiGLU(torch.autograd.Function):
+    """gpt-oss's expert activation, saving only its two inputs [t_e, f] (autograd through
+    the separate ops would keep seven such tensors). With g = min(gate, L), u = clamp(up, -L,
+    L), sigma = sigmoid(alpha g)::
+
+        out     = (u + 1) g sigma
+        d up    = dout g sigma                                  where -L <= up <= L, else 0
+        d gate  = dout (u + 1) sigma (1 + alpha g (1 - sigma))  where gate <= L, else 0
+
+    (the clamps pass the gradient inside their range, bounds included, as torch.clamp does).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.alpha, ctx.limit = alpha, limit
         g = gate.clamp(max=limit)
         return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g))
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gate, up = ctx.saved_tensors
+        alpha, limit = ctx.alpha, ctx.limit
+        g = gate.clamp(max=limit)
+        sig = torch.sigmoid(alpha * g)
+        d_up = (dout * g * sig).masked_fill_((up < -limit) | (up > limit), 0.0)
+        u1 = up.clamp(-limit, limit) + 1
+        d_gate = dout * u1 * sig * (1 + alpha * g * (1 - sig))
+        return d_gate.masked_fill_(gate > limit, 0.0), d_up, None, None
+
+
+def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
+    """gpt-oss's expert activation (transformers' GptOssExperts): with g = min(gate, limit)
+    and u = clamp(up, -limit, limit), ``(u + 1) * g * sigmoid(alpha g)``, [t_e, f] each
+    (:class:`ClampedSwiGLU`: only gate and up are kept for backward)."""
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = ClampedSwiGLU.apply(gate, up, alpha, limit)
+        return out
     return act
 
 

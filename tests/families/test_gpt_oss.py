@@ -7,6 +7,7 @@ the CLI (cp2 x ep2) whose export transformers loads; the MXFP4 folders refused."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,37 @@ def test_gpt_oss_fine_tune_from_hf_folder_in_cp2_ep2_and_export(tmp_path: Path) 
         mine = ours.eval()(ids).transpose(0, 1)[..., :tok.get_vocab_size()]
         err = float((model.eval()(ids).logits - mine).abs().max())
     assert err < 1e-4, err
+
+
+def test_gpt_oss_moe_layer_activations_match_the_planner() -> None:
+    """Bytes the last gpt-oss MoE layer keeps for backward (saved-tensor hooks, float64) =
+    the planner's model within 2% (1.1% here): the clamped SwiGLU keeps only gate and up, one
+    [T k, f] tensor less than SwiGLU (autograd through its separate ops kept seven: 25% over
+    the model)."""
+    from colonnade.analysis.activations import ActivationShape, layer_bytes
+    from colonnade.analysis.layout import Layout as PlanLayout
+    from colonnade.analysis.layout import Workload
+    from colonnade.analysis.measure import SavedTensorMeter, relative_error
+    from colonnade.analysis.memory import moe_layer_activation_delta
+    from colonnade.analysis.moe import dense_model
+    from colonnade.models.build import build_chunks
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.parallel.groups import ProcessGroups
+    from tests.moe.harness import moe_config
+
+    config = moe_config(arch="llama", ep=1)
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, arch="gpt_oss", bias=True, moe_router_bias=True))
+    (chunk,) = build_chunks(config, ProcessGroups.build(ParallelDims()), dtype=torch.float64)
+    chunk.train()
+    b, s, vocab = 2, config.training.seq_len, config.model.vocab
+    gen = torch.Generator().manual_seed(3)
+    tokens, labels = (torch.randint(0, vocab, (b, s), generator=gen) for _ in range(2))
+    with SavedTensorMeter([chunk]) as meter:
+        loss = chunk(tokens, labels, reduction="sum")
+    loss.backward()
+    measured = list(meter.per_layer().values())[-1]
+    shape = ActivationShape.from_model(dense_model(config.model), s, b, dtype=torch.float64)
+    predicted = layer_bytes(shape) + moe_layer_activation_delta(
+        Workload.from_config(config), PlanLayout(micro_batch=b))
+    assert relative_error(measured, predicted) <= 0.02, (measured, predicted)
