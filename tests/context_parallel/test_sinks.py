@@ -106,3 +106,21 @@ def test_kv_cache_prefill_in_pieces_equals_one_pass() -> None:
                  for lo, hi in ((0, 5), (5, 11), (11, 12))]
     err = float((torch.cat(parts, dim=1) - whole).abs().max())
     assert err < 1e-12, f"chunked prefill differs from one prefill by {err:.3e}"
+
+
+def test_bf16_sinks_close_to_float64() -> None:
+    """The fused path in bf16 (lse and the sink factor in float32): output and gradients
+    within bf16 rounding of the float64 reference."""
+    q, k, v, sinks = inputs = _inputs(S, S)
+    allowed = torch.ones(S, S, dtype=torch.bool).tril()
+    want = explicit(q, k, v, sinks, allowed)
+    low = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in inputs]
+    got = attention_with_sinks(*low, causal=True)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1),
+                       dtype=torch.float64)
+    g_want = torch.autograd.grad(want, inputs, grad)
+    g_got = torch.autograd.grad(got, low, grad.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and g_got[3].dtype == torch.bfloat16
+    for a, b in zip((got, *g_got), (want, *g_want), strict=True):
+        err = float((a.detach().double() - b.detach()).norm() / b.detach().norm())
+        assert err < 2e-2, err
