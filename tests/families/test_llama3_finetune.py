@@ -29,7 +29,7 @@ LLAMA3_TEMPLATE = (
 ROPE = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 """Llama 3.1's rope scaling at a tiny original context (the model's is 64)."""
-STEPS = 12
+STEPS = 8
 
 
 def _conversations() -> list[list[dict[str, str]]]:
