@@ -188,7 +188,7 @@ POSITION_TABLE_NOTE = (" (its learned position table has max_seq_len rows; a sho
 
 MOE_SHAPE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense_layers",
                     "moe_router", "moe_shared_expert_ffn_hidden_size",
-                    "moe_shared_expert_gate")
+                    "moe_shared_expert_gate", "moe_router_bias")
 """[model] fields that decide tensors only when model.num_experts > 0."""
 MLA_SHAPE_FIELDS = ("mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_nope_head_dim",
                     "mla_qk_rope_head_dim", "mla_v_head_dim")

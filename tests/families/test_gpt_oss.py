@@ -211,3 +211,14 @@ def test_gpt_oss_moe_layer_activations_match_the_planner() -> None:
     predicted = layer_bytes(shape) + moe_layer_activation_delta(
         Workload.from_config(config), PlanLayout(micro_batch=b))
     assert relative_error(measured, predicted) <= 0.02, (measured, predicted)
+
+
+def test_init_from_refuses_a_router_without_its_bias(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """model.moe_router_bias decides a tensor (router.bias [E]): `train --init-from` a gpt-oss
+    folder with it set false is refused by name before launch (it would drop the bias)."""
+    directory = save_hf(hf_gpt_oss(), tmp_path / "hf")
+    assert main(["train", f"--init-from={directory}", "--dry-run", "--model.num_experts=4",
+                 "--model.moe_router_bias=false"]) == 2
+    err = capsys.readouterr().err
+    assert "model.moe_router_bias=False is set but checkpoint.init_from=" in err, err
