@@ -56,8 +56,9 @@ def test_gpt_oss_against_transformers(tmp_path: Path) -> None:
 
 def test_gpt_oss_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     """Sinks, a window of 5 in the even layers of 4 (16-token sequences), biased router and
-    experts: tp2 + sp, pp2 (1F1B and interleaved), dp2 + ZeRO-1, cp2 (ring and all-to-all),
-    ep2 (both dispatchers). ZeRO-2/3 are refused for every MoE model (config/rules_moe.py)."""
+    experts: tp2 + sp, pp2 (1F1B and interleaved), dp2 + ZeRO-1, cp2 ring, cp2 all-to-all
+    under tp2 + sp (each rank's sinks are its tp and cp share of the heads), ep2 (both
+    dispatchers). ZeRO-2/3 are refused for every MoE model (config/rules_moe.py)."""
     model = tiny(ModelConfig(arch="gpt_oss", num_layers=4, hidden_size=32, num_heads=4,
                              num_kv_heads=2, head_dim=8, ffn_hidden_size=24, bias=True,
                              num_experts=4, moe_top_k=2, moe_router_bias=True,
@@ -65,7 +66,7 @@ def test_gpt_oss_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     check_layouts(run_ranks, model, [
         Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vp=2, schedule="interleaved_1f1b"),
         Layout(dp=2, zero=1), Layout(cp=2),
-        Layout(cp=2, cp_attention="all_to_all"), Layout(dp=2, ep=2),
+        Layout(tp=2, sp=True, cp=2, cp_attention="all_to_all"), Layout(dp=2, ep=2),
         Layout(dp=2, ep=2, dispatcher="all_gather")])
 
 
