@@ -191,8 +191,9 @@ MOE_SHAPE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_first_dense_la
                     "moe_shared_expert_gate", "moe_router_bias")
 """[model] fields that decide tensors only when model.num_experts > 0."""
 MLA_SHAPE_FIELDS = ("mla_q_lora_rank", "mla_kv_lora_rank", "mla_qk_nope_head_dim",
-                    "mla_qk_rope_head_dim", "mla_v_head_dim")
-"""[model] fields of multi-head latent attention's tensor widths (deepseek_v3)."""
+                    "mla_qk_rope_head_dim", "mla_v_head_dim", "mtp_layers")
+"""[model] fields of multi-head latent attention's tensor widths (deepseek_v3) and the
+multi-token-prediction modules' count."""
 TENSOR_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                  "head_dim", "ffn_hidden_size", "vocab_size", "tie_embeddings", "bias", "qkv_bias",
                  "num_experts", *MOE_SHAPE_FIELDS, *MLA_SHAPE_FIELDS)

@@ -266,12 +266,23 @@ def _hf_config(directory: Path) -> ModelConfig:
         raise CheckpointError(f"{directory}/config.json missing or without 'architectures': "
                               "not a Hugging Face model directory")
     try:
-        return model_config_from_hf(json.loads((directory / "config.json").read_text()))
+        cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()))
     except KeyError as err:
         raise CheckpointError(f"{directory}/config.json has no {err} key") from err
     except ValueError as err:
         raise CheckpointError(f"{directory}/config.json: "
                               f"{str(err).removeprefix('config.json: ')}") from err
+    fit = hf_format(cfg).fit
+    if fit is None:
+        return cfg
+    names: set[str] = set()
+    for f in _shard_files(directory):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                names.update(handle.keys())
+        except Exception as err:
+            raise CheckpointError(f"{f}: cannot read ({err}); truncated or corrupted") from err
+    return fit(cfg, names)
 
 
 def read_hf(directory: str | Path, progress: bool = False

@@ -97,6 +97,9 @@ class HFFormat:
     """Colonnade key -> where its values are in the HF tensors."""
     to_hf: Callable[[ModelConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     """Full Colonnade tensors -> the HF state dict (inverse of reading through ``refs``)."""
+    fit: Callable[[ModelConfig, set[str]], ModelConfig] | None = None
+    """The config read, adjusted to the tensors the folder holds (their names), or None:
+    DeepSeek-V3's num_nextn_predict_layers counts modules that transformers never saves."""
     window: str | None = None
     """Which layers the class's sliding window covers, one of the rules of
     :mod:`colonnade.checkpoint.hf_window` (config.json's window fields are read and written

@@ -21,14 +21,23 @@ RoPE settings (DeepSeek-V3: yarn, factor 40, mscale = mscale_all_dim = 1, origin
 4096) go through :mod:`colonnade.checkpoint.hf_rope`; yarn's mscale_all_dim also scales MLA's
 softmax (:func:`colonnade.models.mla.mla_softmax_factor`).
 
-Refused on reading, each by name: multi-token prediction modules
-(``num_nextn_predict_layers`` > 0: their weights, stored as layers num_hidden_layers.., would
-be dropped), attention biases, a scoring function other than sigmoid, and
-num_key_value_heads != num_attention_heads (and any rope setting :func:`read_rope` refuses).
+Multi-token prediction (``num_nextn_predict_layers`` = model.mtp_layers): module k is stored
+as layer L + k (L = num_hidden_layers): its transformer layer under the usual names, and
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``embed_tokens`` and
+``shared_head.head`` (ours ``mtp.{k}.*``, :mod:`colonnade.models.mtp`). transformers builds no
+MTP module (it ignores layer 61 of DeepSeek-V3 on loading, and warns about the unexpected
+keys of a smaller model's) and saves none while writing num_nextn_predict_layers = 1 by
+default: :func:`fit` reads such a folder without MTP.
+
+Refused on reading, each by name: attention biases, a scoring function other than sigmoid,
+and num_key_value_heads != num_attention_heads (and any rope setting :func:`read_rope`
+refuses).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from colonnade.checkpoint.hf_archs import HFFormat, HFRef, refs_to_hf
@@ -36,18 +45,17 @@ from colonnade.checkpoint.hf_rope import read_rope, write_rope
 from colonnade.config.sections import ModelConfig
 
 _SWIGLU = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+_MTP = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+        ("norm", "shared_head.norm"), ("embed", "embed_tokens"), ("head", "shared_head.head"))
+"""A multi-token-prediction module's own tensors: ours (mtp.{k}.*) -> the checkpoint's
+(model.layers.{L + k}.*); its transformer layer is layers.{L + k} under the usual names."""
+
+log = logging.getLogger(__name__)
 
 
 def _refuse(hf: dict[str, Any]) -> None:
     """Raise naming every config.json setting that Colonnade's deepseek_v3 cannot run."""
     problems = []
-    mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
-    if mtp > 0:
-        problems.append(
-            f"num_nextn_predict_layers={mtp}: multi-token prediction modules (stored as layers "
-            f"{hf['num_hidden_layers']}..) are not supported and their weights would be "
-            "dropped; set num_nextn_predict_layers to 0 in config.json to load the model "
-            "without them")
     if hf.get("attention_bias"):
         problems.append("attention_bias=true (Colonnade's MLA has no biases)")
     if hf.get("scoring_func", "sigmoid") != "sigmoid":
@@ -87,7 +95,30 @@ def read_config(hf: dict[str, Any]) -> ModelConfig:
         init_std=hf.get("initializer_range", 0.02), mla_q_lora_rank=hf.get("q_lora_rank"),
         mla_kv_lora_rank=hf["kv_lora_rank"], mla_qk_nope_head_dim=hf["qk_nope_head_dim"],
         mla_qk_rope_head_dim=hf["qk_rope_head_dim"], mla_v_head_dim=hf["v_head_dim"],
-        mla_rope_interleave=bool(hf.get("rope_interleave", True)), **rope, **moe)
+        mla_rope_interleave=bool(hf.get("rope_interleave", True)),
+        mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0),
+        **rope, **moe)
+
+
+def fit(cfg: ModelConfig, names: set[str]) -> ModelConfig:
+    """``cfg`` with model.mtp_layers = the multi-token-prediction modules the folder holds:
+    transformers builds none and saves none, yet writes num_nextn_predict_layers (1 by
+    default), so a folder without ``model.layers.{L}.eh_proj.weight`` is read without MTP
+    (nothing is dropped: there are no such weights); a folder holding fewer modules than its
+    config says is refused."""
+    if cfg.mtp_layers == 0:
+        return cfg
+    held = [f"model.layers.{cfg.num_layers + k}.eh_proj.weight" in names
+            for k in range(cfg.mtp_layers)]
+    if not any(held):
+        log.info("config.json: num_nextn_predict_layers=%d but the folder holds no "
+                 "multi-token-prediction weights (transformers saves none): read without MTP",
+                 cfg.mtp_layers)
+        return dataclasses.replace(cfg, mtp_layers=0)
+    if not all(held):
+        raise ValueError(f"num_nextn_predict_layers={cfg.mtp_layers} but the folder holds only "
+                         f"{sum(held)} multi-token-prediction module(s)")
+    return cfg
 
 
 def write_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -118,7 +149,7 @@ def write_config(cfg: ModelConfig) -> dict[str, Any]:
         "n_group": cfg.moe_n_group, "topk_group": cfg.moe_topk_group,
         "norm_topk_prob": cfg.moe_norm_topk_prob,
         "routed_scaling_factor": cfg.moe_routed_scaling_factor,
-        "num_nextn_predict_layers": 0} | write_rope(cfg)
+        "num_nextn_predict_layers": cfg.mtp_layers} | write_rope(cfg)
 
 
 def _names(cfg: ModelConfig) -> dict[str, str]:
@@ -131,7 +162,11 @@ def _names(cfg: ModelConfig) -> dict[str, str]:
             "o": "o_proj"}
     attn |= ({"q": "q_proj"} if cfg.mla_q_lora_rank is None else
              {"q_a": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b": "q_b_proj"})
-    for i in range(cfg.num_layers):
+    for k in range(cfg.mtp_layers):
+        ours, theirs = f"mtp.{k}", f"model.layers.{cfg.num_layers + k}"
+        for o, t in _MTP:
+            out[f"{ours}.{o}.weight"] = f"{theirs}.{t}.weight"
+    for i in range(cfg.num_layers + cfg.mtp_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         out[f"{ours}.attn_norm.weight"] = f"{theirs}.input_layernorm.weight"
         out[f"{ours}.mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
@@ -151,7 +186,7 @@ def _names(cfg: ModelConfig) -> dict[str, str]:
 def refs(cfg: ModelConfig) -> dict[str, HFRef]:
     """Colonnade key -> where its values are in the HF tensors."""
     out = {ours: HFRef(theirs) for ours, theirs in _names(cfg).items()}
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers + cfg.mtp_layers):
         if cfg.is_moe_layer(i):
             for o, t in _SWIGLU:
                 out[f"layers.{i}.mlp.experts.{o}"] = HFRef(
@@ -160,5 +195,5 @@ def refs(cfg: ModelConfig) -> dict[str, HFRef]:
 
 
 DEEPSEEK_V3 = HFFormat("DeepseekV3ForCausalLM", read_config, write_config, refs,
-                       lambda cfg, full: refs_to_hf(refs(cfg), full))
+                       lambda cfg, full: refs_to_hf(refs(cfg), full), fit)
 """The DeepSeek-V3 HF form."""

@@ -236,6 +236,16 @@ class ModelConfig:
     """MLA: the rotary part's pairs are adjacent, (x_0, x_1), (x_2, x_3), ... (transformers'
     ``rope_interleave``, DeepSeek's checkpoints), rotated into the half-split order; False:
     pairs (x_i, x_{i + d/2}) as llama."""
+    mtp_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3: 1; HF num_nextn_predict_layers): module k
+    (k = 0 .. D-1, on the last pipeline stage) predicts token i + 2 + k at position i from
+    h' = W_eh [RMSNorm(Emb(t_{i+1+k})) ; RMSNorm(h_i)] through one more transformer layer
+    (global index num_layers + k), its own final RMSNorm and output head; h_i is the main
+    model's final-normed hidden state (k = 0) or module k-1's final-normed output. 0: none."""
+    mtp_loss_weight: float = 0.1
+    """lambda: the training objective adds lambda / D x the MTP modules' cross entropy summed
+    over their valid tokens, normalised like the main loss (by the main loss's token count);
+    the logged loss stays the main model's (DeepSeek-V3: 0.3, then 0.1)."""
 
     @property
     def mla(self) -> bool:

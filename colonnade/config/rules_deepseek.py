@@ -77,6 +77,9 @@ def deepseek_rules(c: Config, _: int | None) -> list[str]:
             m.mla_qk_rope_head_dim or m.mla_v_head_dim):
         out.append(f"model.mla_* fields are set but model.arch='{m.arch}' has no multi-head "
                    "latent attention (deepseek_v3 has); unset them.")
+    if m.mtp_layers < 0 or m.mtp_loss_weight < 0:
+        out.append(f"model.mtp_layers={m.mtp_layers} and model.mtp_loss_weight="
+                   f"{m.mtp_loss_weight} must be >= 0 (0 layers: no multi-token prediction).")
     if m.moe:
         out.extend(_router_fields(m))
     elif (m.moe_n_group, m.moe_topk_group, m.moe_routed_scaling_factor) != (1, 1, 1.0):

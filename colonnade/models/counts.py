@@ -300,8 +300,28 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         layers += moe_layer_count(cfg) * (sum(moe_mlp_params(cfg).values())
                                           - mlp_params(m, m.ffn))
     out = {"embedding": embedding_params(m), "layers": layers, "head": head_params(m)}
+    if cfg.mtp_layers > 0:
+        out["mtp"] = mtp_params(cfg)
     out["total"] = sum(out.values())
     return out
+
+
+def mtp_params(cfg: ModelConfig) -> int:
+    """The multi-token-prediction modules (:mod:`colonnade.models.mtp`): each its three norms
+    (enorm, hnorm, final), W_eh 2 h^2, one layer of global index num_layers + k (MoE or
+    dense as that index says) and its own embedding and head, 2 V h."""
+    m, h = LayerShape.of(cfg), cfg.hidden_size
+    moe_extra = sum(moe_mlp_params(cfg).values()) - mlp_params(m, m.ffn) if cfg.moe else 0
+    out = 0
+    for k in range(cfg.mtp_layers):
+        layer = layer_params(m) + (moe_extra if cfg.is_moe_layer(cfg.num_layers + k) else 0)
+        out += 3 * m.facts.norm_params * h + 2 * h * h + layer + 2 * m.vocab * h
+    return out
+
+
+def mtp_moe_layers(cfg: ModelConfig) -> int:
+    """MoE layers among the multi-token-prediction modules."""
+    return sum(1 for k in range(cfg.mtp_layers) if cfg.is_moe_layer(cfg.num_layers + k))
 
 
 def active_param_count(cfg: ModelConfig) -> int:
@@ -312,7 +332,7 @@ def active_param_count(cfg: ModelConfig) -> int:
         return total
     routed = moe_mlp_params(cfg)["routed"]
     skipped = routed * (cfg.num_experts - cfg.moe_top_k) // cfg.num_experts
-    return total - moe_layer_count(cfg) * skipped
+    return total - (moe_layer_count(cfg) + mtp_moe_layers(cfg)) * skipped
 
 
 def moe_mlp_forward_flops_per_token(cfg: ModelConfig) -> float:
@@ -333,12 +353,18 @@ def attention_core_flops_per_token(m: LayerShape, seq_len: int) -> float:
     """Core attention forward FLOPs per token of a layer: QK^T and scores x V, 4 s h_q (MLA:
     2 s a (d_n + d_r) + 2 s a d_v), s the keys counted per query: the sequence (the full
     square), or min(s, W) in a layer with a sliding window W (the band's rectangle), averaged
-    over the layers (:attr:`LayerShape.windows`)."""
-    keys = [seq_len if w is None else min(seq_len, w) for w in m.windows] or [seq_len]
-    s = sum(keys) / len(keys)
+    over the layers (:func:`attended_keys`)."""
+    s = attended_keys(m, seq_len)
     if m.mla is not None:
         return 2.0 * s * m.heads * (m.mla.nope + m.mla.rope + m.mla.v)
     return 4.0 * s * m.q_hidden
+
+
+def attended_keys(m: LayerShape, seq_len: int) -> float:
+    """Keys counted per query in core attention, the mean over the layers: s, or min(s, W) in a
+    layer with a sliding window W (:attr:`LayerShape.windows`)."""
+    keys = [seq_len if w is None else min(seq_len, w) for w in m.windows] or [seq_len]
+    return sum(keys) / len(keys)
 
 
 def _windows(model: ModelConfig) -> tuple[int | None, ...]:

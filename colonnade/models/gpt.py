@@ -39,6 +39,7 @@ from colonnade.models.blocks import (
     rope_tables,
 )
 from colonnade.models.layer import TransformerLayer
+from colonnade.models.mtp import AddInBackward, MTPModule, mtp_loss
 from colonnade.models.spec import ArchSpec, arch_spec
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.tensor_parallel import mappings as mp
@@ -149,6 +150,9 @@ class ModelChunk(nn.Module):
                 cfg.hidden_size, cfg.vocab, ctx, "head", bias=False, std=cfg.init_std,
                 padded_rows=pad, tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
             tie_weights(self)  # the embedding's Parameter here, else a tied copy (pp > 1)
+        self.mtp = (nn.ModuleList([MTPModule(cfg, ctx, k) for k in range(cfg.mtp_layers)])
+                    if last and cfg.mtp_layers > 0 else None)
+        """Multi-token prediction modules (:mod:`colonnade.models.mtp`), last chunk only."""
 
     @property
     def recomputes_layers(self) -> bool:
@@ -207,16 +211,26 @@ class ModelChunk(nn.Module):
         x = self.run_layers(x, doc=doc)
         if not self.last:
             return x
-        logits = self.logits(x)  # [s/cp, b, V'/tp] or [b, s, V'/tp]
+        normed = self.final_norm(x)
+        logits = self.head(normed)  # [s/cp, b, V'/tp] or [b, s, V'/tp]
         first = self.ctx.batch_first
         if labels is None:
             return logits.transpose(0, 1) if first else logits  # [s/cp, b, V'/tp]
-        labels = local_labels(labels, self.ctx)  # [b, s/cp]
+        full_labels, labels = labels, local_labels(labels, self.ctx)  # [b, s], [b, s/cp]
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
         loss = cross_entropy(logits, labels if first else labels.t(), self.ctx.group,
                              self.cfg.vocab, self.label_smoothing,
                              reduction="sum")  # [] summed over [s, b]
+        if self.mtp is not None and self.training:  # the MTP term, in backward only
+            full_tokens = inputs if self.first else tokens
+            if full_tokens is None:
+                raise ValueError("multi-token prediction needs the micro-batch's tokens on the "
+                                 "last chunk; pass tokens=")
+            extra = mtp_loss(self.mtp, normed, full_tokens, full_labels, self.rope, doc,
+                             self.label_smoothing)
+            loss = AddInBackward.apply(loss, extra * (self.cfg.mtp_loss_weight
+                                                      / self.cfg.mtp_layers))
         if reduction == "sum":
             return loss
         return loss / valid_tokens(labels).clamp(min=1)

@@ -79,9 +79,10 @@ def begin_moe_step(chunks: list[ModelChunk], groups: ProcessGroups, loss_scale: 
 
 
 def moe_layer_ids(config: Config) -> list[int]:
-    """Global indices of the MoE layers, in order (the rows of :func:`step_rows`)."""
+    """Global indices of the MoE layers, in order (the rows of :func:`step_rows`), the
+    multi-token-prediction modules' layers (num_layers ..) included."""
     model = config.model
-    return [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+    return [i for i in range(model.num_layers + model.mtp_layers) if model.is_moe_layer(i)]
 
 
 def _layer_index(key: Any) -> int:

@@ -56,13 +56,104 @@ def test_deepseek_v3_against_transformers(tmp_path: Path) -> None:
         "deepseek_v3", 24, 12, 2, 1, 2.5, 16, 1, "yarn", 0.8)
 
 
-def test_deepseek_v3_reader_refuses_mtp(tmp_path: Path) -> None:
-    from colonnade.checkpoint.hf import model_config_from_hf
+def _with_mtp(model: Any, hf_dir: Path) -> Any:
+    """Add a random multi-token-prediction module to the saved folder of ``model`` (layer 3 of
+    a 3-layer model, as DeepSeek-V3's layer 61: an MoE decoder layer plus enorm, hnorm,
+    eh_proj, shared_head.norm, embed_tokens and shared_head.head) and set
+    num_nextn_predict_layers = 1. Returns the layer (transformers' class, in memory)."""
+    import json
 
-    hf = transformers.DeepseekV3Config(**(HF_TINY | {"num_nextn_predict_layers": 1})).to_dict()
-    hf["architectures"] = ["DeepseekV3ForCausalLM"]
-    with pytest.raises(ValueError, match="num_nextn_predict_layers=1"):
-        model_config_from_hf(hf)
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = model.config
+    layer = randomize(DeepseekV3DecoderLayer(cfg, layer_idx=3), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.3)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    extra = {n: torch.randn(shape, generator=gen) * 0.3 + (1.0 if n.endswith("norm") else 0.0)
+             for n, shape in (("enorm", (h,)), ("hnorm", (h,)), ("eh_proj", (h, 2 * h)),
+                              ("shared_head.norm", (h,)), ("embed_tokens", (v, h)),
+                              ("shared_head.head", (v, h)))}
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    state = {f"model.layers.3.{k}": t for k, t in layer.state_dict().items()}
+    tensors |= {k: t.contiguous() for k, t in revert_weight_conversion(model, state).items()}
+    tensors |= {f"model.layers.3.{n}.weight": t for n, t in extra.items()}
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    layer.extra = extra
+    return layer
+
+
+def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
+    """A DeepSeek-V3 folder with one MTP module (what DeepSeek's checkpoint holds as layer 61):
+    imported, its MTP loss (sum over the valid positions of CE(head(norm(layer(W_eh [enorm(
+    Emb(t_{i+1})); hnorm(h_i)]))), t_{i+2})) equals the same composition of transformers' own
+    decoder layer in float64; exported bit for bit. A folder whose config says
+    num_nextn_predict_layers=1 but holds no MTP weights (transformers saves none) is read
+    without MTP."""
+    from safetensors.torch import load_file
+
+    from colonnade.checkpoint.convert import from_hf
+    from colonnade.checkpoint.export import load_exported
+    from colonnade.hf_export import to_hf
+    from colonnade.models.mtp import mtp_loss, shifted
+    from tests.families.harness import _float64, _rms_norm_fp64, float64_softmax, save_hf
+
+    model = randomize(transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**HF_TINY)))
+    plain = save_hf(model, tmp_path / "plain")
+    (plain / "config.json").write_text((plain / "config.json").read_text().replace(
+        '"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1'))
+    from_hf(plain, tmp_path / "ck0")
+    assert load_exported(tmp_path / "ck0")[0].model.mtp_layers == 0
+    hf_dir = save_hf(model, tmp_path / "hf")
+    layer = _with_mtp(model, hf_dir)
+    from_hf(hf_dir, tmp_path / "ck")
+    config, ours = load_exported(tmp_path / "ck", dtype=torch.float64)
+    assert config.model.mtp_layers == 1
+    out = to_hf(tmp_path / "ck", tmp_path / "hf2")
+    a, b = load_file(str(hf_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    tokens = torch.randint(0, 67, (2, 13), generator=torch.Generator().manual_seed(5))
+    tokens, labels = tokens[:, :-1], tokens[:, 1:]
+    ours.train()
+    x = ours.run_layers(ours.embedding(tokens))
+    mine = mtp_loss(ours.mtp, ours.final_norm(x), tokens, labels, ours.rope, None, 0.0)
+    theirs = _float64(model, config.model).train()
+    ref_layer = type(layer)(theirs.config, layer_idx=3)
+    ref_layer.load_state_dict(layer.state_dict())
+    ref_layer = ref_layer.double().train()
+    for module in ref_layer.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = _rms_norm_fp64.__get__(module)
+    w = {n: t.double() for n, t in layer.extra.items()}
+    eps = theirs.config.rms_norm_eps
+
+    def rms(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps))
+
+    with float64_softmax():
+        h = theirs.model(tokens).last_hidden_state  # [b, s, h], after the final norm
+        e = w["embed_tokens"][shifted(tokens, 1, 0)]  # [b, s, h]
+        y = torch.cat([rms(e, w["enorm"]), rms(h, w["hnorm"])], -1) @ w["eh_proj"].T
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0)
+        y = ref_layer(y, position_embeddings=theirs.model.rotary_emb(y, pos))
+        logits = rms(y, w["shared_head.norm"]) @ w["shared_head.head"].T  # [b, s, V]
+        ref = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, 67), shifted(labels, 1, -100).reshape(-1), reduction="sum")
+    err = float(((mine - ref).abs() / ref.abs()).detach())
+    assert err <= 1e-10, err
+
+
+def test_mtp_layouts(run_ranks: Callable[..., list[Any]]) -> None:
+    """One multi-token-prediction module (an MoE layer, own embedding and head) on the last
+    stage: pp2, tp2 + sp and cp2 equal the single-process run."""
+    check_layouts(run_ranks, _model(**MOE, mtp_layers=1, mtp_loss_weight=0.3), [
+        Layout(pp=2), Layout(tp=2, sp=True), Layout(cp=2)])
 
 
 def test_deepseek_v3_config_refusals() -> None:
