@@ -149,13 +149,6 @@ def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
     assert err <= 1e-10, err
 
 
-def test_mtp_layouts(run_ranks: Callable[..., list[Any]]) -> None:
-    """One multi-token-prediction module (an MoE layer, own embedding and head) on the last
-    stage: pp2, tp2 + sp and cp2 equal the single-process run."""
-    check_layouts(run_ranks, _model(**MOE, mtp_layers=1, mtp_loss_weight=0.3), [
-        Layout(pp=2), Layout(tp=2, sp=True), Layout(cp=2)])
-
-
 def test_deepseek_v3_config_refusals() -> None:
     """The validator names each field: MLA widths missing, MLA fields on another arch, a group
     limit on the softmax router, more experts than the eligible groups hold."""
@@ -190,10 +183,12 @@ def test_mla_layouts(run_ranks: Callable[..., list[Any]]) -> None:
 
 
 def test_deepseek_v3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
-    """DeepSeek-V3 with experts: tp2 + sp, dp2 ZeRO-1, ep2 with both dispatchers."""
-    check_layouts(run_ranks, _model(**MOE), [
-        Layout(tp=2, sp=True), Layout(dp=2, zero=1), Layout(dp=2, ep=2),
-        Layout(dp=2, ep=2, dispatcher="all_gather")])
+    """DeepSeek-V3 with experts and one multi-token-prediction module (an MoE layer with its
+    own embedding and head, on the last stage): tp2 + sp, pp2, cp2, dp2 ZeRO-1, ep2 with both
+    dispatchers."""
+    check_layouts(run_ranks, _model(**MOE, mtp_layers=1, mtp_loss_weight=0.3), [
+        Layout(tp=2, sp=True), Layout(pp=2), Layout(cp=2), Layout(dp=2, zero=1),
+        Layout(dp=2, ep=2), Layout(dp=2, ep=2, dispatcher="all_gather")])
 
 
 def test_deepseek_v3_preset_count_and_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
