@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
+from colonnade.models.counts import attended_keys
 
 
 def gemm_intensity(m: float, k: float, n: float, elem: float, write_out: bool = True) -> float:
@@ -73,7 +74,7 @@ def layer_gemms(w: Workload, layout: Layout) -> tuple[list[tuple[float, float]],
     shapes = [(h, (q + 2 * m.kv_hidden) / t), (q / t, h), (h, gate * f / t), (f / t, h)]
     mats = [(2 * tokens * k * n, gemm_intensity(tokens, k, n, e)) for k, n in shapes]
     core = gemm_intensity(s, m.head_dim, s, e, write_out=w.attention != "flash")
-    return mats, (4.0 * s * q * tokens / t, core)
+    return mats, (4.0 * attended_keys(m, s) * q * tokens / t, core)  # a window: min(s, W)
 
 
 def layer_gemm_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:

@@ -50,12 +50,21 @@ def test_mistral_window_layouts_with_document_reset(run_ranks: Callable[..., lis
 def test_window_flops_count_the_band() -> None:
     """Model FLOPs per token count min(s, W) keys per query in a windowed layer: Mistral 7B's
     window 4096 at s = 8192 saves 3 l 4 (s - W) h_q = 3 x 32 x 4 x 4096 x 4096; at s <= W
-    nothing; a window on half the layers saves half of it."""
+    nothing; a window on half the layers saves half of it. The planner's core-attention time
+    takes the same count (half the FLOPs at s = 2 W)."""
     from colonnade.analysis.cli import configs_dir
+    from colonnade.analysis.efficiency import layer_gemms
+    from colonnade.analysis.layout import Layout as PlanLayout
+    from colonnade.analysis.layout import Workload
     from colonnade.config.load import load_config
     from colonnade.models.counts import flops_per_token
 
-    model = load_config(configs_dir() / "mistral-7b-v0.1.toml").model
+    config = load_config(configs_dir() / "mistral-7b-v0.1.toml")
+    model = config.model
+    cores = [layer_gemms(Workload.from_config(dataclasses.replace(config, model=m),
+                                              seq_len=8192), PlanLayout())[1][0]
+             for m in (model, dataclasses.replace(model, sliding_window=None))]
+    assert cores[0] * 2 == cores[1]
     full = dataclasses.replace(model, sliding_window=None)
     half = dataclasses.replace(model, sliding_window_layers=tuple(range(16)))
     assert flops_per_token(full, 8192) - flops_per_token(model, 8192) == 3 * 32 * 4 * 4096 ** 2
