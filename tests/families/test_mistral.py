@@ -103,6 +103,9 @@ def test_window_refusals() -> None:
     assert (qwen2["use_sliding_window"], qwen2["layer_types"]) == (True, [
         "full_attention", "sliding_attention", "full_attention", "sliding_attention"])
     assert model_config_from_hf(qwen2).sliding_window_layers == (1, 3)  # layer_types rule
+    hub = {k: v for k, v in qwen2.items() if k != "layer_types"}  # older Hub configs
+    assert model_config_from_hf(hub | {"max_window_layers": 2}).sliding_window_layers == (2, 3)
+    assert model_config_from_hf(hub | {"use_sliding_window": False}).sliding_window is None
     mistral = hf_config_from_model(ModelConfig(arch="mistral", num_layers=2, sliding_window=4))
     with pytest.raises(ValueError, match="ignores layer_types"):
         model_config_from_hf(mistral | {"layer_types": ["sliding_attention", "full_attention"]})

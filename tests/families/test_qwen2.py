@@ -72,3 +72,16 @@ def test_mistral_qwen2_presets_count_as_transformers(capsys: pytest.CaptureFixtu
     assert main(["train", "--config", str(configs_dir() / "qwen2.5-0.5b.toml"),
                  "--dry-run"]) == 0
     assert "494,032,768 parameters" in capsys.readouterr().out
+
+
+def test_qwen2_moe_window_against_transformers(tmp_path: Path) -> None:
+    """Qwen2-MoE's window rule: the even layers below max_window_layers (layer 0 of 2 here)."""
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, rope_theta=500.0, use_sliding_window=True, sliding_window=4,
+        max_window_layers=2, tie_word_embeddings=False)
+    ours = hf_check(randomize(transformers.Qwen2MoeForCausalLM(cfg)), tmp_path, vocab=67)
+    assert (ours.arch, ours.num_experts, ours.qkv_bias) == ("qwen2", 4, True)
+    assert (ours.sliding_window, ours.sliding_window_layers) == (4, (0,))
