@@ -111,7 +111,7 @@ from typing import TYPE_CHECKING
 
 from colonnade.config.choices import CP_ATTENTIONS
 from colonnade.config.sections import ModelConfig
-from colonnade.models.counts import ArchFacts, LayerShape
+from colonnade.models.counts import ArchFacts, LayerShape, MLAShape
 
 if TYPE_CHECKING:  # the planner imports this module: keep torch out of `colonnade plan`
     import torch
@@ -163,6 +163,9 @@ class ActivationShape:
     attention: str = "auto"
     """'flash', 'blockwise' or 'eager' (:data:`ATTENTION_KERNELS`); 'auto': what colonnade
     runs, 'blockwise' with attention dropout, else 'flash'."""
+    mla: MLAShape | None = None
+    """Multi-head latent attention's widths (its attention terms replace the others':
+    :func:`_mla_terms`), or None."""
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.seq % self.cp or self.cp_attention not in CP_ATTENTIONS:
@@ -212,7 +215,7 @@ class ActivationShape:
                    head_dim=m.head_dim,
                    cp=cp, cp_attention=cp_attention, elem=elem, facts=m.facts,
                    hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-                   attention=attention)
+                   attention=attention, mla=m.mla)
 
     @classmethod
     def from_model(cls, model: ModelConfig, seq: int, batch: int, *, tp: int = 1,
@@ -293,7 +296,49 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     terms["mlp"] = 2.0 * (x.facts.mlp_matrices - 1) * e * s * b * x.ffn / t
     if x.hidden_dropout:
         terms["dropout_masks"] = 2.0 * rows * b * h  # bool
+    if x.mla is not None:  # multi-head latent attention: its own attention terms
+        terms = {k: v for k, v in terms.items() if k in _NOT_ATTENTION} | _mla_terms(x, recompute)
     return terms
+
+
+_NOT_ATTENTION = ("norms", "column_inputs", "mlp", "dropout_masks")
+"""The terms of :func:`layer_terms` that multi-head latent attention keeps as they are."""
+
+
+def _mla_terms(x: ActivationShape, recompute: str) -> dict[str, float]:
+    """Multi-head latent attention's terms (:mod:`colonnade.models.mla`; r_q, r, d_n, d_r,
+    d_v its widths, d = d_n + d_r, a/t heads on the rank, s_l b rows), measured at cp = 1
+    with the fused kernel:
+
+    * latents: the q rank's RMSNorm (input A r_q, 1/rms A, normalised E r_q) and q_b's input
+      E r_q; the kv latent's RMSNorm, whose input is a view of kv_a's output [.., r + d_r]
+      (E (r + d_r) kept; 16-bit: its up-cast copy A r), 1/rms A, normalised E r, and kv_b's
+      input E r (q_b's and kv_a's outputs are otherwise free: rope keeps only cos, sin);
+    * core: the concatenated q and k 2 E a/t d and v, zero-padded to d when d_v != d (a fresh
+      E a/t d) else a view of kv_b's output E a/t (d_n + d_v); then the kernel's output
+      (E a/t d when padded: the out-proj input is a copy of its first d_v columns) and
+      log-sum-exp A a/t; selective recompute keeps q, k, v only;
+    * out_proj_input: the attention output E a/t d_v.
+
+    Under cp the ring or all-to-all kernels keep their own terms for the padded q, k, v (not
+    modelled: these stand for them)."""
+    m = x.mla
+    assert m is not None
+    e, acc, rows, heads = x.elem, max(x.elem, 4), float(x.local_seq) * x.batch, x.heads / x.tp
+    d = m.nope + m.rope
+    q_path = (acc * m.q_rank + acc + 2 * e * m.q_rank) if m.q_rank else 0.0
+    kv_input = e * (m.kv_rank + m.rope) if e >= 4 else acc * m.kv_rank
+    kv_path = kv_input + acc + 2 * e * m.kv_rank
+    padded = m.v != d
+    v = e * heads * (d if padded else m.nope + m.v)
+    out = {"latents": rows * (q_path + kv_path)}
+    if recompute == "selective":
+        out["core_inputs"] = rows * (2 * e * heads * d + v)
+    else:
+        kernel_out = e * heads * d if padded else 0.0  # else the out-proj input itself
+        out["core_mla"] = rows * (2 * e * heads * d + v + kernel_out + acc * heads)
+    out["out_proj_input"] = rows * e * heads * m.v
+    return out
 
 
 def cp_buffer_bytes(x: ActivationShape) -> float:

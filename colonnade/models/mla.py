@@ -30,11 +30,12 @@ all-reduced across tp by :mod:`colonnade.data_parallel.finalize`, so every tp ra
 single-process gradient (Megatron instead all-gathers the sequence-parallel input the same
 way and marks the replicated down projections' gradients for the tp all-reduce).
 
-Context parallelism: q, k are [.., d] and v [.., d_v]; the ring kernels pack k and v in one
-buffer and the all-to-all exchanges q, k, v together, so under cp (and in the blockwise
-dropout kernel) v is zero-padded to width d and the output's extra columns (zeros) are cut off:
-exact, at the cost of (d - d_v) / d_v more P V work there. The fused path (SDPA) takes
-d_v != d directly.
+v's width: q, k are [.., d] and v [.., d_v]. v is zero-padded to width d before core
+attention and the output's extra columns (zeros) are cut off: exact, at the cost of
+(d - d_v) / d_v more P V work. Every kernel then sees one width: the ring kernels pack k and
+v in one buffer, the all-to-all exchanges q, k, v together, the blockwise dropout kernel and
+SDPA's fused kernels need it (with d_v != d PyTorch's CPU SDPA falls back to its math
+kernel, which keeps the s x s probabilities for backward).
 
 KV cache (generation): the expanded per-head k [b, a/tp, S, d] and v [b, a/tp, S, d_v]
 (the compressed latent is not what is cached; simpler, more memory).
@@ -204,23 +205,15 @@ class MLAttention(Attention):
             cache.length = start + s
             k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
         mask = doc.mask if doc is not None else None
-        padded = self.ctx.cp_size > 1 or (self.training and self.cfg.attention_dropout > 0)
-        if padded and self.d_v != self.d_qk:
-            return self._padded_core(q, k, v, start, mask, doc)
-        if self.recompute_core and self.training:
+        padded = self.d_v != self.d_qk
+        if padded:  # one width for every kernel: the fused ones keep O(s) memory
+            v = F.pad(v, (0, self.d_qk - self.d_v))  # [b, a/tp, S, d]
+        if self.ctx.cp_size > 1:
+            out = self._cp_core(q, k, v, doc)  # [s/cp, b, a/tp d]
+        elif self.recompute_core and self.training:
             out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start, mask)
         else:
-            out = self.core_attention(q, k, v, start, mask)  # [.., a/tp d_v]
+            out = self.core_attention(q, k, v, start, mask)  # [.., a/tp d]
+        if padded:  # the zero columns cut: [.., a/tp d] -> [.., a/tp d_v]
+            out = out.unflatten(-1, (self.heads, self.d_qk))[..., :self.d_v].flatten(-2)
         return self.o(out)
-
-    def _padded_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                     mask: torch.Tensor | None, doc: DocContext | None) -> torch.Tensor:
-        """Core attention with v [b, a/tp, S, d_v] zero-padded to d (cp kernels, blockwise
-        dropout), its extra output columns cut: -> o's output."""
-        v = F.pad(v, (0, self.d_qk - self.d_v))  # [b, a/tp, S, d]
-        if self.ctx.cp_size > 1:
-            out = self._cp_core(q, k, v, doc)  # [s/cp, b, a/tp * d]
-        else:
-            out = self.core_attention(q, k, v, start, mask)  # [.., a/tp * d]
-        out = out.unflatten(-1, (self.heads, self.d_qk))[..., :self.d_v]  # [.., a/tp, d_v]
-        return self.o(out.flatten(-2))  # [.., a/tp d_v] -> [.., h]

@@ -149,6 +149,33 @@ def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
     assert err <= 1e-10, err
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_mla_activation_bytes_match_the_planner(dtype: torch.dtype) -> None:
+    """The bytes an MLA layer keeps for backward, measured, equal the planner's model to the
+    byte without recompute and with selective and full recompute (v padded to d: the fused
+    kernel, no s x s probabilities)."""
+    import dataclasses
+
+    from colonnade.analysis.activations import ActivationShape, chunk_layer_bytes
+    from colonnade.analysis.measure import measure_layers
+    from colonnade.models.build import build_chunks
+    from colonnade.models.recompute import RecomputePlan, install
+    from tests.recompute.harness import rank_groups, tiny_config
+
+    base = tiny_config("llama", layers=2, dropout=0.0, seq=32)
+    config = dataclasses.replace(base, model=dataclasses.replace(
+        base.model, arch="deepseek_v3", num_kv_heads=None, **MLA))
+    (chunk,) = build_chunks(config, rank_groups(config), dtype=dtype)
+    m, tr = config.model, config.training
+    shape = ActivationShape.from_model(m, tr.seq_len, tr.micro_batch_size, dtype=dtype)
+    x = torch.randn(tr.micro_batch_size, tr.seq_len, m.hidden_size,
+                    generator=torch.Generator().manual_seed(1)).to(dtype)  # [b, s, h]
+    for plan in (RecomputePlan(), RecomputePlan("selective"), RecomputePlan("full")):
+        install([chunk], plan)
+        want = chunk_layer_bytes(shape, plan, m.num_layers) / m.num_layers
+        assert measure_layers(chunk, x).mean == want, plan
+
+
 def test_deepseek_v3_config_refusals() -> None:
     """The validator names each field: MLA widths missing, MLA fields on another arch, a group
     limit on the softmax router, more experts than the eligible groups hold."""
