@@ -58,8 +58,9 @@ def test_qwen3_moe_against_transformers(tmp_path: Path) -> None:
 
 QWEN3 = tiny(ModelConfig(arch="qwen3", num_layers=4, hidden_size=32, num_heads=4,
                          num_kv_heads=2, head_dim=16, ffn_hidden_size=48, norm_eps=1e-6,
-                         tie_embeddings=True))
-"""The dense layout model: 4 layers (pp2 x vp2), head_dim 16, tied (as Qwen3-0.6B)."""
+                         tie_embeddings=True, sliding_window=6, sliding_window_layers=(2, 3)))
+"""The dense layout model: 4 layers (pp2 x vp2), head_dim 16, tied (as Qwen3-0.6B), a window
+of 6 keys in layers 2-3 (use_sliding_window with max_window_layers 2) over 16 tokens."""
 
 
 def test_qwen3_layouts(run_ranks: Callable[..., list[Any]]) -> None:
@@ -75,7 +76,8 @@ def test_qwen3_layouts(run_ranks: Callable[..., list[Any]]) -> None:
 def test_qwen3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     model = dataclasses.replace(QWEN3, num_layers=2, num_experts=4, moe_top_k=2,
                                 moe_ffn_hidden_size=24, moe_first_dense_layers=1,
-                                tie_embeddings=False)
+                                tie_embeddings=False, sliding_window=None,
+                                sliding_window_layers=None)
     check_layouts(run_ranks, model, [
         Layout(dp=2, ep=2), Layout(dp=2, ep=2, dispatcher="all_gather"),
         Layout(tp=2, sp=True, dp=2, ep=2)])
@@ -140,7 +142,8 @@ def test_qwen3_export_refuses_what_its_class_cannot_express(
             ("bias", {"bias": True}, "model.bias"),
             ("shared", {"num_experts": 4, "moe_shared_expert_ffn_hidden_size": 16},
              "moe_shared_expert_ffn_hidden_size")):
-        config = Config(model=dataclasses.replace(QWEN3, num_layers=2, **changes))
+        config = Config(model=dataclasses.replace(QWEN3, num_layers=2, sliding_window=None,
+                                                  sliding_window_layers=None, **changes))
         full = full_state([build_reference(config)], ProcessGroups.single())
         ckpt = write_model_checkpoint(tmp_path / name, config, full)
         out = tmp_path / f"hf_{name}"
