@@ -204,6 +204,8 @@ def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
     stage holds the layers only)."""
     h, t = m.hidden, layout.tp
     replicated = layer_norm_params(m) + (2 * h if m.bias else 0)  # norms, row-parallel biases
+    if m.mla is not None:  # MLA's down projections (its latent norms are among the norms)
+        replicated += m.mla.replicated_params(h) - m.mla.norm_params
     sharded = layer_params(m) - replicated
     per_layer = sharded / t + replicated
     total = per_layer * m.layers / layout.pp

@@ -213,6 +213,11 @@ class MLAShape:
         """The two latent RMSNorms' weights, r_q + r (replicated over tp)."""
         return self.q_rank + self.kv_rank
 
+    def replicated_params(self, h: int) -> int:
+        """What every tp rank holds whole: W_qa h r_q, W_kva h (r + d_r) and the latent
+        norms (the rest splits by heads)."""
+        return h * self.q_rank + h * (self.kv_rank + self.rope) + self.norm_params
+
 
 def attention_matrix_params(m: LayerShape) -> int:
     """Weight-matrix parameters of one layer's attention: 2 h h_q + 2 h h_kv (q, k, v, o), or

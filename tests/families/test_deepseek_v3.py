@@ -6,6 +6,7 @@ trip; the single-process run's losses and parameters under each layout."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -154,8 +155,6 @@ def test_mla_activation_bytes_match_the_planner(dtype: torch.dtype) -> None:
     """The bytes an MLA layer keeps for backward, measured, equal the planner's model to the
     byte without recompute and with selective and full recompute (v padded to d: the fused
     kernel, no s x s probabilities)."""
-    import dataclasses
-
     from colonnade.analysis.activations import ActivationShape, chunk_layer_bytes
     from colonnade.analysis.measure import measure_layers
     from colonnade.models.build import build_chunks
@@ -174,6 +173,30 @@ def test_mla_activation_bytes_match_the_planner(dtype: torch.dtype) -> None:
         install([chunk], plan)
         want = chunk_layer_bytes(shape, plan, m.num_layers) / m.num_layers
         assert measure_layers(chunk, x).mean == want, plan
+
+
+def _rank_params(model: ModelConfig, tp: int) -> int:
+    """Rank side: parameters a tp rank of ``model`` holds (one stage)."""
+    from colonnade.config.sections import Config, ParallelConfig
+    from colonnade.models.build import build_chunks
+    from tests.recompute.harness import rank_groups
+
+    config = Config(model=model, parallel=ParallelConfig(tp=tp))
+    (chunk,) = build_chunks(config, rank_groups(config), dtype=torch.float32)
+    return sum(p.numel() for p in chunk.parameters())
+
+
+def test_planner_stage_params_of_mla_under_tp(run_ranks: Callable[..., list[Any]]) -> None:
+    """The planner's parameters per tp rank count MLA's replicated down projections and latent
+    norms whole (h (r_q + r + d_r) + r_q + r per layer) and split the rest: equal to a built
+    tp2 rank's."""
+    from colonnade.analysis.layout import Layout as PlanLayout
+    from colonnade.analysis.memory import stage_params
+    from colonnade.models.counts import LayerShape
+
+    model = dataclasses.replace(_model(), vocab_size=68)  # no vocabulary padding at tp2
+    held = run_ranks(2, _rank_params, model, 2)
+    assert held[0] == held[1] == stage_params(LayerShape.of(model), PlanLayout(tp=2), "only")
 
 
 def test_deepseek_v3_config_refusals() -> None:
