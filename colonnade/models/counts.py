@@ -408,11 +408,16 @@ def step_flops(m: LayerShape, seq_len: int, global_batch: int, recompute: str) -
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs per trained token (forward + backward = 3 x forward, no recompute):
     3 (l (2 matrix params + 4 s h_q) + 2 h V); what MFU divides by. Each MoE layer counts its
-    active MLP (:func:`moe_mlp_forward_flops_per_token`) instead of the dense one."""
+    active MLP (:func:`moe_mlp_forward_flops_per_token`) instead of the dense one; each
+    multi-token-prediction module adds 3 (4 h^2 + one layer + 2 h V)."""
     m = LayerShape.of(cfg)
     per_layer = 3.0 * layer_forward_flops_per_token(m, seq_len)
     total = m.layers * per_layer + 3.0 * logits_forward_flops_per_token(m)
     if cfg.moe:
         dense_mlp = 2.0 * m.mlp_matrices * m.hidden * m.ffn  # the dense MLP's matmuls
-        total += 3.0 * moe_layer_count(cfg) * (moe_mlp_forward_flops_per_token(cfg) - dense_mlp)
+        moe_layers = moe_layer_count(cfg) + mtp_moe_layers(cfg)
+        total += 3.0 * moe_layers * (moe_mlp_forward_flops_per_token(cfg) - dense_mlp)
+    # multi-token prediction: W_eh 2 (2 h^2), one more layer (its MoE term above), the head
+    total += 3.0 * cfg.mtp_layers * (4.0 * m.hidden * m.hidden + per_layer / 3.0
+                                     + logits_forward_flops_per_token(m))
     return total

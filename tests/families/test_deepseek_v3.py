@@ -100,6 +100,7 @@ def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
     from colonnade.checkpoint.convert import from_hf
     from colonnade.checkpoint.export import load_exported
     from colonnade.hf_export import to_hf
+    from colonnade.models.counts import param_count
     from colonnade.models.mtp import mtp_loss, shifted
     from tests.families.harness import _float64, _rms_norm_fp64, float64_softmax, save_hf
 
@@ -109,12 +110,15 @@ def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
     (plain / "config.json").write_text((plain / "config.json").read_text().replace(
         '"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1'))
     from_hf(plain, tmp_path / "ck0")
-    assert load_exported(tmp_path / "ck0")[0].model.mtp_layers == 0
+    plain_cfg = load_exported(tmp_path / "ck0")[0].model
+    assert plain_cfg.mtp_layers == 0
     hf_dir = save_hf(model, tmp_path / "hf")
     layer = _with_mtp(model, hf_dir)
     from_hf(hf_dir, tmp_path / "ck")
     config, ours = load_exported(tmp_path / "ck", dtype=torch.float64)
     assert config.model.mtp_layers == 1
+    held = sum(p.numel() for p in ours.parameters())  # the counter's mtp entry included
+    assert held == param_count(config.model)["total"] > param_count(plain_cfg)["total"]
     out = to_hf(tmp_path / "ck", tmp_path / "hf2")
     a, b = load_file(str(hf_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
