@@ -155,8 +155,8 @@ def test_counts_follow_the_facts_of_a_mixed_architecture() -> None:
       2 x 32 x 50 = 3200 -> forward 44160, training 3 x 44160 = 132480
     """
     facts = ArchFacts(mlp_matrices=3, norm_has_bias=True, positions="rope")
-    m = LayerShape(facts=facts, layers=2, hidden=32, heads=4, kv_hidden=16, ffn=64, vocab=50,
-                   max_seq_len=16, tied=False, bias=True, hidden_dropout=False,
+    m = LayerShape(facts=facts, layers=2, hidden=32, heads=4, q_hidden=32, kv_hidden=16,
+                   ffn=64, vocab=50, max_seq_len=16, tied=False, bias=True, hidden_dropout=False,
                    attention_dropout=False)
     assert layer_params(m) == 9600
     assert embedding_params(m) == 1600 and head_params(m) == 1664
