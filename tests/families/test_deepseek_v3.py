@@ -230,10 +230,13 @@ def _model(**changes: Any) -> ModelConfig:
 
 def test_mla_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     """Dense DeepSeek-V3 (MLA + SwiGLU): tp2 without sp (the replicated down projections'
-    partial gradients), pp2, dp2 ZeRO-3, cp2 ring and all_to_all (v padded to d)."""
+    partial gradients), pp2 1F1B and (4 layers) interleaved, dp2 ZeRO-3, cp2 ring and
+    all_to_all (v padded to d)."""
     check_layouts(run_ranks, _model(), [
         Layout(tp=2), Layout(pp=2), Layout(dp=2, zero=3), Layout(cp=2),
         Layout(cp=2, cp_attention="all_to_all")])
+    check_layouts(run_ranks, _model(num_layers=4),
+                  [Layout(pp=2, vp=2, schedule="interleaved_1f1b")])
 
 
 def test_deepseek_v3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
