@@ -320,8 +320,10 @@ def _mla_terms(x: ActivationShape, recompute: str) -> dict[str, float]:
       log-sum-exp A a/t; selective recompute keeps q, k, v only;
     * out_proj_input: the attention output E a/t d_v.
 
-    Under cp the ring or all-to-all kernels keep their own terms for the padded q, k, v (not
-    modelled: these stand for them)."""
+    Under cp (q, k, v padded) the ring and all-to-all kernels keep the same q, k, v, output
+    and log-sum-exp bytes on a rank's s_l rows (measured: all-to-all 64 B more per layer),
+    RoPE's gathered cos / sin add E d_r per row, and selective recompute does not checkpoint
+    the ring."""
     m = x.mla
     assert m is not None
     e, acc, rows, heads = x.elem, max(x.elem, 4), float(x.local_seq) * x.batch, x.heads / x.tp
@@ -332,11 +334,13 @@ def _mla_terms(x: ActivationShape, recompute: str) -> dict[str, float]:
     padded = m.v != d
     v = e * heads * (d if padded else m.nope + m.v)
     out = {"latents": rows * (q_path + kv_path)}
-    if recompute == "selective":
+    if recompute == "selective" and not (x.cp > 1 and x.cp_attention == "ring"):
         out["core_inputs"] = rows * (2 * e * heads * d + v)
     else:
         kernel_out = e * heads * d if padded else 0.0  # else the out-proj input itself
         out["core_mla"] = rows * (2 * e * heads * d + v + kernel_out + acc * heads)
+    if x.cp > 1:  # cos, sin gathered at the rank's positions [s_l, b, 1, d_r/2] each
+        out["rope_tables"] = rows * e * m.rope
     out["out_proj_input"] = rows * e * heads * m.v
     return out
 

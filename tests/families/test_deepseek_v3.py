@@ -179,6 +179,45 @@ def test_mla_activation_bytes_match_the_planner(dtype: torch.dtype) -> None:
         assert measure_layers(chunk, x).mean == want, plan
 
 
+def _cp_layer_bytes(cp: int, kind: str, mode: str) -> tuple[float, float]:
+    """Rank side: (measured, planned) bytes one MLA layer keeps on this cp rank (seq 64)."""
+    from colonnade.analysis.activations import ActivationShape, layer_bytes
+    from colonnade.analysis.measure import SavedTensorMeter
+    from colonnade.models.build import build_chunks
+    from colonnade.models.recompute import RecomputePlan, install
+    from colonnade.parallel.dims import ParallelDims
+    from tests.context_parallel.harness import cp_config
+    from tests.parity import rank_groups
+
+    config = cp_config(cp=cp, cp_attention=kind, seq=64)
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, arch="deepseek_v3", num_kv_heads=None, **MLA))
+    (chunk,) = build_chunks(config, rank_groups(ParallelDims(cp=cp)), dtype=torch.float64)
+    install([chunk], RecomputePlan(mode))
+    chunk.train()
+    gen = torch.Generator().manual_seed(3)
+    b, vocab = config.training.micro_batch_size, config.model.vocab_size
+    tokens, labels = (torch.randint(0, vocab, (b, 64), generator=gen) for _ in range(2))
+    with SavedTensorMeter([chunk]) as meter:
+        loss = chunk(tokens, labels, reduction="sum")
+    loss.backward()
+    per_layer = meter.per_layer()
+    shape = dataclasses.replace(ActivationShape.from_model(
+        config.model, 64, b, dtype=torch.float64), cp=cp, cp_attention=kind)
+    return sum(per_layer.values()) / len(per_layer), layer_bytes(shape, mode)
+
+
+def test_mla_cp_activation_bytes_match_the_planner(run_ranks: Callable[..., list[Any]]) -> None:
+    """Under cp2 an MLA layer keeps what the planner says: ring to the byte (selective
+    recompute does not checkpoint it), all_to_all within 64 B; RoPE's gathered cos / sin at
+    d_r."""
+    for mode in ("none", "selective"):
+        for kind in ("ring", "all_to_all"):
+            for measured, planned in run_ranks(2, _cp_layer_bytes, 2, kind, mode):
+                assert abs(measured - planned) <= (0 if kind == "ring" else 64), (
+                    kind, mode, measured, planned)
+
+
 def _rank_params(model: ModelConfig, tp: int) -> int:
     """Rank side: parameters a tp rank of ``model`` holds (one stage)."""
     from colonnade.config.sections import Config, ParallelConfig
