@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass
 
 from colonnade.config.sections import ModelConfig
-from colonnade.models.counts import LayerShape, total_params
+from colonnade.models.counts import LayerShape, mtp_moe_layers, mtp_params, total_params
 
 
 def dense_model(model: ModelConfig) -> ModelConfig:
@@ -195,13 +195,17 @@ class MoEShape:
 
 
 def moe_param_counts(model: ModelConfig) -> dict[str, int]:
-    """``total`` and ``active`` (per token) parameters, ``routed`` (all routed experts),
-    ``router``, ``shared``, per ``expert`` and ``moe_layers`` (module docstring)."""
+    """``total`` and ``active`` (per token) parameters, the multi-token-prediction modules
+    included (:func:`colonnade.models.counts.mtp_params`), ``routed`` (all routed experts of
+    the main layers), ``router``, ``shared``, per ``expert`` and ``moe_layers`` (module
+    docstring)."""
     x = MoEShape.of(model)
     n = len(x.moe_layers)
     dense = total_params(LayerShape.of(dense_model(model)))
     total = dense + n * (x.moe_mlp_params - x.mlp_params(x.dense_ffn))
-    inactive = 0 if not x.moe else n * x.routed_params * (x.experts - x.top_k) // x.experts
+    total += mtp_params(model) if model.mtp_layers else 0  # multi-token prediction modules
+    skipping = n + mtp_moe_layers(model)  # layers whose tokens skip E - k routed experts
+    inactive = 0 if not x.moe else skipping * x.routed_params * (x.experts - x.top_k) // x.experts
     return {"total": total, "active": total - inactive, "routed": n * x.routed_params,
             "router": n * x.router_params, "shared": n * x.shared_params,
             "expert": x.expert_params, "moe_layers": n}

@@ -312,3 +312,6 @@ def test_deepseek_v3_preset_count_and_dry_run(capsys: pytest.CaptureFixture[str]
     assert main(["train", "--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "671,026,419,200 parameters total, 37,552,297,472 active per token" in out
+    assert main(["train", "--config", str(path), "--model.mtp_layers=1", "--dry-run"]) == 0
+    out = capsys.readouterr().out  # the MTP module (layer 61): 13,463,426,304 more
+    assert "684,489,845,504 parameters total, 40,093,756,160 active per token" in out
