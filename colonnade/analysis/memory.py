@@ -158,6 +158,8 @@ def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
     (V h / t) on the first and last stages, else a layer's largest matrix."""
     h, t = m.hidden, layout.tp
     biggest = max(h * m.q_hidden, h * m.kv_hidden, h * m.ffn) / t
+    if m.mla is not None:  # MLA's matrices (its down projections whole on every tp rank)
+        biggest = max(h * m.ffn / t, *m.mla.local_matrices(h, m.heads, t))
     if stage in ("first", "last", "only", "ends"):
         biggest = max(biggest, m.vocab * h / t)
     return biggest
@@ -169,6 +171,9 @@ def largest_module(m: LayerShape, layout: Layout, stage: str) -> float:
     or head (V h / t)."""
     h, t = m.hidden, layout.tp
     biggest = max(m.mlp_matrices * h * m.ffn, 2 * h * m.q_hidden + 2 * h * m.kv_hidden) / t
+    if m.mla is not None:  # MLA: its matrices and latent norms, the down projections whole
+        attention = sum(m.mla.local_matrices(h, m.heads, t)) + m.mla.norm_params
+        biggest = max(m.mlp_matrices * h * m.ffn / t, attention)
     if stage in ("first", "last", "only", "ends"):
         biggest = max(biggest, m.vocab * h / t)
     return biggest

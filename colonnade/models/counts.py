@@ -213,6 +213,14 @@ class MLAShape:
         """The two latent RMSNorms' weights, r_q + r (replicated over tp)."""
         return self.q_rank + self.kv_rank
 
+    def local_matrices(self, h: int, a: int, tp: int) -> list[float]:
+        """Elements of each weight matrix one tp rank holds: W_qa h r_q and W_kva h (r + d_r)
+        whole, W_qb r_q a d (or W_q h a d), W_kvb r a (d_n + d_v) and W_o a d_v h over tp."""
+        d = self.nope + self.rope
+        q = [h * self.q_rank, self.q_rank * a * d / tp] if self.q_rank else [h * a * d / tp]
+        return [*q, h * (self.kv_rank + self.rope), self.kv_rank * a * (self.nope + self.v) / tp,
+                a * self.v * h / tp]
+
     def replicated_params(self, h: int) -> int:
         """What every tp rank holds whole: W_qa h r_q, W_kva h (r + d_r) and the latent
         norms (the rest splits by heads)."""

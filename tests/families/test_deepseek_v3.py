@@ -218,28 +218,36 @@ def test_mla_cp_activation_bytes_match_the_planner(run_ranks: Callable[..., list
                     kind, mode, measured, planned)
 
 
-def _rank_params(model: ModelConfig, tp: int) -> int:
-    """Rank side: parameters a tp rank of ``model`` holds (one stage)."""
+def _rank_params(model: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """Rank side: parameters a tp rank of ``model`` holds (one stage), its largest layer
+    parameter and the parameters of its largest layer module (attention or MLP)."""
     from colonnade.config.sections import Config, ParallelConfig
     from colonnade.models.build import build_chunks
     from tests.recompute.harness import rank_groups
 
     config = Config(model=model, parallel=ParallelConfig(tp=tp))
     (chunk,) = build_chunks(config, rank_groups(config), dtype=torch.float32)
-    return sum(p.numel() for p in chunk.parameters())
+    layer = chunk.layers["0"]
+    modules = [sum(p.numel() for p in mod.parameters()) for mod in (layer.attn, layer.mlp)]
+    return (sum(p.numel() for p in chunk.parameters()),
+            max(p.numel() for p in layer.parameters()), max(modules))
 
 
 def test_planner_stage_params_of_mla_under_tp(run_ranks: Callable[..., list[Any]]) -> None:
     """The planner's parameters per tp rank count MLA's replicated down projections and latent
-    norms whole (h (r_q + r + d_r) + r_q + r per layer) and split the rest: equal to a built
+    norms whole (h (r_q + r + d_r) + r_q + r per layer) and split the rest, and its largest
+    layer parameter and module (ZeRO-2/3 bucket and gather sizes) are MLA's: equal to a built
     tp2 rank's."""
     from colonnade.analysis.layout import Layout as PlanLayout
-    from colonnade.analysis.memory import stage_params
+    from colonnade.analysis.memory import largest_module, largest_param, stage_params
     from colonnade.models.counts import LayerShape
 
     model = dataclasses.replace(_model(), vocab_size=68)  # no vocabulary padding at tp2
     held = run_ranks(2, _rank_params, model, 2)
-    assert held[0] == held[1] == stage_params(LayerShape.of(model), PlanLayout(tp=2), "only")
+    shape, lay = LayerShape.of(model), PlanLayout(tp=2)
+    assert held[0] == held[1]
+    assert held[0] == (stage_params(shape, lay, "only"), largest_param(shape, lay, "middle"),
+                       largest_module(shape, lay, "middle"))
 
 
 def test_deepseek_v3_config_refusals() -> None:
