@@ -224,6 +224,10 @@ def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
         total += head_local
         if stage == "last" and m.tied:
             total += m.vocab * h / t  # the tied head's copy of the embedding on the last stage
+        # multi-token prediction: a layer (its MoE part: analysis.moe), W_eh 2 h^2 and three
+        # norms replicated, its own embedding and head split over tp
+        total += m.mtp_layers * (per_layer + 2 * h * h + 3 * m.facts.norm_params * h
+                                 + 2 * m.vocab * h / t)
     return total
 
 
@@ -335,6 +339,10 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
         act += flight * sbh / (t if layout.sp else 1)  # embedding dropout mask
     if stage in ("last", "only", "ends"):
         act += head_bytes(w, layout, mbs)  # logits + fp32 softmax (+ held until W)
+        if m.mtp_layers:  # each MTP module: its layer (not under full recompute) and head
+            mode = "none" if layout.recompute == "full" else layout.recompute
+            act += m.mtp_layers * (flight * layer_bytes(shape, mode)
+                                   + head_bytes(w, layout, mbs))
     buffers = (2 * e * sbh if layout.pp > 1 else 0.0) + (e * sbh if layout.sp else 0.0)
     grad_buckets, gathered = zero_buffer_bytes(w, layout, stage, n)
     mem = Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,

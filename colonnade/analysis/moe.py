@@ -104,6 +104,9 @@ class MoEShape:
     clamped_swiglu: bool = False
     """gpt-oss's experts: their activation keeps only gate and up (moe.experts.ClampedSwiGLU),
     one [T k, f] tensor less than SwiGLU's gate, silu(gate), up."""
+    mtp_moe: int = 0
+    """MoE layers of the multi-token-prediction modules (global indices l ..), held by the
+    last virtual stage beside its own layers."""
 
     @classmethod
     def of(cls, model: ModelConfig) -> MoEShape:
@@ -120,9 +123,10 @@ class MoEShape:
                                     if model.is_moe_layer(i)),
                    layers=model.num_layers, z_loss=model.moe_z_loss_coeff > 0,
                    aux_loss=model.moe_aux_loss_coeff > 0,
-                   norm_topk=model.moe_norm_topk_prob or model.moe_router == "sigmoid",
+                   norm_topk=model.moe_norm_topk_prob,
                    router_bias=model.moe and model.moe_router_bias,
-                   clamped_swiglu=bool(model.traits and model.traits.clamped_swiglu))
+                   clamped_swiglu=bool(model.traits and model.traits.clamped_swiglu),
+                   mtp_moe=mtp_moe_layers(model))
 
     @property
     def moe(self) -> bool:
@@ -175,12 +179,13 @@ class MoEShape:
             return max(self.chunk_moe_layers(pp, 2, j)
                        + self.chunk_moe_layers(pp, 2, 2 * pp - 1 - j) for j in range(pp))
         per = self.layers // pp
-        return max(self.moe_layers_in(j * per, per) for j in range(pp))
+        return max(self.moe_layers_in(j * per, per) + (self.mtp_moe if j == pp - 1 else 0)
+                   for j in range(pp))
 
     def chunk_moe_layers(self, pp: int, vp: int, v: int) -> int:
         """MoE layers of virtual stage ``v`` of pp x vp (layers [v c, (v + 1) c), c = l/(pp vp))."""
         per = self.layers // (pp * vp)
-        return self.moe_layers_in(v * per, per)
+        return self.moe_layers_in(v * per, per) + (self.mtp_moe if v == pp * vp - 1 else 0)
 
     def stage_moe_layers(self, pp: int, stage: str, placement: str = "loop") -> int:
         """MoE layers of pipeline ``stage``: 'only' / 'first' (layers [0, l/pp)), 'last'
@@ -191,7 +196,8 @@ class MoEShape:
             return self.max_stage_moe_layers(pp, placement)
         if stage == "ends":
             return self.chunk_moe_layers(pp, 2, 0) + self.chunk_moe_layers(pp, 2, 2 * pp - 1)
-        return self.moe_layers_in((pp - 1) * per if stage == "last" else 0, per)
+        mtp = self.mtp_moe if stage in ("last", "only") else 0  # the MTP modules' layers
+        return self.moe_layers_in((pp - 1) * per if stage == "last" else 0, per) + mtp
 
 
 def moe_param_counts(model: ModelConfig) -> dict[str, int]:

@@ -138,6 +138,8 @@ class LayerShape:
     """Dropout on the attention probabilities."""
     qkv_bias: bool = False
     """Biases on q, k, v only (model.qkv_bias; model.bias already has them)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules on the last stage (model.mtp_layers)."""
     mla: MLAShape | None = None
     """Multi-head latent attention's widths (model.arch='deepseek_v3'), else None. h_q and
     h_kv are then a (d_n + d_r) each (the expanded per-head q and k) for the activation model;
@@ -157,14 +159,14 @@ class LayerShape:
             tied=model.tie_embeddings, bias=model.bias,
             hidden_dropout=model.hidden_dropout > 0,
             attention_dropout=model.attention_dropout > 0, qkv_bias=model.qkv_bias,
-            windows=_windows(model),
+            windows=_windows(model), mtp_layers=model.mtp_layers,
         ) if not model.mla else cls(
             facts=arch_facts(model), layers=model.num_layers, hidden=model.hidden_size,
             heads=model.num_heads, q_hidden=model.num_heads * model.mla_qk_head_dim,
             kv_hidden=model.num_heads * model.mla_qk_head_dim,
             ffn=model.ffn_size, vocab=model.vocab, max_seq_len=model.max_seq_len,
             tied=model.tie_embeddings, bias=False, hidden_dropout=model.hidden_dropout > 0,
-            attention_dropout=model.attention_dropout > 0,
+            attention_dropout=model.attention_dropout > 0, mtp_layers=model.mtp_layers,
             mla=MLAShape(model.mla_q_lora_rank or 0, model.mla_kv_lora_rank,
                          model.mla_qk_nope_head_dim, model.mla_qk_rope_head_dim,
                          model.mla_v_head_dim), windows=_windows(model))

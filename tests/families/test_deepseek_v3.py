@@ -250,6 +250,39 @@ def test_planner_stage_params_of_mla_under_tp(run_ranks: Callable[..., list[Any]
                        largest_module(shape, lay, "middle"))
 
 
+def _stage_params(model: ModelConfig) -> int:
+    """Rank side: parameters this pp2 rank of ``model`` holds."""
+    from colonnade.config.sections import Config, ParallelConfig
+    from colonnade.models.build import build_chunks
+    from tests.recompute.harness import rank_groups
+
+    config = Config(model=model, parallel=ParallelConfig(pp=2))
+    chunks = build_chunks(config, rank_groups(config), dtype=torch.float32)
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+def test_planner_counts_mtp_on_the_last_stage(run_ranks: Callable[..., list[Any]]) -> None:
+    """pp2 with one multi-token-prediction module: the planner's parameters of the first and
+    last stages (the module's layer, W_eh, norms, own embedding and head on the last; with
+    experts its MoE layer's router, shared and routed experts too) equal a built rank's."""
+    from colonnade.analysis.layout import Layout as PlanLayout
+    from colonnade.analysis.memory import stage_params
+    from colonnade.analysis.moe import (
+        MoEShape,
+        expert_params_per_rank,
+        moe_nonexpert_delta_per_rank,
+    )
+    from colonnade.models.counts import LayerShape
+
+    for model in (_model(mtp_layers=1), _model(**MOE, mtp_layers=1)):
+        held = run_ranks(2, _stage_params, model)
+        x, shape = MoEShape.of(model), LayerShape.of(model)
+        planned = [stage_params(shape, PlanLayout(pp=2), stage)
+                   + moe_nonexpert_delta_per_rank(x, 2, 1, stage)
+                   + expert_params_per_rank(x, 2, 1, stage) for stage in ("first", "last")]
+        assert held == planned, (model.moe, held, planned)
+
+
 def test_deepseek_v3_config_refusals() -> None:
     """The validator names each field: MLA widths missing, MLA fields on another arch, a group
     limit on the softmax router, more experts than the eligible groups hold."""
