@@ -210,3 +210,25 @@ def test_readme_support_matrix_is_the_validators() -> None:
     expected = support_matrix()
     assert table == expected, f"the README's support matrix should read:\n{expected}"
     assert "✗" in expected and "✓" in expected  # it can fail both ways
+
+
+FAMILIES_START = "<!-- model families: each arch and HF class is checked by tests/test_docs.py -->"
+FAMILIES_END = "<!-- end of model families -->"
+
+
+def test_readme_model_families_name_every_arch_class_and_preset() -> None:
+    """The README's model-family table names every ``model.arch``, every Hugging Face class
+    Colonnade reads and writes, and only presets that exist in configs/."""
+    from colonnade.checkpoint.hf_moe import ALL_FORMATS
+    from colonnade.config.choices import ARCHS
+
+    table = README.read_text(encoding="utf-8").split(FAMILIES_START, 1)[1]
+    table = table.split(FAMILIES_END, 1)[0]
+    rows = [r.split("|")[1:-1] for r in table.strip().splitlines()[2:]]
+    archs = {cell.strip().strip("`") for r in rows for cell in r[1].split(",")}
+    assert archs == set(ARCHS), f"table archs {sorted(archs)} != ARCHS {sorted(ARCHS)}"
+    classes = set(re.findall(r"`(\w+(?:For\w+|LMHeadModel))`", " ".join(r[2] for r in rows)))
+    assert classes == {f.hf_class for f in ALL_FORMATS.values()}, sorted(classes)
+    presets = {p.strip() for r in rows for p in r[3].split(",")}
+    missing = sorted(p for p in presets if not (REPO / "configs" / f"{p}.toml").is_file())
+    assert not missing, f"presets named in the README but not in configs/: {missing}"
