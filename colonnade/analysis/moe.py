@@ -57,7 +57,12 @@ import math
 from dataclasses import dataclass
 
 from colonnade.config.sections import ModelConfig
-from colonnade.models.counts import LayerShape, mtp_moe_layers, mtp_params, total_params
+from colonnade.models.counts import (
+    LayerShape,
+    active_param_count,
+    mtp_moe_layers,
+    param_count,
+)
 
 
 def dense_model(model: ModelConfig) -> ModelConfig:
@@ -202,17 +207,14 @@ class MoEShape:
 
 def moe_param_counts(model: ModelConfig) -> dict[str, int]:
     """``total`` and ``active`` (per token) parameters, the multi-token-prediction modules
-    included (:func:`colonnade.models.counts.mtp_params`), ``routed`` (all routed experts of
+    included (the one counter, :func:`colonnade.models.counts.param_count` and
+    :func:`~colonnade.models.counts.active_param_count`), ``routed`` (all routed experts of
     the main layers), ``router``, ``shared``, per ``expert`` and ``moe_layers`` (module
     docstring)."""
     x = MoEShape.of(model)
     n = len(x.moe_layers)
-    dense = total_params(LayerShape.of(dense_model(model)))
-    total = dense + n * (x.moe_mlp_params - x.mlp_params(x.dense_ffn))
-    total += mtp_params(model) if model.mtp_layers else 0  # multi-token prediction modules
-    skipping = n + mtp_moe_layers(model)  # layers whose tokens skip E - k routed experts
-    inactive = 0 if not x.moe else skipping * x.routed_params * (x.experts - x.top_k) // x.experts
-    return {"total": total, "active": total - inactive, "routed": n * x.routed_params,
+    return {"total": param_count(model)["total"], "active": active_param_count(model),
+            "routed": n * x.routed_params,
             "router": n * x.router_params, "shared": n * x.shared_params,
             "expert": x.expert_params, "moe_layers": n}
 
