@@ -148,6 +148,15 @@ class KVCache:
     v: torch.Tensor
     length: int = 0
 
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [b, n_kv, s, d] at positions length .. length + s - 1; return the keys
+        and values of every position so far, views [b, n_kv, length + s, d]."""
+        start, s = self.length, k.shape[2]
+        self.k[:, :, start:start + s] = k
+        self.v[:, :, start:start + s] = v
+        self.length = start + s
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads, split across tp by heads."""
@@ -216,10 +225,7 @@ class Attention(nn.Module):
         # [b, s, a/tp d] or [s, b, a/tp d] view of core_attention's result is free as well
         q, k, v = self._heads_first(q), self._heads_first(k), self._heads_first(v)
         if cache is not None:
-            cache.k[:, :, start:start + s] = k
-            cache.v[:, :, start:start + s] = v
-            cache.length = start + s
-            k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
+            k, v = cache.extend(k, v)  # [b, kv/tp, start + s, d]
         mask = doc.mask if doc is not None else None  # [b, 1, s, s] or None (causal)
         if self.ctx.cp_size > 1:
             return self.o(self._cp_core(q, k, v, doc))  # [s, b, h] or [s/tp, b, h]

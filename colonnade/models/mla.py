@@ -200,10 +200,7 @@ class MLAttention(Attention):
             q = q * self.q_factor
         q, k, v = self._heads_first(q), self._heads_first(k), self._heads_first(v)
         if cache is not None:
-            cache.k[:, :, start:start + s] = k
-            cache.v[:, :, start:start + s] = v
-            cache.length = start + s
-            k, v = cache.k[:, :, :start + s], cache.v[:, :, :start + s]
+            k, v = cache.extend(k, v)  # [b, a/tp, start + s, d]
         mask = doc.mask if doc is not None else None
         padded = self.d_v != self.d_qk
         if padded:  # one width for every kernel: the fused ones keep O(s) memory
