@@ -170,17 +170,9 @@ def _qwen3_moe_write(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _qwen3_moe_refs(cfg: ModelConfig) -> dict[str, HFRef]:
-    out = _attention_refs(cfg) | {ours: HFRef(theirs)
-                                  for ours, theirs in qwen3_norm_names(cfg).items()}
-    e = cfg.num_experts
-    for i in range(cfg.num_layers):
-        if not cfg.is_moe_layer(i):
-            continue
-        ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}.mlp"
-        out[f"{ours}.router.weight"] = HFRef(f"{theirs}.gate.weight")
-        for o, t in _SWIGLU:
-            out[f"{ours}.experts.{o}"] = HFRef(f"{theirs}.experts.{{j}}.{t}.weight", experts=e)
-    return out
+    return (_attention_refs(cfg) | {ours: HFRef(theirs)
+                                    for ours, theirs in qwen3_norm_names(cfg).items()}
+            | _routed_refs(cfg, "mlp", _SWIGLU))
 
 
 def _attention_refs(cfg: ModelConfig) -> dict[str, HFRef]:
@@ -201,27 +193,34 @@ def _attention_refs(cfg: ModelConfig) -> dict[str, HFRef]:
 
 
 def _mixtral_refs(cfg: ModelConfig) -> dict[str, HFRef]:
-    out = _attention_refs(cfg)
-    e = cfg.num_experts
+    return _attention_refs(cfg) | _routed_refs(cfg, "block_sparse_moe", _MIXTRAL_EXPERT)
+
+
+def _routed_refs(cfg: ModelConfig, block: str,
+                 experts: tuple[tuple[str, str], ...]) -> dict[str, HFRef]:
+    """Router and stacked routed experts of every MoE layer i, HF module
+    ``model.layers.{i}.{block}``: ``gate`` [E, h] and expert j's ``experts.{j}.<name>``
+    (``experts``: our matrix -> its HF name)."""
+    out = {}
     for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}.block_sparse_moe"
+        if not cfg.is_moe_layer(i):
+            continue
+        ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}.{block}"
         out[f"{ours}.router.weight"] = HFRef(f"{theirs}.gate.weight")
-        for o, t in _MIXTRAL_EXPERT:
-            out[f"{ours}.experts.{o}"] = HFRef(f"{theirs}.experts.{{j}}.{t}.weight", experts=e)
+        for o, t in experts:
+            out[f"{ours}.experts.{o}"] = HFRef(f"{theirs}.experts.{{j}}.{t}.weight",
+                                               experts=cfg.num_experts)
     return out
 
 
 def _qwen_refs(cfg: ModelConfig) -> dict[str, HFRef]:
-    out = _attention_refs(cfg)
-    e = cfg.num_experts
+    out = _attention_refs(cfg) | _routed_refs(cfg, "mlp", _SWIGLU)
     for i in range(cfg.num_layers):
         if not cfg.is_moe_layer(i):
             continue
         ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}.mlp"
-        out[f"{ours}.router.weight"] = HFRef(f"{theirs}.gate.weight")
         out[f"{ours}.shared_gate.weight"] = HFRef(f"{theirs}.shared_expert_gate.weight")
         for o, t in _SWIGLU:
-            out[f"{ours}.experts.{o}"] = HFRef(f"{theirs}.experts.{{j}}.{t}.weight", experts=e)
             out[f"{ours}.shared.{o}.weight"] = HFRef(f"{theirs}.shared_expert.{t}.weight")
     return out
 
