@@ -178,8 +178,8 @@ def arch_spec(cfg: ModelConfig) -> ArchSpec:
 
 def _check_registry() -> None:
     """ARCH_SPECS covers config.choices.ARCHS and agrees with config's ARCH_TRAITS."""
-    if tuple(ARCH_SPECS) != ARCHS or tuple(ARCH_TRAITS) != ARCHS:
-        raise AssertionError(f"models.spec.ARCH_SPECS {list(ARCH_SPECS)} and config.sections."
+    if set(ARCH_SPECS) != set(ARCHS) or set(ARCH_TRAITS) != set(ARCHS):  # any order
+        raise AssertionError(f"models.spec.ARCH_SPECS {list(ARCH_SPECS)} and config.model."
                              f"ARCH_TRAITS {list(ARCH_TRAITS)} must map exactly "
                              f"config.choices.ARCHS {list(ARCHS)}")
     for name, spec in ARCH_SPECS.items():
