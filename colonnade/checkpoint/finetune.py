@@ -47,7 +47,7 @@ from colonnade.checkpoint.sharded import load_model, load_optimizer
 from colonnade.checkpoint.state import TrainState
 from colonnade.config.data_paths import blend_entries
 from colonnade.config.load import ConfigError, config_from_dict, load_config, parse_overrides
-from colonnade.config.sections import Config, ModelConfig
+from colonnade.config.sections import Config, DataConfig, ModelConfig
 from colonnade.models.spec import ARCH_SPECS
 
 RUN_FIELDS = ("hidden_dropout", "attention_dropout", "init_std", "moe_aux_loss_coeff",
@@ -149,6 +149,7 @@ def with_init_from(config: Config, explicit: Collection[str] | None = None) -> C
     user's value when it decides no tensor (:func:`decides_tensors`): a longer or shorter
     ``max_seq_len`` under RoPE, ``rope_theta``, ``norm_eps``, dropout, ... A tensor-deciding
     field set to another value than the checkpoint's raises :class:`ConfigError` naming it.
+    An unset data.tokenizer may become the checkpoint's (:func:`_with_model_tokenizer`).
     Apply it once, where the config is read (``colonnade train``, ``colonnade.train``).
     """
     path = config.checkpoint.init_from
@@ -178,7 +179,22 @@ def with_init_from(config: Config, explicit: Collection[str] | None = None) -> C
             "invalid configuration:\n" + "\n".join(f"  - {c}" for c in conflicts)
             + "\n  A fine-tuned model keeps the shapes of its checkpoint's tensors: drop these "
             "model settings (they are taken from the checkpoint).")
-    return dataclasses.replace(config, model=dataclasses.replace(mine, **taken))
+    return dataclasses.replace(config, model=dataclasses.replace(mine, **taken),
+                               data=_with_model_tokenizer(config.data, path))
+
+
+def _with_model_tokenizer(data: DataConfig, path: str) -> DataConfig:
+    """``data`` with ``tokenizer`` set to the tokenizer.json of ``checkpoint.init_from`` when
+    the run prepares its own input (data.input) into a prepared_dir that holds no dataset yet
+    and data.tokenizer is unset: a fine-tune tokenizes as its model was trained (it trained a
+    new BPE, wrote the dataset, then refused the mismatch). An existing prepared_dir keeps
+    its identity checks (reusing it with another tokenizer is refused, naming the fix)."""
+    if data.tokenizer is not None or not data.input:
+        return data
+    if (Path(data.prepared_dir) / "tokenizer.json").exists():
+        return data
+    found = source_tokenizer(path)
+    return data if found is None else dataclasses.replace(data, tokenizer=str(found))
 
 
 POSITION_TABLE_NOTE = (" (its learned position table has max_seq_len rows; a shorter "

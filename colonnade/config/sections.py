@@ -175,7 +175,9 @@ class DataConfig:
     tokenizer: str | None = None
     """An existing Hugging Face tokenizer.json, or a model directory holding one, to use
     instead of training a BPE; `prepare` then takes the vocab size from it (model.vocab_size
-    need not be restated). Its EOD token: <|endoftext|>, <|end_of_text|>, </s>, <eos>."""
+    need not be restated). Its EOD token: <|endoftext|>, <|end_of_text|>, </s>, <eos>.
+    Unset with checkpoint.init_from, when data.input goes into a prepared_dir holding no
+    dataset yet: the tokenizer.json stored with that checkpoint or HF folder, if it has one."""
     text_key: str = "text"
     """Field (jsonl/json records) or column (csv, parquet, arrow, HF datasets) holding the
     text of each document; a data.input part with a ':KEY' suffix uses KEY instead."""

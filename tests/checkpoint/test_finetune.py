@@ -305,3 +305,18 @@ def test_init_from_keeps_the_set_model_fields_that_decide_no_tensor(
             "position table has max_seq_len rows; a shorter training.seq_len needs no change "
             "of max_seq_len)") in err, err
     assert not (tmp_path / "g").exists()
+
+
+def test_init_from_prepares_raw_data_with_the_models_tokenizer(
+        data: dict[str, Any], tmp_path: Path) -> None:
+    """`train --init-from=HF --data.input=RAW` into a new prepared_dir without
+    --data.tokenizer: the raw text is tokenized with the HF folder's tokenizer.json and the
+    fine-tune runs (it trained a new BPE, wrote the dataset, then refused the mismatch)."""
+    hf = _hf_dir(tmp_path / "hf", data["a"] / "tokenizer.json")
+    prepared = tmp_path / "prep"
+    raw = {"fresh_args": [f"--data.input={data['root'] / 'text_b'}",
+                          f"--data.prepared_dir={prepared}"]}
+    assert _run(raw, "fresh", tmp_path / "run", f"--init-from={hf}") == 0
+    assert (json.loads((prepared / "tokenizer.json").read_text())
+            == json.loads((data["a"] / "tokenizer.json").read_text()))
+    assert _steps(tmp_path / "run") == [1, 2]
