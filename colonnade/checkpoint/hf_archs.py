@@ -170,14 +170,6 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def _llama_refs(cfg: ModelConfig) -> dict[str, HFRef]:
-    return {ours: HFRef(theirs) for ours, theirs in _llama_names(cfg).items()}
-
-
-def _llama_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {theirs: full[ours].contiguous() for ours, theirs in _llama_names(cfg).items()}
-
-
 # ----------------------------------------------------------------------------- qwen3
 
 
@@ -218,14 +210,6 @@ def _qwen3_write(cfg: ModelConfig) -> dict[str, Any]:
 def _qwen3_names(cfg: ModelConfig) -> dict[str, str]:
     """Colonnade key -> HF name for Qwen3: Llama's names and the q/k norms."""
     return _llama_names(cfg) | qwen3_norm_names(cfg)
-
-
-def _qwen3_refs(cfg: ModelConfig) -> dict[str, HFRef]:
-    return {ours: HFRef(theirs) for ours, theirs in _qwen3_names(cfg).items()}
-
-
-def _qwen3_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {theirs: full[ours].contiguous() for ours, theirs in _qwen3_names(cfg).items()}
 
 
 # ----------------------------------------------------------------------------- mistral, qwen2
@@ -277,14 +261,6 @@ def qkv_bias_names(cfg: ModelConfig) -> dict[str, str]:
 def _qwen2_names(cfg: ModelConfig) -> dict[str, str]:
     """Colonnade key -> HF name for Qwen2: Llama's names and the q/k/v biases."""
     return _llama_names(cfg) | qkv_bias_names(cfg)
-
-
-def _qwen2_refs(cfg: ModelConfig) -> dict[str, HFRef]:
-    return {ours: HFRef(theirs) for ours, theirs in _qwen2_names(cfg).items()}
-
-
-def _qwen2_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {theirs: full[ours].contiguous() for ours, theirs in _qwen2_names(cfg).items()}
 
 
 # ----------------------------------------------------------------------------- gpt2
@@ -360,14 +336,28 @@ def _gpt2_to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _renames(names: Callable[[ModelConfig], dict[str, str]]) -> tuple[
+        Callable[[ModelConfig], dict[str, HFRef]],
+        Callable[[ModelConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """``refs`` and ``to_hf`` of a form whose tensors are pure renames (Colonnade key -> HF
+    name by ``names``): Llama, Mistral, Qwen2, Qwen3."""
+    def refs(cfg: ModelConfig) -> dict[str, HFRef]:
+        return {ours: HFRef(theirs) for ours, theirs in names(cfg).items()}
+
+    def to_hf(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return refs_to_hf(refs(cfg), full)
+
+    return refs, to_hf
+
+
 HF_FORMATS: dict[str, HFFormat] = {
-    "llama": HFFormat("LlamaForCausalLM", _llama_read, _llama_write, _llama_refs, _llama_to_hf),
+    "llama": HFFormat("LlamaForCausalLM", _llama_read, _llama_write, *_renames(_llama_names)),
     "gpt2": HFFormat("GPT2LMHeadModel", _gpt2_read, _gpt2_write, _gpt2_refs, _gpt2_to_hf),
-    "qwen3": HFFormat("Qwen3ForCausalLM", _qwen3_read, _qwen3_write, _qwen3_refs, _qwen3_to_hf,
+    "qwen3": HFFormat("Qwen3ForCausalLM", _qwen3_read, _qwen3_write, *_renames(_qwen3_names),
                       window=FROM_K),
-    "mistral": HFFormat("MistralForCausalLM", _mistral_read, _mistral_write, _llama_refs,
-                        _llama_to_hf, window=EVERY_LAYER),
-    "qwen2": HFFormat("Qwen2ForCausalLM", _qwen2_read, _qwen2_write, _qwen2_refs, _qwen2_to_hf,
+    "mistral": HFFormat("MistralForCausalLM", _mistral_read, _mistral_write,
+                        *_renames(_llama_names), window=EVERY_LAYER),
+    "qwen2": HFFormat("Qwen2ForCausalLM", _qwen2_read, _qwen2_write, *_renames(_qwen2_names),
                       window=FROM_K),
 }
 """model.arch -> its HF form (an architecture without one cannot be imported or exported)."""
