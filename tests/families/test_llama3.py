@@ -140,21 +140,16 @@ def test_head_dim_in_the_activation_model() -> None:
     import dataclasses
 
     from colonnade.analysis.activations import ActivationShape, chunk_layer_bytes
-    from colonnade.analysis.measure import measure_layers, relative_error
-    from colonnade.models.build import build_chunks
-    from colonnade.models.recompute import RecomputePlan, install
-    from tests.recompute.harness import rank_groups, tiny_config
+    from colonnade.analysis.measure import relative_error
+    from colonnade.models.recompute import RecomputePlan
+    from tests.recompute.harness import measured_layer_bytes, tiny_config
 
     config = tiny_config("llama", layers=2, dropout=0.0, seq=32)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, head_dim=16))
-    (chunk,) = build_chunks(config, rank_groups(config), dtype=torch.float64)
     tr, m = config.training, config.model
     shape = ActivationShape.from_model(m, tr.seq_len, tr.micro_batch_size, dtype=torch.float64)
     narrow = dataclasses.replace(shape, head_dim=None)
-    x = torch.randn(tr.seq_len, tr.micro_batch_size, m.hidden_size, dtype=torch.float64,
-                    generator=torch.Generator().manual_seed(1))  # [s, b, h]
-    for plan in (RecomputePlan(), RecomputePlan("selective")):
-        install([chunk], plan)
-        got = measure_layers(chunk, x).mean
+    plans = (RecomputePlan(), RecomputePlan("selective"))
+    for plan, got in measured_layer_bytes(config, torch.float64, plans):
         assert got == chunk_layer_bytes(shape, plan, 2) / 2, plan  # to the byte
         assert relative_error(got, chunk_layer_bytes(narrow, plan, 2) / 2) > 0.05, plan

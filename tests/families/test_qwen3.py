@@ -108,23 +108,15 @@ def test_qwen3_activation_bytes_match_the_planner(dtype: torch.dtype) -> None:
     byte (the q/k norms keep their input, 1/rms and normalised copy: 101,376 B per layer at
     fp64 here), without recompute and with selective and full recompute."""
     from colonnade.analysis.activations import ActivationShape, chunk_layer_bytes
-    from colonnade.analysis.measure import measure_layers
-    from colonnade.models.build import build_chunks
-    from colonnade.models.recompute import RecomputePlan, install
-    from tests.recompute.harness import rank_groups, tiny_config
+    from tests.recompute.harness import measured_layer_bytes, tiny_config
 
     base = tiny_config("llama", layers=2, dropout=0.0, seq=32)
     config = dataclasses.replace(base, model=dataclasses.replace(base.model, arch="qwen3",
                                                                  head_dim=16))
-    (chunk,) = build_chunks(config, rank_groups(config), dtype=dtype)
     m, tr = config.model, config.training
     shape = ActivationShape.from_model(m, tr.seq_len, tr.micro_batch_size, dtype=dtype)
-    x = torch.randn(tr.micro_batch_size, tr.seq_len, m.hidden_size,
-                    generator=torch.Generator().manual_seed(1)).to(dtype)  # [b, s, h]
-    for plan in (RecomputePlan(), RecomputePlan("selective"), RecomputePlan("full")):
-        install([chunk], plan)
-        want = chunk_layer_bytes(shape, plan, m.num_layers) / m.num_layers
-        assert measure_layers(chunk, x).mean == want, plan
+    for plan, got in measured_layer_bytes(config, dtype):
+        assert got == chunk_layer_bytes(shape, plan, m.num_layers) / m.num_layers, plan
 
 
 def test_qwen3_export_refuses_what_its_class_cannot_express(

@@ -54,6 +54,25 @@ def tiny_config(arch: str = "llama", *, tp: int = 1, sp: bool = False, pp: int =
     return resolved(config)
 
 
+def measured_layer_bytes(config: Config, dtype: torch.dtype, plans: tuple[RecomputePlan, ...] = (
+        RecomputePlan(), RecomputePlan("selective"), RecomputePlan("full"))
+                         ) -> list[tuple[RecomputePlan, float]]:
+    """The single-process chunk of ``config`` in ``dtype``: under each recompute plan, the
+    mean bytes one layer keeps for backward (saved-tensor hooks) for a random input
+    [b, s, h] of the config's micro-batch and sequence."""
+    from colonnade.analysis.measure import measure_layers
+
+    (chunk,) = build_chunks(config, rank_groups(config), dtype=dtype)
+    m, tr = config.model, config.training
+    x = torch.randn(tr.micro_batch_size, tr.seq_len, m.hidden_size,
+                    generator=torch.Generator().manual_seed(1)).to(dtype)  # [b, s, h]
+    out = []
+    for plan in plans:
+        install([chunk], plan)
+        out.append((plan, measure_layers(chunk, x).mean))
+    return out
+
+
 def with_recompute(config: Config, mode: str, method: str = "uniform", n: int = 1) -> Config:
     """``config`` with training.recompute / recompute_method / recompute_num_layers set."""
     training = dataclasses.replace(config.training, recompute=mode, recompute_method=method,
