@@ -130,7 +130,7 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
 def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False) -> bool:
     """Whether the validator accepts context parallelism ``cp`` with ``kind`` attention for
     this shape: s % 2cp == 0 (s % 2cp t with sp); all_to_all (a/t) % cp == 0 and
-    (g/t) % cp == 0 or cp % (g/t) == 0; ring without attention dropout."""
+    (g/t) % cp == 0 or cp % (g/t) == 0; ring: any head count."""
     if cp == 1:
         return not (sp and w.seq_len % tp)
     m = w.shape
@@ -139,7 +139,7 @@ def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False) -> b
     heads, kv = m.heads // tp, m.kv_hidden // m.head_dim // tp
     if kind == "all_to_all":
         return heads % cp == 0 and (kv % cp == 0 or cp % kv == 0)
-    return not m.attention_dropout
+    return True
 
 
 def _cp_options(w: Workload, gpus: int, tp: int, cons: Constraints

@@ -274,7 +274,7 @@ def _expert_degrees(tp: int, cp: int, dp: int | None, ep: int,
 
 def _context(c: Config, _: int | None) -> list[str]:
     """Context parallelism (parallel.cp > 1): the zigzag split's divisibility, the heads
-    all_to_all needs, ring + attention dropout, and training.memory_limit_gb."""
+    all_to_all needs, and training.memory_limit_gb."""
     p, m, s, out = c.parallel, c.model, c.training.seq_len, []
     limit = c.training.memory_limit_gb
     if limit is not None and not limit > 0:
@@ -302,10 +302,6 @@ def _context(c: Config, _: int | None) -> list[str]:
             out.append(f"parallel.cp_attention='all_to_all' needs model.num_kv_heads / "
                        f"parallel.tp = {kv} divisible by parallel.cp={p.cp} or dividing it; "
                        "use parallel.cp_attention='ring', or change cp, tp or num_kv_heads.")
-    if p.cp_attention == "ring" and m.attention_dropout > 0:
-        out.append(f"parallel.cp_attention='ring' does not support model.attention_dropout="
-                   f"{m.attention_dropout} with parallel.cp={p.cp}; use parallel.cp_attention="
-                   "'all_to_all' or set model.attention_dropout=0.")
     return out
 
 

@@ -22,7 +22,16 @@ block is what an ordinary attention backward computes for that block alone
     P = exp(S - lse_final);  dP = dout v^T;  dS = P * (dP - D)
     dq = c dS k;  dk = c dS^T q;  dv = P^T dout
 
-Kernel choice, made in :func:`kernel_kind` only: the fused aten CPU flash kernel on CPU (every
+Attention dropout (``drop``: Z = keep / (1 - p) of the block's [b, a, n, m] entries, drawn by
+:class:`colonnade.context_parallel.block_dropout.BlockDropout` from the global positions) acts
+on the probabilities after the softmax, so the normaliser is untouched and the merge stays
+exact: out_blk = (P Z) v with P = exp(S - lse_blk). In backward, with the final out (which is
+the dropped output) D_i = sum_d dout_id out_id = sum_j P_ij dP_ij still holds::
+
+    dP = Z * (dout v^T);  dS = P * (dP - D);  dv = (P Z)^T dout
+
+Kernel choice, made in :func:`kernel_kind` only: eager math for any block with dropout (no
+fused kernel takes an external keep-mask); else the fused aten CPU flash kernel on CPU (every
 floating dtype); on CUDA the aten flash kernel for fp16 / bf16 blocks without a mask and the
 aten memory-efficient kernel (additive mask) for fp16 / bf16 / fp32 otherwise; eager math
 (fp32 / fp64 scores) for everything else (fp64 on CUDA, odd head sizes). The eager path is
@@ -58,10 +67,14 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def kernel_kind(device: str, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
-    """The ONE place the block kernel is chosen (see the module doc): CPU -> aten CPU flash;
-    CUDA fp16 / bf16 unmasked -> flash; CUDA fp16 / bf16 / fp32 otherwise -> memory-efficient
-    (head_dim % 8 == 0 and <= 256 for both); anything else -> eager math."""
+def kernel_kind(device: str, dtype: torch.dtype, head_dim: int, masked: bool,
+                dropout: bool = False) -> str:
+    """The ONE place the block kernel is chosen (see the module doc): dropout -> eager math;
+    CPU -> aten CPU flash; CUDA fp16 / bf16 unmasked -> flash; CUDA fp16 / bf16 / fp32
+    otherwise -> memory-efficient (head_dim % 8 == 0 and <= 256 for both); anything else ->
+    eager math."""
+    if dropout:
+        return EAGER
     if device == "cpu" and dtype in (torch.float64, torch.float32, torch.bfloat16,
                                      torch.float16):
         return CPU_FLASH
@@ -74,9 +87,9 @@ def kernel_kind(device: str, dtype: torch.dtype, head_dim: int, masked: bool) ->
     return EAGER
 
 
-def _fused_kind(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> str:
+def _fused_kind(q: torch.Tensor, mask: torch.Tensor | None, drop: torch.Tensor | None) -> str:
     """:func:`kernel_kind` of a block (causality is native to every kernel)."""
-    return kernel_kind(q.device.type, q.dtype, q.shape[-1], mask is not None)
+    return kernel_kind(q.device.type, q.dtype, q.shape[-1], mask is not None, drop is not None)
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -116,10 +129,11 @@ def _dead_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def eager_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                  mask: torch.Tensor | None, scale: float
+                  mask: torch.Tensor | None, scale: float, drop: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference math: q [b, a, n, d], k / v [b, kv, m, d] -> (out [b, a, n, d] in q's dtype,
-    lse [b, a, n] in :func:`lse_dtype`); scores in the lse dtype."""
+    lse [b, a, n] in :func:`lse_dtype`); scores in the lse dtype. ``drop`` [b, a, n, m]:
+    keep / (1 - p) multiplying the probabilities (dropout; lse is the undropped one)."""
     acc = lse_dtype(q.dtype)
     a, n, m = q.shape[1], q.shape[2], k.shape[2]
     kf, vf = expand_kv(k, a).to(acc), expand_kv(v, a).to(acc)
@@ -129,15 +143,18 @@ def eager_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [b, a, n]
     p = torch.exp(s - _finite(lse).unsqueeze(-1))  # [b, a, n, m]
+    if drop is not None:
+        p = p * drop
     out = torch.matmul(p, vf)  # [b, a, n, d]
     return out.to(q.dtype), lse
 
 
 def eager_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                   mask: torch.Tensor | None, scale: float
+                   mask: torch.Tensor | None, scale: float, drop: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference gradient of one block given the final out / lse (module doc)."""
+    """Reference gradient of one block given the final out / lse (module doc); ``drop`` as
+    in :func:`eager_forward`."""
     acc = lse_dtype(q.dtype)
     a, n, m, kv = q.shape[1], q.shape[2], k.shape[2], k.shape[1]
     qf, kf, vf = q.to(acc), expand_kv(k, a).to(acc), expand_kv(v, a).to(acc)
@@ -148,11 +165,14 @@ def eager_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         s = s.masked_fill(~allowed, float("-inf"))
     p = torch.exp(s - _finite(lse.to(acc)).unsqueeze(-1))  # [b, a, n, m]
     dp = torch.matmul(do, vf.transpose(-1, -2))  # [b, a, n, m]
+    kept = p if drop is None else p * drop  # P Z
+    if drop is not None:
+        dp = dp * drop
     big_d = (do * out.to(acc)).sum(dim=-1, keepdim=True)  # [b, a, n, 1]
     ds = p * (dp - big_d)
     dq = torch.matmul(ds, kf) * scale  # [b, a, n, d]
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale  # [b, a, m, d]
-    dv = torch.matmul(p.transpose(-1, -2), do)  # [b, a, m, d]
+    dv = torch.matmul(kept.transpose(-1, -2), do)  # [b, a, m, d]
     return dq.to(q.dtype), reduce_kv(dk, kv).to(k.dtype), reduce_kv(dv, kv).to(v.dtype)
 
 
@@ -205,14 +225,14 @@ def _efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                  mask: torch.Tensor | None, scale: float
+                  mask: torch.Tensor | None, scale: float, drop: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: q [b, a, n, d], k / v [b, kv, m, d], ``mask`` bool broadcastable
-    to [b, 1, n, m] (True = attend) or None -> (out [b, a, n, d], lse [b, a, n] fp32 / fp64).
-    Fully masked rows: out 0, lse -inf."""
-    kind = _fused_kind(q, causal, mask)
+    to [b, 1, n, m] (True = attend) or None, ``drop`` [b, a, n, m] keep / (1 - p) or None ->
+    (out [b, a, n, d], lse [b, a, n] fp32 / fp64). Fully masked rows: out 0, lse -inf."""
+    kind = _fused_kind(q, mask, drop)
     if kind == EAGER:
-        return eager_forward(q, k, v, causal=causal, mask=mask, scale=scale)
+        return eager_forward(q, k, v, causal=causal, mask=mask, scale=scale, drop=drop)
     a = q.shape[1]
     ke, ve = expand_kv(k, a), expand_kv(v, a)
     if kind == CUDA_FLASH:  # not run by the test suite; checked once on an H200
@@ -236,14 +256,16 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                   mask: torch.Tensor | None, scale: float
+                   mask: torch.Tensor | None, scale: float, drop: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient contribution of one key block: dout / out [b, a, n, d] and lse [b, a, n] the
-    FINAL (merged) output and log-sum-exp of the query rows -> (dq [b, a, n, d],
-    dk [b, kv, m, d], dv [b, kv, m, d]). Rows with lse -inf get zero gradients."""
-    kind = _fused_kind(q, causal, mask)
+    FINAL (merged) output and log-sum-exp of the query rows, ``drop`` the forward's ->
+    (dq [b, a, n, d], dk [b, kv, m, d], dv [b, kv, m, d]). Rows with lse -inf get zero
+    gradients."""
+    kind = _fused_kind(q, mask, drop)
     if kind == EAGER:
-        return eager_backward(dout, q, k, v, out, lse, causal=causal, mask=mask, scale=scale)
+        return eager_backward(dout, q, k, v, out, lse, causal=causal, mask=mask, scale=scale,
+                              drop=drop)
     a, kv = q.shape[1], k.shape[1]
     ke, ve = expand_kv(k, a), expand_kv(v, a)
     lse = _finite(lse)

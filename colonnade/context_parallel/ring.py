@@ -21,6 +21,9 @@ i - W < j <= i of its rows' global positions (:func:`~colonnade.context_parallel
 block_kind`); :func:`block_counts` counts the computed and skipped pairs.
 
 ``doc_ids`` adds a boolean mask per pair, doc[q rows] == doc[k rows] (on top of causality).
+``dropout`` (attention dropout, :mod:`colonnade.context_parallel.block_dropout`) multiplies
+each computed pair's probabilities by the box of the single-process keep-mask at the pair's
+global (query, key) positions, forward and backward (eager block kernels then).
 Each query chunk's partials are merged by the online softmax
 (:func:`colonnade.context_parallel.kernels.merge`); q, k, v, out and lse are saved.
 
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 
 from colonnade.context_parallel import kernels, masks
+from colonnade.context_parallel.block_dropout import BlockDropout
 from colonnade.context_parallel.sinks import merge_sinks, sinks_grad
 from colonnade.eager import eager
 from colonnade.parallel.comm import CommGroup, Handle
@@ -101,9 +105,10 @@ class _Ring:
     """The ring's geometry for one call: sizes, peers, chunks and masks."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, group: CommGroup, causal: bool,
-                 doc_ids: torch.Tensor | None, scale: float, window: int | None) -> None:
+                 doc_ids: torch.Tensor | None, scale: float, window: int | None,
+                 dropout: BlockDropout | None = None) -> None:
         self.group, self.causal, self.doc_ids, self.scale = group, causal, doc_ids, scale
-        self.window, self.device = window, q.device
+        self.window, self.device, self.dropout = window, q.device, dropout
         self.cp, self.rank = group.size, max(group.rank, 0)
         s_local = q.shape[2]
         self.n = s_local // 2 if self.cp > 1 else s_local
@@ -132,6 +137,15 @@ class _Ring:
                     mask = cut if mask is None else mask & cut  # [1 | b, 1, n_q, n_k]
                 out.append((qp, kp, kind == masks.DIAG, mask))
         return out
+
+    def drop(self, qp: Piece, kp: Piece, q: torch.Tensor, dtype: torch.dtype
+             ) -> torch.Tensor | None:
+        """keep / (1 - p) of a pair's block, [b, a, n_q, n_k] in ``dtype`` (q [b, a, s_l, d]
+        the local queries), or None without dropout."""
+        if self.dropout is None:
+            return None
+        return self.dropout.scaled_keep(q.shape[0], q.shape[1], qp[0] * self.n, qp[2] - qp[1],
+                                        kp[0] * self.n, kp[2] - kp[1], dtype, self.device)
 
     def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], name: str) -> Handle:
         """One batched group: every send to the next rank, every receive from the previous."""
@@ -165,7 +179,8 @@ def ring_forward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kb, vb = _split_kv(cur, ring.kv_heads)
         for qp, kp, diag, mask in ring.pairs(t):
             o, lse = kernels.block_forward(_rows(q, qp), _rows(kb, kp), _rows(vb, kp),
-                                           causal=diag, mask=mask, scale=ring.scale)
+                                           causal=diag, mask=mask, scale=ring.scale,
+                                           drop=ring.drop(qp, kp, q, kernels.lse_dtype(q.dtype)))
             prev = acc.get(qp[0])
             acc[qp[0]] = (o.to(lse.dtype), lse) if prev is None else kernels.merge(
                 prev[0], prev[1], o, lse)
@@ -188,7 +203,8 @@ def _block_grads(ring: _Ring, t: int, dout: torch.Tensor, q: torch.Tensor, kb: t
     for qp, kp, diag, mask in ring.pairs(t):
         gq, gk, gv = kernels.block_backward(
             _rows(dout, qp), _rows(q, qp), _rows(kb, kp), _rows(vb, kp), _rows(out, qp),
-            lse[:, :, qp[1]:qp[2]], causal=diag, mask=mask, scale=ring.scale)
+            lse[:, :, qp[1]:qp[2]], causal=diag, mask=mask, scale=ring.scale,
+            drop=ring.drop(qp, kp, q, dq.dtype))
         _rows(dq, qp).add_(gq)
         _rows(dk_all, kp).add_(gk)
         _rows(dv_all, kp).add_(gv)
@@ -244,11 +260,11 @@ class OpRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 group: CommGroup, causal: bool, doc_ids: torch.Tensor | None, overlap: bool,
-                scale: float, window: int | None, sinks: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                scale: float, window: int | None, sinks: torch.Tensor | None = None,
+                dropout: BlockDropout | None = None) -> torch.Tensor:
         """Ring forward (module doc); ``sinks`` merged once with the final lse
         (:mod:`~colonnade.context_parallel.sinks`)."""
-        ring = _Ring(q, k, group, causal, doc_ids, scale, window)
+        ring = _Ring(q, k, group, causal, doc_ids, scale, window, dropout)
         out, lse = ring_forward(ring, q, k, v, overlap)
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
@@ -263,7 +279,7 @@ class OpRingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.overlap)
         dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)  # local rows
-        return dq, dk, dv, None, None, None, None, None, None, dsinks
+        return dq, dk, dv, None, None, None, None, None, None, dsinks, None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
@@ -289,8 +305,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommGroup, *,
                    causal: bool = True, doc_ids: torch.Tensor | None = None,
                    overlap: bool = True, scale: float | None = None,
-                   window: int | None = None, sinks: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   window: int | None = None, sinks: torch.Tensor | None = None,
+                   dropout: BlockDropout | None = None) -> torch.Tensor:
     """Exact softmax attention of the cp rank's local query rows over the whole sequence.
 
     q [b, a, s_l, d], k / v [b, kv, s_l, d] (GQA: a % kv == 0, kv not expanded), the rank's
@@ -300,12 +316,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Com
     keys, query i also needs i - j < W (:mod:`~colonnade.context_parallel.masks`); ``sinks``
     [a]: per-head sink logits joining every row's softmax denominator, merged after the ring
     with the final lse (:mod:`~colonnade.context_parallel.sinks`; their gradient covers this
-    rank's rows, summed over cp like any replicated weight's). Returns out [b, a, s_l, d],
+    rank's rows, summed over cp like any replicated weight's); ``dropout``: attention dropout
+    keyed by global positions (:mod:`~colonnade.context_parallel.block_dropout`, its
+    ``head_offset`` placing q's heads). Returns out [b, a, s_l, d],
     same layout as q. A group of size 1 computes plain local attention. Not traced by
     torch.compile (a graph break).
     """
     _check(q, k, v, group.size, doc_ids, causal, window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out: torch.Tensor = OpRingAttention.apply(q, k, v, group, causal, doc_ids, overlap, scale,
-                                              window, sinks)
+                                              window, sinks, dropout)
     return out

@@ -37,6 +37,7 @@ from torch import nn
 from colonnade.config.sections import ModelConfig
 from colonnade.context_parallel import masks
 from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
+from colonnade.context_parallel.block_dropout import BlockDropout
 from colonnade.context_parallel.layout import local_ranges, take_local, zigzag_index, zigzag_ranges
 from colonnade.context_parallel.ring import ring_attention
 from colonnade.context_parallel.sinks import attention_with_sinks
@@ -356,7 +357,8 @@ def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         doc_ids = doc.doc_ids if doc is not None else None  # [b, s] or None
         return ring_attention(q, k, v, ctx.cp, causal=True, doc_ids=doc_ids,
                               overlap=ctx.cp_overlap, sinks=attn.head_sinks(0, attn.heads),
-                              window=attn.window)
+                              window=attn.window,
+                              dropout=_ring_dropout(attn, q.shape[2] * ctx.cp_size, 0))
     mask = doc.mask if doc is not None else None  # [b, 1, s, s] (natural order) or None
 
     def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
@@ -364,6 +366,18 @@ def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return attn.attend(qh, kh, vh, 0, mask, head_offset)  # [b, a/tp/cp, s, d]
 
     return all_to_all_attention(q, k, v, ctx.cp, attend)
+
+
+def _ring_dropout(attn: Attention, seq: int, head_offset: int) -> BlockDropout | None:
+    """Ring attention's dropout of ``attn`` in training (None at p = 0 or in eval): the
+    site's stream in the tracker's current (step, micro-batch), over the model's query heads,
+    this call's first head at tp_rank x a/tp + ``head_offset``, sequence length ``seq``."""
+    p = attn.cfg.attention_dropout if attn.training else 0.0
+    if p == 0.0:
+        return None
+    ctx = attn.ctx
+    return BlockDropout(ctx.rng.stream(attn.dropout_site, p), attn.heads * ctx.tp,
+                        ctx.tp_rank * attn.heads + head_offset, seq)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, ctx: ParallelContext, site: str,

@@ -6,7 +6,8 @@ Cases cover ring and all_to_all attention, cp 2 and 4, cp x tp (+ sp, + chunked 
 collectives), cp x dp with ZeRO-1 and ZeRO-3, full and selective recompute, gpt2 (learned
 positions, tied embeddings, biases) and llama (RoPE, GQA), masked labels (micro-batches with
 different valid-token counts), document resets (positions and attention across the zigzag
-chunk boundaries) and dropout (hidden dropout with both; attention dropout with all_to_all).
+chunk boundaries) and dropout (hidden and attention dropout with both: the ring draws each (query chunk, key chunk)
+block's box of the single-process keep-mask by global positions).
 """
 
 from __future__ import annotations
@@ -55,10 +56,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2-a2a-docs-gpt2": dict(config=dict(arch="gpt2", seq=32, cp_attention="all_to_all"),
                               docs=True),
     "cp2xtp2-sp-ring-docs-dropout": dict(config=dict(arch="gpt2", seq=32, tp=2, sp=True,
-                                                     dropout=0.1, attention_dropout=0.0),
-                                         docs=True),
-    "cp2-ring-hidden-dropout": dict(config=dict(arch="llama", dropout=0.1,
-                                                attention_dropout=0.0)),
+                                                     dropout=0.1), docs=True),
+    "cp2-ring-dropout-llama-gqa": dict(config=dict(arch="llama", kv_heads=2, dropout=0.1)),
     "cp2-a2a-dropout-gpt2": dict(config=dict(arch="gpt2", dropout=0.1,
                                              cp_attention="all_to_all")),
 }
