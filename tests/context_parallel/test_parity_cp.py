@@ -6,8 +6,8 @@ Cases cover ring and all_to_all attention, cp 2 and 4, cp x tp (+ sp, + chunked 
 collectives), cp x dp with ZeRO-1 and ZeRO-3, full and selective recompute, gpt2 (learned
 positions, tied embeddings, biases) and llama (RoPE, GQA), masked labels (micro-batches with
 different valid-token counts), document resets (positions and attention across the zigzag
-chunk boundaries) and dropout (hidden and attention dropout with both: the ring draws each (query chunk, key chunk)
-block's box of the single-process keep-mask by global positions).
+chunk boundaries) and dropout (hidden and attention dropout with both: the ring draws each
+(query chunk, key chunk) block's box of the single-process keep-mask by global positions).
 """
 
 from __future__ import annotations
