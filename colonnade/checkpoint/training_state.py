@@ -5,7 +5,7 @@
     format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
     total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
     decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
-    cp, cp_attention, sp, zero, zero_shard_size, bucket_size, world_size}, model {...the
+    cp, cp_attention, cp_a2a_size, sp, zero, zero_shard_size, bucket_size, world_size}, model {...the
     [model] section...}, elapsed_s (seconds of training of the whole run at the save, so a
     resume's clock goes on from it)
 (cp is not part of the weights: every tensor is replicated over cp, written by cp index 0 of
@@ -105,7 +105,8 @@ def _metadata(trainer: TrainState) -> dict[str, Any]:
         "rng": trainer.chunks[0].ctx.rng.state_dict(),
         "layout": {"tp": groups.tp.size, "pp": groups.pp.size, "vp": par.vp,
                    "dp": groups.dp.size, "cp": groups.cp.size,
-                   "cp_attention": par.cp_attention, "sp": par.sp,
+                   "cp_attention": par.cp_attention, "cp_a2a_size": par.cp_a2a_size,
+                   "sp": par.sp,
                    "zero": par.zero, "zero_shard_size": par.zero_shard_size,
                    "bucket_size": par.bucket_size,
                    "world_size": groups.world.size},

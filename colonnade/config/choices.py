@@ -49,7 +49,7 @@ DATA_FORMATS: tuple[str, ...] = ("text", "sft")
 """data.format: pretraining text, or prompt/response records with a loss mask (data/sft.py)."""
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 """parallel.grad_reduce_dtype: dtype of the ZeRO-2/3 gradient reduce-scatter."""
-CP_ATTENTIONS: tuple[str, ...] = ("ring", "all_to_all")
+CP_ATTENTIONS: tuple[str, ...] = ("ring", "all_to_all", "hierarchical")
 """parallel.cp_attention: how attention spans the cp ranks (colonnade.context_parallel)."""
 MOE_ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
 """model.moe_router: how router logits become expert choices and weights (colonnade.moe)."""

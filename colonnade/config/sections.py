@@ -59,7 +59,14 @@ class ParallelConfig:
     """How attention sees the whole sequence under cp > 1: 'ring' (key/value blocks passed
     around the cp ring by p2p, overlapped with the local block's attention; any head count)
     or 'all_to_all' (Ulysses: an all-to-all trades the sequence split for a head split, so
-    heads / tp and kv heads / tp must be divisible by cp)."""
+    heads / tp and kv heads / tp must be divisible by cp) or 'hierarchical' (USP: all_to_all
+    inside groups of ``cp_a2a_size`` consecutive cp ranks, ring across the cp / cp_a2a_size
+    groups, so cp can exceed the head count)."""
+    cp_a2a_size: int | None = None
+    """cp_attention='hierarchical' only (required there): ranks of its inner all-to-all group,
+    a divisor of cp that divides heads / tp (cp = cp_a2a_size x ring size; cp_a2a_size = cp
+    is plain all_to_all, 1 plain ring). Put it on the fast links: the inner groups are
+    consecutive cp ranks."""
     cp_overlap: bool = True
     """Ring attention: post the next key/value transfer before computing on the current
     block (False: wait for each transfer first; same results, for measuring the overlap)."""

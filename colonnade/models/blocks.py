@@ -38,6 +38,7 @@ from colonnade.config.sections import ModelConfig
 from colonnade.context_parallel import masks
 from colonnade.context_parallel.all_to_all_attention import all_to_all_attention
 from colonnade.context_parallel.block_dropout import BlockDropout
+from colonnade.context_parallel.hierarchical import hierarchical_attention
 from colonnade.context_parallel.layout import local_ranges, take_local, zigzag_index, zigzag_ranges
 from colonnade.context_parallel.ring import ring_attention
 from colonnade.context_parallel.sinks import attention_with_sinks
@@ -45,6 +46,7 @@ from colonnade.eager import eager
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
 from colonnade.models.rope import rope_cos_sin
+from colonnade.parallel.comm import CommGroup
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -130,7 +132,7 @@ def cp_doc_context(tokens: torch.Tensor | None, reset: DocReset | None, ctx: Par
     full = None
     if reset is not None:
         assert tokens is not None
-        ring = ctx.cp_attention == "ring"
+        ring = ctx.cp_attention != "all_to_all"  # ring and hierarchical: document ids
         full = doc_context(tokens, reset, ids=ring, mask=not ring)
     if full is not None and full.positions is not None:
         positions = take_local(full.positions, cp, rank, dim=1)  # [b, s/cp]
@@ -338,7 +340,7 @@ class Attention(nn.Module):
         [b, kv/tp, s/cp, d] (zigzag local rows) -> [s/cp, b, a/tp * d]. Selective recompute
         checkpoints the all-to-all path (its attention stores full-sequence activations); the
         ring kernel already keeps only q, k, v, out and lse."""
-        if (self.recompute_core and self.training and self.ctx.cp_attention != "ring"):
+        if (self.recompute_core and self.training and self.ctx.cp_attention == "all_to_all"):
             out = checkpoint(_cp_attention, self.ctx.rng, self, q, k, v, doc)
         else:
             out = _cp_attention(self, q, k, v, doc)  # [b, a/tp, s/cp, d]
@@ -348,17 +350,26 @@ class Attention(nn.Module):
 @eager
 def _cp_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   doc: DocContext | None) -> torch.Tensor:
-    """Ring or all-to-all attention of ``attn``'s heads over the cp group:
+    """Ring, hierarchical or all-to-all attention of ``attn``'s heads over the cp group:
     [b, a/tp, s/cp, d] -> [b, a/tp, s/cp, d]. Always eager (a graph break inside a compiled
     layer: its collectives go through CommGroup, which dynamo does not trace)."""
     ctx = attn.ctx
     assert ctx.cp is not None
-    if ctx.cp_attention == "ring":
+    if ctx.cp_attention != "all_to_all":
         doc_ids = doc.doc_ids if doc is not None else None  # [b, s] or None
-        return ring_attention(q, k, v, ctx.cp, causal=True, doc_ids=doc_ids,
-                              overlap=ctx.cp_overlap, sinks=attn.head_sinks(0, attn.heads),
-                              window=attn.window,
-                              dropout=_ring_dropout(attn, q.shape[2] * ctx.cp_size, 0))
+        seq = q.shape[2] * ctx.cp_size
+
+        def ring(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, head_offset: int,
+                 group: CommGroup) -> torch.Tensor:
+            return ring_attention(qr, kr, vr, group, causal=True, doc_ids=doc_ids,
+                                  overlap=ctx.cp_overlap, window=attn.window,
+                                  sinks=attn.head_sinks(head_offset, qr.shape[1]),
+                                  dropout=_ring_dropout(attn, seq, head_offset))
+
+        if ctx.cp_attention == "ring":
+            return ring(q, k, v, 0, ctx.cp)
+        assert ctx.cp_a2a is not None and ctx.cp_ring is not None
+        return hierarchical_attention(q, k, v, ctx.cp_a2a, ctx.cp_ring, ring)
     mask = doc.mask if doc is not None else None  # [b, 1, s, s] (natural order) or None
 
     def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,

@@ -45,6 +45,7 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
                            dtype=dtype or param_dtype(config.training.precision),
                            device=device, comm_chunks=par.tp_comm_chunks, cp=groups.cp,
                            cp_attention=par.cp_attention, cp_overlap=par.cp_overlap,
+                           cp_a2a=groups.cp_a2a, cp_ring=groups.cp_ring,
                            ep=groups.ep, moe_dispatcher=par.moe_dispatcher, moe=moe,
                            param_device=torch.device("meta") if meta_params else None)
 

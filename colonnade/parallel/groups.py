@@ -22,6 +22,14 @@ dp_cp):
   zero_replicate  the ranks of one dp_cp group holding the same shard index (gradient shards
                   all-reduced across it)
 
+Hierarchical context parallelism (made only when ``cp_a2a_size`` is given, i.e. with
+parallel.cp_attention='hierarchical', else None):
+  cp_a2a   the inner all-to-all: groups of cp_a2a_size consecutive ranks of each cp group
+  cp_ring  the outer ring: the ranks of one cp group holding the same index in their cp_a2a
+           group (the ring runs over them, cp / cp_a2a_size ranks)
+At cp_a2a_size = cp the ring groups are single ranks (plain all-to-all), at 1 the a2a groups
+(plain ring); the other one then equals the cp partition and shares its process group.
+
 Expert groups (the expert view of :class:`ParallelDims`; made only with ``experts=True``, for a
 model with mixture-of-experts layers, else None):
   ep          token all-to-all of the expert layers (experts split across its ranks)
@@ -60,6 +68,20 @@ process group only by sharing an equal partition's (source 'index' otherwise).""
 
 ZERO_GROUP_NAMES: tuple[str, ...] = ("zero_shard", "zero_replicate")
 """Hybrid-sharding groups, made last when ``zero_shard_size`` is given."""
+CP_GROUP_NAMES: tuple[str, ...] = ("cp_a2a", "cp_ring")
+"""Hierarchical cp's groups, made after the expert groups when ``cp_a2a_size`` is given."""
+
+
+def cp_partitions(cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
+    """Hierarchical cp over every cp group ``g`` (c ranks, in cp-index order): inner
+    all-to-all groups ``g[k size : (k + 1) size]`` and outer ring groups ``g[j::size]``."""
+    for ranks in cp:
+        if len(ranks) % size:
+            raise ValueError(f"parallel.cp_a2a_size={size} does not divide parallel.cp = "
+                             f"{len(ranks)}")
+    inner = [ranks[k:k + size] for ranks in cp for k in range(0, len(ranks), size)]
+    outer = [ranks[j::size] for ranks in cp for j in range(size)]
+    return {"cp_a2a": sorted(inner), "cp_ring": sorted(outer)}
 
 
 def zero_partitions(dp_cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
@@ -95,12 +117,13 @@ class GroupSpec:
 
 
 def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
-                experts: bool = False, zero_shard_size: int | None = None
-                ) -> dict[str, GroupSpec]:
+                experts: bool = False, zero_shard_size: int | None = None,
+                cp_a2a_size: int | None = None) -> dict[str, GroupSpec]:
     """Pure layout maths: the partition of every group and whether it is created, shared or
     trivial. Needs no processes (a 4096-rank layout is planned in a fraction of a second).
     ``experts``: add the expert groups (:data:`EXPERT_GROUP_NAMES`); ``zero_shard_size``: add
-    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`)."""
+    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`); ``cp_a2a_size``: hierarchical cp's
+    groups (:data:`CP_GROUP_NAMES`)."""
     partitions: dict[str, list[list[int]]] = {
         "tp": dims.group_ranks("tp"),
         "pp": dims.group_ranks("pp"),
@@ -118,6 +141,9 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
     if zero_shard_size is not None:
         names = (*names, *ZERO_GROUP_NAMES)
         partitions.update(zero_partitions(partitions["dp_cp"], zero_shard_size))
+    if cp_a2a_size is not None:
+        names = (*names, *CP_GROUP_NAMES)
+        partitions.update(cp_partitions(partitions["cp"], cp_a2a_size))
     out: dict[str, GroupSpec] = {}
     for name in names:
         part = partitions[name]
@@ -203,6 +229,10 @@ class ProcessGroups:
     """Hybrid sharding's shard group (None unless built with ``zero_shard_size``)."""
     zero_replicate: CommGroup | None = None
     """Hybrid sharding's replicate group (None unless built with ``zero_shard_size``)."""
+    cp_a2a: CommGroup | None = None
+    """Hierarchical cp's inner all-to-all group (None unless built with ``cp_a2a_size``)."""
+    cp_ring: CommGroup | None = None
+    """Hierarchical cp's outer ring group (None unless built with ``cp_a2a_size``)."""
 
     @property
     def shard_group(self) -> CommGroup:
@@ -239,11 +269,12 @@ class ProcessGroups:
         return self.pp.ranks[stage % self.pp.size]
 
     @classmethod
-    def single(cls, dims: ParallelDims | None = None) -> ProcessGroups:
+    def single(cls, dims: ParallelDims | None = None, cp_split: bool = False) -> ProcessGroups:
         """Groups of a single process: every group has size 1 and nothing communicates.
 
         This is how the single-process reference model runs without torch.distributed. The
-        expert groups are made too (trivial, like every group of one process).
+        expert groups are made too (trivial, like every group of one process); ``cp_split``:
+        hierarchical cp's two groups as well.
         """
         dims = dims or ParallelDims()
         if dims.world_size != 1:
@@ -253,21 +284,24 @@ class ProcessGroups:
         def one(name: str) -> CommGroup:
             return CommGroup(name, [0], None, stats, 0)
 
+        split = {"cp_a2a": one("cp_a2a"), "cp_ring": one("cp_ring")} if cp_split else {}
         return cls(dims, 0, one("tp"), one("pp"), one("dp"), one("cp"), one("dp_cp"),
                    one("embedding"), one("world"), stats, one("ep"), one("expert_tp"),
-                   one("expert_dp"))
+                   one("expert_dp"), **split)
 
     @classmethod
     def build(cls, dims: ParallelDims, timeout_s: float = 300.0,
               tied_embeddings: bool = True, experts: bool = False,
-              zero_shard_size: int | None = None) -> ProcessGroups:
+              zero_shard_size: int | None = None,
+              cp_a2a_size: int | None = None) -> ProcessGroups:
         """Create the groups :func:`plan_groups` asks for; every rank calls it (same dims)
         after init_process_group. ``tied_embeddings`` False: no embedding group is made;
         ``experts`` True: the expert groups (ep, expert_tp, expert_dp) are made too;
-        ``zero_shard_size``: the hybrid-sharding groups (zero_shard, zero_replicate)."""
+        ``zero_shard_size``: the hybrid-sharding groups (zero_shard, zero_replicate);
+        ``cp_a2a_size``: hierarchical cp's groups (cp_a2a, cp_ring)."""
         if not dist.is_initialized():
             if dims.world_size == 1:
-                return cls.single(dims)
+                return cls.single(dims, cp_a2a_size is not None)
             raise RuntimeError("torch.distributed is not initialised; launch with torchrun or "
                                "`colonnade train --nproc N`")
         world = dist.get_world_size()
@@ -279,8 +313,8 @@ class ProcessGroups:
         timeout = timedelta(seconds=timeout_s)
         pgs: dict[str, Any] = {}
         made: dict[str, CommGroup] = {}
-        for name, spec in plan_groups(dims, tied_embeddings, experts,
-                                      zero_shard_size).items():
+        for name, spec in plan_groups(dims, tied_embeddings, experts, zero_shard_size,
+                                      cp_a2a_size).items():
             if spec.creates:
                 pgs[name] = create_partition(name, spec.partition, timeout)
             else:

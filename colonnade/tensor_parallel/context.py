@@ -50,8 +50,12 @@ class ParallelContext:
     """The cp group (context parallelism: the sequence split across its ranks; one rank while
     cp = 1); None in a context made without process groups."""
     cp_attention: str = "ring"
-    """How attention spans the cp ranks when cp > 1: 'ring' or 'all_to_all'
+    """How attention spans the cp ranks when cp > 1: 'ring', 'all_to_all' or 'hierarchical'
     (``parallel.cp_attention``)."""
+    cp_a2a: CommGroup | None = None
+    """Hierarchical cp's inner all-to-all group (None unless cp_attention='hierarchical')."""
+    cp_ring: CommGroup | None = None
+    """Hierarchical cp's outer ring group (None unless cp_attention='hierarchical')."""
     cp_overlap: bool = True
     """Ring attention overlaps each key/value transfer with the current block's compute
     (``parallel.cp_overlap``)."""

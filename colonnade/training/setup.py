@@ -80,7 +80,8 @@ def init_runtime(config: Config) -> Runtime:
                                  tied_embeddings=tied_across_stages(
                                      config.model.tie_embeddings, config.parallel.schedule),
                                  experts=config.model.moe,
-                                 zero_shard_size=config.parallel.zero_shard_size)
+                                 zero_shard_size=config.parallel.zero_shard_size,
+                                 cp_a2a_size=config.parallel.cp_a2a_size)
     return Runtime(config, device, groups)
 
 
