@@ -6,8 +6,8 @@
     total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
     decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
     cp, cp_attention, cp_a2a_size, sp, zero, zero_shard_size, bucket_size, world_size},
-    model {...the [model] section...}, elapsed_s (seconds of training of the whole run at the save, so a
-    resume's clock goes on from it)
+    model {...the [model] section...}, elapsed_s (seconds of training of the whole run at the
+    save, so a resume's clock goes on from it)
 (cp is not part of the weights: every tensor is replicated over cp, written by cp index 0 of
 the dp x cp replicas, and ZeRO shards over dp x cp reshard like dp's; the layout records it
 for the reader only.)
