@@ -79,6 +79,10 @@ a copy of it) and RoPE's gathered cos / sin (below).  By cp attention kind:
                    attention dropout: the blockwise kernel runs and keeps no output),
                    log-sum-exp A s b a/(t cp).  With k_r = g/(t cp) this equals the ring's
                    bytes.
+      'hierarchical' (:mod:`colonnade.context_parallel.hierarchical`): the ring's terms, its
+                   kv blocks holding a s_l rows of h_kv = g/(t a) heads (1 replicated head
+                   when a is a multiple of g/t): 2 E s_l b d a h_kv (= the ring's k, v when
+                   the heads split); the all-to-alls keep nothing.
     RoPE under cp rotates by the rank's global positions: each layer keeps the cos and sin
     rows gathered at them, E s_l b d (at cp = 1 they are views of the model's tables).
     Selective recompute checkpoints the all_to_all core (its inputs q, k, v at s_l are kept)
@@ -149,7 +153,9 @@ class ActivationShape:
     cp: int = 1
     """Context-parallel degree: the rank holds s/cp rows of every sample (s % cp == 0)."""
     cp_attention: str = "ring"
-    """Under cp > 1: 'ring' or 'all_to_all' (:data:`CP_ATTENTIONS`)."""
+    """Under cp > 1: 'ring', 'all_to_all' or 'hierarchical' (:data:`CP_ATTENTIONS`)."""
+    cp_a2a_size: int | None = None
+    """'hierarchical': its inner all-to-all size a (the ring spans cp / a ranks)."""
     elem: int = 2
     """Bytes per activation element E."""
     facts: ArchFacts = LLAMA_FACTS
@@ -199,6 +205,17 @@ class ActivationShape:
         return self.seq // self.cp
 
     @property
+    def ring_kv_heads(self) -> float:
+        """kv heads of the kv blocks the ring keeps and passes, in units of the rank's s_l
+        rows: g/t for the ring; a h_kv for hierarchical (its blocks hold a s_l rows of
+        h_kv = g/(t a) heads, or of 1 replicated head)."""
+        local = self.kv_heads // self.tp
+        if self.cp_attention != "hierarchical":
+            return self.kv_heads / self.tp
+        a = self.cp_a2a_size or 1
+        return float(a * (local // a if local % a == 0 else 1))
+
+    @property
     def a2a_kv_heads(self) -> int:
         """k_r: kv heads one rank attends with under all_to_all (g/(t cp), or 1 replicated
         head when cp is a multiple of g/t)."""
@@ -208,12 +225,13 @@ class ActivationShape:
     @classmethod
     def of(cls, m: LayerShape, seq: int, batch: int, *, tp: int = 1, sp: bool = False,
            elem: int = 2, attention: str = "auto", cp: int = 1,
-           cp_attention: str = "ring") -> ActivationShape:
+           cp_attention: str = "ring", cp_a2a_size: int | None = None) -> ActivationShape:
         """The shape of ``m``'s layers for micro-batch [b, s] on a tp (+sp) x cp rank."""
         return cls(seq=seq, batch=batch, hidden=m.hidden, heads=m.heads,
                    kv_heads=m.kv_hidden // m.head_dim, ffn=m.ffn, tp=tp, sp=sp,
                    head_dim=m.head_dim,
-                   cp=cp, cp_attention=cp_attention, elem=elem, facts=m.facts,
+                   cp=cp, cp_attention=cp_attention, cp_a2a_size=cp_a2a_size, elem=elem,
+                   facts=m.facts,
                    hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                    attention=attention, mla=m.mla)
 
@@ -258,6 +276,9 @@ def _core_bytes(x: ActivationShape, q: float, kv: float) -> tuple[str, float]:
             kv = 2.0 * e * x.seq * b * x.d * x.a2a_kv_heads
             kept = out if x.kernel == "flash" else 0.0  # blockwise writes [s, b, ...]: a copy
             return "core_all_to_all", q + kv + kept + lse
+        if x.cp_attention == "hierarchical":  # the ring's terms on its kv blocks
+            ring_kv = 2.0 * e * s * b * x.d * x.ring_kv_heads
+            return "core_hierarchical", q + ring_kv + out + lse
         return "core_ring", q + kv + out + lse
     if x.kernel == "eager":
         scores = float(a) * s * s * b / t  # [b, a/t, s, s]
@@ -285,7 +306,7 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     if x.facts.head_norms:
         terms["head_norms"] = _head_norm_bytes(x)
     q, kv = e * float(s * b) * x.q_width / t, 2.0 * e * s * b * h_kv / t
-    if recompute == "selective" and not (x.cp > 1 and x.cp_attention == "ring"):
+    if recompute == "selective" and not (x.cp > 1 and x.cp_attention != "all_to_all"):
         terms["core_inputs"] = q + kv
     else:  # the ring is not checkpointed by selective recompute: it keeps only q k v out lse
         name, value = _core_bytes(x, q, kv)
@@ -334,7 +355,7 @@ def _mla_terms(x: ActivationShape, recompute: str) -> dict[str, float]:
     padded = m.v != d
     v = e * heads * (d if padded else m.nope + m.v)
     out = {"latents": rows * (q_path + kv_path)}
-    if recompute == "selective" and not (x.cp > 1 and x.cp_attention == "ring"):
+    if recompute == "selective" and not (x.cp > 1 and x.cp_attention != "all_to_all"):
         out["core_inputs"] = rows * (2 * e * heads * d + v)
     else:
         kernel_out = e * heads * d if padded else 0.0  # else the out-proj input itself
@@ -356,7 +377,7 @@ def cp_buffer_bytes(x: ActivationShape) -> float:
     if x.cp_attention == "all_to_all":
         return e * float(x.seq) * b * (2 * hq / (x.tp * x.cp) + 2 * d * x.a2a_kv_heads)
     acc, rows = max(e, 4), float(x.local_seq) * b
-    n_kv = 2.0 * rows * x.kv_heads * d / x.tp
+    n_kv = 2.0 * rows * x.ring_kv_heads * d  # hierarchical: its ring's blocks
     blocks = (3 + (2 if x.kv_heads < x.heads else 0)) * e * rows / 2 * hq / x.tp
     return 2 * e * n_kv + 3 * acc * n_kv + acc * rows * hq / x.tp + blocks
 

@@ -18,10 +18,17 @@ all_to_all (:mod:`colonnade.context_parallel.all_to_all_attention`): the forward
     backward the same 4 for their gradients.  Each moves (c - 1)/c of the rank's tensor:
     q and out b s_l h/t E, k and v b s_l d g_x E with g_x = c k_r (= g_l, or c when kv heads
     are replicated because c is a multiple of g_l).  Not overlapped: all exposed.
+hierarchical (:mod:`colonnade.context_parallel.hierarchical`): the all-to-all above over
+    a = cp_a2a_size consecutive cp ranks (c replaced by a; its inner groups span a t ranks,
+    so they stay inside a node when a t <= gpus per node), then the ring above over the
+    r = c / a ranks of an outer group on the all-to-all's head share: its kv block is
+    K = 2 b (a s_l) h_kv d E, h_kv = g_l / a (or 1 replicated head), and each of its steps
+    hides behind core / r.  At a = c it is all_to_all, at a = 1 the ring.
 Recompute: full recompute repeats the forward's traffic in backward.  Selective recompute
 checkpoints all_to_all's core and re-runs its q, k, v all-to-alls (not the output's: the
 checkpoint stops once the tensors backward needs are recomputed); it leaves the ring alone
-(the ring Function keeps only q, k, v, output and log-sum-exp), so no ring traffic repeats.
+(the ring Function keeps only q, k, v, output and log-sum-exp), so no ring traffic repeats;
+nor hierarchical's (its all-to-alls feed the ring, which keeps what backward needs).
 """
 
 from __future__ import annotations
@@ -47,10 +54,11 @@ class CpComm:
     """Seconds of them not hidden behind attention compute."""
 
 
-def _kv_block_bytes(w: Workload, layout: Layout) -> float:
-    """K = 2 b s_l g_l d E: one rank's k and v of one layer (GQA: kv not expanded)."""
-    m = w.shape
-    return 2.0 * layout.local_tokens(w.seq_len) * m.kv_hidden / layout.tp * w.elem
+def _kv_heads(w: Workload, layout: Layout, a2a: int) -> tuple[int, int]:
+    """(kv_l, h_kv): the tp-local kv heads, and those a rank holds after an all-to-all over
+    ``a2a`` ranks (kv_l / a2a, or 1 replicated head when a2a is a multiple of kv_l)."""
+    kv_local = w.shape.kv_hidden // w.shape.head_dim // layout.tp
+    return kv_local, (kv_local // a2a if kv_local % a2a == 0 else 1)
 
 
 def _cross_node(layout: Layout, c: Cluster) -> bool:
@@ -63,15 +71,16 @@ def _recomputes(layout: Layout) -> bool:
     return layout.recompute == "full"
 
 
-def ring_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
-    """Ring attention's per-layer traffic and exposed time (module docstring)."""
-    cp, cross = layout.cp, _cross_node(layout, c)
-    blk = _kv_block_bytes(w, layout)
+def _ring(w: Workload, layout: Layout, c: Cluster, size: int, blk: float) -> CpComm:
+    """Ring attention over ``size`` ranks passing kv blocks of ``blk`` bytes (module doc)."""
+    if size == 1:
+        return CpComm(fwd_bytes=0.0, bwd_bytes=0.0, full_s=0.0, exposed_s=0.0)
+    cross = _cross_node(layout, c)
     acc = blk * max(w.elem, 4) / w.elem  # G: the dK/dV accumulator
     core = layer_gemm_s(w, layout, c)[1]  # the layer's core attention forward, this rank
-    step_f, step_b = core / cp, c.backward_ratio * core / cp
-    fwd = [blk] * (cp - 1)  # bytes sent at each overlapped step
-    bwd = [blk] + [blk + acc] * (cp - 2) + [acc]
+    step_f, step_b = core / size, c.backward_ratio * core / size
+    fwd = [blk] * (size - 1)  # bytes sent at each overlapped step
+    bwd = [blk] + [blk + acc] * (size - 2) + [acc]
     hop = c.p2p_s(acc, cross)  # the last hop home, nothing to hide behind
     full_f = sum(c.p2p_s(x, cross) for x in fwd)
     full_b = sum(c.p2p_s(x, cross) for x in bwd) + hop
@@ -86,24 +95,56 @@ def ring_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
                   full_s=(1 + rep) * full_f + full_b, exposed_s=(1 + rep) * exp_f + exp_b)
 
 
-def all_to_all_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
-    """The all-to-all variant's per-layer traffic and time (all exposed)."""
-    m, cp, t = w.shape, layout.cp, layout.tp
+def _all_to_all(w: Workload, layout: Layout, c: Cluster, size: int,
+                selective_redo: bool) -> CpComm:
+    """All-to-all re-sharding over ``size`` consecutive cp ranks (all exposed);
+    ``selective_redo``: selective recompute re-runs the q, k, v all-to-alls."""
+    if size == 1:
+        return CpComm(fwd_bytes=0.0, bwd_bytes=0.0, full_s=0.0, exposed_s=0.0)
+    m, t = w.shape, layout.tp
     tokens = layout.local_tokens(w.seq_len)
-    d = m.head_dim
-    kv_local = m.kv_hidden // d // t
-    kv_x = kv_local if kv_local % cp == 0 else cp  # cp k_r kv heads' rows pass through
-    qkv = [tokens * m.q_hidden / t * w.elem] + [tokens * d * kv_x * w.elem] * 2
+    _, h_kv = _kv_heads(w, layout, size)
+    kv_x = size * h_kv  # kv heads' rows passing through (replicated ones counted each time)
+    qkv = [tokens * m.q_hidden / t * w.elem] + [tokens * m.head_dim * kv_x * w.elem] * 2
     tensors = [*qkv, tokens * m.q_hidden / t * w.elem]  # q, k, v, out
-    redo = {"full": tensors, "selective": qkv}.get(layout.recompute, [])
-    per_node = min(cp, max(1, c.gpus_per_node // t))
+    redo = {"full": tensors, "selective": qkv if selective_redo else []}.get(
+        layout.recompute, [])
+    per_node = min(size, max(1, c.gpus_per_node // t))
 
     def moved(xs: list[float]) -> tuple[float, float]:  # (bytes sent, seconds)
-        return (cp - 1) / cp * sum(xs), sum(c.gather_s(x, cp, per_node) for x in xs)
+        return (size - 1) / size * sum(xs), sum(c.gather_s(x, size, per_node) for x in xs)
 
     (sent, secs), (again, again_s) = moved(tensors), moved(redo)
     return CpComm(fwd_bytes=sent, bwd_bytes=sent + again, full_s=2 * secs + again_s,
                   exposed_s=2 * secs + again_s)
+
+
+def ring_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
+    """Ring attention's per-layer traffic and exposed time (module docstring); the kv block
+    K = 2 b s_l g_l d E (GQA: kv not expanded)."""
+    kv_local, _ = _kv_heads(w, layout, 1)
+    blk = 2.0 * layout.local_tokens(w.seq_len) * kv_local * w.shape.head_dim * w.elem
+    return _ring(w, layout, c, layout.cp, blk)
+
+
+def all_to_all_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
+    """The all-to-all variant's per-layer traffic and time (all exposed)."""
+    return _all_to_all(w, layout, c, layout.cp, selective_redo=True)
+
+
+def hierarchical_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
+    """Hierarchical cp's per-layer traffic and time: the all-to-all over a = cp_a2a_size
+    ranks (never checkpointed by selective recompute) plus the ring over r = cp / a ranks on
+    the a2a's head share, kv block K = 2 b (a s_l) h_kv d E (module docstring)."""
+    a = layout.cp_a2a_size or 1
+    _, h_kv = _kv_heads(w, layout, a)
+    blk = 2.0 * layout.local_tokens(w.seq_len) * a * h_kv * w.shape.head_dim * w.elem
+    inner = _all_to_all(w, layout, c, a, selective_redo=False)
+    outer = _ring(w, layout, c, layout.cp // a, blk)
+    return CpComm(fwd_bytes=inner.fwd_bytes + outer.fwd_bytes,
+                  bwd_bytes=inner.bwd_bytes + outer.bwd_bytes,
+                  full_s=inner.full_s + outer.full_s,
+                  exposed_s=inner.exposed_s + outer.exposed_s)
 
 
 def cp_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
@@ -112,6 +153,8 @@ def cp_comm(w: Workload, layout: Layout, c: Cluster) -> CpComm:
         return CpComm(fwd_bytes=0.0, bwd_bytes=0.0, full_s=0.0, exposed_s=0.0)
     if layout.cp_attention == "all_to_all":
         return all_to_all_comm(w, layout, c)
+    if layout.cp_attention == "hierarchical":
+        return hierarchical_comm(w, layout, c)
     return ring_comm(w, layout, c)
 
 

@@ -113,10 +113,11 @@ def cp_line(config: Config, world: int) -> str | None:
     act1 = memory_per_device(workload, dataclasses.replace(layout, cp=1)).activations
     mb = step_cp_bytes(workload, layout, cluster) / 1e6
     exposed = step_time(workload, layout, cluster).cp_comm * 1e3
-    kind = "ring p2p" if layout.cp_attention == "ring" else "all-to-all"
-    overlap = "" if layout.cp_attention != "ring" else (
+    kind = {"ring": "ring p2p", "all_to_all": "all-to-all"}.get(layout.cp_attention,
+                                                                 "all-to-all + ring p2p")
+    overlap = "" if layout.cp_attention == "all_to_all" else (
         ", overlapped" if workload.cp_overlap else ", not overlapped (cp_overlap=false)")
-    return (f"cp: {layout.cp} ({layout.cp_attention}, zigzag): activations x1/{layout.cp} "
+    return (f"cp: {layout.cp} ({layout.cp_kind}, zigzag): activations x1/{layout.cp} "
             f"({act / GIB:.3f} GiB per rank, {act1 / GIB:.3f} at cp 1; ratio "
             f"{act / act1:.3f}), {kind} {mb:,.1f} MB/step per rank{overlap}, exposed "
             f"~{exposed:.3g} ms on {cluster.name} (the planner's time model)")

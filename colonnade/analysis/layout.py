@@ -126,7 +126,11 @@ class Layout:
     cp: int = 1
     """Context-parallel degree: each rank holds s / cp rows of every sample (zigzag split)."""
     cp_attention: str = "ring"
-    """parallel.cp_attention under cp > 1: 'ring' or 'all_to_all' (:data:`CP_ATTENTIONS`)."""
+    """parallel.cp_attention under cp > 1: 'ring', 'all_to_all' or 'hierarchical'
+    (:data:`CP_ATTENTIONS`)."""
+    cp_a2a_size: int | None = None
+    """parallel.cp_a2a_size: the inner all-to-all group of 'hierarchical' (a divisor of cp;
+    the ring spans cp / cp_a2a_size); None for the other kinds."""
     pp: int = 1
     vp: int = 1
     dp: int = 1
@@ -151,6 +155,11 @@ class Layout:
         if self.cp < 1 or self.cp_attention not in CP_ATTENTIONS:
             raise ValueError(f"cp={self.cp} must be >= 1 and cp_attention="
                              f"'{self.cp_attention}' one of {', '.join(CP_ATTENTIONS)}.")
+        a2a = self.cp_a2a_size
+        if (self.cp_attention == "hierarchical") != (a2a is not None) or (
+                a2a is not None and (a2a < 1 or self.cp % a2a)):
+            raise ValueError(f"cp_a2a_size={a2a} must divide cp={self.cp} with cp_attention="
+                             "'hierarchical' and be None otherwise.")
         if self.ep < 1 or (self.tp * self.cp * self.dp) % self.ep:
             raise ValueError(f"ep={self.ep} must be >= 1 and divide tp x cp x dp = "
                              f"{self.tp * self.cp * self.dp}.")
@@ -201,6 +210,13 @@ class Layout:
         return label + (f"/{self.zero_shard_size}" if self.zero_shard_size else "")
 
     @property
+    def cp_kind(self) -> str:
+        """The cp attention for tables: 'ring', 'all_to_all', or 'a2a{a}xring{r}'."""
+        if self.cp_a2a_size is None:
+            return self.cp_attention
+        return f"a2a{self.cp_a2a_size}xring{self.cp // self.cp_a2a_size}"
+
+    @property
     def world(self) -> int:
         """Devices used."""
         return self.tp * self.cp * self.pp * self.dp
@@ -215,7 +231,7 @@ class Layout:
         if self.sp:
             extra.append("sp")
         if self.cp > 1:
-            extra.append(f"cp{self.cp}:{self.cp_attention}")
+            extra.append(f"cp{self.cp}:{self.cp_kind}")
         if self.ep > 1:
             extra.append(f"ep{self.ep}")
         if self.zero:
@@ -229,7 +245,7 @@ class Layout:
         """A colonnade config running this layout (the model and batch of ``workload``)."""
         par = dataclasses.replace(
             base.parallel, tp=self.tp, cp=self.cp, cp_attention=self.cp_attention,
-            cp_overlap=workload.cp_overlap, ep=self.ep,
+            cp_a2a_size=self.cp_a2a_size, cp_overlap=workload.cp_overlap, ep=self.ep,
             moe_dispatcher=workload.moe_dispatcher, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
             schedule=self.schedule if self.pp > 1 else "1f1b",
             use_distributed_optimizer=False, zero_stage=self.zero,
@@ -259,6 +275,8 @@ class Layout:
             zero.append(f"--parallel.zero_shard_size={self.zero_shard_size}")
         cp = [f"--parallel.cp={self.cp}"] + ([f"--parallel.cp_attention={self.cp_attention}"]
                                              if self.cp > 1 else [])
+        if self.cp_a2a_size is not None:
+            cp.append(f"--parallel.cp_a2a_size={self.cp_a2a_size}")
         ep = [f"--parallel.ep={self.ep}"] if self.ep > 1 else []
         return [
             f"--parallel.tp={self.tp}", *cp, *ep, f"--parallel.pp={self.pp}",
@@ -275,7 +293,8 @@ class Layout:
         """The layout of a colonnade config on ``world_size`` devices."""
         par, tr = cfg.parallel, cfg.training
         dp = par.dp if par.dp is not None else world_size // (par.tp * par.cp * par.pp)
-        return cls(tp=par.tp, cp=par.cp, cp_attention=par.cp_attention, ep=par.ep, pp=par.pp,
+        return cls(tp=par.tp, cp=par.cp, cp_attention=par.cp_attention,
+                   cp_a2a_size=par.cp_a2a_size, ep=par.ep, pp=par.pp,
                    vp=par.vp,
                    dp=dp, micro_batch=tr.micro_batch_size,
                    zero=par.zero, recompute=tr.recompute, sp=par.sp, schedule=par.schedule,

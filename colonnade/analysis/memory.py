@@ -235,7 +235,8 @@ def activation_shape(w: Workload, layout: Layout) -> ActivationShape:
     """The activation model's shape of ``w``'s layers for one micro-batch on one device."""
     return ActivationShape.of(w.shape, w.seq_len, layout.micro_batch, tp=layout.tp,
                               sp=layout.sp, elem=w.elem, attention=w.attention, cp=layout.cp,
-                              cp_attention=layout.cp_attention)
+                              cp_attention=layout.cp_attention,
+                              cp_a2a_size=layout.cp_a2a_size)
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:

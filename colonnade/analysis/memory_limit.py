@@ -62,7 +62,7 @@ def _cp_fit(w: Workload, layout: Layout, limit: float, recompute: str | None = N
     while cp <= w.seq_len // 2:
         trial = dataclasses.replace(layout, cp=cp, **({"recompute": recompute}
                                                       if recompute else {}))
-        if cp_shape_ok(w, trial.tp, cp, trial.cp_attention, trial.sp):
+        if cp_shape_ok(w, trial.tp, cp, trial.cp_attention, trial.sp, trial.cp_a2a_size):
             total = memory_per_device(w, trial).total
             if total <= limit:
                 flags = f"--parallel.cp={cp}" + (f" --training.recompute={recompute}"

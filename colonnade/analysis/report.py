@@ -20,7 +20,8 @@ def row_cells(rank: int, e: Estimate, global_batch: int) -> list[str]:
     """The table cells of one estimate."""
     lay, t = e.layout, e.timing
     comm = (t.tp_comm + t.cp_comm + t.ep_comm + t.p2p + t.dp_comm) / t.total
-    cp = f"{lay.cp}{'a2a' if lay.cp_attention == 'all_to_all' else ''}" if lay.cp > 1 else "1"
+    kinds = {"all_to_all": "a2a", "hierarchical": f"a2a{lay.cp_a2a_size}"}
+    cp = f"{lay.cp}{kinds.get(lay.cp_attention, '')}" if lay.cp > 1 else "1"
     return [
         str(rank), str(lay.tp), cp, str(lay.pp), str(lay.vp),
         str(lay.dp) + (f"/ep{lay.ep}" if lay.ep > 1 else ""), str(lay.micro_batch),

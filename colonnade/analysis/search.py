@@ -127,31 +127,41 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
             yield sched, 1
 
 
-def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False) -> bool:
+def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False,
+                a2a: int | None = None) -> bool:
     """Whether the validator accepts context parallelism ``cp`` with ``kind`` attention for
     this shape: s % 2cp == 0 (s % 2cp t with sp); all_to_all (a/t) % cp == 0 and
-    (g/t) % cp == 0 or cp % (g/t) == 0; ring: any head count."""
+    (g/t) % cp == 0 or cp % (g/t) == 0; hierarchical the same with cp replaced by its
+    all-to-all size ``a2a`` (a divisor of cp); ring: any head count."""
     if cp == 1:
         return not (sp and w.seq_len % tp)
     m = w.shape
     if w.seq_len % (2 * cp * (tp if sp else 1)):
         return False
     heads, kv = m.heads // tp, m.kv_hidden // m.head_dim // tp
-    if kind == "all_to_all":
+    if kind == "hierarchical":
+        if a2a is None or cp % a2a:
+            return False
+        cp = a2a
+    if kind in ("all_to_all", "hierarchical"):
         return heads % cp == 0 and (kv % cp == 0 or cp % kv == 0)
     return True
 
 
 def _cp_options(w: Workload, gpus: int, tp: int, cons: Constraints
-                ) -> Iterator[tuple[int, str]]:
-    """(cp, cp_attention) pairs valid with ``tp`` on ``gpus`` devices (:func:`cp_shape_ok`
-    without sp; the sp condition is checked with sp)."""
+                ) -> Iterator[tuple[int, str, int | None]]:
+    """(cp, cp_attention, cp_a2a_size) valid with ``tp`` on ``gpus`` devices
+    (:func:`cp_shape_ok` without sp; the sp condition is checked with sp). Hierarchical is
+    searched at its proper splits 1 < a < cp (a = 1 is the ring, a = cp all_to_all)."""
     for cp in cons.cp:
         if cp < 1 or gpus % (tp * cp):
             continue
         for kind in ("ring",) if cp == 1 else cons.cp_attention:
-            if cp_shape_ok(w, tp, cp, kind):
-                yield cp, kind
+            sizes = [a for a in range(2, cp) if cp % a == 0] if kind == "hierarchical" else [
+                None]
+            for a2a in sizes:
+                if cp_shape_ok(w, tp, cp, kind, a2a=a2a):
+                    yield cp, kind, a2a
 
 
 def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None]]:
@@ -168,12 +178,12 @@ def _zero_options(dp: int, cons: Constraints) -> Iterator[tuple[int, bool | None
 def layouts(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Iterator[Layout]:
     """Every valid layout of ``w`` on ``gpus`` devices within ``cons``."""
     for tp in _tp_options(w, gpus, c, cons):
-        for cp, kind in _cp_options(w, gpus, tp, cons):
-            yield from _layouts_at(w, gpus, tp, cp, kind, cons)
+        for cp, kind, a2a in _cp_options(w, gpus, tp, cons):
+            yield from _layouts_at(w, gpus, tp, cp, kind, cons, a2a)
 
 
-def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Constraints
-                ) -> Iterator[Layout]:
+def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Constraints,
+                a2a: int | None = None) -> Iterator[Layout]:
     """The valid layouts with this tp and cp (pp, dp, micro-batch, schedule, recompute, sp,
     ZeRO searched)."""
     m, rest = w.shape, gpus // (tp * cp)
@@ -192,7 +202,7 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
             for sched, vp in _schedules(pp, m.layers // pp, per // mb, cons):
                 for rc in cons.recompute:
                     for sp in cons.sp:
-                        if sp and (tp == 1 or not cp_shape_ok(w, tp, cp, kind, sp=True)):
+                        if sp and (tp == 1 or not cp_shape_ok(w, tp, cp, kind, True, a2a)):
                             continue
                         if w.model.moe and tp > 1 and not sp:
                             continue  # MoE under tp needs sp (distinct tokens per tp rank)
@@ -200,7 +210,8 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                             if w.model.moe and z > 1:
                                 continue  # ZeRO 2/3 with experts: not supported
                             for ep in _ep_options(w, tp * cp * dp, cons):
-                                yield Layout(tp=tp, cp=cp, cp_attention=kind, pp=pp, vp=vp,
+                                yield Layout(tp=tp, cp=cp, cp_attention=kind,
+                                             cp_a2a_size=a2a, pp=pp, vp=vp,
                                              dp=dp, ep=ep, micro_batch=mb, zero=z,
                                              recompute=rc, sp=sp, schedule=sched,
                                              reshard_after_forward=rs,
@@ -327,8 +338,8 @@ def plan(w: Workload, cluster: Cluster, gpus: int, cons: Constraints | None = No
 def explain(best: Estimate, ref: Estimate) -> str:
     """Why ``best`` is faster than ``ref``: the layout fields that differ and the time
     components that changed most (seconds per step)."""
-    keys = ("tp", "cp", "cp_attention", "pp", "vp", "dp", "micro_batch", "zero", "recompute",
-            "sp", "schedule", "reshard_after_forward")
+    keys = ("tp", "cp", "cp_attention", "cp_a2a_size", "pp", "vp", "dp", "micro_batch", "zero",
+            "recompute", "sp", "schedule", "reshard_after_forward")
     diffs = [f"{k}: {getattr(ref.layout, k)} -> {getattr(best.layout, k)}"
              for k in keys if getattr(ref.layout, k) != getattr(best.layout, k)]
     a, b = ref.timing.as_dict(), best.timing.as_dict()

@@ -253,6 +253,11 @@ def layout_text(par: ParallelConfig, described: str) -> str:
     if par.pp > 1:
         extra.append(f"schedule {par.schedule}")
     if par.cp > 1:
-        overlap = ", overlapped" if par.cp_overlap and par.cp_attention == "ring" else ""
+        ring = par.cp_attention == "ring" or (par.cp_attention == "hierarchical"
+                                              and par.cp == (par.cp_a2a_size or 1))
+        overlap = ", overlapped" if par.cp_overlap and ring else ""
+        if par.cp_attention == "hierarchical":  # inner a2a x outer ring
+            size = par.cp_a2a_size or 1
+            overlap = f" (all_to_all {size} x ring {par.cp // size}){overlap}"
         extra.append(f"cp attention: {par.cp_attention}{overlap}")
     return f"{described} ({'; '.join(extra)})" if extra else described

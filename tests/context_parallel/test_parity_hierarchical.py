@@ -4,7 +4,8 @@ steps, 1e-10): cp 4 = 2 x 2 with GQA (kv heads split and replicated over the inn
 document resets, hidden and attention dropout; the degenerate 2 x 1 (plain all_to_all) and
 1 x 2 (plain ring); 2 x 2 with tp2 + sp, with pp2 and with dp2 + ZeRO-1 (8 ranks each).
 Each case also checks which groups moved bytes: the inner group only with a > 1, the ring
-only with cp / a > 1, the plain cp group never (its attention runs on the two sub-groups).
+only with cp / a > 1, the plain cp group never (its attention runs on the two sub-groups), and
+that the bytes of the last step are the planner's (colonnade.analysis.cp_comm) exactly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from typing import Any
 
 import pytest
 
+from colonnade.analysis.cp_comm import step_cp_bytes
+from colonnade.analysis.hardware import get_cluster
+from colonnade.analysis.layout import Layout, Workload
 from colonnade.models.blocks import DocReset
 from tests.context_parallel.harness import (
     EOD,
@@ -65,8 +69,12 @@ def test_hierarchical_cp_parity(run_ranks: Any, name: str) -> None:
     err = param_error(merged_params(results), ref["params"])
     assert err <= TOL, f"parameters: relative error {err:.3e}"
     a, ring = par.cp_a2a_size, par.cp // (par.cp_a2a_size or 1)
+    model = step_cp_bytes(Workload.from_config(config), Layout.from_config(config, len(results)),
+                          get_cluster("cpu-local"))
     for res in results:
         stats = res["stats"]
+        sent = _sent(stats, "cp_a2a") + _sent(stats, "cp_ring")
+        assert sent == pytest.approx(model, rel=1e-12), (name, sent, model)
         assert (_sent(stats, "cp_a2a") > 0) == (a > 1), (name, sorted(stats))
         assert (_sent(stats, "cp_ring") > 0) == (ring > 1), (name, sorted(stats))
         assert _sent(stats, "cp") == 0, sorted(stats)
