@@ -25,12 +25,14 @@ TOL = 1e-10
 
 @dataclasses.dataclass(frozen=True)
 class CpLayout:
-    """A layout of this file's cases: cp x dp (tp, pp 1), attention kind, ZeRO stage."""
+    """A layout of this file's cases: cp x dp (tp, pp 1), attention kind (``a2a``: the
+    hierarchical one's inner size), ZeRO stage."""
 
     cp: int = 1
     dp: int = 1
     attention: str = "ring"
     zero: int = 0
+    a2a: int | None = None
 
     @property
     def world(self) -> int:
@@ -38,7 +40,8 @@ class CpLayout:
         return self.cp * self.dp
 
     def __str__(self) -> str:
-        kind = "" if self.cp == 1 else ("-a2a" if self.attention == "all_to_all" else "-ring")
+        kind = "" if self.cp == 1 else {"all_to_all": "-a2a", "ring": "-ring"}.get(
+            self.attention, f"-a2a{self.a2a}xring")
         return f"cp{self.cp}dp{self.dp}{kind}" + (f"-zero{self.zero}" if self.zero else "")
 
 
@@ -52,8 +55,9 @@ def make_cp_trainer(layout: CpLayout) -> Any:
 
     base = make_config(Layout(dp=layout.dp))
     cfg = dataclasses.replace(base, parallel=dataclasses.replace(
-        base.parallel, cp=layout.cp, cp_attention=layout.attention, zero_stage=layout.zero))
-    groups = rank_groups(ParallelDims(cp=layout.cp, dp=layout.dp))
+        base.parallel, cp=layout.cp, cp_attention=layout.attention, cp_a2a_size=layout.a2a,
+        zero_stage=layout.zero))
+    groups = rank_groups(ParallelDims(cp=layout.cp, dp=layout.dp), layout.a2a)
     return Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
 
 
@@ -77,7 +81,13 @@ def cp_save(layout: CpLayout, root: str, before: int, after: int) -> dict[str, A
     save_training(trainer, root, keep_last=2)
     losses += train_steps(trainer, after)
     return {"losses": losses, "params": _gathered(trainer), "written": written,
-            "cp_bytes": trainer.groups.stats.total("cp/")}
+            "cp_bytes": _cp_bytes(trainer)}
+
+
+def _cp_bytes(trainer: Any) -> float:
+    """Bytes the cp group (hierarchical: its two sub-groups) moved."""
+    stats = trainer.groups.stats
+    return stats.total("cp/") + stats.total("cp_a2a/") + stats.total("cp_ring/")
 
 
 def cp_load(layout: CpLayout, root: str, after: int) -> dict[str, Any]:
@@ -88,7 +98,7 @@ def cp_load(layout: CpLayout, root: str, after: int) -> dict[str, Any]:
     load_training(trainer, root)
     losses = train_steps(trainer, after)
     return {"losses": losses, "params": _gathered(trainer), "step": trainer.step,
-            "cp_bytes": trainer.groups.stats.total("cp/")}
+            "cp_bytes": _cp_bytes(trainer)}
 
 
 CASES = [
@@ -97,6 +107,7 @@ CASES = [
     (CpLayout(cp=2, dp=2, zero=1), CpLayout(dp=2)),
     (CpLayout(cp=2, attention="all_to_all"), CpLayout(cp=4, dp=1, zero=1)),
     (CpLayout(cp=2, dp=2, zero=3), CpLayout(cp=2, attention="all_to_all", zero=2)),
+    (CpLayout(cp=4, attention="hierarchical", a2a=2), CpLayout(cp=2)),
 ]
 
 
