@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from colonnade.analysis.cli import main as plan_main
+from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.hardware import get_cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import memory_per_device
@@ -58,6 +59,34 @@ def test_cp_search_follows_the_validator_rules() -> None:
     assert {(lay.cp, lay.cp_attention) for lay in found} == {
         (1, "ring"), (2, "ring"), (2, "all_to_all"), (4, "ring"), (4, "all_to_all")}
     assert all(lay.world == 8 for lay in found)
+
+
+def test_hierarchical_cp_priced_and_searched() -> None:
+    """cp 32 over 16 heads: all_to_all cannot split them, hierarchical can (its inner size
+    divides the heads). Bytes per layer at cp 8 = a2a 2 x ring 4, s = 131072, b = 1, bf16,
+    d = 128, 16 heads, 4 kv heads (s_l = 16384, h_kv = 2 after the all-to-all) by the
+    module's formulas: all-to-all (a-1)/a b s_l d E (2 a_l + 2 a h_kv) = 83,886,080 each way;
+    ring K = 2 b (a s_l) h_kv d E = 33,554,432, forward 3 K, backward 3 K + 4 K x 4/2."""
+    w = Workload(model=LLAMA, seq_len=131072, global_batch=8)
+    assert not cp_shape_ok(w, 1, 32, "all_to_all") and cp_shape_ok(w, 1, 32, "ring")
+    assert cp_shape_ok(w, 1, 32, "hierarchical", a2a=4)
+    assert not cp_shape_ok(w, 1, 32, "hierarchical", a2a=32)  # 16 heads over 32 ranks
+    assert not cp_shape_ok(w, 1, 32, "hierarchical", a2a=3)
+    lay = Layout(cp=8, cp_attention="hierarchical", cp_a2a_size=2, dp=1)
+    one = cp_comm(w, lay, get_cluster("h100"))
+    a2a, k = 83_886_080, 33_554_432
+    assert one.fwd_bytes == a2a + 3 * k
+    assert one.bwd_bytes == a2a + 3 * k + 4 * k * 2
+    ring = cp_comm(w, dataclasses.replace(lay, cp_attention="ring", cp_a2a_size=None),
+                   get_cluster("h100"))
+    assert ring.fwd_bytes == 7 * k > one.fwd_bytes  # the same block, 7 hops instead of 3
+    cons = Constraints(tp=1, pp=1, cp=(32,), cp_attention=("all_to_all", "hierarchical"),
+                       zero=(0,), recompute=("none",))
+    found = {(x.cp_attention, x.cp_a2a_size) for x in layouts(w, 32, get_cluster("h100"), cons)}
+    assert found == {("hierarchical", 2), ("hierarchical", 4), ("hierarchical", 8),
+                     ("hierarchical", 16)}
+    assert "--parallel.cp_a2a_size=4" in Layout(cp=8, cp_attention="hierarchical",
+                                                cp_a2a_size=4).overrides()
 
 
 def test_plan_cli_searches_cp(capsys: pytest.CaptureFixture[str]) -> None:
