@@ -154,6 +154,8 @@ FEATURES: dict[str, dict[str, dict[str, Any]]] = {
     "ZB-V": {"parallel": {"pp": 2, "vp": 2, "schedule": "zbv"}},
     "cp ring": {"parallel": {"cp": 2, "cp_attention": "ring"}},
     "cp a2a": {"parallel": {"cp": 2, "cp_attention": "all_to_all"}},
+    "cp hier": {"parallel": {"cp": 4, "cp_attention": "hierarchical", "cp_a2a_size": 2}},
+    "attn dropout": {"model": {"attention_dropout": 0.1}},
     "ZeRO-1": {"parallel": {"dp": 2, "zero_stage": 1}},
     "ZeRO-2": {"parallel": {"dp": 2, "zero_stage": 2}},
     "ZeRO-3": {"parallel": {"dp": 2, "zero_stage": 3}},

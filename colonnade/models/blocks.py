@@ -18,11 +18,14 @@ Context parallelism (cp > 1, :mod:`colonnade.context_parallel`): a cp rank holds
 rows of the sequence (:mod:`colonnade.context_parallel.layout`), s/cp of them. Its
 :class:`DocContext` always carries the local rows' position ids [b, s/cp] (global positions,
 or the document-reset ones computed on the full tokens and then taken locally), and with
-``attention`` reset the full-sequence document ids [b, s] (ring attention) or the full mask
-[b, 1, s, s] (all-to-all attention, which attends over the whole natural-order sequence).
-Core attention then runs :func:`~colonnade.context_parallel.ring.ring_attention` or
-:func:`~colonnade.context_parallel.all_to_all_attention.all_to_all_attention`, and hidden
-dropout draws the rows of the full [s, b, h] mask that the rank holds.
+``attention`` reset the full-sequence document ids [b, s] (ring and hierarchical attention)
+or the full mask [b, 1, s, s] (all-to-all attention, which attends over the whole
+natural-order sequence). Core attention then runs
+:func:`~colonnade.context_parallel.ring.ring_attention`,
+:func:`~colonnade.context_parallel.all_to_all_attention.all_to_all_attention` or
+:func:`~colonnade.context_parallel.hierarchical.hierarchical_attention` (attention dropout keyed
+by global positions in each), and hidden dropout draws the rows of the full [s, b, h] mask
+that the rank holds.
 """
 
 from __future__ import annotations
