@@ -36,12 +36,14 @@ TOL = 0.01
 
 
 def measure(cp: int, kind: str, mode: str, kv_heads: int | None = None,
-            attention_dropout: float = 0.0, dropout: float = 0.0) -> dict[str, Any]:
+            attention_dropout: float = 0.0, dropout: float = 0.0,
+            a2a: int | None = None) -> dict[str, Any]:
     """Rank body: measured and predicted bytes one layer keeps on this cp rank, and the bytes
-    its cp group moved against :func:`~colonnade.analysis.cp_comm.cp_comm`."""
+    its cp group moved (hierarchical: its two sub-groups, inner size ``a2a``) against
+    :func:`~colonnade.analysis.cp_comm.cp_comm`."""
     config = cp_config(cp=cp, cp_attention=kind, seq=SEQ, kv_heads=kv_heads,
-                       attention_dropout=attention_dropout, dropout=dropout)
-    groups = rank_groups(ParallelDims(cp=cp))
+                       attention_dropout=attention_dropout, dropout=dropout, cp_a2a_size=a2a)
+    groups = rank_groups(ParallelDims(cp=cp), a2a)
     (chunk,) = build_chunks(config, groups, dtype=torch.float64)
     install([chunk], RecomputePlan(mode))
     chunk.train()
@@ -55,10 +57,10 @@ def measure(cp: int, kind: str, mode: str, kv_heads: int | None = None,
     loss.backward()  # the saved tensors are the ones backward uses
     per_layer = meter.per_layer()
     shape = ActivationShape.from_model(config.model, SEQ, b, dtype=torch.float64)
-    shape = dataclasses.replace(shape, cp=cp, cp_attention=kind)
+    shape = dataclasses.replace(shape, cp=cp, cp_attention=kind, cp_a2a_size=a2a)
     sent = sum(op["wire_bytes"] for key, op in groups.stats.snapshot().items()
-               if key.startswith("cp/"))
-    lay = Layout(cp=cp, cp_attention=kind, micro_batch=b, recompute=mode)
+               if key.split("/")[0] in ("cp", "cp_a2a", "cp_ring"))
+    lay = Layout(cp=cp, cp_attention=kind, cp_a2a_size=a2a, micro_batch=b, recompute=mode)
     one = cp_comm(Workload.from_config(config), lay, get_cluster("cpu-local"))
     return {"measured": sum(per_layer.values()) / len(per_layer),
             "predicted": layer_bytes(shape, mode), "layers": len(per_layer),
@@ -86,6 +88,18 @@ def test_gqa_kv_heads_replicated_by_all_to_all(run_ranks: Callable[..., list[Any
         for got in run_ranks(2, measure, 2, kind, "none", 1):
             assert relative_error(got["measured"], got["predicted"]) <= TOL, (kind, got)
             assert got["sent"] == got["sent_model"] > 0, (kind, got)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_hierarchical_layers_keep_what_the_model_says(run_ranks: Callable[..., list[Any]],
+                                                      mode: str) -> None:
+    """cp 4 = a2a 2 x ring 2 with one kv head (replicated over the inner group, so the ring's
+    blocks hold 2 s_l rows of one head): saved bytes as modelled (selective recompute leaves
+    it alone, like the ring) and moved bytes equal cp_comm's; attention dropout keeps nothing
+    more (its masks are redrawn from global positions)."""
+    for got in run_ranks(4, measure, 4, "hierarchical", mode, 1, 0.1, 0.0, 2):
+        assert relative_error(got["measured"], got["predicted"]) <= TOL, got
+        assert got["sent"] == got["sent_model"] > 0, got
 
 
 def test_all_to_all_with_attention_dropout(run_ranks: Callable[..., list[Any]]) -> None:
