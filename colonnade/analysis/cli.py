@@ -39,8 +39,8 @@ PLAN_DESCRIPTION = """\
 Choose a parallel layout before you train. For a model (a preset or your config TOML), a
 cluster and a number of GPUs, plan tries every tensor / pipeline / data parallel split,
 micro-batch size, recompute mode, pipeline schedule, sequence parallelism, ZeRO stage (0-3)
-and, with --cp, context parallelism (ring or all-to-all attention), predicts each one's
-memory per GPU and step time (an analytic model: parameters, gradients, optimizer states,
+and, with --cp, context parallelism (ring, all-to-all or hierarchical attention), predicts
+each one's memory per GPU and step time (an analytic model: parameters, gradients, optimizer states,
 ZeRO buffers, activations; compute, tp/cp/pp/dp communication, pipeline bubble; for an
 MoE model, with --ep, the experts per rank and the token dispatch), drops
 those that do not fit in memory and prints the fastest first, then the `colonnade train`
@@ -129,7 +129,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    "holds seq/cp tokens of every sample; activations per rank fall as 1/cp)")
     f.add_argument("--cp-attention", default="ring",
                    help="cp attention kinds to search at cp > 1 (comma list of ring, "
-                   "all_to_all)")
+                   "all_to_all, hierarchical: every split a2a x ring of cp)")
     f.add_argument("--ep", default="1",
                    help="expert-parallel degrees to search for an MoE model (comma list, e.g. "
                    "1,2,4: each MoE layer's experts split over ep ranks folded inside tp x cp "

@@ -41,8 +41,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cp2-1x2-llama": dict(config=dict(arch="llama", cp=2, cp_a2a_size=1, kv_heads=2)),
     "cp4-2x2xtp2-sp-llama": dict(config=dict(arch="llama", cp=4, cp_a2a_size=2, tp=2, sp=True,
                                              seq=32)),
-    "cp4-2x2xpp2-gpt2": dict(config=dict(arch="gpt2", cp=4, cp_a2a_size=2, pp=2, seq=32,
-                                         microbatches=2)),
+    "cp4-2x2xpp2-gpt2-dropout": dict(config=dict(arch="gpt2", cp=4, cp_a2a_size=2, pp=2,
+                                                 seq=32, microbatches=2, dropout=0.1)),
     "cp4-2x2xdp2-zero1-llama": dict(config=dict(arch="llama", cp=4, cp_a2a_size=2, dp=2,
                                                 zero_stage=1, seq=32, microbatches=1)),
 }
