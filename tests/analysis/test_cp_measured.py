@@ -90,14 +90,13 @@ def test_gqa_kv_heads_replicated_by_all_to_all(run_ranks: Callable[..., list[Any
             assert got["sent"] == got["sent_model"] > 0, (kind, got)
 
 
-@pytest.mark.parametrize("mode", ["none", "selective"])
-def test_hierarchical_layers_keep_what_the_model_says(run_ranks: Callable[..., list[Any]],
-                                                      mode: str) -> None:
+def test_hierarchical_layers_keep_what_the_model_says(
+        run_ranks: Callable[..., list[Any]]) -> None:
     """cp 4 = a2a 2 x ring 2 with one kv head (replicated over the inner group, so the ring's
-    blocks hold 2 s_l rows of one head): saved bytes as modelled (selective recompute leaves
-    it alone, like the ring) and moved bytes equal cp_comm's; attention dropout keeps nothing
-    more (its masks are redrawn from global positions)."""
-    for got in run_ranks(4, measure, 4, "hierarchical", mode, 1, 0.1, 0.0, 2):
+    blocks hold 2 s_l rows of one head): saved bytes as modelled and moved bytes equal
+    cp_comm's; attention dropout keeps nothing more (its masks are redrawn from global
+    positions)."""
+    for got in run_ranks(4, measure, 4, "hierarchical", "none", 1, 0.1, 0.0, 2):
         assert relative_error(got["measured"], got["predicted"]) <= TOL, got
         assert got["sent"] == got["sent_model"] > 0, got
 

@@ -25,7 +25,7 @@ from colonnade.parallel.groups import plan_groups
 from colonnade.parallel.rng import RNGTracker
 from tests.parity import TOL, rank_groups, rel_err
 
-B, HEADS, KV, D, S, W = 2, 4, 2, 8, 32, 7
+B, HEADS, KV, D, S, W = 1, 4, 2, 8, 32, 7
 SITE = "layers.0.attn.attn_dropout"
 
 
