@@ -29,6 +29,12 @@ model with mixture-of-experts layers, else None):
   expert_dp   gradient reduction of expert weights (replicated across it); equals dp_cp
               (shares its pg) when ep = 1 and etp = tp
 
+Hybrid sharding of the expert weights (made with both ``experts`` and ``zero_shard_size``):
+  expert_zero_shard      groups of min(zero_shard_size, edp) consecutive ranks of each
+                         expert_dp group (the expert buckets' ZeRO shards); equals expert_dp
+                         when zero_shard_size >= edp
+  expert_zero_replicate  the ranks of one expert_dp group holding the same expert shard index
+
 Only groups used for a collective are created, with one call per axis
 (:func:`plan_groups` decides, :func:`create_partition` creates), each with the collective
 timeout passed at creation. A group whose partition equals another's shares that one's
@@ -60,6 +66,9 @@ process group only by sharing an equal partition's (source 'index' otherwise).""
 
 ZERO_GROUP_NAMES: tuple[str, ...] = ("zero_shard", "zero_replicate")
 """Hybrid-sharding groups, made last when ``zero_shard_size`` is given."""
+EXPERT_ZERO_GROUP_NAMES: tuple[str, ...] = ("expert_zero_shard", "expert_zero_replicate")
+"""Hybrid-sharding groups of the expert weights, made after :data:`ZERO_GROUP_NAMES` when both
+``experts`` and ``zero_shard_size`` are given."""
 
 
 def zero_partitions(dp_cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
@@ -72,6 +81,26 @@ def zero_partitions(dp_cp: list[list[int]], size: int) -> dict[str, list[list[in
     shard = [ranks[k:k + size] for ranks in dp_cp for k in range(0, len(ranks), size)]
     replicate = [ranks[j::size] for ranks in dp_cp for j in range(size)]
     return {"zero_shard": sorted(shard), "zero_replicate": sorted(replicate)}
+
+
+def expert_shard_size(zero_shard_size: int, edp: int) -> int:
+    """Ranks per expert shard group under hybrid sharding: ``min(zero_shard_size, edp)`` (an
+    expert weight is replicated over edp ranks only, so a shard group never spans more)."""
+    return min(zero_shard_size, edp)
+
+
+def expert_zero_partitions(expert_dp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
+    """Hybrid sharding of every expert_dp group ``g`` (edp ranks) into expert shard groups of
+    s = :func:`expert_shard_size` consecutive ranks ``g[k s : (k + 1) s]`` and expert
+    replicate groups ``g[j::s]``."""
+    s = expert_shard_size(size, len(expert_dp[0]))
+    for ranks in expert_dp:
+        if len(ranks) % s:
+            raise ValueError(f"parallel.zero_shard_size={size} does not divide expert dp = "
+                             f"{len(ranks)}")
+    shard = [ranks[k:k + s] for ranks in expert_dp for k in range(0, len(ranks), s)]
+    replicate = [ranks[j::s] for ranks in expert_dp for j in range(s)]
+    return {"expert_zero_shard": sorted(shard), "expert_zero_replicate": sorted(replicate)}
 
 
 @dataclass(frozen=True)
@@ -100,7 +129,8 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
     """Pure layout maths: the partition of every group and whether it is created, shared or
     trivial. Needs no processes (a 4096-rank layout is planned in a fraction of a second).
     ``experts``: add the expert groups (:data:`EXPERT_GROUP_NAMES`); ``zero_shard_size``: add
-    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`)."""
+    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`; with ``experts`` also
+    :data:`EXPERT_ZERO_GROUP_NAMES`)."""
     partitions: dict[str, list[list[int]]] = {
         "tp": dims.group_ranks("tp"),
         "pp": dims.group_ranks("pp"),
@@ -118,6 +148,9 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
     if zero_shard_size is not None:
         names = (*names, *ZERO_GROUP_NAMES)
         partitions.update(zero_partitions(partitions["dp_cp"], zero_shard_size))
+        if experts:
+            names = (*names, *EXPERT_ZERO_GROUP_NAMES)
+            partitions.update(expert_zero_partitions(partitions["expert_dp"], zero_shard_size))
     out: dict[str, GroupSpec] = {}
     for name in names:
         part = partitions[name]
@@ -203,11 +236,22 @@ class ProcessGroups:
     """Hybrid sharding's shard group (None unless built with ``zero_shard_size``)."""
     zero_replicate: CommGroup | None = None
     """Hybrid sharding's replicate group (None unless built with ``zero_shard_size``)."""
+    expert_zero_shard: CommGroup | None = None
+    """Hybrid sharding's expert shard group (None unless built with ``experts`` and
+    ``zero_shard_size``)."""
+    expert_zero_replicate: CommGroup | None = None
+    """Hybrid sharding's expert replicate group (as ``expert_zero_shard``)."""
 
     @property
     def shard_group(self) -> CommGroup:
         """The ZeRO shard group: ``zero_shard`` under hybrid sharding, else dp_cp."""
         return self.zero_shard if self.zero_shard is not None else self.dp_cp
+
+    @property
+    def expert_shard_group(self) -> CommGroup | None:
+        """The expert buckets' ZeRO shard group: ``expert_zero_shard`` under hybrid sharding,
+        else expert_dp (None without the expert groups)."""
+        return self.expert_zero_shard if self.expert_zero_shard is not None else self.expert_dp
 
     @property
     def tp_rank(self) -> int:
