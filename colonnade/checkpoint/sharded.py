@@ -107,14 +107,22 @@ def _param_shards(ddp: Any) -> Any:
     return getattr(ddp, "param_shards", None) if ddp is not None else None
 
 
+def _whole_params(chunks: list[nn.Module], ddp: Any) -> list[nn.Parameter]:
+    """The parameters whose full local tensor exists: all of them, or with ZeRO-3 those the
+    shards do not hold (not trained, e.g. the sigmoid router's selection bias)."""
+    params = unique_params(chunks)
+    if _param_shards(ddp) is None:
+        return params
+    held = {id(p) for p in ddp.buffers.params}
+    return [p for p in params if id(p) not in held]
+
+
 def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
                   ddp: Any = None) -> list[Entry]:
-    """The model pieces this rank writes (views of the live parameters, or with ZeRO-3 of
+    """The model pieces this rank writes (views of the live parameters, and with ZeRO-3 of
     ``ddp``'s persistent shard: :func:`sharded_model_entries`)."""
-    if _param_shards(ddp) is not None:
-        return sharded_model_entries(ddp, groups)
-    out = []
-    for p in unique_params(chunks):
+    out = sharded_model_entries(ddp, groups) if _param_shards(ddp) is not None else []
+    for p in _whole_params(chunks, ddp):
         s: Sharding = p.sharding  # type: ignore[attr-defined]
         entry = shard_entry(model_name(s.key), p.detach(), s, rank_coords(groups, True, s))
         if entry is not None:
@@ -222,7 +230,8 @@ def _stored_dtype(reader: CheckpointReader, name: str) -> torch.dtype:
 def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: ProcessGroups,
                ddp: Any = None) -> None:
     """Copy every parameter of this rank's chunks from the checkpoint (any saved layout and
-    stage); with ZeRO-3 (``ddp.param_shards``) only the ranges of this rank's shard."""
+    stage); with ZeRO-3 (``ddp.param_shards``) only the ranges of this rank's shard, and
+    whole the parameters the shards do not hold (not trained)."""
     shards = _param_shards(ddp)
     if shards is not None:
         shards.free_all()  # a bucket still gathered would keep the old values
@@ -232,8 +241,7 @@ def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: Proces
                 value = read_local(reader, model_name(s.key), s, rank_coords(groups, sharding=s),
                                    values.dtype, (lo, hi))
                 values.copy_(value.to(values.device))  # [hi - lo]
-        return
-    for p in unique_params(chunks):
+    for p in _whole_params(chunks, ddp):
         s: Sharding = p.sharding  # type: ignore[attr-defined]
         value = read_local(reader, model_name(s.key), s, rank_coords(groups, sharding=s),
                            p.dtype)

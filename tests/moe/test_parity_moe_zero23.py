@@ -8,7 +8,8 @@ interleaved 1F1B, cp2, hybrid sharding (expert shard groups of 2 inside expert-d
 replicas). One case starves the last two experts under top-1 routing: ep rank 1 then receives
 no token at all, yet its expert buckets join every all-gather and reduce-scatter of its
 expert-dp group (the ranks would deadlock or desynchronise otherwise); the test asserts that
-the loads were zero.
+the loads were zero. The sigmoid router's selection bias (not a trained weight) under ZeRO-3's
+deferred init stayed on the meta device until the cp2 case caught it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ CASES: dict[str, dict[str, Any]] = {
     "z3-ep2-pp2-1f1b": {"ep": 2, "pp": 2, "dp": 2, "zero_stage": 3, "microbatches": 4},
     "z2-ep1-pp2-interleaved": {"ep": 1, "pp": 2, "vp": 2, "dp": 2, "zero_stage": 2,
                                "schedule": "interleaved_1f1b", "microbatches": 4},
-    "z3-ep2-cp2-dp2": {"ep": 2, "cp": 2, "dp": 2, "zero_stage": 3, "aux_type": "seq"},
+    "z3-ep2-cp2-dp2-sigmoid": {"ep": 2, "cp": 2, "dp": 2, "zero_stage": 3, "aux_type": "seq",
+                               "router": "sigmoid", "bias_rate": 1e-2},
     "z2-ep1-dp4-hybrid2": {"ep": 1, "dp": 4, "zero_stage": 2, "zero_shard_size": 2},
 }
 
@@ -58,3 +60,5 @@ def test_moe_zero23_parity(name: str, run_ranks: Callable[..., list[Any]]) -> No
         expert = [k for k in ops if "expert_grad_shard" in k or "expert_param_shard" in k]
         edp = world_size(config) // (config.parallel.ep * config.parallel.pp)
         assert bool(expert) == (edp > 1), sorted(ops)
+        replicas = [k for k in ops if k.endswith("expert_grad_shard_replicas")]
+        assert bool(replicas) == (config.parallel.zero_shard_size is not None), sorted(ops)
