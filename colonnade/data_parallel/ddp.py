@@ -299,6 +299,25 @@ class DataParallel:
                 out.append((p, a - start, b - start, values[a - lo:b - lo]))
         return out
 
+    def local_param(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's full local (tp / ep shard) value of ``param`` [local_shape]: with ZeRO-3
+        rebuilt from the persistent shards of its bucket's shard group (dense: dp x cp; expert:
+        expert-dp), each element written by the one rank owning it into a zero-filled [numel]
+        buffer and the buffers summed over that group (exact in every dtype; collective: every
+        rank of the group calls for the same parameters in the same order); otherwise, or for
+        a parameter the buffers do not hold (not trained), the parameter itself."""
+        if self.param_shards is None or id(param) not in self.buffers.slots:
+            return param
+        slot = self.buffers.slot(param)
+        flat = torch.zeros(param.numel(), dtype=param.dtype, device=self.buffers.device)
+        for (lo, hi), values in zip(self.owned_ranges(), self.owned_params(), strict=True):
+            a, b = max(lo, slot.start), min(hi, slot.end)
+            if a < b:
+                flat[a - slot.start:b - slot.start] = values[a - lo:b - lo]
+        group = self.shard_groups.shard(self.buckets[slot.bucket])
+        group.all_reduce(flat, name="gather_zero3_param")
+        return flat.view(param.shape)
+
     @property
     def peak_transient_bytes(self) -> int:
         """ZeRO-2/3: most bytes of gradient bucket buffers alive at once (else 0)."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colonnade.checkpoint.export import gather_full
+from colonnade.checkpoint.export import full_state, gather_full
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
 from colonnade.data_parallel.ddp import DataParallel
@@ -264,10 +264,9 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         moe.append(end_moe_step(chunks, config, groups, CPU))
     stats = groups.stats.snapshot()
     ddp.finish_param_gather()
-    if ddp.param_shards is not None:  # ZeRO-3: full weights exist only while gathered
-        ddp.param_shards.gather_all()
+    params = full_state(chunks, groups, ddp)  # ZeRO-3: one tensor at a time from the shards
     return {"rank": groups.rank, "losses": losses, "moe": moe, "grads": grads,
-            "params": gathered(chunks, groups), "stats": stats}
+            "params": {k: v.double() for k, v in params.items()}, "stats": stats}
 
 
 def sharded_grads(ddp: DataParallel, groups: ProcessGroups) -> dict[str, torch.Tensor]:
