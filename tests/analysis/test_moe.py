@@ -1,6 +1,6 @@
 """The planner's mixture-of-experts terms (colonnade/analysis/moe.py) against hand values, the
 built model and measurement: parameter counts (total, active) equal the meta-built model's;
-Mixtral 8x7B's published 46.7B / 12.9B; experts per rank and their ZeRO-1 state bytes over
+Mixtral 8x7B's published 46.7B / 12.9B; experts per rank and their ZeRO-1/2/3 state bytes over
 expert_dp; the dispatch's wire bytes measured on 2 ranks (both dispatchers) equal the formula
 exactly; the bytes an MoE layer saves for backward as modelled; plan --ep and the dry run's
 MoE block."""
@@ -222,13 +222,17 @@ def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_dry_run_moe_block() -> None:
-    """The dry run's MoE block: total / active parameters, experts per rank, dispatch MB."""
+    """The dry run's MoE block: total / active parameters, experts per rank (at ZeRO-3 all their
+    states sharded over expert_dp), dispatch MB."""
     config = moe_config(ep=2, dp=2)
     text = dry_run(config, 2)
     counts = moe_param_counts(config.model)
     assert f"{counts['total']:,} parameters total, {counts['active']:,} active" in text
     assert "experts per rank: 2 per MoE layer x 2 layer(s) (ep 2, expert_dp 1)" in text
     assert "dispatch (all_to_all):" in text
+    zero3 = dry_run(moe_config(ep=2, dp=4, zero_stage=3), 4)
+    assert "(ep 2, expert_dp 2)" in zero3
+    assert "(weights, gradients and optimizer sharded over 2 expert_dp ranks)" in zero3
 
 
 @pytest.mark.parametrize("arch,shared", [("llama", 0), ("llama", 48), ("gpt2", 0)])
