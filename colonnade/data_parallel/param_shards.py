@@ -21,8 +21,13 @@ training.compile covers all its descendants, which get none):
 
 * forward-pre: gather the module's buckets (wait for them) and launch the gather of the next
   ``prefetch`` buckets in forward order (lower bucket indices: buckets are laid out in backward
-  order) of the same chunk, asynchronously (not inside a recomputation: the modules after it
-  in forward order have finished their backward).
+  order) of the same chunk and kind, asynchronously (not inside a recomputation: the modules
+  after it in forward order have finished their backward). A chunk of an MoE model is two
+  regions, its dense buckets then its expert buckets, each in backward order, so the next
+  buckets in use order are found within the region: a dense bucket prefetches dense ones, an
+  expert bucket expert ones (stepping across the boundary would gather the other region's
+  bucket at the wrong end of the pass, e.g. the last layer's experts after the embedding's
+  backward).
 * forward-post: register the pre-backward hook on the module's outputs that require grad, and
   (``reshard_after_forward``) free the buckets whose last user in the chunk's module order this
   module is. A chunk's root frees every bucket of the chunk after its forward, so an evaluation
@@ -36,7 +41,8 @@ training.compile covers all its descendants, which get none):
   that reads the module's saved weights): gather the module's buckets and prefetch the next
   ``prefetch`` in backward order (higher indices) of the same chunk. A tensor hook rather than
   ``register_multi_grad_hook``: one output's gradient is enough to need the weights, and the
-  gather is idempotent, so the first output hook to fire gathers.
+  gather is idempotent, so the first output hook to fire gathers (prefetch within the region
+  as in forward).
 
 A bucket gathered for backward is freed (``reshard_after_forward``) once every one of its
 parameters has accumulated its gradient in the same backward pass (autograd graph task): a
@@ -123,7 +129,7 @@ class ParamShards:
         buffers.keep_shard(self.rank, self.expert_rank)
         self._handles: list[Handle | None] = [None] * len(buffers.buckets)
         self._bytes = [b.numel * buffers.bucket_data[0].element_size() for b in buffers.buckets]
-        self._chunk_of = [b.chunk for b in buffers.buckets]
+        self._region_of = [(b.chunk, b.expert) for b in buffers.buckets]
         self.gathered_bytes = 0
         """Bytes of full bucket storage allocated now."""
         self.peak_gathered_bytes = 0
@@ -246,18 +252,23 @@ class ParamShards:
 
     def _prefetch(self, needed: list[int], step: int) -> list[int]:
         """Launch the next ``prefetch`` buckets after ``needed`` in the direction ``step``
-        (-1 forward, +1 backward), within the chunk of the first needed bucket; returns them."""
+        (-1 forward, +1 backward), within each region (chunk and kind, dense or expert) of
+        the needed buckets in the chunk of the first one; returns them."""
         out: list[int] = []
         if not needed or self.prefetch == 0:
             return out
-        chunk = self._chunk_of[needed[0]]
-        index = min(needed) if step < 0 else max(needed)
-        for _ in range(self.prefetch):
-            index += step
-            if not 0 <= index < len(self._chunk_of) or self._chunk_of[index] != chunk:
-                break
-            self._launch(index)
-            out.append(index)
+        chunk = self._region_of[needed[0]][0]
+        for region in sorted({self._region_of[b] for b in needed}):
+            if region[0] != chunk:
+                continue
+            mine = [b for b in needed if self._region_of[b] == region]
+            index = min(mine) if step < 0 else max(mine)
+            for _ in range(self.prefetch):
+                index += step
+                if not 0 <= index < len(self._region_of) or self._region_of[index] != region:
+                    break
+                self._launch(index)
+                out.append(index)
         return out
 
     def _install(self, chunks: Sequence[nn.Module]) -> list[_Site]:

@@ -266,7 +266,8 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
     ddp.finish_param_gather()
     params = full_state(chunks, groups, ddp)  # ZeRO-3: one tensor at a time from the shards
     return {"rank": groups.rank, "losses": losses, "moe": moe, "grads": grads,
-            "params": {k: v.double() for k, v in params.items()}, "stats": stats}
+            "params": {k: v.double() for k, v in params.items()}, "stats": stats,
+            "expert_buckets": sum(b.expert for b in ddp.buckets)}
 
 
 def sharded_grads(ddp: DataParallel, groups: ProcessGroups) -> dict[str, torch.Tensor]:

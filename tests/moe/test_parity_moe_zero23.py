@@ -33,9 +33,9 @@ CASES: dict[str, dict[str, Any]] = {
     "z3-ep2-edp2-starved": {"ep": 2, "dp": 4, "zero_stage": 3, "top_k": 1, "starve": 2},
     "z2-ep1-dp2": {"ep": 1, "dp": 2, "zero_stage": 2, "router": "sigmoid", "bias_rate": 1e-2},
     "z3-ep2-tp2-sp-dp2": {"ep": 2, "tp": 2, "sp": True, "dp": 2, "zero_stage": 3},
-    "z3-ep2-pp2-1f1b": {"ep": 2, "pp": 2, "dp": 2, "zero_stage": 3, "microbatches": 4},
+    "z3-ep2-pp2-1f1b": {"ep": 2, "pp": 2, "dp": 2, "zero_stage": 3},
     "z2-ep1-pp2-interleaved": {"ep": 1, "pp": 2, "vp": 2, "dp": 2, "zero_stage": 2,
-                               "schedule": "interleaved_1f1b", "microbatches": 4},
+                               "schedule": "interleaved_1f1b"},
     "z3-ep2-cp2-dp2-sigmoid": {"ep": 2, "cp": 2, "dp": 2, "zero_stage": 3, "aux_type": "seq",
                                "router": "sigmoid", "bias_rate": 1e-2},
     "z2-ep1-dp4-hybrid2": {"ep": 1, "dp": 4, "zero_stage": 2, "zero_shard_size": 2},
@@ -62,3 +62,15 @@ def test_moe_zero23_parity(name: str, run_ranks: Callable[..., list[Any]]) -> No
         assert bool(expert) == (edp > 1), sorted(ops)
         replicas = [k for k in ops if k.endswith("expert_grad_shard_replicas")]
         assert bool(replicas) == (config.parallel.zero_shard_size is not None), sorted(ops)
+        if config.parallel.zero == 3 and edp > 1:  # gathered as dense buckets are
+            _check_expert_gathers(config, res)
+
+
+def _check_expert_gathers(config: Any, res: dict[str, Any]) -> None:
+    """ZeRO-3's expert buckets follow reshard_after_forward as dense ones do: with it (pp = 1)
+    each is all-gathered over expert-dp for every micro-batch's forward and again for its
+    backward (2 m per step); without it (the pp > 1 default) once per step."""
+    m, buckets = config.training.microbatches, res["expert_buckets"]
+    calls = sum(int(v["calls"]) for k, v in res["stats"].items()
+                if k.endswith("all_gather/expert_param_shard"))
+    assert calls == (2 * m * buckets if config.parallel.reshard else buckets), (calls, m, buckets)
