@@ -1,15 +1,18 @@
 """Float64 parity of MoE models at ZeRO-2 and ZeRO-3 (expert buckets' gradients, and at stage
 3 their parameters, sharded over the expert-dp group; dense ones over dp x cp) against the
 single-process run (tests/moe/harness.py): losses, expert loads and aux losses every step,
-step 0's gradients assembled from the shards, the parameters after 3 AdamW steps.
+step 0's gradients assembled from the shards, the parameters after 3 AdamW steps; the expert
+buckets' collectives ran on the expert groups, and at ZeRO-3 their all-gathers follow
+reshard_after_forward as dense ones do.
 
 Layouts: ep2 with expert-dp 2 (dp4) and ep1 with dp2, tp2 + sp, pp2 under 1F1B and
 interleaved 1F1B, cp2, hybrid sharding (expert shard groups of 2 inside expert-dp 4, two
-replicas). One case starves the last two experts under top-1 routing: ep rank 1 then receives
-no token at all, yet its expert buckets join every all-gather and reduce-scatter of its
-expert-dp group (the ranks would deadlock or desynchronise otherwise); the test asserts that
-the loads were zero. The sigmoid router's selection bias (not a trained weight) under ZeRO-3's
-deferred init stayed on the meta device until the cp2 case caught it.
+replicas; at ZeRO-1 too, which shards expert buckets the same way). One case starves the last
+two experts under top-1 routing: ep rank 1 then receives no token at all, yet its expert
+buckets join every all-gather and reduce-scatter of its expert-dp group (the ranks would
+deadlock or desynchronise otherwise); the test asserts that the loads were zero. The sigmoid
+router's selection bias (not a trained weight) under ZeRO-3's deferred init stayed on the meta
+device until the cp2 case caught it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ CASES: dict[str, dict[str, Any]] = {
     "z3-ep2-cp2-dp2-sigmoid": {"ep": 2, "cp": 2, "dp": 2, "zero_stage": 3, "aux_type": "seq",
                                "router": "sigmoid", "bias_rate": 1e-2},
     "z2-ep1-dp4-hybrid2": {"ep": 1, "dp": 4, "zero_stage": 2, "zero_shard_size": 2},
+    "z1-ep1-dp4-hybrid2": {"ep": 1, "dp": 4, "zero_stage": 1, "zero_shard_size": 2},
 }
 
 
