@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from colonnade.checkpoint.commit import resolve_checkpoint
-from colonnade.checkpoint.export import gather_full, shard_local
+from colonnade.checkpoint.export import gather_full
 from colonnade.checkpoint.format import DTYPES as STORED_DTYPES
 from colonnade.checkpoint.format import (
     TOKENIZER_FILES,
@@ -209,7 +209,7 @@ def write_hf_from_run(out: str | Path, model: ModelConfig, chunks: list[nn.Modul
     """Export a live run's weights as an HF directory (collective: every rank calls it; world
     rank 0 writes). Each Colonnade tensor is rebuilt when its HF tensor is written and
     dropped after: ZeRO-3 ranges all-reduced over the shard group into its local tp shard
-    (:func:`~colonnade.checkpoint.export.shard_local`), then gathered over tp, so no rank
+    (``DataParallel.local_param``), then gathered over tp, so no rank
     holds more than one HF tensor and one of its parts. pp > 1 is refused (a stage holds only
     its layers): save a checkpoint and ``colonnade convert --to-hf`` it."""
     if groups.pp.size > 1:
@@ -219,15 +219,10 @@ def write_hf_from_run(out: str | Path, model: ModelConfig, chunks: list[nn.Modul
     if ddp is not None:
         ddp.finish_param_gather()  # ZeRO-1/2 (a no-op at stage 3)
     params = {p.sharding.key: p for p in unique_params(chunks)}  # type: ignore[attr-defined]
-    ranges: dict[int, list[tuple[int, int, torch.Tensor]]] | None = None
-    if ddp is not None and getattr(ddp, "param_shards", None) is not None:
-        ranges = {}
-        for q, lo, hi, values in ddp.owned_param_segments():
-            ranges.setdefault(id(q), []).append((lo, hi, values))
 
     def get(key: str) -> torch.Tensor:
         p = params[key]
-        local = p if ranges is None else shard_local(p, ranges.get(id(p), []), ddp.group)
+        local = p if ddp is None else ddp.local_param(p)
         return gather_full(local, p.sharding, groups.tp, groups.ep)  # type: ignore[attr-defined]
 
     def shape_of(key: str) -> tuple[int, ...]:

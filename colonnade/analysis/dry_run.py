@@ -12,7 +12,8 @@ exposed time on a cluster preset (the planner's time model: cpu-local on CPU, a1
 otherwise); with ``training.memory_limit_gb`` a line says whether the estimate fits (train
 refuses a run that does not, naming what fits: :mod:`colonnade.analysis.memory_limit`).
 For a mixture-of-experts model an MoE block gives the parameters total / active per token,
-the experts per rank (E/ep per MoE layer, their state bytes with ZeRO-1 over expert_dp) and
+the experts per rank (E/ep per MoE layer, their state bytes with ZeRO sharded over expert_dp
+or its hybrid shard groups) and
 the token dispatch's MB per step per rank (:mod:`colonnade.analysis.moe`).
 Nothing is written, prepared or launched. (It lives in the planner, above training, because it
 reuses the planner's memory model.)
@@ -137,8 +138,8 @@ def moe_lines(config: Config, world: int) -> list[str]:
     experts = m.num_experts // layout.ep
     stage = "only" if layout.pp == 1 else ("ends" if zbv else "first")
     _, expert_params = moe_stage_params(workload, layout, stage)
-    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero,
-                                      layout.edp if layout.zero else 1)
+    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero, layout.expert_shard)
+    sharded = ("optimizer", "optimizer and gradients", "weights, gradients and optimizer")
     tokens = layout.local_tokens(workload.seq_len) / layout.tp
     mbs = layout.microbatches(workload.global_batch)
     mb = step_dispatch_bytes(m, tokens, mbs, layout.pp, workload.elem, layout.ep,
@@ -154,7 +155,8 @@ def moe_lines(config: Config, world: int) -> list[str]:
         f"  experts per rank: {experts} per MoE layer x {layers} layer(s) (ep {layout.ep}, "
         f"expert_dp {layout.edp}) = {expert_params:,.0f} parameters, "
         f"{expert_params * (ewb + egb + eob) / GIB:.3f} GiB of weights + grads + optimizer"
-        + (f" (optimizer sharded over expert_dp {layout.edp})" if layout.zero else ""),
+        + (f" ({sharded[layout.zero - 1]} sharded over {layout.expert_shard} expert_dp "
+           "ranks)" if layout.zero else ""),
         f"  dispatch ({workload.moe_dispatcher}): {mb:,.2f} MB/step per rank sent "
         "(forward + backward, uniform routing)" + ("; none at ep 1" if layout.ep == 1 else ""),
     ]

@@ -170,6 +170,10 @@ class Layout:
             raise ValueError(f"zero_shard_size={self.zero_shard_size} must divide "
                              f"dp={self.dp_cp}"
                              + (f" (dp {self.dp} x cp {self.cp})." if self.cp > 1 else "."))
+        size = self.expert_shard_size
+        if size is not None and self.edp % size:
+            raise ValueError(f"zero_shard_size={self.zero_shard_size} must divide the expert "
+                             f"dp = tp cp dp / ep = {self.edp} or be a multiple of it.")
 
     @property
     def dp_cp(self) -> int:
@@ -187,8 +191,24 @@ class Layout:
     @property
     def edp(self) -> int:
         """Expert data-parallel degree tp cp dp / ep: expert gradients are reduced and their
-        ZeRO-1 states sharded over it."""
+        ZeRO states (stage 2: + gradients, 3: + parameters) sharded over it."""
         return self.tp * self.cp * self.dp // self.ep
+
+    @property
+    def expert_shard_size(self) -> int | None:
+        """Hybrid sharding of the expert weights: min(zero_shard_size, edp) expert-dp ranks
+        per shard group (None without hybrid sharding)."""
+        if self.zero_shard_size is None:
+            return None
+        return min(self.zero_shard_size, self.edp)
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks the routed experts' sharded states are divided over (1 at stage 0): edp, or
+        :attr:`expert_shard_size` of them."""
+        if self.zero == 0:
+            return 1
+        return self.expert_shard_size or self.edp
 
     def local_tokens(self, seq_len: int) -> float:
         """Tokens of one micro-batch on one rank: b s / cp (the rank's zigzag rows)."""

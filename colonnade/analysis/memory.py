@@ -70,7 +70,9 @@ cp attention (ring: 4 kv blocks in flight; all_to_all: dq, dk, dv, dout at full 
 :func:`~colonnade.analysis.activations.cp_buffer_bytes`).  ZeRO shards over dp x cp.
 Mixture of experts (:mod:`colonnade.analysis.moe`): each MoE layer of the stage replaces its
 dense MLP's parameters by the router, shared expert and E/ep routed experts, the latter with
-their own state bytes (ZeRO-1 shards them over edp = tp cp dp / ep, not dp x cp), and its
+their own state bytes (ZeRO shards them over edp = tp cp dp / ep, not dp x cp: optimizer
+states from stage 1, gradients from stage 2, parameters at stage 3; hybrid sharding over
+min(zero_shard_size, edp) of them), and its
 MLP activations by the MoE layer's (:func:`~colonnade.analysis.moe.moe_activation_terms`).
 """
 
@@ -184,9 +186,11 @@ def bucket_elements(w: Workload, layout: Layout, stage: str, params: float) -> f
     return min(params, max(float(w.bucket_size), largest_param(w.shape, layout, stage)))
 
 
-def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float
-                      ) -> tuple[float, float]:
-    """(gradient bucket bytes, gathered parameter bytes) of stage 2/3 (module docstring)."""
+def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float,
+                      module: float = 0.0) -> tuple[float, float]:
+    """(gradient bucket bytes, gathered parameter bytes) of stage 2/3 (module docstring);
+    ``module``: a module larger than :func:`largest_module` may say (an MoE layer's E/ep
+    stacked routed experts, one module)."""
     if layout.zero < 2:
         return 0.0, 0.0
     b = bucket_elements(w, layout, stage, params)
@@ -199,7 +203,7 @@ def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float
         return grad, 0.0
     if not layout.reshard:
         return grad, params * w.elem
-    touched = math.ceil(largest_module(w.shape, layout, stage) / b) + 1
+    touched = math.ceil(max(largest_module(w.shape, layout, stage), module) / b) + 1
     return grad, min(params, (touched + w.zero_prefetch) * b) * w.elem
 
 
@@ -349,7 +353,7 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     mem = Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered,
                  cp_buffers=cp_buffer_bytes(shape))
-    return mem if not w.model.moe else _with_moe(mem, w, layout, flight)
+    return mem if not w.model.moe else _with_moe(mem, w, layout, flight, n)
 
 
 def moe_stage_params(w: Workload, layout: Layout, stage: str) -> tuple[float, float]:
@@ -371,21 +375,27 @@ def moe_layer_activation_delta(w: Workload, layout: Layout) -> float:
     return moe - dense_mlp_activation_bytes(x, full_rows, w.elem, layout.tp)
 
 
-def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float) -> Memory:
-    """``mem`` of a dense stage corrected for its MoE layers: parameters and states (the
-    experts' optimizer states sharded over edp at stage 1), activations."""
+def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float, n: float) -> Memory:
+    """``mem`` of a dense stage of ``n`` parameters corrected for its MoE layers: parameters
+    and states (the routed experts' sharded over their own shard group, edp or its hybrid
+    groups: optimizer states from stage 1, gradients from 2, parameters at 3), the stage-2/3
+    buffers over all ``n + delta + experts`` parameters (a layer's E/ep routed experts are one
+    module a ZeRO-3 gather serves), activations."""
     delta, experts = moe_stage_params(w, layout, mem.stage)
     wb, gb, ob = state_bytes_per_param(w, layout)
-    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero,
-                                      layout.edp if layout.zero else 1)
+    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero, layout.expert_shard)
+    x = MoEShape.of(w.model)
     act = mem.activations
     if layout.recompute != "full":
-        layers = MoEShape.of(w.model).stage_moe_layers(layout.pp, mem.stage)
-        act += flight * layers * moe_layer_activation_delta(w, layout)
+        act += flight * x.stage_moe_layers(layout.pp, mem.stage) * moe_layer_activation_delta(
+            w, layout)
+    grad_buckets, gathered = zero_buffer_bytes(w, layout, mem.stage, n + delta + experts,
+                                               x.experts // layout.ep * x.expert_params)
     return dataclasses.replace(
         mem, params=mem.params + delta * wb + experts * ewb,
         grads=mem.grads + delta * gb + experts * egb,
-        optimizer=mem.optimizer + delta * ob + experts * eob, activations=act)
+        optimizer=mem.optimizer + delta * ob + experts * eob, activations=act,
+        grad_buckets=grad_buckets, gathered=gathered)
 
 
 def memory_per_device(w: Workload, layout: Layout) -> Memory:

@@ -207,9 +207,7 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                         if w.model.moe and tp > 1 and not sp:
                             continue  # MoE under tp needs sp (distinct tokens per tp rank)
                         for z, rs in _zero_options(dp * cp, cons):
-                            if w.model.moe and z > 1:
-                                continue  # ZeRO 2/3 with experts: not supported
-                            for ep in _ep_options(w, tp * cp * dp, cons):
+                            for ep in _ep_options(w, tp * cp * dp, cons, z):
                                 yield Layout(tp=tp, cp=cp, cp_attention=kind,
                                              cp_a2a_size=a2a, pp=pp, vp=vp,
                                              dp=dp, ep=ep, micro_batch=mb, zero=z,
@@ -219,12 +217,16 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                                              else None)
 
 
-def _ep_options(w: Workload, inner: int, cons: Constraints) -> list[int]:
+def _ep_options(w: Workload, inner: int, cons: Constraints, zero: int) -> list[int]:
     """Expert-parallel degrees valid for ``inner`` = tp x cp x dp ranks of a stage: those of
-    ``cons.ep`` dividing both it and the experts (only 1 for a dense model)."""
+    ``cons.ep`` dividing both it and the experts, and with hybrid sharding (at ZeRO ``zero``
+    >= 1) leaving an expert dp that min(zero_shard_size, edp) divides (only 1 for a dense
+    model)."""
     if not w.model.moe:
         return [1]
-    return [ep for ep in cons.ep if inner % ep == 0 and w.model.num_experts % ep == 0]
+    size = cons.zero_shard_size if zero else None
+    return [ep for ep in cons.ep if inner % ep == 0 and w.model.num_experts % ep == 0
+            and (size is None or (inner // ep) % min(size, inner // ep) == 0)]
 
 
 def check_workload(w: Workload) -> None:

@@ -505,11 +505,12 @@ def _expert_dp_s(w: Workload, layout: Layout, c: Cluster, names: list[str], stag
                  m: int) -> tuple[float, float, float]:
     """(exposed, full) seconds of the routed experts' gradient reduction and their optimizer
     seconds: :func:`_dp_exposed` / :func:`_optimizer_s` over expert_dp (edp = tp cp dp / ep
-    ranks, ZeRO-1 sharding over them) with the fullest stage's expert parameters, in the same
-    backward window as the dense reduction (each exposed part added)."""
+    ranks, the layout's ZeRO stage sharding over them or their hybrid shard groups) with
+    the fullest stage's expert parameters, in the same backward window as the dense
+    reduction (each exposed part added)."""
     experts = max(moe_stage_params(w, layout, "first" if n == "middle" else n)[1]
                   for n in names)
-    elay = replace(layout, dp=layout.edp, cp=1, ep=1, zero_shard_size=None)
+    elay = replace(layout, dp=layout.edp, cp=1, ep=1, zero_shard_size=layout.expert_shard_size)
     exposed, full = _dp_exposed(w, elay, c, experts, stage, m)
     return exposed, full, _optimizer_s(w, elay, c, experts)
 

@@ -2,10 +2,11 @@
 single-process model (``colonnade generate``). Loading never unpickles.
 
 ZeRO-3 (``DataParallel.param_shards``): a parameter has no full local tensor outside a gather;
-:func:`full_state` with ``ddp`` rebuilds one tensor at a time: its local tp shard from the
-flat ranges each rank of the shard group keeps (an all-reduce of the zero-filled shard
-holding this rank's ranges: exact, every element is written by one rank), then the tp
-all-gather. Without ``ddp`` a freed ZeRO-3 parameter is refused, naming both ways out.
+:func:`full_state` with ``ddp`` rebuilds one tensor at a time: its local tp (ep) shard from the
+flat ranges each rank of its shard group keeps (``DataParallel.local_param``: an all-reduce of
+the zero-filled shard holding this rank's ranges, exact, every element written by one rank),
+then the tp (ep) all-gather. Without ``ddp`` a freed ZeRO-3 parameter is refused, naming both
+ways out.
 """
 
 from __future__ import annotations
@@ -61,33 +62,14 @@ def check_materialised(t: torch.Tensor, sharding: Sharding) -> None:
                          "at a time)")
 
 
-def shard_local(p: nn.Parameter, ranges: list[tuple[int, int, torch.Tensor]],
-                group: CommGroup) -> torch.Tensor:
-    """ZeRO-3: this rank's full local tp shard of ``p`` [local_shape], rebuilt from the flat
-    ranges (lo, hi, values [hi - lo]) of its flattening that each rank of the shard group
-    ``group`` keeps (collective: every rank of it calls for the same parameters in the same
-    order). Each element is written by exactly one rank into a zero-filled [numel] buffer
-    and the buffers are summed: exact in every dtype."""
-    flat = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)  # [numel(p)]
-    for lo, hi, values in ranges:
-        flat[lo:hi] = values
-    group.all_reduce(flat, name="gather_zero3_param")
-    return flat.view(p.shape)
-
-
 def full_state(chunks: list[nn.Module], groups: ProcessGroups,
                ddp: Any = None) -> dict[str, torch.Tensor]:
     """Full tensors of this pipeline rank's parameters, keyed by global name (a tied head is
     the embedding's Parameter, or on a later stage its copy under the embedding's key).
 
     With ZeRO-3 pass the run's ``ddp``: each tensor is rebuilt on its own
-    (:func:`shard_local`, then the tp gather), so besides the result at most one tensor's
+    (``ddp.local_param``, then the tp gather), so besides the result at most one tensor's
     full local shard is alive at a time."""
-    ranges: dict[int, list[tuple[int, int, torch.Tensor]]] | None = None
-    if ddp is not None and getattr(ddp, "param_shards", None) is not None:
-        ranges = {}
-        for q, lo, hi, values in ddp.owned_param_segments():
-            ranges.setdefault(id(q), []).append((lo, hi, values))
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for chunk in chunks:
@@ -96,7 +78,7 @@ def full_state(chunks: list[nn.Module], groups: ProcessGroups,
                 continue
             seen.add(id(p))
             sharding: Sharding = p.sharding  # type: ignore[attr-defined]
-            local = p if ranges is None else shard_local(p, ranges.get(id(p), []), ddp.group)
+            local = p if ddp is None else ddp.local_param(p)
             out[sharding.key] = gather_full(local, sharding, groups.tp, groups.ep).contiguous()
     return out
 

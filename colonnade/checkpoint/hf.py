@@ -383,7 +383,7 @@ def load_hf_into_chunks(chunks: list[nn.Module], groups: ProcessGroups,
         coords = rank_coords(groups, sharding=s)  # tp, or ep for an expert weight
         value = _hf_local(reader, refs, s, coords, p.dtype, directory)  # [local_shape]
         with torch.no_grad():
-            if shards is None:
+            if shards is None or id(p) not in ddp.buffers.slots:  # whole (not in shards)
                 p.copy_(value.to(p.device))
                 continue
             flat = value.reshape(-1)

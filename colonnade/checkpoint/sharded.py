@@ -6,14 +6,15 @@ Who writes what (each logical element is written exactly once), all from each pa
 ranks holding identical copies, by index 0 of every replicated axis (``Sharding.owns``: tp rank
 0 of a tp-replicated parameter, dp rank 0 of the dp replicas; an expert weight, split over ep,
 has expert-view coordinates: its ep shard is written by expert_dp rank 0 of the ranks holding
-it, and with ZeRO-1 each expert_dp rank writes its range of the expert optimizer state); the
-last stage's copy of a tied embedding never (``tied_copy``: it equals the first stage's). With
-a dp-sharded optimizer (ZeRO-1/2/3) every rank of the shard group writes the flat ranges of the
-optimizer state it owns; under hybrid sharding (``zero_shard_size``) only index 0 of the
-replicate group does (the other replicas hold the same ranges). ZeRO-3 parameters have no full
-local tensor: each rank writes, the same way, the flat ranges ``[lo, hi)`` of each flattened
-local tp shard it keeps (``DataParallel.owned_param_segments``); stages 0-2 keep one replicated
-local shard per tp rank, written by dp rank 0.
+it, and with ZeRO each rank of its expert shard group writes its range of the expert
+optimizer state); the last stage's copy of a tied embedding never (``tied_copy``: it equals the
+first stage's). With a dp-sharded optimizer (ZeRO-1/2/3) every rank of the shard group (expert
+weights: the expert shard group) writes the flat ranges of the optimizer state it owns; under
+hybrid sharding (``zero_shard_size``) only index 0 of the replicate group (an expert weight's:
+the expert replicate group) does (the other replicas hold the same ranges). ZeRO-3 parameters
+have no full local tensor: each rank writes, the same way, the flat ranges ``[lo, hi)`` of each
+flattened local tp shard it keeps (``DataParallel.owned_param_segments``); stages 0-2 keep one
+replicated local shard per tp rank, written by dp rank 0.
 
 Loading reads, for each of this rank's parameters, the box of its shard (ZeRO-3: only the
 flat ranges its shard holds), and the flat range its optimizer asks for, whatever layout and
@@ -89,13 +90,14 @@ def _expert_coords(groups: ProcessGroups, dp: bool) -> dict[str, tuple[int, int]
 def shard_coords(groups: ProcessGroups,
                  sharding: Sharding | None = None) -> dict[str, tuple[int, int]]:
     """Coordinates of a rank writing ZeRO shards (its own flat ranges) of ``sharding``'s
-    parameter: tp (expert: ep and expert tp; ZeRO-1 shards expert state over expert_dp, so
-    every expert_dp rank writes), and under hybrid sharding of a dense parameter the replicate
-    group as a replicated axis, so only its index 0 writes."""
+    parameter: tp (expert: ep and expert tp; ZeRO shards expert state over expert_dp, so
+    every expert_dp rank writes), and under hybrid sharding the replicate group (an expert
+    parameter's: the expert replicate group) as a replicated axis, so only its index 0
+    writes."""
     coords = rank_coords(groups, sharding=sharding)
-    replicate = groups.zero_replicate
     expert = sharding is not None and is_expert(sharding)
-    if replicate is not None and replicate.size > 1 and not expert:
+    replicate = groups.expert_zero_replicate if expert else groups.zero_replicate
+    if replicate is not None and replicate.size > 1:
         coords["dp"] = (max(replicate.rank, 0), replicate.size)
     return coords
 
@@ -105,14 +107,22 @@ def _param_shards(ddp: Any) -> Any:
     return getattr(ddp, "param_shards", None) if ddp is not None else None
 
 
+def _whole_params(chunks: list[nn.Module], ddp: Any) -> list[nn.Parameter]:
+    """The parameters whose full local tensor exists: all of them, or with ZeRO-3 those the
+    shards do not hold (not trained, e.g. the sigmoid router's selection bias)."""
+    params = unique_params(chunks)
+    if _param_shards(ddp) is None:
+        return params
+    held = {id(p) for p in ddp.buffers.params}
+    return [p for p in params if id(p) not in held]
+
+
 def model_entries(chunks: list[nn.Module], groups: ProcessGroups,
                   ddp: Any = None) -> list[Entry]:
-    """The model pieces this rank writes (views of the live parameters, or with ZeRO-3 of
+    """The model pieces this rank writes (views of the live parameters, and with ZeRO-3 of
     ``ddp``'s persistent shard: :func:`sharded_model_entries`)."""
-    if _param_shards(ddp) is not None:
-        return sharded_model_entries(ddp, groups)
-    out = []
-    for p in unique_params(chunks):
+    out = sharded_model_entries(ddp, groups) if _param_shards(ddp) is not None else []
+    for p in _whole_params(chunks, ddp):
         s: Sharding = p.sharding  # type: ignore[attr-defined]
         entry = shard_entry(model_name(s.key), p.detach(), s, rank_coords(groups, True, s))
         if entry is not None:
@@ -220,7 +230,8 @@ def _stored_dtype(reader: CheckpointReader, name: str) -> torch.dtype:
 def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: ProcessGroups,
                ddp: Any = None) -> None:
     """Copy every parameter of this rank's chunks from the checkpoint (any saved layout and
-    stage); with ZeRO-3 (``ddp.param_shards``) only the ranges of this rank's shard."""
+    stage); with ZeRO-3 (``ddp.param_shards``) only the ranges of this rank's shard, and
+    whole the parameters the shards do not hold (not trained)."""
     shards = _param_shards(ddp)
     if shards is not None:
         shards.free_all()  # a bucket still gathered would keep the old values
@@ -230,8 +241,7 @@ def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: Proces
                 value = read_local(reader, model_name(s.key), s, rank_coords(groups, sharding=s),
                                    values.dtype, (lo, hi))
                 values.copy_(value.to(values.device))  # [hi - lo]
-        return
-    for p in unique_params(chunks):
+    for p in _whole_params(chunks, ddp):
         s: Sharding = p.sharding  # type: ignore[attr-defined]
         value = read_local(reader, model_name(s.key), s, rank_coords(groups, sharding=s),
                            p.dtype)

@@ -5,7 +5,7 @@ the model.moe_* fields' ranges and choices, and what the parallel layout support
 from __future__ import annotations
 
 from colonnade.config.choices import MOE_AUX_LOSS_TYPES, MOE_DISPATCHERS, MOE_ROUTERS
-from colonnade.config.sections import Config, ModelConfig
+from colonnade.config.sections import Config, ModelConfig, ParallelConfig
 
 
 def _moe_fields(m: ModelConfig) -> list[str]:
@@ -63,7 +63,8 @@ def _swiglu_clamp(m: ModelConfig) -> list[str]:
 
 def moe_rules(c: Config, _: int | None) -> list[str]:
     """Mixture of experts: the model.moe_* fields, and what the parallel layout supports with
-    experts (ep dividing the experts, expert_tp = 1, sp under tp > 1, ZeRO stage <= 1)."""
+    experts (ep dividing the experts, expert_tp = 1, sp under tp > 1, hybrid sharding's
+    size dividing expert dp)."""
     m, p, out = c.model, c.parallel, []
     if p.moe_dispatcher not in MOE_DISPATCHERS:
         out.append(f"parallel.moe_dispatcher='{p.moe_dispatcher}' is unknown; use one of "
@@ -88,7 +89,24 @@ def moe_rules(c: Config, _: int | None) -> list[str]:
         out.append(f"model.moe_shared_expert_ffn_hidden_size="
                    f"{m.moe_shared_expert_ffn_hidden_size} is not divisible by parallel.tp="
                    f"{p.tp} (the shared expert is tp-split); make it a multiple of tp.")
-    if p.zero >= 2:
-        out.append(f"parallel.zero_stage={p.zero} is not supported with a mixture-of-experts "
-                   "model yet; use ZeRO stage 0 or 1 (parallel.zero_stage <= 1).")
+    out.extend(_expert_hybrid(p))
     return out
+
+
+def _expert_hybrid(p: ParallelConfig) -> list[str]:
+    """Hybrid sharding of the expert buckets: groups of min(zero_shard_size, edp) consecutive
+    expert-dp ranks (:func:`colonnade.parallel.groups.expert_shard_size`), which must divide
+    edp = tp x cp x dp / (ep x expert_tp)."""
+    size, etp = p.zero_shard_size, p.expert_tp or 1
+    if size is None or size < 1 or p.zero < 1 or p.dp is None or p.ep < 1:
+        return []
+    stage = p.tp * p.cp * p.dp
+    if stage % (p.ep * etp):
+        return []  # the layout rule names this
+    edp = stage // (p.ep * etp)
+    if edp % min(size, edp):
+        return [f"parallel.zero_shard_size={size} does not divide the expert data-parallel "
+                f"degree tp x cp x dp / (ep x expert_tp) = {edp} (expert weights shard over "
+                f"groups of min(zero_shard_size, {edp}) expert-dp ranks); pick a divisor or a "
+                f"multiple of {edp}, or change parallel.ep."]
+    return []

@@ -40,9 +40,11 @@ Storage modes (ZeRO-2 / ZeRO-3):
 Expert parameters (mixture of experts: a :class:`Sharding` splitting over "ep",
 :func:`is_expert_param`) never share a bucket with dense ones: each chunk's dense parameters
 are laid out first, then its expert parameters (both in backward order). Expert buckets are
-reduced and (ZeRO-1) sharded over the expert-dp group, so they are padded to a multiple of
-``expert_shard_count * ALIGN`` and split ``expert_shard_count`` ways (:attr:`Bucket.expert`,
-:meth:`FlatBuffers.count_of`); dense buckets use ``shard_count``.
+reduced and (ZeRO) sharded over the expert-dp group (or its hybrid shard group), so they are
+padded to a multiple of ``expert_shard_count * ALIGN`` and split ``expert_shard_count`` ways
+(:attr:`Bucket.expert`, :meth:`FlatBuffers.count_of`); dense buckets use ``shard_count``. With
+``shard_params`` an expert bucket's persistent shard is shard ``expert_shard_rank`` of it (this
+rank's index in the expert shard group), a dense bucket's shard ``shard_rank``.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ class FlatBuffers:
     ``shard_rank`` (with ``shard_params``): keep that rank's shard at once, one bucket gathered
     at a time (else every bucket stays full until :meth:`keep_shard`). ``device``: where the
     buffers live (default: the parameters' device; the first initial value's when they are on
-    the meta device). ``expert_shard_count``: the shard count of expert buckets (ZeRO-1 over
-    expert-dp; default ``shard_count``).
+    the meta device). ``expert_shard_count``: the shard count of expert buckets (ZeRO over
+    expert-dp; default ``shard_count``); ``expert_shard_rank``: the shard of them kept with
+    ``shard_params`` (default ``shard_rank``).
     """
 
     def __init__(self, chunk_params: Sequence[Sequence[nn.Parameter]], bucket_size: int,
@@ -134,7 +137,8 @@ class FlatBuffers:
                  full_grads: bool = True, shard_params: bool = False,
                  initial_values: Callable[[nn.Parameter], torch.Tensor] | None = None,
                  shard_rank: int | None = None, device: torch.device | None = None,
-                 expert_shard_count: int | None = None) -> None:
+                 expert_shard_count: int | None = None,
+                 expert_shard_rank: int | None = None) -> None:
         if bucket_size < 1:
             raise ValueError(f"parallel.bucket_size={bucket_size} must be >= 1 element")
         if shard_count < 1:
@@ -153,9 +157,6 @@ class FlatBuffers:
                                    else shard_count)
         if self.expert_shard_count < 1:
             raise ValueError(f"expert_shard_count={self.expert_shard_count} must be >= 1")
-        if shard_params and any(is_expert_param(p) for p in params):
-            raise ValueError("ZeRO-3 (shard_params) does not hold expert parameters; "
-                             "set parallel.zero_stage to 0 or 1 for a mixture-of-experts model")
         self.full_grads, self.shard_params = full_grads, shard_params
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype_for(self.param_dtype)
@@ -178,6 +179,7 @@ class FlatBuffers:
         self.shard_data: torch.Tensor | None = None
         """``shard_params``: the persistent shard [sum_i L_i] of rank ``shard_rank``."""
         self.shard_rank = shard_rank
+        self.expert_shard_rank = expert_shard_rank if expert_shard_rank is not None else shard_rank
         if full_grads:
             self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
         if shard_params:
@@ -286,34 +288,44 @@ class FlatBuffers:
                 if self.grad_data is not None:
                     p.main_grad = self.grad_data[slot.start:slot.end].view_as(p)  # type: ignore[attr-defined]
             if shard_rank is not None:
-                self._cut(bucket, shard_rank)
+                self._cut(bucket)
 
     def _new_shard(self) -> None:
-        total = sum(b.numel // self.shard_count for b in self.buckets)
-        self.shard_data = torch.zeros(total, dtype=self.param_dtype, device=self.device)
-        self._shard_offsets = list(itertools.accumulate(
-            (b.numel // self.shard_count for b in self.buckets), initial=0))
+        sizes = [b.numel // self.count_of(b) for b in self.buckets]
+        self.shard_data = torch.zeros(sum(sizes), dtype=self.param_dtype, device=self.device)
+        self._shard_offsets = list(itertools.accumulate(sizes, initial=0))
 
-    def _cut(self, bucket: Bucket, rank: int) -> None:
-        lo, hi = self.shard(bucket, rank)
+    def kept_rank(self, bucket: Bucket) -> int:
+        """The shard of ``bucket`` kept with ``shard_params`` (expert buckets: the expert
+        shard rank)."""
+        rank = self.expert_shard_rank if bucket.expert else self.shard_rank
+        if rank is None:
+            raise ValueError("no shard kept: shard_params=False, or keep_shard not called")
+        return rank
+
+    def _cut(self, bucket: Bucket) -> None:
+        lo, hi = self.shard(bucket, self.kept_rank(bucket))
         self.shard_view(bucket.index).copy_(
             self.bucket_data[bucket.index][lo - bucket.start:hi - bucket.start])
         self.free_bucket(bucket.index)
 
     @torch.no_grad()
-    def keep_shard(self, rank: int) -> None:
-        """``shard_params``: copy rank's shard of every full bucket into ``shard_data`` and
-        free the buckets (no-op when the shard was kept at construction)."""
+    def keep_shard(self, rank: int, expert_rank: int | None = None) -> None:
+        """``shard_params``: copy shard ``rank`` of every full dense bucket (``expert_rank``,
+        default ``rank``, of every expert bucket) into ``shard_data`` and free the buckets
+        (no-op when the shard was kept at construction)."""
         if not self.shard_params:
             raise ValueError("keep_shard needs shard_params=True")
+        expert_rank = rank if expert_rank is None else expert_rank
         if self.shard_data is not None:
-            if self.shard_rank != rank:
-                raise ValueError(f"the buffers keep rank {self.shard_rank}'s shard, not {rank}'s")
+            if (self.shard_rank, self.expert_shard_rank) != (rank, expert_rank):
+                raise ValueError(f"the buffers keep shards ({self.shard_rank}, "
+                                 f"{self.expert_shard_rank}), not ({rank}, {expert_rank})")
             return
-        self.shard_rank = rank
+        self.shard_rank, self.expert_shard_rank = rank, expert_rank
         self._new_shard()
         for bucket in self.buckets:
-            self._cut(bucket, rank)
+            self._cut(bucket)
 
     def shard_view(self, index: int) -> torch.Tensor:
         """``shard_params``: bucket ``index``'s persistent shard, a [L_i] view of shard_data."""

@@ -60,8 +60,14 @@ and the expert-dp replicas together see every token of the stage exactly once:
 dL/dw_e = (1/D) sum_{expert-dp replicas} g_local. Expert buckets are therefore pre-scaled by
 1 / D too (not 1 / edp; edp = tp x cp x dp / ep differs from D when ep != tp) and summed
 (``average_in_collective``: pre-scaled by edp / D, then averaged: the same number).
-Expert buckets shard over the whole expert-dp group (hybrid sharding applies to dense buckets
-only). ZeRO-2/3 do not hold expert parameters (the validator rejects them with MoE).
+Every ZeRO stage shards expert buckets over the expert-dp group as it shards dense ones over
+dp x cp (stage 1: optimizer state; 2: + the gradient shard; 3: + the parameters, gathered over
+expert-dp). Hybrid sharding (``zero_shard_size``) shards them over groups of
+min(zero_shard_size, edp) consecutive expert-dp ranks and replicates across those groups
+(:func:`~colonnade.parallel.groups.expert_zero_partitions`); the replicas' gradient shards are
+all-reduced over the expert replicate group as dense ones are over theirs.
+:class:`~colonnade.data_parallel.shard_groups.ShardGroups` names each bucket's groups and
+pre-scale for every stage.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ from colonnade.data_parallel.buffer import (
 )
 from colonnade.data_parallel.grad_shards import GradShards
 from colonnade.data_parallel.param_shards import ParamShards
+from colonnade.data_parallel.shard_groups import ShardGroups, bucket_name
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.parallel.groups import ProcessGroups
 
@@ -123,14 +130,18 @@ class DataParallel:
     (``shard_group``: hybrid sharding's group of ``zero_shard_size`` ranks when given, with
     ``replicate_group`` across the shard groups). ``isolate`` names parameters that get a
     bucket of their own (the tied embedding and head when pp > 1). ``expert_group``: the
-    expert-dp group reducing (and with ZeRO-1 sharding) the expert parameters' buckets; needed
-    when the chunks hold expert parameters, given for every rank of an MoE model.
+    expert-dp group reducing the expert parameters' buckets; needed when the chunks hold
+    expert parameters, given for every rank of an MoE model. ``expert_shard_group`` /
+    ``expert_replicate_group``: with ZeRO, hybrid sharding's expert shard and replicate groups
+    (default: the expert buckets shard over the whole expert-dp group).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], group: CommGroup, cfg: ParallelConfig,
                  isolate: frozenset[str] = frozenset(), *, shard_group: CommGroup | None = None,
                  replicate_group: CommGroup | None = None,
-                 expert_group: CommGroup | None = None) -> None:
+                 expert_group: CommGroup | None = None,
+                 expert_shard_group: CommGroup | None = None,
+                 expert_replicate_group: CommGroup | None = None) -> None:
         self.cfg, self.zero = cfg, cfg.zero
         self.sharded = self.zero >= 1
         self.shard_group = shard_group if shard_group is not None else group
@@ -150,16 +161,20 @@ class DataParallel:
         if expert_group is None and any(is_expert_param(p) for ps in params for p in ps):
             raise ValueError("the model has expert parameters (an 'ep' split) but no expert-dp "
                              "group was given; build the groups with experts=True")
-        if expert_group is not None and self.zero >= 2:
-            raise ValueError(f"parallel.zero_stage={self.zero} does not support "
-                             "mixture-of-experts models; set parallel.zero_stage to 0 or 1")
+        expert_shard = (expert_shard_group or expert_group) if self.sharded else expert_group
+        self.shard_groups = ShardGroups(
+            self.group, replicate_group if self.sharded else None, expert_shard,
+            expert_replicate_group if self.sharded and expert_group is not None else None)
+        """Each bucket's reduction / shard group and replicas (dense: dp x cp; expert:
+        expert-dp)."""
         self.buffers = FlatBuffers(params, cfg.bucket_size,
                                    self.group.size if self.sharded else 1, isolate,
                                    full_grads=self.zero < 2 and not self.direct_grads,
                                    shard_params=self.zero == 3,
                                    shard_rank=max(self.group.rank, 0) if self.zero == 3 else None,
-                                   expert_shard_count=(expert_group.size if self.sharded
-                                                       and expert_group is not None else None))
+                                   expert_shard_count=(expert_shard.size if self.sharded
+                                                       and expert_shard is not None else None),
+                                   expert_shard_rank=self.expert_rank if self.zero == 3 else None)
         self.buckets: list[Bucket] = self.buffers.buckets
         self.grad_divisor = self.group.size * self.replicas
         """D = dp x cp: every reduced gradient is a sum over ranks divided by D."""
@@ -201,8 +216,8 @@ class DataParallel:
 
     @property
     def expert_rank(self) -> int:
-        """This rank's index in the expert-dp group (its expert buckets' ZeRO-1 shard)."""
-        return max(self.expert_group.rank, 0) if self.expert_group is not None else 0
+        """This rank's index in the expert shard group (its expert buckets' ZeRO shard)."""
+        return self.shard_groups.expert_rank
 
     def _needs_reduction(self) -> bool:
         """Whether the step's gradients need any collective or rescale at all: dp x cp > 1,
@@ -213,16 +228,13 @@ class DataParallel:
 
     @property
     def _gathers(self) -> bool:
-        """ZeRO-1: whether some bucket's shard group has more than one rank."""
-        return self.group.size > 1 or (self.expert_group is not None
-                                       and self.expert_group.size > 1)
+        """ZeRO-1/2: whether some bucket's shard group has more than one rank."""
+        expert = self.shard_groups.expert
+        return self.group.size > 1 or (expert is not None and expert.size > 1)
 
     def _group_of(self, bucket: Bucket) -> tuple[CommGroup, int]:
         """The group reducing (and sharding) ``bucket`` and this rank's index in it."""
-        if bucket.expert:
-            assert self.expert_group is not None
-            return self.expert_group, self.expert_rank
-        return self.group, self.rank
+        return self.shard_groups.shard(bucket), self.shard_groups.rank(bucket)
 
     def _init_sharded_grads(self, chunks: Sequence[nn.Module]) -> None:
         """ZeRO-2/3: gradients through :class:`GradShards`; stage 3 builds ParamShards."""
@@ -232,14 +244,15 @@ class DataParallel:
         self.hooked = True
         on_done = None
         if self.zero == 3:
-            self.param_shards = ParamShards(self.buffers, self.group, chunks, rank=self.rank,
+            self.param_shards = ParamShards(self.buffers, self.shard_groups, chunks,
                                             reshard_after_forward=self.cfg.reshard,
                                             prefetch=self.cfg.zero_prefetch)
             on_done = self.param_shards.bucket_backward_done
-        elif self.cfg.overlap_param_gather and self.group.size > 1:
+        elif self.cfg.overlap_param_gather and self._gathers:
             self._install_pre_forward_hooks(chunks)
-        self.grad_shards = GradShards(self.buffers, self.group, self.replicate_group, self.cfg,
-                                      on_bucket_done=on_done, uses=shared_uses(chunks))
+        self.grad_shards = GradShards(self.buffers, self.shard_groups, self.cfg,
+                                      divisor=self.grad_divisor, on_bucket_done=on_done,
+                                      uses=shared_uses(chunks))
         self.zero_grad()
 
     @property
@@ -285,6 +298,25 @@ class DataParallel:
                 start = self.buffers.slot(p).start
                 out.append((p, a - start, b - start, values[a - lo:b - lo]))
         return out
+
+    def local_param(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's full local (tp / ep shard) value of ``param`` [local_shape]: with ZeRO-3
+        rebuilt from the persistent shards of its bucket's shard group (dense: dp x cp; expert:
+        expert-dp), each element written by the one rank owning it into a zero-filled [numel]
+        buffer and the buffers summed over that group (exact in every dtype; collective: every
+        rank of the group calls for the same parameters in the same order); otherwise, or for
+        a parameter the buffers do not hold (not trained), the parameter itself."""
+        if self.param_shards is None or id(param) not in self.buffers.slots:
+            return param
+        slot = self.buffers.slot(param)
+        flat = torch.zeros(param.numel(), dtype=param.dtype, device=self.buffers.device)
+        for (lo, hi), values in zip(self.owned_ranges(), self.owned_params(), strict=True):
+            a, b = max(lo, slot.start), min(hi, slot.end)
+            if a < b:
+                flat[a - slot.start:b - slot.start] = values[a - lo:b - lo]
+        group = self.shard_groups.shard(self.buckets[slot.bucket])
+        group.all_reduce(flat, name="gather_zero3_param")
+        return flat.view(param.shape)
 
     @property
     def peak_transient_bytes(self) -> int:
@@ -431,41 +463,26 @@ class DataParallel:
     def _reduce_op(self) -> object:
         return dist.ReduceOp.AVG if self.cfg.average_in_collective else dist.ReduceOp.SUM
 
-    def _prescale(self, bucket: Bucket, group: CommGroup) -> float:
-        """The factor a bucket is multiplied by before its collective (see the module doc):
-        dense 1 / D (1 with ``average_in_collective``); expert 1 / D (edp / D when the
-        collective averages over edp)."""
-        if bucket.expert:
-            n = group.size if self.cfg.average_in_collective and group.size > 1 else 1
-            return n / self.grad_divisor
-        if self.group.size > 1 and not self.cfg.average_in_collective:
-            return 1.0 / self.grad_divisor
-        return 1.0
-
     def _launch_reduce(self, index: int) -> None:
         bucket = self.buckets[index]
         assert self.buffers.grad_data is not None
         data = self.buffers.grad_data[bucket.start:bucket.end]  # [bucket]
         group, rank = self._group_of(bucket)
-        scale = self._prescale(bucket, group)
+        scale = self.shard_groups.prescale(bucket, self.grad_divisor,
+                                           self.cfg.average_in_collective)
         if scale != 1.0:
             data.mul_(scale)
         if self.sharded:
             lo, hi = self.buffers.shard(bucket, rank)
             out = self.buffers.grad_data[lo:hi]  # [bucket / n], aliases data
             handle = group.reduce_scatter_into(out, data, op=self._reduce_op(),
-                                               name=self._name(bucket, "grad_bucket"),
+                                               name=bucket_name(bucket, "grad_bucket"),
                                                async_op=True)
         else:
             handle = group.all_reduce(data, op=self._reduce_op(),
-                                      name=self._name(bucket, "grad_bucket"), async_op=True)
+                                      name=bucket_name(bucket, "grad_bucket"), async_op=True)
         assert handle is not None
         self._grad_handles[index] = handle
-
-    @staticmethod
-    def _name(bucket: Bucket, name: str) -> str:
-        """The comm-stats name of a bucket collective (expert buckets: ``expert_`` prefix)."""
-        return f"expert_{name}" if bucket.expert else name
 
     def finish_grad_sync(self) -> None:
         """Launch every bucket not launched yet (overlap off, or unused params), wait for all.
@@ -489,14 +506,13 @@ class DataParallel:
         for handle in self._grad_handles:
             assert handle is not None
             handle.wait()
-        if self.replicate_group is not None and self.replicate_group.size > 1:
-            op = self._reduce_op()
-            assert self.buffers.grad_data is not None
-            for bucket in self.buckets:  # ZeRO-1 hybrid: sum the dense shards over replicas
-                if not bucket.expert:
-                    lo, hi = self.buffers.shard(bucket, self.rank)
-                    self.replicate_group.all_reduce(self.buffers.grad_data[lo:hi], op=op,
-                                                    name="grad_shard_replicas")
+        assert self.buffers.grad_data is not None
+        for bucket in self.buckets:  # ZeRO-1 hybrid: sum the shards over their replicas
+            replicate = self.shard_groups.replicate(bucket)
+            if replicate is not None:
+                lo, hi = self.buffers.shard(bucket, self.shard_groups.rank(bucket))
+                replicate.all_reduce(self.buffers.grad_data[lo:hi], op=self._reduce_op(),
+                                     name=bucket_name(bucket, "grad_shard_replicas"))
         self._reset()
 
     # ------------------------------------------------------------------ parameters (ZeRO-1)
@@ -514,7 +530,7 @@ class DataParallel:
             lo, hi = self.buffers.shard(bucket, rank)
             full = self.buffers.param_data[bucket.start:bucket.end]  # [bucket]
             handle = group.all_gather_into(full, self.buffers.param_data[lo:hi],
-                                           name=self._name(bucket, "param_bucket"),
+                                           name=bucket_name(bucket, "param_bucket"),
                                            async_op=True)
             self._gather_handles[bucket.index] = handle
         if not self.cfg.overlap_param_gather:
@@ -564,7 +580,9 @@ def build_data_parallel(chunks: Sequence[nn.Module], config: Config,
     replicated over the replicate group under hybrid sharding), tied weights isolated when
     pp > 1; an MoE model's expert buckets over expert-dp."""
     tied = config.model.tie_embeddings and config.parallel.pp > 1
-    experts = groups.expert_dp if config.model.moe else None
+    moe = config.model.moe
     return DataParallel(chunks, groups.dp_cp, config.parallel, TIED_KEYS if tied else frozenset(),
                         shard_group=groups.shard_group, replicate_group=groups.zero_replicate,
-                        expert_group=experts)
+                        expert_group=groups.expert_dp if moe else None,
+                        expert_shard_group=groups.expert_shard_group if moe else None,
+                        expert_replicate_group=groups.expert_zero_replicate if moe else None)

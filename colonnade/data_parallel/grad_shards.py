@@ -9,15 +9,19 @@ a post-accumulate-grad hook then
    allocated uninitialised when the bucket's first gradient arrives (the padding and the slots
    of parameters that did not arrive are zeroed at launch), and frees ``param.grad``;
 2. when every parameter of bucket i has arrived (and ``overlap_grad_reduce``), launches the
-   asynchronous reduce-scatter of ``T_i`` over the shard group into a temporary ``O_i`` [L_i],
-   ``L_i = numel_i / n``: rank r receives ``sum_ranks T_i[r L_i : (r + 1) L_i]``.
+   asynchronous reduce-scatter of ``T_i`` over the bucket's shard group into a temporary
+   ``O_i`` [L_i], ``L_i = numel_i / n``: rank r receives ``sum_ranks T_i[r L_i : (r + 1) L_i]``.
 
-Averaging: ``T_i`` is pre-scaled by ``1 / (n x R)`` before a SUM (n shard-group ranks, R
-replicas; ``average_in_collective``: AVG in both collectives instead). Hybrid sharding
+Groups (:class:`~colonnade.data_parallel.shard_groups.ShardGroups`): a dense bucket's shard
+group is dp x cp (n = dp x cp) or hybrid sharding's group, an expert bucket's the expert-dp
+group (n = edp) or its hybrid shard group. Averaging: ``T_i`` is pre-scaled by
+:meth:`ShardGroups.prescale` (1 / D before a SUM, D = dp x cp for both kinds;
+``average_in_collective``: AVG in both collectives, pre-scaled by n R / D). Hybrid sharding
 (``zero_shard_size``): the reduce-scatters run inside the shard group, and at the step's sync
 the accumulated shard ``G`` is all-reduced once over the replicate group (the ranks holding the
-same shard index), so every rank holds the average over all dp x cp ranks: one all-reduce of
-N / n elements per step, not one per bucket and micro-batch (the sum is linear).
+same shard index; the expert buckets' pieces over the expert replicate group), so every rank
+holds the average over all dp x cp ranks: one all-reduce of N / n elements per step, not one
+per bucket and micro-batch (the sum is linear).
 
 When a reduce-scatter is waited, ``O_i`` is added into this rank's persistent shard gradient
 ``G`` [sum_i L_i] (fp32; fp64 for fp64 models: :meth:`GradShards.owned_grads`) and ``T_i`` and
@@ -64,7 +68,8 @@ from torch import nn
 from colonnade.config.choices import GRAD_REDUCE_DTYPES
 from colonnade.config.sections import ParallelConfig
 from colonnade.data_parallel.buffer import FlatBuffers
-from colonnade.parallel.comm import CommGroup, Handle
+from colonnade.data_parallel.shard_groups import ShardGroups, bucket_name
+from colonnade.parallel.comm import Handle
 
 REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """parallel.grad_reduce_dtype -> torch dtype (keys equal config.choices.GRAD_REDUCE_DTYPES)."""
@@ -91,29 +96,35 @@ class _InFlight:
 class GradShards:
     """The stage-2/3 gradient storage and its per-micro-batch reduce-scatters.
 
-    ``group``: the shard group (n ranks; ``buffers.shard_count == n``); ``replicate``: the
-    replicate group of hybrid sharding (None: no replicas). ``on_bucket_done(i)`` is called
+    ``groups``: each bucket's shard and replicate groups (dense: ``buffers.shard_count`` ranks;
+    expert: ``buffers.expert_shard_count``); ``divisor``: D = dp x cp, the count every gradient
+    is averaged over (default: the dense shard group times its replicas). ``on_bucket_done(i)``
+    is called
     when bucket i's gradients of a micro-batch are complete and launched (ZeRO-3 frees its
     gathered parameters there). ``uses``: id(parameter) -> arrivals that complete it, for
     parameters read by more than one local chunk (``ddp.shared_uses``; others need one).
     """
 
-    def __init__(self, buffers: FlatBuffers, group: CommGroup, replicate: CommGroup | None,
-                 cfg: ParallelConfig, *, max_in_flight: int = 2,
+    def __init__(self, buffers: FlatBuffers, groups: ShardGroups, cfg: ParallelConfig, *,
+                 divisor: int | None = None, max_in_flight: int = 2,
                  on_bucket_done: Callable[[int], None] | None = None,
                  uses: dict[int, int] | None = None) -> None:
         if buffers.grad_data is not None:
             raise ValueError("GradShards needs FlatBuffers(full_grads=False)")
-        if buffers.shard_count != group.size:
-            raise ValueError(f"buffers are cut into {buffers.shard_count} shards but the shard "
-                             f"group has {group.size} ranks")
-        self.buffers, self.group, self.replicate, self.cfg = buffers, group, replicate, cfg
-        self.rank = max(group.rank, 0)
+        for bucket in buffers.buckets:
+            if buffers.count_of(bucket) != groups.shard(bucket).size:
+                raise ValueError(f"buffers cut bucket {bucket.index} into "
+                                 f"{buffers.count_of(bucket)} shards but its shard group has "
+                                 f"{groups.shard(bucket).size} ranks")
+        self.buffers, self.groups, self.cfg = buffers, groups, cfg
+        self.rank = max(groups.dense.rank, 0)
+        self.expert_rank = groups.expert_rank
         self.max_in_flight = max(1, max_in_flight)
         self.on_bucket_done = on_bucket_done
-        self.replicas = replicate.size if replicate is not None else 1
+        replicas = groups.dense_replicate.size if groups.dense_replicate is not None else 1
+        self.divisor = divisor if divisor is not None else groups.dense.size * replicas
         self.reduce_dtype = reduce_dtype_for(cfg.grad_reduce_dtype, buffers.grad_dtype)
-        sizes = [b.numel // group.size for b in buffers.buckets]
+        sizes = [b.numel // buffers.count_of(b) for b in buffers.buckets]
         self._offsets = [0]
         for size in sizes:
             self._offsets.append(self._offsets[-1] + size)
@@ -143,7 +154,7 @@ class GradShards:
         """1-D views of the shard aligned with ``buffers.owned_ranges(rank)`` (the shard is
         the owned ranges concatenated in bucket order, so merged ranges are contiguous)."""
         out, offset = [], 0
-        for lo, hi in self.buffers.owned_ranges(self.rank):
+        for lo, hi in self.buffers.owned_ranges(self.rank, self.expert_rank):
             out.append(self.shard[offset:offset + hi - lo])
             offset += hi - lo
         return out
@@ -199,16 +210,20 @@ class GradShards:
         self._full[index] = None
         if full is None:
             return
+        bucket = self.buffers.buckets[index]
+        group = self.groups.shard(bucket)
         with torch.no_grad():
             self._zero_unwritten(index, full)
-            if not self.cfg.average_in_collective:
-                full.mul_(1.0 / (self.group.size * self.replicas))
-            out = torch.empty(full.numel() // self.group.size, dtype=full.dtype,
+            scale = self.groups.prescale(bucket, self.divisor, self.cfg.average_in_collective)
+            if scale != 1.0:
+                full.mul_(scale)
+            out = torch.empty(full.numel() // group.size, dtype=full.dtype,
                               device=full.device)  # [L_i]
             self._count(out)
             op, _ = self._ops()
-            handle = self.group.reduce_scatter_into(out, full, op=op, name="grad_shard",
-                                                    async_op=True)
+            handle = group.reduce_scatter_into(out, full, op=op,
+                                               name=bucket_name(bucket, "grad_shard"),
+                                               async_op=True)
         assert handle is not None
         self._pending.append(_InFlight(index, handle, full, out))
         self.launches += 1
@@ -251,11 +266,24 @@ class GradShards:
                 self._launch(index)
         while self._pending:
             self._complete(self._pending.popleft())
-        if self.replicas > 1:
-            assert self.replicate is not None
-            _, op = self._ops()
-            with torch.no_grad():
-                self.replicate.all_reduce(self.shard, op=op, name="grad_shard_replicas")
+        self._reduce_replicas()
+
+    def _reduce_replicas(self) -> None:
+        """Hybrid sharding: all-reduce the shard over the replicate groups, one call per run of
+        consecutive buckets of one kind (dense, expert), in bucket order on every rank."""
+        buckets = self.buffers.buckets
+        start = 0
+        _, op = self._ops()
+        for index in range(1, len(buckets) + 1):
+            if index < len(buckets) and buckets[index].expert == buckets[start].expert:
+                continue
+            group = self.groups.replicate(buckets[start])
+            if group is not None:
+                run = self.shard[self._offsets[start]:self._offsets[index]]  # [run]
+                with torch.no_grad():
+                    group.all_reduce(run, op=op, name=bucket_name(buckets[start],
+                                                                  "grad_shard_replicas"))
+            start = index
 
     def zero_grad(self) -> None:
         """Zero the shard gradient and forget partial buckets (the step's start)."""

@@ -4,9 +4,14 @@ only while a module that reads them runs (forward, backward, recomputation).
 Storage (:class:`~colonnade.data_parallel.buffer.FlatBuffers` with ``shard_params``): bucket i
 has a full storage [numel_i] that its parameters view, allocated by a gather and released by a
 free (``untyped_storage().resize_(0)``), and rank r's persistent shard [L_i] of it, L_i =
-numel_i / n. A gather all-gathers the n shards over the shard group into the full storage::
+numel_i / n. A gather all-gathers the n shards over the bucket's shard group into the full
+storage::
 
     full_i[k L_i : (k + 1) L_i] = shard_i(rank k),   k = 0 .. n - 1
+
+The shard group of a dense bucket is dp x cp (or hybrid sharding's shard group), that of an
+expert bucket the expert-dp group (or its hybrid shard group): n and r differ per kind
+(:class:`~colonnade.data_parallel.shard_groups.ShardGroups`).
 
 The optimizer writes the shards (:meth:`ParamShards.owned`); the next gather sees the writes.
 
@@ -16,8 +21,13 @@ training.compile covers all its descendants, which get none):
 
 * forward-pre: gather the module's buckets (wait for them) and launch the gather of the next
   ``prefetch`` buckets in forward order (lower bucket indices: buckets are laid out in backward
-  order) of the same chunk, asynchronously (not inside a recomputation: the modules after it
-  in forward order have finished their backward).
+  order) of the same chunk and kind, asynchronously (not inside a recomputation: the modules
+  after it in forward order have finished their backward). A chunk of an MoE model is two
+  regions, its dense buckets then its expert buckets, each in backward order, so the next
+  buckets in use order are found within the region: a dense bucket prefetches dense ones, an
+  expert bucket expert ones (stepping across the boundary would gather the other region's
+  bucket at the wrong end of the pass, e.g. the last layer's experts after the embedding's
+  backward).
 * forward-post: register the pre-backward hook on the module's outputs that require grad, and
   (``reshard_after_forward``) free the buckets whose last user in the chunk's module order this
   module is. A chunk's root frees every bucket of the chunk after its forward, so an evaluation
@@ -31,7 +41,8 @@ training.compile covers all its descendants, which get none):
   that reads the module's saved weights): gather the module's buckets and prefetch the next
   ``prefetch`` in backward order (higher indices) of the same chunk. A tensor hook rather than
   ``register_multi_grad_hook``: one output's gradient is enough to need the weights, and the
-  gather is idempotent, so the first output hook to fire gathers.
+  gather is idempotent, so the first output hook to fire gathers (prefetch within the region
+  as in forward).
 
 A bucket gathered for backward is freed (``reshard_after_forward``) once every one of its
 parameters has accumulated its gradient in the same backward pass (autograd graph task): a
@@ -57,7 +68,12 @@ gathers and prefetches are a function of the module and of which buckets are gat
 gathered set evolves identically on every rank (same hooks, same frees, same
 bucket_backward_done order, since the buckets complete in the same backward order). So every
 rank issues the same all-gathers in the same order. A module called or skipped depending on
-the data (a routed expert) would break this; Colonnade's models have none.
+the data would break this; Colonnade's models have none. In particular the routed experts of a
+layer are one module (:class:`~colonnade.moe.experts.GroupedExperts`, stacked weights) called
+every micro-batch, with zero rows when no token reached this rank: an expert that received no
+token is gathered, computes an empty product, gets a zero gradient (so its bucket's arrival
+count completes) and joins every all-gather of its expert-dp group in the same order as the
+ranks whose experts did receive tokens (``tests/moe/test_parity_moe_zero23.py`` starves one).
 
 Weights read outside any hooked module's forward (not through a module call, nor listed in
 ``direct_children``) are not gathered by the hooks: code doing that (export, checkpoint,
@@ -74,7 +90,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from colonnade.data_parallel.buffer import FlatBuffers, bucket_users
-from colonnade.parallel.comm import CommGroup, Handle
+from colonnade.data_parallel.shard_groups import ShardGroups, bucket_name
+from colonnade.parallel.comm import Handle
 
 
 @dataclass
@@ -91,24 +108,28 @@ class _Site:
 
 class ParamShards:
     """Gathers and frees the ZeRO-3 buckets of ``buffers`` around the forward and backward of
-    ``chunks`` (see the module docstring). ``rank``: this rank's index in ``group`` (the shard
-    group); ``prefetch``: buckets gathered ahead of the one in use."""
+    ``chunks`` (see the module docstring). ``groups``: each bucket's shard group (this rank's
+    index in it is the shard it keeps); ``prefetch``: buckets gathered ahead of the one in
+    use."""
 
-    def __init__(self, buffers: FlatBuffers, group: CommGroup, chunks: Sequence[nn.Module],
-                 *, rank: int, reshard_after_forward: bool, prefetch: int) -> None:
+    def __init__(self, buffers: FlatBuffers, groups: ShardGroups, chunks: Sequence[nn.Module],
+                 *, reshard_after_forward: bool, prefetch: int) -> None:
         if not buffers.shard_params:
             raise ValueError("ParamShards needs FlatBuffers(shard_params=True)")
-        if buffers.shard_count != group.size:
-            raise ValueError(f"buffers are cut into {buffers.shard_count} shards, the shard "
-                             f"group has {group.size} ranks")
+        for bucket in buffers.buckets:
+            if buffers.count_of(bucket) != groups.shard(bucket).size:
+                raise ValueError(f"buffers cut bucket {bucket.index} into "
+                                 f"{buffers.count_of(bucket)} shards, its shard group has "
+                                 f"{groups.shard(bucket).size} ranks")
         if prefetch < 0:
             raise ValueError(f"parallel.zero_prefetch={prefetch} must be >= 0")
-        self.buffers, self.group, self.rank = buffers, group, rank
+        self.buffers, self.groups = buffers, groups
+        self.rank, self.expert_rank = max(groups.dense.rank, 0), groups.expert_rank
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        buffers.keep_shard(rank)
+        buffers.keep_shard(self.rank, self.expert_rank)
         self._handles: list[Handle | None] = [None] * len(buffers.buckets)
         self._bytes = [b.numel * buffers.bucket_data[0].element_size() for b in buffers.buckets]
-        self._chunk_of = [b.chunk for b in buffers.buckets]
+        self._region_of = [(b.chunk, b.expert) for b in buffers.buckets]
         self.gathered_bytes = 0
         """Bytes of full bucket storage allocated now."""
         self.peak_gathered_bytes = 0
@@ -130,7 +151,7 @@ class ParamShards:
         out, offset = [], 0
         data = self.buffers.shard_data
         assert data is not None
-        for lo, hi in self.buffers.owned_ranges(self.rank):
+        for lo, hi in self.buffers.owned_ranges(self.rank, self.expert_rank):
             out.append(data[offset:offset + hi - lo])
             offset += hi - lo
         return out
@@ -146,9 +167,11 @@ class ParamShards:
         full = self.buffers.alloc_bucket(index)  # [numel_i]
         self.gathered_bytes += self._bytes[index]
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        bucket = self.buffers.buckets[index]
         with torch.no_grad():
-            self._handles[index] = self.group.all_gather_into(
-                full, self.buffers.shard_view(index), name="param_shard", async_op=True)
+            self._handles[index] = self.groups.shard(bucket).all_gather_into(
+                full, self.buffers.shard_view(index), name=bucket_name(bucket, "param_shard"),
+                async_op=True)
         self.gathers += 1
 
     def _wait(self, index: int) -> None:
@@ -229,18 +252,23 @@ class ParamShards:
 
     def _prefetch(self, needed: list[int], step: int) -> list[int]:
         """Launch the next ``prefetch`` buckets after ``needed`` in the direction ``step``
-        (-1 forward, +1 backward), within the chunk of the first needed bucket; returns them."""
+        (-1 forward, +1 backward), within each region (chunk and kind, dense or expert) of
+        the needed buckets in the chunk of the first one; returns them."""
         out: list[int] = []
         if not needed or self.prefetch == 0:
             return out
-        chunk = self._chunk_of[needed[0]]
-        index = min(needed) if step < 0 else max(needed)
-        for _ in range(self.prefetch):
-            index += step
-            if not 0 <= index < len(self._chunk_of) or self._chunk_of[index] != chunk:
-                break
-            self._launch(index)
-            out.append(index)
+        chunk = self._region_of[needed[0]][0]
+        for region in sorted({self._region_of[b] for b in needed}):
+            if region[0] != chunk:
+                continue
+            mine = [b for b in needed if self._region_of[b] == region]
+            index = min(mine) if step < 0 else max(mine)
+            for _ in range(self.prefetch):
+                index += step
+                if not 0 <= index < len(self._region_of) or self._region_of[index] != region:
+                    break
+                self._launch(index)
+                out.append(index)
         return out
 
     def _install(self, chunks: Sequence[nn.Module]) -> list[_Site]:

@@ -91,9 +91,11 @@ class Router(nn.Module):
         """[E] added to the logits (gpt-oss's linear router), a partial gradient under sp."""
         self.expert_bias: nn.Parameter | None = None
         if self.kind == "sigmoid":
+            # never deferred to the meta device (ZeRO-3): not a trained weight, so no
+            # data-parallel buffer materialises it
             bias = make_param(Sharding(f"{key}.expert_bias", (e,)), tp_coords(ctx.tp_rank, ctx.tp),
-                              ctx.seed, 0.0, "zeros", router_dtype(ctx.dtype),
-                              ctx.param_device or ctx.device, ctx.device)
+                              ctx.seed, 0.0, "zeros", router_dtype(ctx.dtype), ctx.device,
+                              ctx.device)
             bias.requires_grad_(False)
             self.expert_bias = bias
 

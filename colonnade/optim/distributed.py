@@ -23,10 +23,11 @@ bf16 model's masters are cast into it after the update (written values are seen 
 gather). The norm is summed over tp, pp and the shard group (not hybrid sharding's replicas).
 
 Mixture of experts (``ddp.expert_group`` given): the owned ranges include this rank's expert
-buckets (its expert-dp shard of them under ZeRO-1, so the expert optimizer state is sharded
-over expert-dp). The squared norm is two sums, each counting every element once:
+buckets (its expert-dp shard of them under ZeRO, so the expert optimizer state, and at stages
+2/3 the expert gradients and parameters, are sharded over expert-dp). The squared norm is two
+sums, each counting every element once:
     ||g||^2 = sum_dense g^2 (over tp, pp [, the dense shard group])
-            + sum_expert g^2 (over ep, pp [, expert-dp with ZeRO-1])
+            + sum_expert g^2 (over ep, pp [, the expert shard group with ZeRO])
 An expert weight is split over ep and replicated over expert-dp (identical reduced gradients),
 so without ZeRO each rank counts all its local experts and only ep and pp are summed over.
 Both sums are taken on every rank of an MoE model (pipeline stages without expert layers add
@@ -129,11 +130,14 @@ class DistributedOptimizer:
         """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
         hybrid sharding's replicate group (the replicas hold the same shard)."""
         self.expert_norm_groups: list[CommGroup] = []
-        """Groups the expert squared norm is summed over: ep, pp and (ZeRO-1) expert-dp."""
+        """Groups the expert squared norm is summed over: ep, pp and (ZeRO) the expert shard
+        group (expert-dp, or its hybrid shard group: not the expert replicas)."""
         if self.experts:
             assert groups.ep is not None and ddp.expert_group is not None
+            expert_shard = ddp.shard_groups.expert
+            assert expert_shard is not None
             self.expert_norm_groups = [groups.ep, groups.pp] + (
-                [ddp.expert_group] if ddp.sharded else [])
+                [expert_shard] if ddp.sharded else [])
         self.step_count = 0
 
     def _index_segments(self, coords: Coords, expert_coords: Coords) -> None:

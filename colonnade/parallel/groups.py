@@ -37,6 +37,12 @@ model with mixture-of-experts layers, else None):
   expert_dp   gradient reduction of expert weights (replicated across it); equals dp_cp
               (shares its pg) when ep = 1 and etp = tp
 
+Hybrid sharding of the expert weights (made with both ``experts`` and ``zero_shard_size``):
+  expert_zero_shard      groups of min(zero_shard_size, edp) consecutive ranks of each
+                         expert_dp group (the expert buckets' ZeRO shards); equals expert_dp
+                         when zero_shard_size >= edp
+  expert_zero_replicate  the ranks of one expert_dp group holding the same expert shard index
+
 Only groups used for a collective are created, with one call per axis
 (:func:`plan_groups` decides, :func:`create_partition` creates), each with the collective
 timeout passed at creation. A group whose partition equals another's shares that one's
@@ -67,7 +73,10 @@ INDEX_GROUPS: frozenset[str] = frozenset({"dp"})
 process group only by sharing an equal partition's (source 'index' otherwise)."""
 
 ZERO_GROUP_NAMES: tuple[str, ...] = ("zero_shard", "zero_replicate")
-"""Hybrid-sharding groups, made last when ``zero_shard_size`` is given."""
+"""Hybrid-sharding groups, made when ``zero_shard_size`` is given."""
+EXPERT_ZERO_GROUP_NAMES: tuple[str, ...] = ("expert_zero_shard", "expert_zero_replicate")
+"""Hybrid-sharding groups of the expert weights, made after :data:`ZERO_GROUP_NAMES` when both
+``experts`` and ``zero_shard_size`` are given."""
 CP_GROUP_NAMES: tuple[str, ...] = ("cp_a2a", "cp_ring")
 """Hierarchical cp's groups, made after the expert groups when ``cp_a2a_size`` is given."""
 
@@ -96,6 +105,26 @@ def zero_partitions(dp_cp: list[list[int]], size: int) -> dict[str, list[list[in
     return {"zero_shard": sorted(shard), "zero_replicate": sorted(replicate)}
 
 
+def expert_shard_size(zero_shard_size: int, edp: int) -> int:
+    """Ranks per expert shard group under hybrid sharding: ``min(zero_shard_size, edp)`` (an
+    expert weight is replicated over edp ranks only, so a shard group never spans more)."""
+    return min(zero_shard_size, edp)
+
+
+def expert_zero_partitions(expert_dp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
+    """Hybrid sharding of every expert_dp group ``g`` (edp ranks) into expert shard groups of
+    s = :func:`expert_shard_size` consecutive ranks ``g[k s : (k + 1) s]`` and expert
+    replicate groups ``g[j::s]``."""
+    s = expert_shard_size(size, len(expert_dp[0]))
+    for ranks in expert_dp:
+        if len(ranks) % s:
+            raise ValueError(f"parallel.zero_shard_size={size} does not divide expert dp = "
+                             f"{len(ranks)}")
+    shard = [ranks[k:k + s] for ranks in expert_dp for k in range(0, len(ranks), s)]
+    replicate = [ranks[j::s] for ranks in expert_dp for j in range(s)]
+    return {"expert_zero_shard": sorted(shard), "expert_zero_replicate": sorted(replicate)}
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """How one named group comes to exist on every rank.
@@ -122,8 +151,9 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
     """Pure layout maths: the partition of every group and whether it is created, shared or
     trivial. Needs no processes (a 4096-rank layout is planned in a fraction of a second).
     ``experts``: add the expert groups (:data:`EXPERT_GROUP_NAMES`); ``zero_shard_size``: add
-    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`); ``cp_a2a_size``: hierarchical cp's
-    groups (:data:`CP_GROUP_NAMES`)."""
+    the hybrid-sharding groups (:data:`ZERO_GROUP_NAMES`; with ``experts`` also
+    :data:`EXPERT_ZERO_GROUP_NAMES`); ``cp_a2a_size``: hierarchical cp's groups
+    (:data:`CP_GROUP_NAMES`)."""
     partitions: dict[str, list[list[int]]] = {
         "tp": dims.group_ranks("tp"),
         "pp": dims.group_ranks("pp"),
@@ -141,6 +171,9 @@ def plan_groups(dims: ParallelDims, tied_embeddings: bool = True,
     if zero_shard_size is not None:
         names = (*names, *ZERO_GROUP_NAMES)
         partitions.update(zero_partitions(partitions["dp_cp"], zero_shard_size))
+        if experts:
+            names = (*names, *EXPERT_ZERO_GROUP_NAMES)
+            partitions.update(expert_zero_partitions(partitions["expert_dp"], zero_shard_size))
     if cp_a2a_size is not None:
         names = (*names, *CP_GROUP_NAMES)
         partitions.update(cp_partitions(partitions["cp"], cp_a2a_size))
@@ -233,11 +266,22 @@ class ProcessGroups:
     """Hierarchical cp's inner all-to-all group (None unless built with ``cp_a2a_size``)."""
     cp_ring: CommGroup | None = None
     """Hierarchical cp's outer ring group (None unless built with ``cp_a2a_size``)."""
+    expert_zero_shard: CommGroup | None = None
+    """Hybrid sharding's expert shard group (None unless built with ``experts`` and
+    ``zero_shard_size``)."""
+    expert_zero_replicate: CommGroup | None = None
+    """Hybrid sharding's expert replicate group (as ``expert_zero_shard``)."""
 
     @property
     def shard_group(self) -> CommGroup:
         """The ZeRO shard group: ``zero_shard`` under hybrid sharding, else dp_cp."""
         return self.zero_shard if self.zero_shard is not None else self.dp_cp
+
+    @property
+    def expert_shard_group(self) -> CommGroup | None:
+        """The expert buckets' ZeRO shard group: ``expert_zero_shard`` under hybrid sharding,
+        else expert_dp (None without the expert groups)."""
+        return self.expert_zero_shard if self.expert_zero_shard is not None else self.expert_dp
 
     @property
     def tp_rank(self) -> int:

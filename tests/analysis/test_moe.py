@@ -1,6 +1,6 @@
 """The planner's mixture-of-experts terms (colonnade/analysis/moe.py) against hand values, the
 built model and measurement: parameter counts (total, active) equal the meta-built model's;
-Mixtral 8x7B's published 46.7B / 12.9B; experts per rank and their ZeRO-1 state bytes over
+Mixtral 8x7B's published 46.7B / 12.9B; experts per rank and their ZeRO-1/2/3 state bytes over
 expert_dp; the dispatch's wire bytes measured on 2 ranks (both dispatchers) equal the formula
 exactly; the bytes an MoE layer saves for backward as modelled; plan --ep and the dry run's
 MoE block."""
@@ -105,6 +105,33 @@ def test_expert_states_per_rank_zero1_over_edp() -> None:
     assert four.activations == one.activations
 
 
+@pytest.mark.parametrize(("zero", "shard_size", "expert_shard"),
+                         [(2, None, 2), (3, None, 2), (3, 4, 2), (2, 2, 2), (3, 1, 1)])
+def test_expert_states_per_rank_zero23_over_edp(zero: int, shard_size: int | None,
+                                               expert_shard: int) -> None:
+    """ep 4 on dp8 (edp 2), bf16 (W 2, G 4, O 12): at ZeRO-2 the routed experts' gradients and
+    optimizer states are divided by their shard group (edp 2, or min(zero_shard_size, 2) with
+    hybrid sharding), at ZeRO-3 their weights too, the rest over dp 8 (or zero_shard_size);
+    a ZeRO-3 gather holds at least one layer's E/ep stacked experts (one module)."""
+    model = dataclasses.replace(MIXTRAL, num_layers=4)
+    w = Workload(model=model, seq_len=256, global_batch=8)
+    lay = Layout(dp=8, ep=4, zero=zero, zero_shard_size=shard_size)
+    assert (lay.edp, lay.expert_shard) == (2, expert_shard)
+    mem = memory_per_device(w, lay)
+    experts = expert_params_per_rank(MoEShape.of(model), 1, 4)
+    assert experts == 4 * 2 * 3 * 4096 * 14336
+    dense = mem.optimizer * (shard_size or 8) / 12 - experts * (shard_size or 8) / expert_shard
+    h, kv, v = 4096, 1024, 32000  # 4 x (attention, 2 norms, router [8, h]) + both ends
+    assert dense == pytest.approx(4 * (2 * h * h + 2 * h * kv + 2 * h + 8 * h) + 2 * v * h + h,
+                                  rel=1e-12)
+    s, e = shard_size or 8, expert_shard
+    assert mem.grads == pytest.approx(dense * 4 / s + experts * 4 / e)
+    assert mem.params == pytest.approx(dense * 2 / (s if zero == 3 else 1)
+                                       + experts * 2 / (e if zero == 3 else 1))
+    if zero == 3:
+        assert mem.gathered >= 2 * 3 * 4096 * 14336 * 2  # one layer's 2 local experts, bf16
+
+
 def test_dispatch_formulas() -> None:
     """Hand values: all_to_all 4 R h e + 8 (ep-1) E_l, R = T k (ep-1)/ep; all_gather
     (ep-1)(4 T h e + 2 T k w + 8 T k + 8)."""
@@ -171,7 +198,7 @@ def test_measured_dispatch_bytes(run_ranks: Callable[..., list[Any]], kind: str)
 
 
 def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
-    """--ep 1,2,4: MoE layouts at each ep dividing tp cp dp and E, sp under tp, ZeRO <= 1,
+    """--ep 1,2,4: MoE layouts at each ep dividing tp cp dp and E, sp under tp, ZeRO 0-3,
     each one a valid config; a dense model only at ep 1."""
     args = ["--model", "tiny-llama", "--set", "model.num_experts=4", "--cluster", "h100",
             "--gpus", "4", "--ep", "1,2,4", "--global-batch", "8", "--seq-len", "64"]
@@ -181,7 +208,8 @@ def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
     assert cons.ep == (1, 2, 4)
     found = list(layouts(w, 4, get_cluster("h100"), cons))
     assert {lay.ep for lay in found} == {1, 2, 4}
-    assert all(lay.zero <= 1 and (lay.sp or lay.tp == 1) for lay in found)
+    assert all(lay.sp or lay.tp == 1 for lay in found)
+    assert {lay.zero for lay in found} == {0, 1, 2, 3}  # ZeRO-2/3 shard experts over edp
     assert all((lay.tp * lay.cp * lay.dp) % lay.ep == 0 for lay in found)
     base = load_model_config(parser.parse_args(args))
     for lay in found:  # every planned MoE layout is a config the validator accepts
@@ -194,13 +222,17 @@ def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_dry_run_moe_block() -> None:
-    """The dry run's MoE block: total / active parameters, experts per rank, dispatch MB."""
+    """The dry run's MoE block: total / active parameters, experts per rank (at ZeRO-3 all their
+    states sharded over expert_dp), dispatch MB."""
     config = moe_config(ep=2, dp=2)
     text = dry_run(config, 2)
     counts = moe_param_counts(config.model)
     assert f"{counts['total']:,} parameters total, {counts['active']:,} active" in text
     assert "experts per rank: 2 per MoE layer x 2 layer(s) (ep 2, expert_dp 1)" in text
     assert "dispatch (all_to_all):" in text
+    zero3 = dry_run(moe_config(ep=2, dp=4, zero_stage=3), 4)
+    assert "(ep 2, expert_dp 2)" in zero3
+    assert "(weights, gradients and optimizer sharded over 2 expert_dp ranks)" in zero3
 
 
 @pytest.mark.parametrize("arch,shared", [("llama", 0), ("llama", 48), ("gpt2", 0)])

@@ -14,6 +14,7 @@ from torch import nn
 from colonnade.config.sections import ParallelConfig
 from colonnade.data_parallel.buffer import FlatBuffers
 from colonnade.data_parallel.grad_shards import GradShards
+from colonnade.data_parallel.shard_groups import ShardGroups
 from colonnade.parallel.comm import CommGroup, CommStats
 
 
@@ -26,7 +27,7 @@ def _setup(bucket: int) -> tuple[nn.Linear, nn.Linear, FlatBuffers, GradShards]:
     group = CommGroup("dp_cp", [0], None, CommStats(), 0)
     # one reduce-scatter in flight: a launched buffer is freed at once, so the next bucket's
     # uninitialised buffer likely reuses its memory (stale values where nothing is written)
-    return a, b, buffers, GradShards(buffers, group, None, ParallelConfig(zero_stage=2),
+    return a, b, buffers, GradShards(buffers, ShardGroups(group), ParallelConfig(zero_stage=2),
                                      max_in_flight=1)
 
 

@@ -27,6 +27,7 @@ from colonnade.config.sections import Config
 from colonnade.data_parallel.buffer import FlatBuffers
 from colonnade.data_parallel.ddp import chunk_parameters
 from colonnade.data_parallel.param_shards import ParamShards
+from colonnade.data_parallel.shard_groups import ShardGroups
 from colonnade.models.build import build_chunks, build_reference
 from colonnade.models.compile import is_compiled
 from colonnade.parallel.dims import ParallelDims
@@ -50,7 +51,7 @@ def _shard_model(config: Config, reshard: bool, prefetch: int
     model = build_reference(config)
     buffers = FlatBuffers(chunk_parameters([model]), BUCKET, 2, full_grads=False,
                           shard_params=True)
-    shards = ParamShards(buffers, groups.dp_cp, [model], rank=dist.get_rank(),
+    shards = ParamShards(buffers, ShardGroups(groups.dp_cp), [model],
                          reshard_after_forward=reshard, prefetch=prefetch)
     return model, buffers, shards
 
@@ -152,7 +153,7 @@ def _skippy() -> dict[str, Any]:
     model, ref = _Skippy(), _Skippy()
     buffers = FlatBuffers(chunk_parameters([model]), 10**6, 2, full_grads=False,
                           shard_params=True)
-    shards = ParamShards(buffers, groups.dp_cp, [model], rank=dist.get_rank(),
+    shards = ParamShards(buffers, ShardGroups(groups.dp_cp), [model],
                          reshard_after_forward=True, prefetch=1)
     hook = model.w2.register_post_accumulate_grad_hook(lambda _p: shards.bucket_backward_done(0))
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
@@ -194,8 +195,8 @@ def test_param_shards_with_compiled_layers() -> None:
     ref = build_reference(config)
     buffers = FlatBuffers(chunk_parameters([model]), BUCKET, 1, full_grads=False,
                           shard_params=True)
-    shards = ParamShards(buffers, single.dp_cp, [model], rank=0, reshard_after_forward=True,
-                         prefetch=1)
+    shards = ParamShards(buffers, ShardGroups(single.dp_cp), [model],
+                         reshard_after_forward=True, prefetch=1)
     layers = list(model.layers.values())
     assert all(is_compiled(layer) for layer in layers)
     sites = [site.module for site in shards.sites]

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from colonnade.checkpoint.export import gather_full
+from colonnade.checkpoint.export import full_state, gather_full
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.data_parallel import build_data_parallel
+from colonnade.data_parallel.ddp import DataParallel
 from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.models.gpt import ModelChunk, valid_tokens
 from colonnade.models.params import unique_params
@@ -61,7 +62,8 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
                dispatcher: str = "all_to_all", capacity: float | None = None,
                router: str = "softmax", top_k: int = 2, aux: float = 0.01,
                aux_type: str = "global", z_loss: float = 1e-3, bias_rate: float = 1e-3,
-               shared: int = 0, zero_stage: int = 0, microbatches: int = 2,
+               shared: int = 0, zero_stage: int = 0, zero_shard_size: int | None = None,
+               microbatches: int = 2,
                steps: int = 3, layers: int | None = None, precision: str = "fp64",
                recompute: str = "none") -> Config:
     """A resolved, validated config of a tiny MoE model (h = 32, 4 heads, 4 experts of width
@@ -76,6 +78,7 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
         moe_shared_expert_ffn_hidden_size=shared)
     parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule, ep=ep,
                               moe_dispatcher=dispatcher, zero_stage=zero_stage,
+                              zero_shard_size=zero_shard_size,
                               use_distributed_optimizer=zero_stage >= 1)
     training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
                               microbatches=microbatches, precision=precision, seed=11,
@@ -98,13 +101,34 @@ def make_batches(config: Config, seed: int = 5) -> list[list[Batch]]:
     return random_steps(tr.steps, count, tr.micro_batch_size, tr.seq_len, VOCAB, seed=seed)
 
 
-def starve_last_expert(chunks: list[ModelChunk]) -> None:
-    """Make expert E-1 receive no token at initialisation under top-1 routing: its router row
-    becomes the mean of the others' (its logit is then the mean of theirs, below their
-    largest). Run before the data-parallel buffers are built."""
+def starve_last_expert(chunks: list[ModelChunk], count: int = 1) -> None:
+    """Make the last ``count`` experts receive no token at initialisation under top-1
+    routing: their router rows become the mean of the others' (their logits are then the mean
+    of theirs, below their largest). Run before the data-parallel buffers are built."""
     with torch.no_grad():
         for module in _routers(chunks):
-            module.weight[-1].copy_(module.weight[:-1].mean(0))
+            module.weight[-count:].copy_(module.weight[:-count].mean(0))
+
+
+def starve_built(chunks: list[ModelChunk], ddp: DataParallel, count: int) -> None:
+    """:func:`starve_last_expert` on a model already in its data-parallel buffers: in place,
+    or under ZeRO-3 (parameters built from their recipes, only shards kept) into the owned
+    pieces of the persistent shard, computed from the gathered router weights."""
+    shards = ddp.param_shards
+    if shards is None:
+        starve_last_expert(chunks, count)
+        return
+    shards.gather_all()
+    wanted: dict[int, torch.Tensor] = {}
+    for module in _routers(chunks):
+        weight = module.weight.detach().clone()  # [E, h], replicated over tp
+        weight[-count:] = weight[:-count].mean(0)
+        wanted[id(module.weight)] = weight.reshape(-1)
+    shards.free_all()
+    with torch.no_grad():
+        for p, lo, hi, values in ddp.owned_param_segments():
+            if id(p) in wanted:
+                values.copy_(wanted[id(p)][lo:hi])
 
 
 def _routers(chunks: list[ModelChunk]) -> list[Router]:
@@ -118,7 +142,7 @@ _REFERENCE: dict[str, dict[str, Any]] = {}
 
 
 def reference_run(config: Config, step_batches: list[list[Batch]],
-                  starve: bool = False) -> dict[str, Any]:
+                  starve: int = 0) -> dict[str, Any]:
     """Single-process float64 AdamW (cached per model, training, optim, data): per-step
     token-mean loss and MoE log fields, step 0's gradients before clipping, final parameters
     (expert_bias included)."""
@@ -136,11 +160,11 @@ def _micro_steps(batches: list[Batch], dp: int) -> list[Batch]:
              torch.cat([batches[r * m + j][1] for r in range(dp)])) for j in range(m)]
 
 
-def _reference(config: Config, step_batches: list[list[Batch]], starve: bool
+def _reference(config: Config, step_batches: list[list[Batch]], starve: int
                ) -> dict[str, Any]:
     model = build_reference(config, torch.float64)
     if starve:
-        starve_last_expert([model])
+        starve_last_expert([model], starve)
     single = ProcessGroups.single()
     install_moe_state([model], single)
     model.train()
@@ -202,21 +226,22 @@ def gathered(chunks: list[nn.Module], groups: ProcessGroups,
 
 
 def rank_train(config: Config, step_batches: list[list[Batch]],
-               starve: bool = False) -> dict[str, Any]:
+               starve: int = 0) -> dict[str, Any]:
     """Rank body: train this rank's part; returns per-step losses (:func:`mean_loss`) and
-    MoE log fields (the same on every rank), step 0's gathered gradients (float64 without
-    ZeRO) and the gathered parameters after the last step."""
+    MoE log fields (the same on every rank), step 0's gathered gradients (float64; with ZeRO
+    assembled from the shards: :func:`sharded_grads`), the gathered parameters after the last
+    step and the step's comm stats (the last step's)."""
     torch.set_num_threads(1)
     par = config.parallel
     dims = ParallelDims.from_config(par, world_size(config))
-    groups = ProcessGroups.build(dims, experts=True)
+    groups = ProcessGroups.build(dims, experts=True, zero_shard_size=par.zero_shard_size)
     chunks = build_chunks(config, groups, dtype=param_dtype(config.training.precision))
-    if starve:
-        starve_last_expert(chunks)
     install_moe_state(chunks, groups)
     for chunk in chunks:
         chunk.train()
     ddp = build_data_parallel(chunks, config, groups)
+    if starve:
+        starve_built(chunks, ddp, starve)
     opt = DistributedOptimizer(ddp, config.optim, groups, config.training.steps,
                                config.training.precision)
     m, r = config.training.microbatches or 1, groups.dp_rank
@@ -226,16 +251,43 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
         begin_moe_step(chunks, groups, opt.loss_scale, len(mine))
 
         def keep_grads(step: int = step) -> None:
-            if step == 0 and par.zero_stage == 0 and config.training.precision == "fp64":
-                grads.update(gathered(chunks, groups, grads=True))
+            if step == 0 and config.training.precision == "fp64":
+                grads.update(sharded_grads(ddp, groups) if ddp.sharded
+                             else gathered(chunks, groups, grads=True))
+
+        if step == len(step_batches) - 1:
+            groups.stats.reset()
 
         step_losses, _ = train_step(chunks, ddp, opt, groups, config, step, mine,
                                     before_optim=keep_grads)
         losses.append(mean_loss(step_losses, groups, CPU, mine))
         moe.append(end_moe_step(chunks, config, groups, CPU))
+    stats = groups.stats.snapshot()
     ddp.finish_param_gather()
+    params = full_state(chunks, groups, ddp)  # ZeRO-3: one tensor at a time from the shards
     return {"rank": groups.rank, "losses": losses, "moe": moe, "grads": grads,
-            "params": gathered(chunks, groups)}
+            "params": {k: v.double() for k, v in params.items()}, "stats": stats,
+            "expert_buckets": sum(b.expert for b in ddp.buckets)}
+
+
+def sharded_grads(ddp: DataParallel, groups: ProcessGroups) -> dict[str, torch.Tensor]:
+    """ZeRO: every trained parameter's full reduced gradient, by name: this rank's owned
+    pieces placed into zeros, summed over each bucket's shard group (the pieces are disjoint
+    there; hybrid replicas hold copies and are not summed), then gathered over tp / ep."""
+    buffers = ddp.buffers
+    local = {id(p): torch.zeros(p.numel(), dtype=torch.float64) for p in buffers.params}
+    for (lo, hi), grad in zip(ddp.owned_ranges(), ddp.owned_grads(), strict=True):
+        for p, a, b in buffers.segments(lo, hi):
+            start = buffers.slot(p).start
+            local[id(p)][a - start:b - start] = grad[a - lo:b - lo]
+    for bucket in ddp.buckets:  # bucket order: the same on every rank of the group
+        flat = torch.cat([local[id(p)] for p in bucket.params])  # [bucket params]
+        ddp.shard_groups.shard(bucket).all_reduce(flat, name="test_grads")
+        for p, part in zip(bucket.params, flat.split([p.numel() for p in bucket.params]),
+                           strict=True):
+            local[id(p)] = part
+    return {p.sharding.key: gather_tensor(local[id(p)].view(p.shape), p.sharding, groups)  # type: ignore[attr-defined]
+            for p in buffers.params}
 
 
 # ----------------------------------------------------------------------------- checks

@@ -46,7 +46,7 @@ def test_expert_with_zero_tokens(run_ranks: Callable[..., list[Any]]) -> None:
     token reaches it (ep4: its rank computes on zero rows), forward and backward agree."""
     config = moe_config(ep=4, top_k=1)
     batches = make_batches(config)
-    ref = reference_run(config, batches, starve=True)
+    ref = reference_run(config, batches, starve=1)
     assert all(load[-1] == 0 for load in ref["moe"][0]["moe_load"].values()), ref["moe"][0]
-    results = run_ranks(4, rank_train, config, batches, starve=True)
+    results = run_ranks(4, rank_train, config, batches, starve=1)
     check_parity(results, ref)

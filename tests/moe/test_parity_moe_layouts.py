@@ -1,7 +1,8 @@
 """Float64 parity of the MoE model with ep composed with tp (+sp), cp (ep spanning the cp
 ranks), pp (1F1B, interleaved; full recompute), expert data parallelism with ZeRO-1 and all
 of tp x pp x ep on 8 ranks, against the single-process run (tests/moe/harness.py): losses,
-expert loads, drops and aux losses every step, step 0's gathered gradients (without ZeRO) and
+expert loads, drops and aux losses every step, step 0's gathered gradients (ZeRO-1: from the
+shards) and
 the parameters after 3 AdamW steps."""
 
 from __future__ import annotations
@@ -45,6 +46,6 @@ def test_moe_layout_parity(name: str, run_ranks: Callable[..., list[Any]]) -> No
     ref = reference_run(config, batches)
     results = run_ranks(world_size(config), rank_train, config, batches)
     errs = check_parity(results, ref)
-    assert ("grads" in errs) == (case.get("zero_stage", 0) == 0), errs
+    assert "grads" in errs, errs  # ZeRO-1: assembled from the owned shards
     if case.get("capacity"):
         assert any(rec["moe_dropped_frac"] > 0 for rec in ref["moe"]), "nothing was dropped"
