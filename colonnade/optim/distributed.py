@@ -121,6 +121,8 @@ class DistributedOptimizer:
         """Whether the model has expert parameters (a second, expert norm sum is taken)."""
         expert_coords = {"ep": (max(groups.ep.rank, 0), groups.ep.size)} if (
             groups.ep is not None) else {}
+        if groups.expert_tp is not None:
+            expert_coords["tp"] = (max(groups.expert_tp.rank, 0), groups.expert_tp.size)
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size), expert_coords)
         self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
                                self.decayed, self._decay_groups())
@@ -129,10 +131,12 @@ class DistributedOptimizer:
         """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
         hybrid sharding's replicate group (the replicas hold the same shard)."""
         self.expert_norm_groups: list[CommGroup] = []
-        """Groups the expert squared norm is summed over: ep, pp and (ZeRO-1) expert-dp."""
+        """Groups the expert squared norm is summed over: ep, expert tp (slices of the same
+        experts), pp and (ZeRO-1) expert-dp."""
         if self.experts:
             assert groups.ep is not None and ddp.expert_group is not None
-            self.expert_norm_groups = [groups.ep, groups.pp] + (
+            etp = [groups.expert_tp] if groups.expert_tp is not None else []
+            self.expert_norm_groups = [groups.ep, *etp, groups.pp] + (
                 [ddp.expert_group] if ddp.sharded else [])
         self.step_count = 0
 
