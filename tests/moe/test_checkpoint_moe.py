@@ -2,8 +2,9 @@
 
 One uninterrupted run (ep2 on 2 ranks, ZeRO-1) trains 5 steps and saves after step 2. A chain
 of resumes then walks the layouts, each training one step and saving: ep4 x tp2 (sp, ZeRO-1)
-from step 2, ep2 with expert_dp 2 (ZeRO-1: expert optimizer state sharded over expert_dp) on
-4 ranks from step 3, ep1 on one process from step 4, and ep2 x pp2 from step 4 too. Every
+from step 2, expert tp 2 with expert_dp 2 (each expert's f split in two; ZeRO-1: expert
+optimizer state sharded over expert_dp) on 4 ranks from step 3 (expert_tp 1 -> 2), ep1 on
+one process from step 4 (expert_tp 2 -> 1), and ep2 x pp2 from step 4 too. Every
 resumed step's loss equals the uninterrupted run's (rel. 1e-10), and so do the final
 parameters. The sigmoid router (selection bias updated after each step) makes the losses
 depend on ``expert_bias`` being saved; the 'seq' balancing loss and z-loss are on (both
@@ -25,9 +26,9 @@ TOL = 1e-10
 STEPS = 5
 
 
-def _config(ep: int, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1) -> Any:
+def _config(ep: int, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1, etp: int = 1) -> Any:
     """The tiny MoE (4 experts, top 2, sigmoid router) with 8 samples per step in any layout."""
-    cfg = moe_config(ep=ep, tp=tp, pp=pp, dp=dp, sp=tp > 1, router="sigmoid", bias_rate=1e-2,
+    cfg = moe_config(ep=ep, etp=etp, tp=tp, pp=pp, dp=dp, sp=tp > 1, router="sigmoid", bias_rate=1e-2,
                      aux=0.01, aux_type="seq", z_loss=1e-3, zero_stage=zero,
                      microbatches=4 // dp, steps=STEPS, layers=2)
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_grad=1.0))
@@ -126,9 +127,10 @@ def test_resume_across_ep_tp_dp_pp_and_zero(run_ranks: Callable[..., list[Any]],
     ep4 = run_ranks(4, _run, _config(4, tp=2, dp=2), a, b, 1)[0]  # step 3, saves at 3
     assert ep4["step"] == 3
     _close(ep4["losses"], want[2:3])
-    edp2 = run_ranks(4, _run, _config(2, dp=4), b, c, 1)[0]  # step 4, expert_dp 2
-    _close(edp2["losses"], want[3:4])
-    assert (_written_once(a), _written_once(b), _written_once(c)) == (2, 4, 2)  # one per ep
+    etp2 = run_ranks(4, _run, _config(1, dp=4, etp=2), b, c, 1)[0]  # step 4, expert_dp 2
+    _close(etp2["losses"], want[3:4])
+    # one piece per ep shard (a, b), per expert tp shard (c)
+    assert (_written_once(a), _written_once(b), _written_once(c)) == (2, 4, 2)
     assert any(".experts." in n and n.startswith("optim/") for n in _optim_names(c))
     one = run_ranks(1, _run, _config(1, dp=1, zero=0), c, None, 1)[0]  # step 5, one process
     _close(one["losses"], want[4:5])
