@@ -141,7 +141,7 @@ def moe_lines(config: Config, world: int) -> list[str]:
     tokens = layout.local_tokens(workload.seq_len) / layout.tp
     mbs = layout.microbatches(workload.global_batch)
     mb = step_dispatch_bytes(m, tokens, mbs, layout.pp, workload.elem, layout.ep,
-                             workload.moe_dispatcher) / 1e6
+                             workload.moe_dispatcher, layout.expert_tp) / 1e6
     dense = active_flops_per_token(m, workload.seq_len)
     return [
         f"moe: {counts['moe_layers']} MoE layers of {m.num_experts} experts (top {m.moe_top_k}"

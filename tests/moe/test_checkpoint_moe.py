@@ -28,8 +28,8 @@ STEPS = 5
 
 def _config(ep: int, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1, etp: int = 1) -> Any:
     """The tiny MoE (4 experts, top 2, sigmoid router) with 8 samples per step in any layout."""
-    cfg = moe_config(ep=ep, etp=etp, tp=tp, pp=pp, dp=dp, sp=tp > 1, router="sigmoid", bias_rate=1e-2,
-                     aux=0.01, aux_type="seq", z_loss=1e-3, zero_stage=zero,
+    cfg = moe_config(ep=ep, etp=etp, tp=tp, pp=pp, dp=dp, sp=tp > 1, router="sigmoid",
+                     bias_rate=1e-2, aux=0.01, aux_type="seq", z_loss=1e-3, zero_stage=zero,
                      microbatches=4 // dp, steps=STEPS, layers=2)
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_grad=1.0))
 
