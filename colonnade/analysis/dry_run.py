@@ -151,11 +151,14 @@ def moe_lines(config: Config, world: int) -> list[str]:
         f"({counts['active'] / counts['total']:.1%}); {dense / 1e9:.3g} GFLOPs per token "
         "(active experts, forward + backward)",
         f"  experts per rank: {experts} per MoE layer x {layers} layer(s) (ep {layout.ep}, "
-        f"expert_dp {layout.edp}) = {expert_params:,.0f} parameters, "
+        + (f"each split over expert tp {layout.expert_tp}, " if layout.expert_tp > 1 else "")
+        + f"expert_dp {layout.edp}) = {expert_params:,.0f} parameters, "
         f"{expert_params * (ewb + egb + eob) / GIB:.3f} GiB of weights + grads + optimizer"
         + (f" (optimizer sharded over expert_dp {layout.edp})" if layout.zero else ""),
         f"  dispatch ({workload.moe_dispatcher}): {mb:,.2f} MB/step per rank sent "
-        "(forward + backward, uniform routing)" + ("; none at ep 1" if layout.ep == 1 else ""),
+        "(forward + backward, uniform routing"
+        + (", with the expert tp exchange)" if layout.expert_tp > 1 else ")")
+        + ("; none at ep 1" if layout.ep == layout.expert_tp == 1 else ""),
     ]
 
 
