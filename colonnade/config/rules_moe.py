@@ -73,6 +73,10 @@ def moe_rules(c: Config, _: int | None) -> list[str]:
         out.append(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model).")
     out.extend(_swiglu_clamp(m))
     if not m.moe:
+        if p.expert_tp is not None and p.expert_tp > 1:
+            out.append(f"parallel.expert_tp={p.expert_tp} needs a mixture-of-experts model "
+                       "(model.num_experts > 0): no layer has experts to split; unset it or "
+                       "set expert_tp=1.")
         return out
     out.extend(_moe_fields(m))
     if p.ep >= 1 and m.num_experts % p.ep:

@@ -36,6 +36,8 @@ BAD: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
                                 "parallel": {"expert_tp": 4}},
      ["model.moe_ffn_hidden_size=6 is not divisible by parallel.expert_tp=4",
       "pick expert_tp dividing it"]),
+    ("expert_tp_dense", 2, {"model": {"num_experts": 0}, "parallel": {"expert_tp": 2}},
+     ["parallel.expert_tp=2 needs a mixture-of-experts model", "set expert_tp=1"]),
     ("tp_without_sp", 2, {"parallel": {"tp": 2}},
      ["parallel.tp=2 with a mixture-of-experts model needs parallel.sp=true"]),
     ("zero2", 2, {"parallel": {"zero_stage": 2}},
