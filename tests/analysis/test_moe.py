@@ -35,6 +35,7 @@ from colonnade.analysis.moe import (
     dense_model,
     dispatch_bytes,
     expert_params_per_rank,
+    expert_tp_bytes,
     moe_param_counts,
 )
 from colonnade.analysis.search import Constraints, layouts
@@ -189,6 +190,51 @@ def measure_dispatch(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["all_to_all", "all_gather"])
 def test_measured_dispatch_bytes(run_ranks: Callable[..., list[Any]], kind: str) -> None:
     for got in run_ranks(2, measure_dispatch, kind):
+        assert got["layers"] == 2
+        assert got["sent"] == got["model"] > 0, got
+        assert got["experts"] == got["experts_model"] > 0, got
+
+
+def measure_expert_tp() -> dict[str, Any]:
+    """Rank body (expert tp 2 over dp 2, ep 1): one micro-batch forward + backward of the
+    float64 MoE model; the expert tp group's wire bytes against :func:`expert_tp_bytes` at
+    each layer's actual padded rows, and the routed-expert parameters this rank holds."""
+    import colonnade.moe.experts as experts_module
+
+    torch.set_num_threads(1)
+    config = moe_config(ep=1, etp=2)
+    groups = ProcessGroups.build(ParallelDims.from_config(config.parallel, 2), experts=True)
+    (chunk,) = build_chunks(config, groups, dtype=torch.float64)
+    padded: list[int] = []  # per layer pass: T, the rows each rank contributes
+    plain = experts_module.gather_rows
+
+    def recording(*args: Any) -> Any:
+        out = plain(*args)
+        padded.append(out[2].padded)
+        return out
+
+    experts_module.gather_rows = recording
+    try:
+        gen = torch.Generator().manual_seed(7 + groups.world.rank)
+        b, vocab, s = 2, config.model.vocab_size, config.training.seq_len
+        tokens = torch.randint(0, vocab, (b, s), generator=gen)
+        groups.stats.reset()
+        chunk(tokens, torch.randint(0, vocab, (b, s), generator=gen), reduction="sum"
+              ).backward()
+    finally:
+        experts_module.gather_rows = plain
+    x = MoEShape.of(config.model)
+    return {"sent": groups.stats.total("expert_tp/"), "layers": len(padded),
+            "model": sum(expert_tp_bytes(t, x.hidden, 8, 2, x.experts) for t in padded),
+            "experts": sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n),
+            "experts_model": expert_params_per_rank(x, 1, 1, etp=2)}
+
+
+def test_measured_expert_tp_bytes(run_ranks: Callable[..., list[Any]]) -> None:
+    """Expert tp 2: the counts' all-gather and the rows' all-gather and reduce-scatter, forward
+    and backward, measured by CommGroup equal 4 (n-1) T h e + 8 (n-1) E_l per layer exactly;
+    each rank holds half of every expert."""
+    for got in run_ranks(2, measure_expert_tp):
         assert got["layers"] == 2
         assert got["sent"] == got["model"] > 0, got
         assert got["experts"] == got["experts_model"] > 0, got
