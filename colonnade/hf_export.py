@@ -223,7 +223,8 @@ def write_hf_from_run(out: str | Path, model: ModelConfig, chunks: list[nn.Modul
     def get(key: str) -> torch.Tensor:
         p = params[key]
         local = p if ddp is None else ddp.local_param(p)
-        return gather_full(local, p.sharding, groups.tp, groups.ep)  # type: ignore[attr-defined]
+        return gather_full(local, p.sharding, groups.tp, groups.ep,  # type: ignore[attr-defined]
+                           groups.expert_tp)
 
     def shape_of(key: str) -> tuple[int, ...]:
         return params[key].sharding.full_shape  # type: ignore[attr-defined]

@@ -42,7 +42,7 @@ micro-batch size, recompute mode, pipeline schedule, sequence parallelism, ZeRO 
 and, with --cp, context parallelism (ring, all-to-all or hierarchical attention), predicts
 each one's memory per GPU and step time (an analytic model: parameters, gradients, optimizer states,
 ZeRO buffers, activations; compute, tp/cp/pp/dp communication, pipeline bubble; for an
-MoE model, with --ep, the experts per rank and the token dispatch), drops
+MoE model, with --ep and --expert-tp, the experts per rank and the token dispatch), drops
 those that do not fit in memory and prints the fastest first, then the `colonnade train`
 flags (best: ...) that run the best one."""
 
@@ -134,6 +134,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel degrees to search for an MoE model (comma list, e.g. "
                    "1,2,4: each MoE layer's experts split over ep ranks folded inside tp x cp "
                    "x dp; the expert states are sharded over edp = tp cp dp / ep at ZeRO 1)")
+    f.add_argument("--expert-tp", default="1",
+                   help="expert tensor-parallel degrees to search for an MoE model (comma "
+                   "list, e.g. 1,2: each expert's width split over expert_tp ranks, folded "
+                   "with ep inside tp x cp x dp; edp = tp cp dp / (ep expert_tp))")
     f.add_argument("--moe-dispatcher", choices=MOE_DISPATCHERS, default=None,
                    help="token dispatcher under ep > 1 (default: the config's "
                    "parallel.moe_dispatcher)")
@@ -216,7 +220,8 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        cp=_degrees(args.cp, "--cp"),
                        cp_attention=_list(args.cp_attention, CP_ATTENTIONS,
                                           "--cp-attention"),
-                       ep=_degrees(getattr(args, "ep", "1"), "--ep"))
+                       ep=_degrees(getattr(args, "ep", "1"), "--ep"),
+                       expert_tp=_degrees(getattr(args, "expert_tp", "1"), "--expert-tp"))
     return w, cons
 
 

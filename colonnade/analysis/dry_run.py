@@ -143,7 +143,7 @@ def moe_lines(config: Config, world: int) -> list[str]:
     tokens = layout.local_tokens(workload.seq_len) / layout.tp
     mbs = layout.microbatches(workload.global_batch)
     mb = step_dispatch_bytes(m, tokens, mbs, layout.pp, workload.elem, layout.ep,
-                             workload.moe_dispatcher) / 1e6
+                             workload.moe_dispatcher, layout.expert_tp) / 1e6
     dense = active_flops_per_token(m, workload.seq_len)
     return [
         f"moe: {counts['moe_layers']} MoE layers of {m.num_experts} experts (top {m.moe_top_k}"
@@ -153,12 +153,15 @@ def moe_lines(config: Config, world: int) -> list[str]:
         f"({counts['active'] / counts['total']:.1%}); {dense / 1e9:.3g} GFLOPs per token "
         "(active experts, forward + backward)",
         f"  experts per rank: {experts} per MoE layer x {layers} layer(s) (ep {layout.ep}, "
-        f"expert_dp {layout.edp}) = {expert_params:,.0f} parameters, "
+        + (f"each split over expert tp {layout.expert_tp}, " if layout.expert_tp > 1 else "")
+        + f"expert_dp {layout.edp}) = {expert_params:,.0f} parameters, "
         f"{expert_params * (ewb + egb + eob) / GIB:.3f} GiB of weights + grads + optimizer"
         + (f" ({sharded[layout.zero - 1]} sharded over {layout.expert_shard} expert_dp "
            "ranks)" if layout.zero else ""),
         f"  dispatch ({workload.moe_dispatcher}): {mb:,.2f} MB/step per rank sent "
-        "(forward + backward, uniform routing)" + ("; none at ep 1" if layout.ep == 1 else ""),
+        "(forward + backward, uniform routing"
+        + (", with the expert tp exchange)" if layout.expert_tp > 1 else ")")
+        + ("; none at ep 1" if layout.ep == layout.expert_tp == 1 else ""),
     ]
 
 

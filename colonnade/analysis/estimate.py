@@ -63,7 +63,7 @@ class Estimate:
             "layout": {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention,
                        "cp_a2a_size": lay.cp_a2a_size,
                        "pp": lay.pp, "vp": lay.vp, "dp": lay.dp, "ep": lay.ep,
-                       "micro_batch": lay.micro_batch, "zero": lay.zero,
+                       "expert_tp": lay.expert_tp, "micro_batch": lay.micro_batch, "zero": lay.zero,
                        "reshard_after_forward": lay.reshard if lay.zero == 3 else None,
                        "zero_shard_size": lay.zero_shard_size,
                        "recompute": lay.recompute, "sp": lay.sp, "schedule": lay.schedule},

@@ -136,7 +136,10 @@ class Layout:
     dp: int = 1
     ep: int = 1
     """Expert-parallel degree (parallel.ep): folded inside tp x cp x dp, the experts of each
-    MoE layer split over ep ranks, their states over edp = tp cp dp / ep."""
+    MoE layer split over ep ranks, their states over edp = tp cp dp / (ep expert_tp)."""
+    expert_tp: int = 1
+    """Expert tensor-parallel degree (parallel.expert_tp): each expert's f split over this
+    many ranks, folded with ep inside tp x cp x dp."""
     micro_batch: int = 1
     zero: int = 0
     """ZeRO stage (parallel.zero_stage): 0 none, 1 optimizer states sharded, 2 + gradients,
@@ -160,9 +163,10 @@ class Layout:
                 a2a is not None and (a2a < 1 or self.cp % a2a)):
             raise ValueError(f"cp_a2a_size={a2a} must divide cp={self.cp} with cp_attention="
                              "'hierarchical' and be None otherwise.")
-        if self.ep < 1 or (self.tp * self.cp * self.dp) % self.ep:
-            raise ValueError(f"ep={self.ep} must be >= 1 and divide tp x cp x dp = "
-                             f"{self.tp * self.cp * self.dp}.")
+        if min(self.ep, self.expert_tp) < 1 or (self.tp * self.cp * self.dp) % (
+                self.ep * self.expert_tp):
+            raise ValueError(f"ep={self.ep} x expert_tp={self.expert_tp} must be >= 1 and "
+                             f"divide tp x cp x dp = {self.tp * self.cp * self.dp}.")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero}: the ZeRO stage must be one of {ZERO_STAGES}.")
         if self.zero_shard_size is not None and (self.zero_shard_size < 1
@@ -190,9 +194,9 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """Expert data-parallel degree tp cp dp / ep: expert gradients are reduced and their
-        ZeRO states (stage 2: + gradients, 3: + parameters) sharded over it."""
-        return self.tp * self.cp * self.dp // self.ep
+        """Expert data-parallel degree tp cp dp / (ep expert_tp): expert gradients are reduced
+        and their ZeRO states (stage 2: + gradients, 3: + parameters) sharded over it."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     @property
     def expert_shard_size(self) -> int | None:
@@ -254,6 +258,8 @@ class Layout:
             extra.append(f"cp{self.cp}:{self.cp_kind}")
         if self.ep > 1:
             extra.append(f"ep{self.ep}")
+        if self.expert_tp > 1:
+            extra.append(f"etp{self.expert_tp}")
         if self.zero:
             extra.append(f"zero{self.zero_label()}")
         tail = (" " + " ".join(extra)) if extra else ""
@@ -266,6 +272,7 @@ class Layout:
         par = dataclasses.replace(
             base.parallel, tp=self.tp, cp=self.cp, cp_attention=self.cp_attention,
             cp_a2a_size=self.cp_a2a_size, cp_overlap=workload.cp_overlap, ep=self.ep,
+            expert_tp=self.expert_tp if self.expert_tp > 1 else base.parallel.expert_tp,
             moe_dispatcher=workload.moe_dispatcher, pp=self.pp, vp=self.vp, dp=self.dp, sp=self.sp,
             schedule=self.schedule if self.pp > 1 else "1f1b",
             use_distributed_optimizer=False, zero_stage=self.zero,
@@ -298,6 +305,7 @@ class Layout:
         if self.cp_a2a_size is not None:
             cp.append(f"--parallel.cp_a2a_size={self.cp_a2a_size}")
         ep = [f"--parallel.ep={self.ep}"] if self.ep > 1 else []
+        ep += [f"--parallel.expert_tp={self.expert_tp}"] if self.expert_tp > 1 else []
         return [
             f"--parallel.tp={self.tp}", *cp, *ep, f"--parallel.pp={self.pp}",
             f"--parallel.vp={self.vp}",
@@ -314,7 +322,8 @@ class Layout:
         par, tr = cfg.parallel, cfg.training
         dp = par.dp if par.dp is not None else world_size // (par.tp * par.cp * par.pp)
         return cls(tp=par.tp, cp=par.cp, cp_attention=par.cp_attention,
-                   cp_a2a_size=par.cp_a2a_size, ep=par.ep, pp=par.pp,
+                   cp_a2a_size=par.cp_a2a_size, ep=par.ep, expert_tp=par.expert_tp or 1,
+                   pp=par.pp,
                    vp=par.vp,
                    dp=dp, micro_batch=tr.micro_batch_size,
                    zero=par.zero, recompute=tr.recompute, sp=par.sp, schedule=par.schedule,

@@ -361,7 +361,7 @@ def moe_stage_params(w: Workload, layout: Layout, stage: str) -> tuple[float, fl
     its MoE layers (:mod:`colonnade.analysis.moe`)."""
     x = MoEShape.of(w.model)
     return (moe_nonexpert_delta_per_rank(x, layout.pp, layout.tp, stage),
-            expert_params_per_rank(x, layout.pp, layout.ep, stage))
+            expert_params_per_rank(x, layout.pp, layout.ep, stage, layout.expert_tp))
 
 
 def moe_layer_activation_delta(w: Workload, layout: Layout) -> float:
@@ -370,8 +370,8 @@ def moe_layer_activation_delta(w: Workload, layout: Layout) -> float:
     x = MoEShape.of(w.model)
     full_rows = layout.local_tokens(w.seq_len)  # s/cp b, the all-gathered rows under sp
     tokens = full_rows / (layout.tp if layout.sp else 1)
-    moe = sum(moe_activation_terms(x, tokens, full_rows, w.elem, layout.tp, layout.sp)
-              .values())
+    moe = sum(moe_activation_terms(x, tokens, full_rows, w.elem, layout.tp, layout.sp,
+                                   layout.expert_tp).values())
     return moe - dense_mlp_activation_bytes(x, full_rows, w.elem, layout.tp)
 
 

@@ -4,8 +4,8 @@ rank, MoE activations, dispatch bytes, FLOPs.
 Notation: h hidden, E routed experts, k top-k, f_e routed expert width, f_s shared expert width
 (0: none), f the dense MLP width, c the MLP's h x f matrices (3 gated SwiGLU, 2 plain GELU),
 n_moe the MoE layers (``ModelConfig.is_moe_layer``), t tp, ep expert-parallel degree,
-edp = t cp dp / ep (expert_tp = 1), e bytes per activation element, T the tokens of one
-micro-batch one rank routes (s/cp b, / t under sp).
+n the expert tp degree (``parallel.expert_tp``), edp = t cp dp / (ep n), e bytes per
+activation element, T the tokens of one micro-batch one rank routes (s/cp b, / t under sp).
 
 Parameters of one MoE layer's MLP (it replaces the dense MLP; attention and norms unchanged):
     router      E h (+ E for the sigmoid router's selection bias: a parameter without gradient)
@@ -17,8 +17,9 @@ layer's MLP replaced; the ACTIVE parameters per token count k of the E routed ex
 Forward FLOPs per token of an MoE layer's MLP: 2 (E h + k c h f_e + c h f_s (+ h gate)),
 against the dense 2 c h f; backward 2x (the :mod:`colonnade.models.counts` convention).
 
-Per rank (fullest pipeline stage, L_moe of its MoE layers): routed experts E/ep per layer
-(expert_tp = 1: whole experts), so L_moe E/ep routed-expert parameters, with their own
+Per rank (fullest pipeline stage, L_moe of its MoE layers): routed experts E/ep per layer,
+each split over expert tp n (gate / up rows, down columns, their biases; the down bias h
+replicated), so L_moe E/ep (c h f_e / n ...) routed-expert parameters, with their own
 model-state bytes: W + G + O/S_e, S_e = edp at ZeRO stage 1 (the expert optimizer states are
 sharded over expert_dp), 1 at stage 0; router and shared gate replicated, the shared expert
 tp-split like the dense MLP.
@@ -46,8 +47,11 @@ experts of other ranks, E_l = E/ep):
                 (ep - 1) T k w and ids (ep - 1) T k 8, the outputs' reduce-scatter
                 (ep - 1) T h e; backward the transposes of the tokens', weights' and outputs'
                 collectives: (ep - 1) (4 T h e + 2 T k w + 8 T k + 8), independent of routing.
-Both are 0 at ep = 1.  Nothing here is measured yet: the layer and dispatchers are checked
-against these formulas by tests/analysis/test_moe*.py as they land.
+Both are 0 at ep = 1.  Expert tp n > 1 adds, per layer and micro-batch, the counts' all-gather 8 (n
+- 1) E_l and the rows' all-gather and reduce-scatter over the expert tp group, forward and backward:
+4 (n - 1) T k h e (:func:`expert_tp_bytes`), and keeps the gathered rows, n T k h e, as the experts'
+input.  Nothing here is measured yet: the layer and dispatchers are checked against these formulas
+by tests/analysis/test_moe*.py as they land.
 """
 
 from __future__ import annotations
@@ -243,21 +247,18 @@ def active_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return flops_per_token(dense_model(model), seq_len) + 3.0 * moe_flops_delta_per_token(model)
 
 
-def edp(tp: int, cp: int, dp: int, ep: int) -> int:
-    """Expert data-parallel degree t cp dp / ep (expert_tp = 1)."""
-    inner = tp * cp * dp
-    if ep < 1 or inner % ep:
-        raise ValueError(f"parallel.ep={ep} must divide tp x cp x dp = {inner}.")
-    return inner // ep
-
-
-def expert_params_per_rank(x: MoEShape, pp: int, ep: int, stage: str = "max") -> float:
-    """Routed-expert parameters held by one rank of ``stage``: L_moe E/ep experts."""
+def expert_params_per_rank(x: MoEShape, pp: int, ep: int, stage: str = "max",
+                           etp: int = 1) -> float:
+    """Routed-expert parameters held by one rank of ``stage``: L_moe E/ep experts, each
+    split over expert tp ``etp`` but for its replicated down bias h:
+    (c h f_e (+ (c - 1) f_e)) / etp (+ h)."""
     if not x.moe:
         return 0.0
     if x.experts % ep:
         raise ValueError(f"parallel.ep={ep} must divide model.num_experts={x.experts}.")
-    return float(x.stage_moe_layers(pp, stage) * (x.experts // ep) * x.expert_params)
+    down_bias = x.hidden if x.bias else 0
+    per_expert = (x.expert_params - down_bias) / etp + down_bias
+    return float(x.stage_moe_layers(pp, stage) * (x.experts // ep) * per_expert)
 
 
 def moe_nonexpert_delta_per_rank(x: MoEShape, pp: int, tp: int, stage: str = "max"
@@ -276,10 +277,12 @@ def moe_nonexpert_delta_per_rank(x: MoEShape, pp: int, tp: int, stage: str = "ma
 
 
 def moe_activation_terms(x: MoEShape, tokens: float, full_rows: float, elem: int, tp: int,
-                         sp: bool) -> dict[str, float]:
+                         sp: bool, etp: int = 1) -> dict[str, float]:
     """Bytes one MoE layer's MLP keeps for backward beyond the layer's attention half, per
     micro-batch on one rank (module docstring): ``tokens`` T routed by the rank,
-    ``full_rows`` s_l b (the all-gathered rows under sp); A = max(E, 4)."""
+    ``full_rows`` s_l b (the all-gathered rows under sp); A = max(E, 4). Under expert tp
+    ``etp`` the experts' input is the group's rows, etp T k h, and their hidden the same
+    bytes (etp x the rows, 1/etp of the width)."""
     k, h, e, a = x.top_k, x.hidden, elem, max(elem, 4)
     terms = {"moe_input": e * tokens * h,
              "router_fp32_input": (4.0 * tokens * h) if e < 4 else 0.0,
@@ -288,7 +291,7 @@ def moe_activation_terms(x: MoEShape, tokens: float, full_rows: float, elem: int
              # (+ their sum when renormalised), the weights in slot order [T k, 1]
              "routing": 16.0 * tokens * k + a * tokens * k + (a * tokens if x.norm_topk else 0)
              + e * tokens * k,
-             "dispatched": e * tokens * k * h,
+             "dispatched": e * tokens * k * h * etp,
              "expert_hidden": (2.0 * (x.matrices - 1) - x.clamped_swiglu) * e * tokens * k
              * x.expert_ffn,
              "expert_out": e * tokens * k * h,
@@ -332,12 +335,32 @@ def all_gather_bytes(tokens: float, top_k: int, hidden: int, elem: int, ep: int)
                        + 8.0 * tokens * top_k + 8.0)
 
 
-def dispatch_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str) -> float:
-    """Bytes one rank sends per MoE layer per micro-batch, forward + backward, for
-    ``kind`` 'all_to_all' (uniform routing) or 'all_gather' (module docstring); 0 at
-    ep = 1."""
-    if ep == 1 or not x.moe:
+def expert_tp_bytes(rows: float, hidden: int, elem: int, etp: int, local_experts: int
+                    ) -> float:
+    """Expert tp wire bytes of one rank, one layer, forward + backward: the all-gather of the
+    group's counts 8 (etp - 1) E_l, then the rows' all-gather and the partial sums'
+    reduce-scatter, forward and (transposed) backward: 4 (etp - 1) R h e, ``rows`` R the
+    rows each rank of the group received (T k under uniform routing); 0 at etp = 1."""
+    if etp == 1:
         return 0.0
+    return 4.0 * (etp - 1) * rows * hidden * elem + 8.0 * (etp - 1) * local_experts
+
+
+def dispatch_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str,
+                   etp: int = 1) -> float:
+    """Bytes one rank sends per MoE layer per micro-batch, forward + backward, for
+    ``kind`` 'all_to_all' (uniform routing) or 'all_gather' (module docstring), plus the
+    expert tp exchange (:func:`expert_tp_bytes`); 0 at ep = etp = 1."""
+    if not x.moe:
+        return 0.0
+    etp_part = expert_tp_bytes(tokens * x.top_k, x.hidden, elem, etp, x.experts // ep)
+    if ep == 1:
+        return etp_part
+    return etp_part + _ep_bytes(x, tokens, elem, ep, kind)
+
+
+def _ep_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str) -> float:
+    """The dispatcher's bytes of :func:`dispatch_bytes` (ep > 1)."""
     if kind == "all_to_all":
         remote = tokens * x.top_k * (ep - 1) / ep
         return all_to_all_bytes(remote, x.hidden, elem, ep, x.experts // ep)
@@ -348,13 +371,14 @@ def dispatch_bytes(x: MoEShape, tokens: float, elem: int, ep: int, kind: str) ->
 
 
 def step_dispatch_bytes(model: ModelConfig, tokens: float, microbatches: int, pp: int,
-                        elem: int, ep: int, kind: str) -> float:
+                        elem: int, ep: int, kind: str, etp: int = 1) -> float:
     """Dispatch bytes one rank of the fullest stage sends per step: its MoE layers x
     micro-batches x :func:`dispatch_bytes`."""
     x = MoEShape.of(model)
     if not x.moe:
         return 0.0
-    return x.max_stage_moe_layers(pp) * microbatches * dispatch_bytes(x, tokens, elem, ep, kind)
+    return x.max_stage_moe_layers(pp) * microbatches * dispatch_bytes(x, tokens, elem, ep, kind,
+                                                                      etp)
 
 
 def capacity_slots(capacity_factor: float, seq_len: int, top_k: int, experts: int) -> int:

@@ -24,7 +24,8 @@ def row_cells(rank: int, e: Estimate, global_batch: int) -> list[str]:
     cp = f"{lay.cp}{kinds.get(lay.cp_attention, '')}" if lay.cp > 1 else "1"
     return [
         str(rank), str(lay.tp), cp, str(lay.pp), str(lay.vp),
-        str(lay.dp) + (f"/ep{lay.ep}" if lay.ep > 1 else ""), str(lay.micro_batch),
+        str(lay.dp) + (f"/ep{lay.ep}" if lay.ep > 1 else "")
+        + (f"/etp{lay.expert_tp}" if lay.expert_tp > 1 else ""), str(lay.micro_batch),
         str(lay.microbatches(global_batch)), lay.schedule if lay.pp > 1 else "-",
         lay.recompute, "y" if lay.sp else "-", lay.zero_label(),
         f"{e.memory.total / GIB:.1f}", f"{e.step_s:.3g}", f"{e.tokens_per_s:,.0f}",

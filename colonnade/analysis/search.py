@@ -11,9 +11,9 @@ with pp).
 Context parallelism (``Constraints.cp``, default cp = 1 only): cp x tp divides N; s % 2cp == 0
 (s % 2cp t under sp); all_to_all needs (a/t) % cp == 0 and (g/t) % cp == 0 or cp % (g/t) == 0;
 ring is not searched with attention dropout (the validator rejects it).
-Mixture of experts (``Constraints.ep``, default ep = 1 only): ep divides tp x cp x dp and the
-experts; tp > 1 needs sp; ZeRO stages 0 and 1 only (the team's validator rules); a dense model
-is searched at ep = 1 only.
+Mixture of experts (``Constraints.ep`` and ``expert_tp``, default 1 only): ep x expert_tp divides tp
+x cp x dp, ep the experts and expert_tp the expert width; tp > 1 needs sp; ZeRO stages 0 and 1 only
+(the team's validator rules); a dense model is searched at ep = 1 only.
 Stages trade memory for dp communication (timing._dp_exposed): the ranking by step time
 within the memory cap picks the lowest stage that fits unless its communication hides.
 tp is kept within one node unless ``max_tp`` says otherwise (a tp group across nodes is never
@@ -62,6 +62,9 @@ class Constraints:
     """cp attention kinds searched at cp > 1 ('ring', 'all_to_all')."""
     ep: tuple[int, ...] = (1,)
     """Expert-parallel degrees searched for an MoE model (``colonnade plan --ep 1,2,4``)."""
+    expert_tp: tuple[int, ...] = (1,)
+    """Expert tensor-parallel degrees searched for an MoE model (``colonnade plan
+    --expert-tp 1,2``)."""
     reshard: tuple[bool | None, ...] = (None,)
     """Stage 3's reshard_after_forward values searched (None: the default for the pp)."""
     zero_shard_size: int | None = None
@@ -207,26 +210,36 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                         if w.model.moe and tp > 1 and not sp:
                             continue  # MoE under tp needs sp (distinct tokens per tp rank)
                         for z, rs in _zero_options(dp * cp, cons):
-                            for ep in _ep_options(w, tp * cp * dp, cons, z):
+                            for ep, etp in _ep_options(w, tp * cp * dp, cons, z):
                                 yield Layout(tp=tp, cp=cp, cp_attention=kind,
                                              cp_a2a_size=a2a, pp=pp, vp=vp,
-                                             dp=dp, ep=ep, micro_batch=mb, zero=z,
+                                             dp=dp, ep=ep, expert_tp=etp, micro_batch=mb,
+                                             zero=z,
                                              recompute=rc, sp=sp, schedule=sched,
                                              reshard_after_forward=rs,
                                              zero_shard_size=cons.zero_shard_size if z
                                              else None)
 
 
-def _ep_options(w: Workload, inner: int, cons: Constraints, zero: int) -> list[int]:
-    """Expert-parallel degrees valid for ``inner`` = tp x cp x dp ranks of a stage: those of
-    ``cons.ep`` dividing both it and the experts, and with hybrid sharding (at ZeRO ``zero``
-    >= 1) leaving an expert dp that min(zero_shard_size, edp) divides (only 1 for a dense
+def _ep_options(w: Workload, inner: int, cons: Constraints, zero: int
+                ) -> list[tuple[int, int]]:
+    """(ep, expert tp) pairs valid for ``inner`` = tp x cp x dp ranks of a stage: ep of
+    ``cons.ep`` dividing the experts, expert tp of ``cons.expert_tp`` dividing the expert
+    width, their product dividing ``inner``, and with hybrid sharding (at ZeRO ``zero`` >= 1)
+    leaving an expert dp that min(zero_shard_size, edp) divides (only (1, 1) for a dense
     model)."""
     if not w.model.moe:
-        return [1]
-    size = cons.zero_shard_size if zero else None
-    return [ep for ep in cons.ep if inner % ep == 0 and w.model.num_experts % ep == 0
-            and (size is None or (inner // ep) % min(size, inner // ep) == 0)]
+        return [(1, 1)]
+    m, size = w.model, cons.zero_shard_size if zero else None
+    out = []
+    for ep in cons.ep:
+        for etp in cons.expert_tp:
+            if inner % (ep * etp) or m.num_experts % ep or m.expert_ffn_size % etp:
+                continue
+            edp = inner // (ep * etp)
+            if size is None or edp % min(size, edp) == 0:
+                out.append((ep, etp))
+    return out
 
 
 def check_workload(w: Workload) -> None:

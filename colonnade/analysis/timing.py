@@ -23,8 +23,10 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
              backward ``backward_ratio`` x; plus the dispatch's bytes (all_to_all or
              all_gather, forward + backward) at the ep group's link, 4 (all_to_all) or 6
              (all_gather) collectives' latency, exposed (not overlapped), reported as
-             ``Timing.ep_comm``.  The routed experts' gradients are reduced over expert_dp
-             (edp = t cp dp / ep ranks) and their ZeRO-1 states sharded over it
+             ``Timing.ep_comm``; with expert tp n > 1 also its exchange
+             (:func:`~colonnade.analysis.moe.expert_tp_bytes`) at the expert tp group's link,
+             5 collectives' latency.  The routed experts' gradients are reduced over
+             expert_dp (edp = t cp dp / (ep n) ranks) and their ZeRO-1 states sharded over it
              (:func:`_expert_dp_s`: dp communication and optimizer time).
   tp comm  = per layer 2 all-reduces (or all-gather + reduce-scatter pairs with sp) of T h E
              bytes forward, 2 backward, +2 with full recompute: 8 T h E (t-1)/t bytes per
@@ -78,7 +80,12 @@ from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import moe_stage_params, stage_params, stage_state_bytes
-from colonnade.analysis.moe import MoEShape, dispatch_bytes, mlp_forward_flops_per_token
+from colonnade.analysis.moe import (
+    MoEShape,
+    dispatch_bytes,
+    expert_tp_bytes,
+    mlp_forward_flops_per_token,
+)
 from colonnade.analysis.zbv import zbv_makespan
 from colonnade.config.choices import schedule_placement, tied_across_stages
 from colonnade.models.counts import (
@@ -133,17 +140,25 @@ class _Stage:
 
 def moe_layer_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:
     """(forward compute seconds an MoE layer adds over a dense layer, its dispatch seconds
-    forward + backward) for one micro-batch on one rank (module docstring)."""
+    forward + backward: the ep dispatcher's and the expert tp exchange's) for one
+    micro-batch on one rank (module docstring)."""
     x = MoEShape.of(w.model)
     tokens = layout.local_tokens(w.seq_len) / layout.tp  # routed by this rank (sp under tp)
     moe, dense = mlp_forward_flops_per_token(x)
     delta = tokens * (moe - dense) / c.flops_per_s(w.precision)
     sent = dispatch_bytes(x, tokens, w.elem, layout.ep, w.moe_dispatcher)
-    if sent == 0:
-        return delta, 0.0
-    bw, lat = c.link(layout.ep, min(layout.ep, c.gpus_per_node))
-    calls = 4 if w.moe_dispatcher == "all_to_all" else 6
-    return delta, sent / bw + calls * (layout.ep - 1) * lat
+    seconds = 0.0
+    if sent:
+        bw, lat = c.link(layout.ep, min(layout.ep, c.gpus_per_node))
+        calls = 4 if w.moe_dispatcher == "all_to_all" else 6
+        seconds += sent / bw + calls * (layout.ep - 1) * lat
+    n = layout.expert_tp
+    if n > 1:  # the expert tp exchange: counts, rows' all-gather and reduce-scatter, fwd + bwd
+        bw, lat = c.link(n, min(n, c.gpus_per_node))
+        rows = tokens * x.top_k
+        seconds += expert_tp_bytes(rows, x.hidden, w.elem, n, x.experts // layout.ep) / bw \
+            + 5 * (n - 1) * lat
+    return delta, seconds
 
 
 def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> tuple[float,
@@ -504,13 +519,14 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
 def _expert_dp_s(w: Workload, layout: Layout, c: Cluster, names: list[str], stage: _Stage,
                  m: int) -> tuple[float, float, float]:
     """(exposed, full) seconds of the routed experts' gradient reduction and their optimizer
-    seconds: :func:`_dp_exposed` / :func:`_optimizer_s` over expert_dp (edp = tp cp dp / ep
-    ranks, the layout's ZeRO stage sharding over them or their hybrid shard groups) with
-    the fullest stage's expert parameters, in the same backward window as the dense
+    seconds: :func:`_dp_exposed` / :func:`_optimizer_s` over expert_dp (edp = tp cp dp / (ep
+    expert_tp) ranks, the layout's ZeRO stage sharding over them or their hybrid shard groups)
+    with the fullest stage's expert parameters, in the same backward window as the dense
     reduction (each exposed part added)."""
     experts = max(moe_stage_params(w, layout, "first" if n == "middle" else n)[1]
                   for n in names)
-    elay = replace(layout, dp=layout.edp, cp=1, ep=1, zero_shard_size=layout.expert_shard_size)
+    elay = replace(layout, dp=layout.edp, cp=1, ep=1, expert_tp=1,
+                   zero_shard_size=layout.expert_shard_size)
     exposed, full = _dp_exposed(w, elay, c, experts, stage, m)
     return exposed, full, _optimizer_s(w, elay, c, experts)
 

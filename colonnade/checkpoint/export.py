@@ -27,22 +27,17 @@ from colonnade.tensor_parallel.sharding import Sharding
 
 
 def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup,
-                ep: CommGroup | None = None) -> torch.Tensor:
+                ep: CommGroup | None = None, etp: CommGroup | None = None) -> torch.Tensor:
     """All-gather the tp shards of a tensor and undo padding: the logical full tensor (a
     parameter split over no other axis, or one whose other axes have degree 1). An expert
-    weight (split over "ep" on dim 0, [E/ep, ...] here) is gathered over ``ep`` instead
-    (expert tp is 1): [E, ...]."""
+    weight (split over "ep" on dim 0, [E/ep, ...] here, and over expert tp along
+    ``sharding.dim``) is gathered over ``etp`` along that dim, then over ``ep``: [E, ...]."""
     check_materialised(t, sharding)
     if "ep" in sharding.split_axes:
+        out = t.detach()
         if sharding.dim is not None:
-            raise NotImplementedError(f"{sharding.key}: gathering an expert weight split over "
-                                      "expert tp as well")
-        if ep is None or ep.size == 1:
-            return sharding.unshard([t.detach()], {"ep": 1})
-        local = t.detach().contiguous()  # [E/ep, ...]
-        out = local.new_empty((local.shape[0] * ep.size, *local.shape[1:]))  # [E, ...]
-        ep.all_gather_into(out, local, name="gather_full_experts")
-        return sharding.unshard(list(out.chunk(ep.size, dim=0)), {"ep": ep.size})
+            out = _cat_over(out, sharding.dim, etp, "gather_full_experts")  # [E/ep, ...]
+        return sharding.unshard([_cat_over(out, 0, ep, "gather_full_experts")], {})  # [E, ...]
     if sharding.dim is None or group.size == 1:
         return sharding.unshard([t.detach()], {})
     moved = t.detach().movedim(sharding.dim, 0).contiguous()  # [n/tp, ...]
@@ -50,6 +45,17 @@ def gather_full(t: torch.Tensor, sharding: Sharding, group: CommGroup,
     group.all_gather_into(out, moved, name="gather_full")
     shards = [c.movedim(0, sharding.dim) for c in out.chunk(group.size, dim=0)]
     return sharding.unshard(shards, {"tp": group.size})
+
+
+def _cat_over(t: torch.Tensor, dim: int, group: CommGroup | None, name: str) -> torch.Tensor:
+    """The group's blocks of ``t`` concatenated along ``dim`` in rank order (all-gather; ``t``
+    itself without a group or for a group of one)."""
+    if group is None or group.size == 1:
+        return t
+    moved = t.movedim(dim, 0).contiguous()  # [n/g, ...]
+    out = moved.new_empty((moved.shape[0] * group.size, *moved.shape[1:]))  # [n, ...]
+    group.all_gather_into(out, moved, name=name)
+    return out.movedim(0, dim)
 
 
 def check_materialised(t: torch.Tensor, sharding: Sharding) -> None:
@@ -79,7 +85,8 @@ def full_state(chunks: list[nn.Module], groups: ProcessGroups,
             seen.add(id(p))
             sharding: Sharding = p.sharding  # type: ignore[attr-defined]
             local = p if ddp is None else ddp.local_param(p)
-            out[sharding.key] = gather_full(local, sharding, groups.tp, groups.ep).contiguous()
+            out[sharding.key] = gather_full(local, sharding, groups.tp, groups.ep,
+                                            groups.expert_tp).contiguous()
     return out
 
 

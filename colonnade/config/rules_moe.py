@@ -63,8 +63,8 @@ def _swiglu_clamp(m: ModelConfig) -> list[str]:
 
 def moe_rules(c: Config, _: int | None) -> list[str]:
     """Mixture of experts: the model.moe_* fields, and what the parallel layout supports with
-    experts (ep dividing the experts, expert_tp = 1, sp under tp > 1, hybrid sharding's
-    size dividing expert dp)."""
+    experts (ep dividing the experts, expert_tp dividing the expert width, sp under tp > 1,
+    hybrid sharding's size dividing expert dp)."""
     m, p, out = c.model, c.parallel, []
     if p.moe_dispatcher not in MOE_DISPATCHERS:
         out.append(f"parallel.moe_dispatcher='{p.moe_dispatcher}' is unknown; use one of "
@@ -73,14 +73,20 @@ def moe_rules(c: Config, _: int | None) -> list[str]:
         out.append(f"model.num_experts={m.num_experts} must be >= 0 (0: a dense model).")
     out.extend(_swiglu_clamp(m))
     if not m.moe:
+        if p.expert_tp is not None and p.expert_tp > 1:
+            out.append(f"parallel.expert_tp={p.expert_tp} needs a mixture-of-experts model "
+                       "(model.num_experts > 0): no layer has experts to split; unset it or "
+                       "set expert_tp=1.")
         return out
     out.extend(_moe_fields(m))
     if p.ep >= 1 and m.num_experts % p.ep:
         out.append(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep}; "
                    "each ep rank holds num_experts / ep experts: pick ep dividing num_experts.")
-    if p.expert_tp is not None and p.expert_tp > 1:
-        out.append(f"parallel.expert_tp={p.expert_tp}: expert tensor parallelism is not "
-                   "supported yet; set parallel.expert_tp=1.")
+    etp = p.expert_tp if p.expert_tp is not None else 1
+    if etp >= 1 and m.expert_ffn_size >= 1 and m.expert_ffn_size % etp:
+        out.append(f"model.moe_ffn_hidden_size={m.expert_ffn_size} is not divisible by "
+                   f"parallel.expert_tp={etp} (each expert's gate/up rows and down columns are "
+                   "split over expert tp); pick expert_tp dividing it, or expert_tp=1.")
     if p.tp > 1 and not p.sp:
         out.append(f"parallel.tp={p.tp} with a mixture-of-experts model needs parallel.sp=true "
                    "(the tp ranks must route different tokens); set sp=true or tp=1.")

@@ -77,8 +77,11 @@ class ParallelConfig:
     (edp = tp x cp x dp / (ep x expert_tp)); ep x expert_tp must divide tp x cp x dp. Dense
     weights are unaffected (a model without expert layers trains exactly as with ep = 1)."""
     expert_tp: int | None = None
-    """Expert tensor-parallel degree: each expert's matrices split across this many ranks;
-    None means equal to tp (then the expert-tp groups are the tp groups)."""
+    """Expert tensor-parallel degree (Megatron's MoE parallel folding): each routed expert's
+    gate/up split by rows (column-parallel) and down by columns (row-parallel) across this
+    many ranks of a stage, chosen independently of tp (ep x expert_tp folded inside
+    tp x cp x dp); None resolves to 1 (whole experts) for a mixture-of-experts model. It
+    must divide model.moe_ffn_hidden_size."""
     moe_dispatcher: str = "all_to_all"
     """How tokens reach the ranks holding their experts under ep > 1: 'all_to_all' (each
     rank sends every token copy to its expert's rank, split sizes exchanged first; bytes

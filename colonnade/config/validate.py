@@ -56,8 +56,8 @@ def resolve(config: Config, world_size: int) -> Config:
 
     dp = world / (tp * pp * cp) (ep is folded inside tp * cp * dp, it does not divide the
     world); global batch = micro_batch_size * microbatches * dp. A mixture-of-experts model
-    (model.num_experts > 0) gets parallel.expert_tp = 1 when it is None (the only supported
-    expert tp degree). checkpoint.save='auto' becomes <logging.dir>/checkpoints
+    (model.num_experts > 0) gets parallel.expert_tp = 1 (whole experts) when it is None.
+    checkpoint.save='auto' becomes <logging.dir>/checkpoints
     (:func:`resolve_save`).
     Inconsistent explicit values are left for :func:`validate` to report.
     """

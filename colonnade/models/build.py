@@ -36,8 +36,8 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
     """The ParallelContext every layer of this rank shares (``meta_params``: parameters are
     built on the meta device, to be materialised one at a time later). A mixture-of-experts
     model gets its :class:`~colonnade.moe.state.MoEState` (``ctx.moe``, the dp x cp group for
-    the 'global' balancing loss) and the ep group (None when ``groups`` has no expert
-    groups: then every MoE layer holds all experts)."""
+    the 'global' balancing loss), the ep and expert_tp groups (None when ``groups`` has no
+    expert groups: then every MoE layer holds all experts, whole)."""
     par = config.parallel
     moe = MoEState(dp_cp=groups.dp_cp) if config.model.moe else None
     return ParallelContext(group=groups.tp, sp=par.sp, seed=config.training.seed,
@@ -46,7 +46,8 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
                            device=device, comm_chunks=par.tp_comm_chunks, cp=groups.cp,
                            cp_attention=par.cp_attention, cp_overlap=par.cp_overlap,
                            cp_a2a=groups.cp_a2a, cp_ring=groups.cp_ring,
-                           ep=groups.ep, moe_dispatcher=par.moe_dispatcher, moe=moe,
+                           ep=groups.ep, expert_tp=groups.expert_tp,
+                           moe_dispatcher=par.moe_dispatcher, moe=moe,
                            param_device=torch.device("meta") if meta_params else None)
 
 

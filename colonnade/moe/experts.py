@@ -2,8 +2,11 @@
 
 With E experts split over ep ranks, ep rank r holds experts ``[r E_local, (r+1) E_local)``,
 ``E_local = E / ep``, as slices of stacked weights whose full shapes are those of the
-single-process model (``Sharding(splits=(("ep", 0),))``), so every layout starts from the same
-bits: the seeded initialisation blocks tile the expert dim.
+single-process model, so every layout starts from the same bits: the seeded initialisation
+blocks tile the expert dim. With expert tp (``parallel.expert_tp`` = n > 1) each expert's
+f dim is split too, gate / up column-parallel and down row-parallel (:func:`expert_splits`:
+``(("ep", 0), ("tp", d))``, "tp" meaning the expert tp group), and the rows of the group's
+ranks are exchanged around the GEMMs (:mod:`colonnade.moe.expert_tp`).
 
 Per expert e (f = ``model.expert_ffn_size``, h the hidden size), on its rows x_e [n_e, h]:
 
@@ -30,12 +33,22 @@ from torch import nn
 
 from colonnade.config.sections import ModelConfig
 from colonnade.gelu import gelu_tanh
+from colonnade.moe.expert_tp import gather_rows, scatter_partial_rows
 from colonnade.moe.grouped_gemm import grouped_mm, host_counts
 from colonnade.tensor_parallel.context import ParallelContext
 from colonnade.tensor_parallel.sharding import Sharding, output_std
 
 EP_SPLIT: tuple[tuple[str, int], ...] = (("ep", 0),)
 """Every routed-expert tensor is split over ep along its expert dim (dim 0)."""
+
+
+def expert_splits(name: str) -> tuple[tuple[str, int], ...]:
+    """The splits of routed-expert tensor ``name``: over ep along the expert dim (0), then
+    over expert tp ("tp" of the expert view) along f: dim 1 of gate / up [E, f, h] and of
+    gate_bias / up_bias [E, f] (column-parallel), dim 2 of down [E, h, f] (row-parallel);
+    down_bias [E, h] is replicated over expert tp."""
+    f_dim = {"gate": 1, "up": 1, "gate_bias": 1, "up_bias": 1, "down": 2}.get(name)
+    return EP_SPLIT if f_dim is None else (*EP_SPLIT, ("tp", f_dim))
 
 
 def is_gated(cfg: ModelConfig) -> bool:
@@ -111,9 +124,12 @@ class GroupedExperts(nn.Module):
                  activation: GatedActivation = swiglu) -> None:
         super().__init__()
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size
-        if e % ctx.ep_size:
-            raise ValueError(f"model.num_experts={e} is not divisible by parallel.ep="
-                             f"{ctx.ep_size}")
+        if e % ctx.ep_size or f % ctx.etp_size:
+            raise ValueError(f"model.num_experts={e} must be divisible by parallel.ep="
+                             f"{ctx.ep_size} and model.moe_ffn_hidden_size={f} by "
+                             f"parallel.expert_tp={ctx.etp_size}")
+        self.etp = ctx.expert_tp
+        """The expert tp group (None or one rank: whole experts)."""
         self.gated = is_gated(cfg) if gated is None else gated
         self.num_local = e // ctx.ep_size
         self.first = ctx.ep_rank * self.num_local
@@ -122,7 +138,9 @@ class GroupedExperts(nn.Module):
 
         def param(name: str, shape: tuple[int, ...], sd: float, kind: str = "normal"
                   ) -> nn.Parameter:
-            return ctx.expert_param(Sharding(f"{key}.{name}", shape, splits=EP_SPLIT), sd, kind)
+            sharding = Sharding(f"{key}.{name}", shape, splits=expert_splits(name),
+                                tp_partial_grad=name == "down_bias" and ctx.etp_size > 1)
+            return ctx.expert_param(sharding, sd, kind)
 
         self.gate = param("gate", (e, f, h), std) if self.gated else None
         self.up = param("up", (e, f, h), std)
@@ -137,19 +155,23 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor | Sequence[int]
                 ) -> torch.Tensor:
         """tokens [t_e, h] sorted by local expert, counts [E_local] (rows per local expert,
-        a tensor or host ints) -> [t_e, h], each row through its expert."""
+        a tensor or host ints) -> [t_e, h], each row through its expert (under expert tp:
+        the group's rows gathered, this rank's slices applied, the partial sums
+        reduce-scattered back; :mod:`colonnade.moe.expert_tp`)."""
         sizes = host_counts(counts)
-        up = grouped_mm(tokens, self.up, sizes)  # [t_e, f]
+        x, group_sizes, exchange = gather_rows(tokens, sizes, self.etp)  # [t_g, h]
+        up = grouped_mm(x, self.up, group_sizes)  # [t_g, f/etp]
         if self.up_bias is not None:
-            up = up + _rows(self.up_bias, sizes, tokens.shape[0])
+            up = up + _rows(self.up_bias, group_sizes, x.shape[0])
         if self.gate is not None:
-            gate = grouped_mm(tokens, self.gate, sizes)  # [t_e, f]
+            gate = grouped_mm(x, self.gate, group_sizes)  # [t_g, f/etp]
             if self.gate_bias is not None:
-                gate = gate + _rows(self.gate_bias, sizes, tokens.shape[0])
-            hidden = self.activation(gate, up)  # [t_e, f]
+                gate = gate + _rows(self.gate_bias, group_sizes, x.shape[0])
+            hidden = self.activation(gate, up)  # [t_g, f/etp]
         else:
-            hidden = gelu_tanh(up)  # [t_e, f]
-        out = grouped_mm(hidden, self.down, sizes)  # [t_e, h]
+            hidden = gelu_tanh(up)  # [t_g, f/etp]
+        out = scatter_partial_rows(grouped_mm(hidden, self.down, group_sizes),
+                                   exchange)  # [t_e, h]
         if self.down_bias is not None:
             out = out + _rows(self.down_bias, sizes, tokens.shape[0])
         return out

@@ -122,6 +122,8 @@ class DistributedOptimizer:
         """Whether the model has expert parameters (a second, expert norm sum is taken)."""
         expert_coords = {"ep": (max(groups.ep.rank, 0), groups.ep.size)} if (
             groups.ep is not None) else {}
+        if groups.expert_tp is not None:
+            expert_coords["tp"] = (max(groups.expert_tp.rank, 0), groups.expert_tp.size)
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size), expert_coords)
         self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
                                self.decayed, self._decay_groups())
@@ -130,13 +132,15 @@ class DistributedOptimizer:
         """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
         hybrid sharding's replicate group (the replicas hold the same shard)."""
         self.expert_norm_groups: list[CommGroup] = []
-        """Groups the expert squared norm is summed over: ep, pp and (ZeRO) the expert shard
-        group (expert-dp, or its hybrid shard group: not the expert replicas)."""
+        """Groups the expert squared norm is summed over: ep, expert tp (slices of the same
+        experts), pp and (ZeRO) the expert shard group (expert-dp, or its hybrid shard group:
+        not the expert replicas)."""
         if self.experts:
             assert groups.ep is not None and ddp.expert_group is not None
             expert_shard = ddp.shard_groups.expert
             assert expert_shard is not None
-            self.expert_norm_groups = [groups.ep, groups.pp] + (
+            etp = [groups.expert_tp] if groups.expert_tp is not None else []
+            self.expert_norm_groups = [groups.ep, *etp, groups.pp] + (
                 [expert_shard] if ddp.sharded else [])
         self.step_count = 0
 

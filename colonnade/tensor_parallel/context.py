@@ -62,6 +62,10 @@ class ParallelContext:
     ep: CommGroup | None = None
     """The expert-parallel group (token all-to-all of mixture-of-experts layers, see
     :class:`~colonnade.parallel.dims.ParallelDims`' expert view); None without expert groups."""
+    expert_tp: CommGroup | None = None
+    """The expert tensor-parallel group: the ranks holding slices (column-parallel gate/up,
+    row-parallel down) of the same experts, folded with ep inside the stage (Megatron's MoE
+    parallel folding); None or one rank: whole experts."""
     moe_dispatcher: str = "all_to_all"
     """How mixture-of-experts layers move tokens to their experts' ep ranks: 'all_to_all' or
     'all_gather' (``parallel.moe_dispatcher``)."""
@@ -93,6 +97,16 @@ class ParallelContext:
         return self.ep.rank if self.ep is not None else 0
 
     @property
+    def etp_size(self) -> int:
+        """Expert tp degree (1 without an expert_tp group)."""
+        return self.expert_tp.size if self.expert_tp is not None else 1
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's index in expert tp (0 without an expert_tp group)."""
+        return self.expert_tp.rank if self.expert_tp is not None else 0
+
+    @property
     def cp_size(self) -> int:
         """cp degree (1 without a cp group)."""
         return self.cp.size if self.cp is not None else 1
@@ -120,8 +134,10 @@ class ParallelContext:
 
     def expert_param(self, sharding: Sharding, std: float, kind: str = "normal"
                      ) -> nn.Parameter:
-        """A routed-expert parameter: this rank's shard on the ep axis (coordinates
-        ``{"ep": (ep_rank, ep)}``; expert weights are never split over tp, expert_tp = 1) of
-        its seeded full initial value, identical in every layout."""
-        return make_param(sharding, {"ep": (self.ep_rank, self.ep_size)}, self.seed, std, kind,
-                          self.dtype, self.param_device or self.device, self.device)
+        """A routed-expert parameter: this rank's shard on the expert view's axes (coordinates
+        ``{"ep": (ep_rank, ep), "tp": (etp_rank, etp)}``: a "tp" split of an expert weight is
+        a split over the expert tp group) of its seeded full initial value, identical in
+        every layout."""
+        coords = {"ep": (self.ep_rank, self.ep_size), "tp": (self.etp_rank, self.etp_size)}
+        return make_param(sharding, coords, self.seed, std, kind, self.dtype,
+                          self.param_device or self.device, self.device)

@@ -35,6 +35,7 @@ from colonnade.analysis.moe import (
     dense_model,
     dispatch_bytes,
     expert_params_per_rank,
+    expert_tp_bytes,
     moe_param_counts,
 )
 from colonnade.analysis.search import Constraints, layouts
@@ -145,6 +146,30 @@ def test_dispatch_formulas() -> None:
         dispatch_bytes(x, 64, 2, 2, "ring")
 
 
+def test_expert_tp_memory_and_bytes() -> None:
+    """Expert tp 2 halves each rank's routed-expert weights (no biases) at the same ep; at
+    ep2 x etp2 on dp8 the expert states are sharded over edp 2 instead of 4, so ZeRO-1's
+    expert optimizer bytes per rank are unchanged while weights and gradients halve. Its
+    exchange: 4 (n-1) T k h e + 8 (n-1) E_l per layer and micro-batch."""
+    model = dataclasses.replace(MIXTRAL, num_layers=4)
+    w = Workload(model=model, seq_len=256, global_batch=8)
+    x = MoEShape.of(model)
+    whole = expert_params_per_rank(x, 1, 2)
+    assert expert_params_per_rank(x, 1, 2, etp=2) == whole / 2 == 4 * 4 * 3 * 4096 * 7168
+    ep2 = Layout(dp=8, zero=1, ep=2)
+    etp2 = dataclasses.replace(ep2, expert_tp=2)
+    assert (ep2.edp, etp2.edp) == (4, 2)
+    one, two = memory_per_device(w, ep2), memory_per_device(w, etp2)
+    assert one.params - two.params == pytest.approx(whole / 2 * 2)  # bf16 weights
+    assert one.grads - two.grads == pytest.approx(whole / 2 * 4)  # fp32 gradients
+    assert one.optimizer == pytest.approx(two.optimizer)  # whole/4 vs (whole/2)/2 states
+    assert "--parallel.expert_tp=2" in etp2.overrides() and "etp2" in etp2.short()
+    tiny = MoEShape.of(moe_config(ep=1).model)  # h 32, E 4, k 2
+    assert dispatch_bytes(tiny, 64, 2, 1, "all_to_all", etp=2) == 4 * 64 * 2 * 32 * 2 + 8 * 4
+    assert dispatch_bytes(tiny, 64, 2, 2, "all_to_all", etp=2) == (
+        4 * 64 * 32 * 2 + 8 * 2 + 4 * 64 * 2 * 32 * 2 + 8 * 2)
+
+
 def measure_dispatch(kind: str) -> dict[str, Any]:
     """Rank body (ep 2 over dp 2): one micro-batch forward + backward of the float64 MoE
     model; the ep group's wire bytes against the formula at this rank's actual routing, and
@@ -197,20 +222,68 @@ def test_measured_dispatch_bytes(run_ranks: Callable[..., list[Any]], kind: str)
         assert got["experts"] == got["experts_model"] > 0, got
 
 
+def measure_expert_tp() -> dict[str, Any]:
+    """Rank body (expert tp 2 over dp 2, ep 1): one micro-batch forward + backward of the
+    float64 MoE model; the expert tp group's wire bytes against :func:`expert_tp_bytes` at
+    each layer's actual padded rows, and the routed-expert parameters this rank holds."""
+    import colonnade.moe.experts as experts_module
+
+    torch.set_num_threads(1)
+    config = moe_config(ep=1, etp=2)
+    groups = ProcessGroups.build(ParallelDims.from_config(config.parallel, 2), experts=True)
+    (chunk,) = build_chunks(config, groups, dtype=torch.float64)
+    padded: list[int] = []  # per layer pass: T, the rows each rank contributes
+    plain = experts_module.gather_rows
+
+    def recording(*args: Any) -> Any:
+        out = plain(*args)
+        padded.append(out[2].padded)
+        return out
+
+    experts_module.gather_rows = recording
+    try:
+        gen = torch.Generator().manual_seed(7 + groups.world.rank)
+        b, vocab, s = 2, config.model.vocab_size, config.training.seq_len
+        tokens = torch.randint(0, vocab, (b, s), generator=gen)
+        groups.stats.reset()
+        chunk(tokens, torch.randint(0, vocab, (b, s), generator=gen), reduction="sum"
+              ).backward()
+    finally:
+        experts_module.gather_rows = plain
+    x = MoEShape.of(config.model)
+    return {"sent": groups.stats.total("expert_tp/"), "layers": len(padded),
+            "model": sum(expert_tp_bytes(t, x.hidden, 8, 2, x.experts) for t in padded),
+            "experts": sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n),
+            "experts_model": expert_params_per_rank(x, 1, 1, etp=2)}
+
+
+def test_measured_expert_tp_bytes(run_ranks: Callable[..., list[Any]]) -> None:
+    """Expert tp 2: the counts' all-gather and the rows' all-gather and reduce-scatter, forward
+    and backward, measured by CommGroup equal 4 (n-1) T h e + 8 (n-1) E_l per layer exactly;
+    each rank holds half of every expert."""
+    for got in run_ranks(2, measure_expert_tp):
+        assert got["layers"] == 2
+        assert got["sent"] == got["model"] > 0, got
+        assert got["experts"] == got["experts_model"] > 0, got
+
+
 def test_plan_searches_ep(capsys: pytest.CaptureFixture[str]) -> None:
-    """--ep 1,2,4: MoE layouts at each ep dividing tp cp dp and E, sp under tp, ZeRO 0-3,
-    each one a valid config; a dense model only at ep 1."""
+    """--ep 1,2,4 --expert-tp 1,2: MoE layouts at each ep dividing E and ep x expert_tp
+    dividing tp cp dp, sp under tp, ZeRO 0-3, each one a valid config; a dense model only at
+    ep 1."""
     args = ["--model", "tiny-llama", "--set", "model.num_experts=4", "--cluster", "h100",
-            "--gpus", "4", "--ep", "1,2,4", "--global-batch", "8", "--seq-len", "64"]
+            "--gpus", "4", "--ep", "1,2,4", "--expert-tp", "1,2", "--global-batch", "8",
+            "--seq-len", "64"]
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     w, cons = build_plan(parser.parse_args(args))
-    assert cons.ep == (1, 2, 4)
+    assert (cons.ep, cons.expert_tp) == ((1, 2, 4), (1, 2))
     found = list(layouts(w, 4, get_cluster("h100"), cons))
-    assert {lay.ep for lay in found} == {1, 2, 4}
+    assert {(lay.ep, lay.expert_tp) for lay in found} == {(1, 1), (2, 1), (4, 1), (1, 2),
+                                                          (2, 2)}
     assert all(lay.sp or lay.tp == 1 for lay in found)
     assert {lay.zero for lay in found} == {0, 1, 2, 3}  # ZeRO-2/3 shard experts over edp
-    assert all((lay.tp * lay.cp * lay.dp) % lay.ep == 0 for lay in found)
+    assert all((lay.tp * lay.cp * lay.dp) % (lay.ep * lay.expert_tp) == 0 for lay in found)
     base = load_model_config(parser.parse_args(args))
     for lay in found:  # every planned MoE layout is a config the validator accepts
         validate(resolve(lay.to_config(base, w), 4), 4)

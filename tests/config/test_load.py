@@ -239,5 +239,7 @@ def test_validation_error_lists_every_problem_with_fix() -> None:
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
 def test_presets_are_valid(name: str) -> None:
     cfg = load_config(CONFIGS / name)
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * (cfg.parallel.dp or 1)
+    par = cfg.parallel  # dp unset (derived from --nproc): the fewest ranks its experts fold into
+    dp = par.dp or max(1, par.ep * (par.expert_tp or 1) // (par.tp * par.cp))
+    world = par.tp * par.pp * par.cp * dp
     validate(resolve(cfg, world), world)

@@ -1,5 +1,6 @@
 """Mixture-of-experts configuration: every MoE rule of the validator rejects its case with a
-message naming the field and the fix; valid MoE layouts pass; resolve() fills expert_tp = 1."""
+message naming the field and the fix; valid MoE layouts (expert tp included) pass; resolve()
+fills expert_tp = 1 when unset."""
 
 from __future__ import annotations
 
@@ -31,8 +32,12 @@ BAD: list[tuple[str, int, dict[str, dict[str, Any]], list[str]]] = [
     ("top_k_over_experts", 1, {"model": {"moe_top_k": 5}},
      ["model.moe_top_k=5 must be in [1, model.num_experts=4]"]),
     ("top_k_zero", 1, {"model": {"moe_top_k": 0}}, ["model.moe_top_k=0 must be in [1"]),
-    ("expert_tp", 2, {"parallel": {"tp": 2, "sp": True, "expert_tp": 2}},
-     ["expert tensor parallelism is not supported yet; set parallel.expert_tp=1"]),
+    ("expert_tp_vs_width", 4, {"model": {"moe_ffn_hidden_size": 6},
+                                "parallel": {"expert_tp": 4}},
+     ["model.moe_ffn_hidden_size=6 is not divisible by parallel.expert_tp=4",
+      "pick expert_tp dividing it"]),
+    ("expert_tp_dense", 2, {"model": {"num_experts": 0}, "parallel": {"expert_tp": 2}},
+     ["parallel.expert_tp=2 needs a mixture-of-experts model", "set expert_tp=1"]),
     ("tp_without_sp", 2, {"parallel": {"tp": 2}},
      ["parallel.tp=2 with a mixture-of-experts model needs parallel.sp=true"]),
     ("expert_hybrid_shard", 6, {"parallel": {"zero_stage": 3, "ep": 2, "zero_shard_size": 2}},
@@ -94,6 +99,8 @@ GOOD: list[tuple[int, dict[str, dict[str, Any]]]] = [
     (4, {"parallel": {"ep": 4, "moe_dispatcher": "all_gather"}}),
     (4, {"parallel": {"tp": 2, "sp": True, "ep": 2}}),
     (8, {"parallel": {"tp": 2, "sp": True, "pp": 2, "ep": 2, "zero_stage": 1}}),
+    (4, {"parallel": {"tp": 2, "sp": True, "ep": 2, "expert_tp": 2}}),  # folding: etp x ep = 4
+    (4, {"parallel": {"ep": 2, "expert_tp": 2}}),  # expert tp without attention tp
     (4, {"parallel": {"cp": 2, "ep": 4}}),
     (4, {"parallel": {"ep": 2, "zero_stage": 2}}),
     (8, {"parallel": {"ep": 2, "zero_stage": 3, "zero_shard_size": 4}}),
@@ -108,7 +115,7 @@ GOOD: list[tuple[int, dict[str, dict[str, Any]]]] = [
 def test_valid_moe_layouts_pass_and_expert_tp_resolves_to_one(
         world: int, overrides: dict[str, dict[str, Any]]) -> None:
     config = validate(resolve(_config(overrides), world), world)
-    assert config.parallel.expert_tp == 1
+    assert config.parallel.expert_tp == overrides.get("parallel", {}).get("expert_tp", 1)
     assert config.model.moe
 
 

@@ -267,6 +267,7 @@ class Layout:
     cp_attention: str = "ring"
     ep: int = 1
     dispatcher: str = "all_to_all"
+    expert_tp: int = 1
 
     @property
     def world(self) -> int:
@@ -284,6 +285,8 @@ class Layout:
             parts.append(f"cp{self.cp}-{self.cp_attention}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}-{self.dispatcher}")
+        if self.expert_tp > 1:
+            parts.append(f"etp{self.expert_tp}")
         return "_".join(parts) or "single"
 
 
@@ -294,7 +297,8 @@ def family_config(model: ModelConfig, layout: Layout) -> Config:
     par = ParallelConfig(tp=layout.tp, sp=layout.sp, pp=layout.pp, vp=layout.vp,
                          schedule=layout.schedule, dp=layout.dp, zero_stage=layout.zero,
                          cp=layout.cp, cp_attention=layout.cp_attention, ep=layout.ep,
-                         moe_dispatcher=layout.dispatcher, bucket_size=1000)
+                         moe_dispatcher=layout.dispatcher, bucket_size=1000,
+                         expert_tp=layout.expert_tp if layout.expert_tp > 1 else None)
     micro = GLOBAL_BATCH // (MICRO * layout.dp)
     tr = TrainingConfig(steps=STEPS, seq_len=SEQ, micro_batch_size=MICRO, microbatches=micro,
                         global_batch_size=GLOBAL_BATCH, precision="fp64", eval_interval=0)

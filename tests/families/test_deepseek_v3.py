@@ -314,10 +314,12 @@ def test_mla_layouts(run_ranks: Callable[..., list[Any]]) -> None:
 def test_deepseek_v3_moe_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     """DeepSeek-V3 with experts and one multi-token-prediction module (an MoE layer with its
     own embedding and head, on the last stage): tp2 + sp, pp2, cp2, dp2 ZeRO-1, ep2 with both
-    dispatchers."""
+    dispatchers, tp2 + sp with expert tp 2 (the folding's default: expert tp groups = tp
+    groups; the shared expert stays tp-split)."""
     check_layouts(run_ranks, _model(**MOE, mtp_layers=1, mtp_loss_weight=0.3), [
         Layout(tp=2, sp=True), Layout(pp=2), Layout(cp=2), Layout(dp=2, zero=1),
-        Layout(dp=2, ep=2), Layout(dp=2, ep=2, dispatcher="all_gather")])
+        Layout(dp=2, ep=2), Layout(dp=2, ep=2, dispatcher="all_gather"),
+        Layout(tp=2, sp=True, expert_tp=2)])
 
 
 def test_deepseek_v3_preset_count_and_dry_run(capsys: pytest.CaptureFixture[str]) -> None:

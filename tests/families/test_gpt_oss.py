@@ -58,7 +58,9 @@ def test_gpt_oss_layouts(run_ranks: Callable[..., list[Any]]) -> None:
     """Sinks, a window of 5 in the even layers of 4 (16-token sequences), biased router and
     experts: tp2 + sp, pp2 (1F1B and interleaved), dp2 + ZeRO-1, cp2 ring, cp2 all-to-all
     under tp2 + sp (each rank's sinks are its tp and cp share of the heads), ep2 (both
-    dispatchers). ZeRO-2/3 are refused for every MoE model (config/rules_moe.py)."""
+    dispatchers), expert tp 2 over dp2 (each expert's f split: the clamp is elementwise, the
+    down bias's partial gradient summed over expert tp). ZeRO-2/3 are refused for every MoE
+    model (config/rules_moe.py)."""
     model = tiny(ModelConfig(arch="gpt_oss", num_layers=4, hidden_size=32, num_heads=4,
                              num_kv_heads=2, head_dim=8, ffn_hidden_size=24, bias=True,
                              num_experts=4, moe_top_k=2, moe_router_bias=True,
@@ -67,7 +69,7 @@ def test_gpt_oss_layouts(run_ranks: Callable[..., list[Any]]) -> None:
         Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vp=2, schedule="interleaved_1f1b"),
         Layout(dp=2, zero=1), Layout(cp=2),
         Layout(tp=2, sp=True, cp=2, cp_attention="all_to_all"), Layout(dp=2, ep=2),
-        Layout(dp=2, ep=2, dispatcher="all_gather")])
+        Layout(dp=2, ep=2, dispatcher="all_gather"), Layout(dp=2, expert_tp=2)])
 
 
 PRESETS = {  # name: (transformers' count on the meta device, active parameters)

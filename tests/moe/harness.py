@@ -56,8 +56,8 @@ EXPERTS = 4
 CPU = torch.device("cpu")
 
 
-def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp: int = 1,
-               vp: int = 1,
+def moe_config(*, arch: str = "llama", ep: int = 2, etp: int = 1, tp: int = 1, cp: int = 1,
+               pp: int = 1, vp: int = 1,
                dp: int | None = None, sp: bool = False, schedule: str = "1f1b",
                dispatcher: str = "all_to_all", capacity: float | None = None,
                router: str = "softmax", top_k: int = 2, aux: float = 0.01,
@@ -68,8 +68,8 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
                recompute: str = "none") -> Config:
     """A resolved, validated config of a tiny MoE model (h = 32, 4 heads, 4 experts of width
     32, every layer MoE, vocab 101, seq 16, micro-batch 2) on tp x cp x dp x pp ranks (dp
-    default: max(ep / (tp cp), 1)); ep folds inside tp x cp x dp."""
-    dp = dp if dp is not None else max(ep // (tp * cp), 1)
+    default: max(ep etp / (tp cp), 1)); ep x etp (expert tp) folds inside tp x cp x dp."""
+    dp = dp if dp is not None else max(ep * etp // (tp * cp), 1)
     model = dataclasses.replace(
         tiny_model(arch, layers=layers or max(2, pp * vp)), num_experts=EXPERTS,
         moe_top_k=top_k, moe_ffn_hidden_size=32, moe_router=router,
@@ -77,7 +77,7 @@ def moe_config(*, arch: str = "llama", ep: int = 2, tp: int = 1, cp: int = 1, pp
         moe_aux_loss_type=aux_type, moe_z_loss_coeff=z_loss, moe_capacity_factor=capacity,
         moe_shared_expert_ffn_hidden_size=shared)
     parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule, ep=ep,
-                              moe_dispatcher=dispatcher, zero_stage=zero_stage,
+                              expert_tp=etp, moe_dispatcher=dispatcher, zero_stage=zero_stage,
                               zero_shard_size=zero_shard_size,
                               use_distributed_optimizer=zero_stage >= 1)
     training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
@@ -196,18 +196,9 @@ def _reference(config: Config, step_batches: list[list[Batch]], starve: int
 
 
 def gather_tensor(t: torch.Tensor, sharding: Sharding, groups: ProcessGroups) -> torch.Tensor:
-    """The full tensor of a parameter (or gradient) shard: over ep for an expert weight
-    (split on its ep dim), else over tp."""
-    if "ep" not in sharding.split_axes:
-        return gather_full(t, sharding, groups.tp).double()
-    ep = groups.ep
-    assert ep is not None
-    dim = dict(sharding.splits)["ep"]
-    moved = t.detach().movedim(dim, 0).contiguous()  # [E/ep, ...]
-    out = moved.new_empty((moved.shape[0] * ep.size, *moved.shape[1:]))
-    ep.all_gather_into(out, moved, name="gather_full")
-    shards = [c.movedim(0, dim) for c in out.chunk(ep.size, dim=0)]
-    return sharding.unshard(shards, {"ep": ep.size}).double()
+    """The full tensor of a parameter (or gradient) shard: over expert tp and ep for an expert
+    weight, else over tp (:func:`~colonnade.checkpoint.export.gather_full`)."""
+    return gather_full(t, sharding, groups.tp, groups.ep, groups.expert_tp).double()
 
 
 def gathered(chunks: list[nn.Module], groups: ProcessGroups,

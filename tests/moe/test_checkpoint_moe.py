@@ -2,10 +2,11 @@
 
 One uninterrupted run (ep2 on 2 ranks, ZeRO-1) trains 5 steps and saves after step 2. A chain
 of resumes then walks the layouts, each training one step and saving: ep4 x tp2 (sp, ZeRO-1)
-from step 2, ep2 with expert_dp 2 at ZeRO-3 (expert weights, gradients and optimizer state
-sharded over expert_dp, dense ones over dp4) on 4 ranks from step 3, ep1 on one process
-(ZeRO-0) from step 4, ep2 x pp2 (ZeRO-1) and ep1 x dp4 at ZeRO-3 with hybrid sharding (shard
-groups of 2, the expert ranges replicated twice: written once) from step 4 too. Every
+from step 2, expert tp 2 with expert_dp 2 at ZeRO-3 (each expert's f split in two; expert
+weights, gradients and optimizer state sharded over expert_dp, dense ones over dp4) on 4 ranks
+from step 3 (expert_tp 1 -> 2), then from step 4: ep1 on one process (ZeRO-0, expert_tp
+2 -> 1), ep2 with expert_dp 2 at ZeRO-3, ep2 x pp2 (ZeRO-1) and ep1 x dp4 at ZeRO-3 with
+hybrid sharding (shard groups of 2, the expert ranges replicated twice: written once). Every
 resumed step's loss equals the uninterrupted run's (rel. 1e-10), and so do the final
 parameters. The sigmoid router (selection bias updated after each step) makes the losses
 depend on ``expert_bias`` being saved; the 'seq' balancing loss and z-loss are on (both
@@ -28,11 +29,11 @@ STEPS = 5
 
 
 def _config(ep: int, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 1,
-            shard: int | None = None) -> Any:
+            shard: int | None = None, etp: int = 1) -> Any:
     """The tiny MoE (4 experts, top 2, sigmoid router) with 8 samples per step in any layout
-    (``shard``: hybrid sharding's zero_shard_size)."""
-    cfg = moe_config(ep=ep, tp=tp, pp=pp, dp=dp, sp=tp > 1, router="sigmoid", bias_rate=1e-2,
-                     aux=0.01, aux_type="seq", z_loss=1e-3, zero_stage=zero,
+    (``shard``: hybrid sharding's zero_shard_size; ``etp``: expert tp)."""
+    cfg = moe_config(ep=ep, etp=etp, tp=tp, pp=pp, dp=dp, sp=tp > 1, router="sigmoid",
+                     bias_rate=1e-2, aux=0.01, aux_type="seq", z_loss=1e-3, zero_stage=zero,
                      zero_shard_size=shard, microbatches=4 // dp, steps=STEPS, layers=2)
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_grad=1.0))
 
@@ -132,10 +133,10 @@ def test_resume_across_ep_tp_dp_pp_and_zero(run_ranks: Callable[..., list[Any]],
     ep4 = run_ranks(4, _run, _config(4, tp=2, dp=2), a, b, 1)[0]  # step 3, saves at 3
     assert ep4["step"] == 3
     _close(ep4["losses"], want[2:3])
-    edp2 = run_ranks(4, _run, _config(2, dp=4, zero=3), b, c, 1)[0]  # step 4, expert_dp 2
-    _close(edp2["losses"], want[3:4])
+    etp2 = run_ranks(4, _run, _config(1, dp=4, zero=3, etp=2), b, c, 1)[0]  # step 4, edp 2
+    _close(etp2["losses"], want[3:4])
     assert (_written_once(a), _written_once(b)) == (2, 4)  # one per ep
-    assert _written_once(c) >= 2  # ZeRO-3: flat ranges of each ep shard, each written once
+    assert _written_once(c) >= 2  # ZeRO-3: flat ranges of each expert tp shard, written once
     assert any(".experts." in n and n.startswith("optim/") for n in _optim_names(c))
     one = run_ranks(1, _run, _config(1, dp=1, zero=0), c, None, 1)[0]  # step 5, one process
     _close(one["losses"], want[4:5])
@@ -143,6 +144,8 @@ def test_resume_across_ep_tp_dp_pp_and_zero(run_ranks: Callable[..., list[Any]],
         err = float((one["params"][key] - value).abs().max() / value.abs().max().clamp_min(1e-30))
         assert err <= 1e-9, f"{key}: rel err {err:.2e}"
     assert any(k.endswith("router.expert_bias") for k in ref["params"])
+    edp2 = run_ranks(4, _run, _config(2, dp=4, zero=3), c, None, 1)[0]  # ep2 x expert_dp 2
+    _close(edp2["losses"], want[4:5])
     pp2 = [r for r in run_ranks(4, _run, _config(2, pp=2, dp=2), c, None, 1)]
     _close(pp2[0]["losses"], want[4:5])
     d = str(tmp_path / "d")  # hybrid ZeRO-3: expert shards of 2 inside expert_dp 4, 2 replicas

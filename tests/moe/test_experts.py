@@ -3,8 +3,9 @@
 * grouped_mm (both paths) against a per-row reference ``y_i = x_i w_{e(i)}^T`` built by
   gathering each row's expert weight: float64 (the loop), float32 (``torch._grouped_mm`` where
   this build has it), forward and gradients, with experts that get no row;
-* GroupedExperts' initial weights: the ep shards of every ep layout (1, 2, 4) put together
-  equal the single-process experts bit for bit, gate/up at init_std and down at the output std;
+* GroupedExperts' initial weights: the ep x expert tp shards of every layout (ep 1, 2, 4;
+  expert tp 1, 2) put together equal the single-process experts bit for bit, gate/up at
+  init_std and down at the output std;
 * GroupedExperts' forward against plain per-expert SwiGLU / GELU(+bias) MLPs.
 """
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from colonnade.config.sections import ModelConfig
-from colonnade.moe.experts import GroupedExperts
+from colonnade.moe.experts import GroupedExperts, expert_splits
 from colonnade.moe.grouped_gemm import grouped_mm, grouped_mm_loop, grouped_mm_supported
 from colonnade.parallel.comm import CommGroup, CommStats
 from colonnade.parallel.rng import RNGTracker
@@ -83,11 +84,13 @@ def test_grouped_mm_rejects_counts_not_matching_rows() -> None:
         grouped_mm_loop(x, w, [1, 2, 3, 4, 5])
 
 
-def _context(ep: int, rank: int) -> ParallelContext:
+def _context(ep: int, rank: int, etp: int = 1, etp_rank: int = 0) -> ParallelContext:
     stats = CommStats()
     return ParallelContext(group=CommGroup("tp", [0], None, stats, 0), sp=False, seed=7,
                            rng=RNGTracker(7), dtype=torch.float64,
-                           ep=CommGroup("ep", list(range(ep)), None, stats, rank))
+                           ep=CommGroup("ep", list(range(ep)), None, stats, rank),
+                           expert_tp=CommGroup("expert_tp", list(range(etp)), None, stats,
+                                               etp_rank))
 
 
 def _model(arch: str, bias: bool = False) -> ModelConfig:
@@ -96,20 +99,26 @@ def _model(arch: str, bias: bool = False) -> ModelConfig:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_expert_init_identical_in_every_ep_layout(arch: str) -> None:
+def test_expert_init_identical_in_every_expert_layout(arch: str) -> None:
     cfg = _model(arch, bias=arch == "gpt2")
     single = dict(GroupedExperts(cfg, _context(1, 0), "layers.0.mlp.experts").named_parameters())
     names = ["gate", "up", "down"] if arch == "llama" else ["up", "down", "up_bias", "down_bias"]
     assert sorted(single) == sorted(names)
-    for ep in (2, 4):
-        shards = [GroupedExperts(cfg, _context(ep, r), "layers.0.mlp.experts") for r in range(ep)]
+    for ep, etp in ((2, 1), (4, 1), (1, 2), (2, 2)):
+        shards = [GroupedExperts(cfg, _context(ep, r, etp, t), "layers.0.mlp.experts")
+                  for r in range(ep) for t in range(etp)]  # Sharding.layout order: ep, then tp
         for name in names:
             parts = [getattr(s, name) for s in shards]
+            sharding = parts[0].sharding
             assert all(p.shape[0] == 4 // ep for p in parts)
-            assert all(p.sharding.splits == (("ep", 0),) for p in parts)  # type: ignore[attr-defined]
-            assert torch.equal(torch.cat([p.detach() for p in parts]), single[name].detach()), (
-                f"ep{ep} {name}")
-        assert [s.first for s in shards] == [r * (4 // ep) for r in range(ep)]
+            assert sharding.splits == expert_splits(name)
+            assert sharding.tp_partial_grad == (name == "down_bias" and etp > 1)
+            if "tp" not in sharding.split_axes:  # down_bias: the expert tp ranks hold copies
+                assert all(torch.equal(p, parts[r - r % etp]) for r, p in enumerate(parts))
+                parts = parts[::etp]
+            full = sharding.unshard([p.detach() for p in parts], {"ep": ep, "tp": etp})
+            assert torch.equal(full, single[name].detach()), f"ep{ep} etp{etp} {name}"
+        assert [s.first for s in shards] == [r * (4 // ep) for r in range(ep) for _ in range(etp)]
     std, out_std = cfg.init_std, output_std(cfg.init_std, cfg.num_layers)
     assert abs(float(single["up"].detach().std()) - std) < 0.1 * std
     assert abs(float(single["down"].detach().std()) - out_std) < 0.1 * out_std

@@ -94,9 +94,10 @@ def test_import_logits_and_lossless_round_trip(tmp_path: Path, kind: str) -> Non
         assert torch.equal(again(tokens).logits, ref)
 
 
-def _ep2_logits(hf_dir: str, out_dir: str, tp: int = 1) -> torch.Tensor | None:
+def _ep2_logits(hf_dir: str, out_dir: str, tp: int = 1, etp: int = 1) -> torch.Tensor | None:
     """Rank side (2 ranks, ep=2: each rank holds 2 of the 4 experts of every MoE layer; with
-    ``tp`` = 2 the dense weights are tp-split too, sp on, ep folded into tp): load the HF dir,
+    ``tp`` = 2 the dense weights are tp-split too, sp on, ep folded into tp; with ``etp`` = 2
+    ep = 1 and every expert's f is split over the two ranks instead): load the HF dir,
     forward the same tokens on both ranks (tokens cross ranks in the all-to-all), return rank
     0's logits [b, s, V]; then export the live run to ``out_dir``."""
     from colonnade.checkpoint.hf import load_hf_into_chunks, read_hf
@@ -111,12 +112,13 @@ def _ep2_logits(hf_dir: str, out_dir: str, tp: int = 1) -> torch.Tensor | None:
     model_cfg, _ = read_hf(hf_dir)
     from colonnade.tensor_parallel import mappings as mp
 
-    cfg = resolve(Config(model=model_cfg, parallel=ParallelConfig(ep=2, tp=tp, sp=tp > 1),
-                         training=TrainingConfig(precision="fp32")), world_size=2)
+    par = ParallelConfig(ep=2 // etp, expert_tp=etp, tp=tp, sp=tp > 1)
+    cfg = resolve(Config(model=model_cfg, parallel=par, training=TrainingConfig(precision="fp32")),
+                  world_size=2)
     groups = ProcessGroups.build(ParallelDims.from_config(cfg.parallel, 2), experts=True)
     (chunk,) = build_chunks(cfg, groups)
     expert = chunk.get_parameter("layers.1.mlp.experts.gate")
-    assert expert.shape[0] == 2  # E / ep experts on this rank
+    assert expert.shape[:2] == (4 // par.ep, model_cfg.expert_ffn_size // etp)  # [E/ep, f/etp]
     load_hf_into_chunks([chunk], groups, hf_dir)
     chunk.eval()
     with torch.no_grad():
@@ -126,18 +128,19 @@ def _ep2_logits(hf_dir: str, out_dir: str, tp: int = 1) -> torch.Tensor | None:
     return logits if groups.world.rank == 0 else None
 
 
-@pytest.mark.parametrize(("kind", "tp"), [("mixtral", 1), ("qwen2_moe", 1), ("qwen2_moe", 2)])
+@pytest.mark.parametrize(("kind", "tp", "etp"), [("mixtral", 1, 1), ("qwen2_moe", 1, 1),
+                                                 ("qwen2_moe", 2, 1), ("qwen2_moe", 1, 2)])
 def test_ep2_load_and_live_export(run_ranks: Callable[..., list[Any]], tmp_path: Path,
-                                  kind: str, tp: int) -> None:
-    """An imported model split over ep2 gives transformers' logits; exporting the live ep2
-    run writes back the original tensors."""
+                                  kind: str, tp: int, etp: int) -> None:
+    """An imported model split over ep2 (or over expert tp 2) gives transformers' logits;
+    exporting the live run writes back the original tensors."""
     from safetensors.torch import load_file
 
     model = _hf_model(kind)
     hf_dir = _save(model, tmp_path / "hf")
     with torch.no_grad():
         ref = model(_tokens()).logits
-    out = [r for r in run_ranks(2, _ep2_logits, str(hf_dir), str(tmp_path / "live"), tp)
+    out = [r for r in run_ranks(2, _ep2_logits, str(hf_dir), str(tmp_path / "live"), tp, etp)
            if r is not None]
     err = float((out[0] - ref).abs().max())
     assert err <= 5e-5, f"max |logits diff| {err:.2e}"  # fp32, |logits| ~ 10

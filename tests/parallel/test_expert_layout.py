@@ -157,14 +157,16 @@ def _config(world: int, **parallel: object) -> Config:
 
 
 NO_MOE = "no layer has experts, so ep would change nothing"
+NO_EXPERTS_TO_SPLIT = "no layer has experts to split"
 
 
 def _layout_valid(cfg: Config, world: int) -> None:
-    """The layout rules accept ``cfg``: its only problem is that this dense model has no MoE
-    layer for ep > 1 to use (the layout itself is valid)."""
+    """The layout rules accept ``cfg``: its only problems are that this dense model has no
+    MoE layer for ep > 1 or expert_tp > 1 to use (the layout itself is valid)."""
     found = problems(cfg, world)
-    assert all(NO_MOE in p for p in found), found
-    assert len(found) == (cfg.parallel.ep != 1)
+    assert all(NO_MOE in p or NO_EXPERTS_TO_SPLIT in p for p in found), found
+    etp = cfg.parallel.expert_tp
+    assert len(found) == (cfg.parallel.ep != 1) + (etp is not None and etp > 1)
 
 
 def test_ep_does_not_multiply_the_world() -> None:
