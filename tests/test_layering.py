@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("training",),
     ("analysis",),
+    ("fuzz",),
     ("cli", "bench", "generate", "hf_export", "launch", "plot", "train", "__init__"),
 )
 

@@ -1,0 +1,61 @@
+"""How the fuzzer (and every parity test, through ``tests/parity.py``) measures a mismatch.
+
+Relative error, the measure of every parity assertion (``b`` the reference)::
+
+    rel_err(a, b, floor) = ||a - b||_2 / max(||b||_2, floor)      (||a - b|| when both are 0)
+
+computed in float64 (IEEE division of two doubles: the same number however it is spelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOL = 1e-10
+"""Largest relative error accepted in float64 parity (any larger mismatch is a bug)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative errors a case may show against its single-process reference."""
+
+    loss: float
+    """Of each step's loss."""
+    grads: float
+    """Of each gathered gradient tensor, each step (and of the global gradient norm)."""
+    params: float
+    """Of each parameter after the last step."""
+    floor: float
+    """Denominator floor of :func:`rel_err` for gradients and parameters (0: none)."""
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "fp64": Tolerance(loss=TOL, grads=TOL, params=TOL, floor=0.0),
+    "bf16": Tolerance(loss=2e-2, grads=1e-1, params=5e-2, floor=1e-2),
+}
+"""Per training.precision. fp64: exact up to summation order. bf16 (bf16 weights and
+activations, fp32 gradients and masters, reductions in another order than the reference's):
+the bounds of the repository's bf16 parity tests (loss 2e-2, parameters 5e-2 over a 1e-2
+floor); gradients 1e-1 over the same floor, as they are compared tensor by tensor after bf16
+matmuls."""
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """||a - b|| / max(||b||, floor) in float64; ||a - b|| when the denominator is 0."""
+    ref = max(float(b.double().norm()), floor)
+    diff = float((a.double() - b.double()).norm())
+    return diff / ref if ref > 0 else diff
+
+
+def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+          floor: float = 0.0) -> tuple[float, str]:
+    """The largest :func:`rel_err` over same-named tensors and its name; names missing on
+    either side give ``inf`` under the first such name."""
+    missing = sorted(set(got) ^ set(want))
+    if missing:
+        return float("inf"), f"{missing[0]} (names differ: {len(missing)})"
+    errors = {k: rel_err(got[k], ref, floor) for k, ref in want.items()}
+    name = max(errors, key=errors.__getitem__, default="")
+    return errors.get(name, 0.0), name

@@ -1,0 +1,239 @@
+"""One fuzz case's verdict: refused before launch, or trained and compared with its reference.
+
+:func:`judge` takes a :class:`~colonnade.fuzz.space.Case`:
+
+1. resolve it for its world and run the validator (:func:`problems_by_rule`) before any rank
+   or group exists: problems -> verdict ``refused`` with the rules and messages;
+2. else train ``training.steps`` steps through the Trainer on ``world`` pool ranks
+   (:func:`rank_case`) and the same model on one rank with every degree 1 (:func:`reference`:
+   dp 1 with microbatches x dp micro-batches, ZeRO 0, no recompute, the same global batches):
+   per step the loss, the global gradient norm and every gradient gathered to its full tensor;
+   after the last step every parameter. Within :data:`TOLERANCES` of the case's precision:
+   ``match``; else ``mismatch`` naming the worst quantity;
+3. any exception once the validator has accepted the case is ``late refusal`` (a traceback,
+   a late error), a run past its timeout is ``hang``: both count as bugs.
+
+Data: step ``k`` of a case trains on a global batch of ``microbatches x dp`` micro-batches
+[micro, seq + 1] drawn from ``torch.Generator().manual_seed(training.seed + k)``; dp rank r
+takes micro-batches [r m, (r + 1) m) (its cp ranks the same ones, each its zigzag rows).
+With document resets, a share of the tokens is the end-of-document id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from colonnade.config.sections import Config, ParallelConfig
+from colonnade.config.validate import problems_by_rule, resolve
+from colonnade.fuzz.compare import TOLERANCES, worst
+from colonnade.fuzz.space import EOD_RATE, Case
+from colonnade.parallel.pool import RankError, RankPools, RankTimeout
+from colonnade.pipeline.plan import Batch
+
+VERDICTS: tuple[str, ...] = ("match", "refused", "mismatch", "late refusal", "hang")
+"""Every verdict; the last three are failures."""
+FAILURES: frozenset[str] = frozenset(VERDICTS[2:])
+"""Verdicts that count as bugs (the command exits non-zero)."""
+
+
+@dataclass
+class Verdict:
+    """What one case came to."""
+
+    case: str
+    """``seed/index``."""
+    summary: str
+    """The layout summary (:attr:`Case.summary`)."""
+    verdict: str
+    """One of :data:`VERDICTS`."""
+    seconds: float
+    rules: list[tuple[str, str]] = field(default_factory=list)
+    """(rule name, message) of each problem the validator found (``refused``)."""
+    errors: dict[str, float] = field(default_factory=dict)
+    """Largest relative error of each compared quantity (loss, grad_norm, grads, params)."""
+    worst: str = ""
+    """What mismatched most (``mismatch``), or the error's first line (late refusal, hang)."""
+    detail: str = ""
+    """The failing ranks' tracebacks (late refusal) or the ranks that did not answer (hang)."""
+
+    @property
+    def max_err(self) -> float:
+        """The largest relative error of any quantity (0 when nothing was compared)."""
+        return max(self.errors.values(), default=0.0)
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def global_batch(config: Config, step: int, eod: int | None) -> list[Batch]:
+    """Every micro-batch of step ``step`` (tokens, labels [micro, seq]), the same in every
+    layout of the case (see the module docstring)."""
+    tr, m = config.training, config.model
+    count = int(tr.microbatches or 1) * int(config.parallel.dp or 1)
+    gen = torch.Generator().manual_seed(tr.seed * 1000 + step)
+    ids = torch.randint(0, m.vocab, (count, tr.micro_batch_size, tr.seq_len + 1),
+                        generator=gen)  # [count, b, s + 1]
+    if eod is not None:
+        ends = torch.rand(ids.shape, generator=gen) < EOD_RATE
+        ids = ids.masked_fill(ends, eod)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in ids]
+
+
+def full_grads(trainer: Any) -> dict[str, torch.Tensor]:
+    """This step's reduced gradient of every parameter of this rank's stage as its full
+    tensor (float64), keyed like :func:`colonnade.checkpoint.export.full_state`; called after
+    the gradient sync, before the optimizer step (collective over the stage's ranks).
+
+    The flat pieces this rank holds (:meth:`DataParallel.owned_ranges`, all of them without
+    ZeRO) are written into zero-filled local tensors; with ZeRO each element is held by one
+    rank of the shard group (expert-dp for expert weights), so a sum over that group rebuilds
+    the local (tp / ep shard) tensor exactly; then the tp / ep all-gather of ``gather_full``.
+    """
+    from colonnade.checkpoint.export import gather_full
+    from colonnade.data_parallel.buffer import is_expert_param
+
+    ddp, groups = trainer.ddp, trainer.groups
+    buffers = ddp.buffers
+    flat = {id(p): torch.zeros(p.numel(), dtype=torch.float64) for p in buffers.params}
+    for (lo, hi), grad in zip(ddp.owned_ranges(), ddp.step_grads(), strict=True):
+        for p, a, b in buffers.segments(lo, hi):
+            start = buffers.slot(p).start
+            flat[id(p)][a - start:b - start] = grad[a - lo:b - lo].double()
+    out: dict[str, torch.Tensor] = {}
+    for p in buffers.params:
+        local = flat[id(p)]
+        if ddp.sharded:
+            group = ddp.expert_group if is_expert_param(p) else ddp.group
+            group.all_reduce(local, name="fuzz_gather_grad")
+        key = p.sharding.key
+        out[key] = gather_full(local.view(p.shape), p.sharding, groups.tp, groups.ep).clone()
+    return out
+
+
+def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
+    """Rank side: ``training.steps`` Trainer steps of the resolved, validated ``config`` on
+    this pool rank. Returns per step the loss and grad norm; on the rank that speaks for its
+    pipeline stage (dp x cp rank 0, tp rank 0) the full gradients of each step and the full
+    parameters after the last."""
+    from colonnade.checkpoint.export import full_state
+    from colonnade.models.blocks import DocReset
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime, build_groups
+
+    torch.set_num_threads(1)
+    groups = build_groups(config, world)
+    trainer = Trainer(Runtime(config, torch.device("cpu"), groups), None)
+    if eod is not None:
+        data = config.data
+        for chunk in trainer.chunks:
+            chunk.doc_reset = DocReset(eod, positions=data.reset_position_ids,
+                                       attention=data.reset_attention_mask)
+    keep = groups.dp_cp.rank == 0 and groups.tp.rank == 0
+    grads: list[dict[str, torch.Tensor]] = []
+    step_fn = trainer.optimizer.step
+
+    def step_and_gather() -> dict[str, float]:
+        gathered = full_grads(trainer)
+        grads.append(gathered if keep else {})
+        return step_fn()
+
+    trainer.optimizer.step = step_and_gather
+    m, r = int(config.training.microbatches or 1), groups.dp.rank
+    losses, norms = [], []
+    for step in range(config.training.steps):
+        mine = global_batch(config, step, eod)[r * m:(r + 1) * m]
+        info = trainer.train_step(mine)
+        losses.append(info["loss"])
+        norms.append(info["grad_norm"])
+    trainer.ddp.finish_param_gather()
+    params = full_state(trainer.chunks, groups, trainer.ddp)
+    params = {k: v.double() for k, v in params.items()} if keep else {}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def reference_config(config: Config) -> Config:
+    """``config`` (resolved) on one rank: every degree 1, the same global batch as
+    microbatches x dp micro-batches, ZeRO 0, no recompute, no pipeline layout."""
+    par, tr = config.parallel, config.training
+    dp = int(par.dp or 1)
+    single = ParallelConfig(bucket_size=par.bucket_size, timeout_s=par.timeout_s)
+    training = dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * dp,
+                                   recompute="none")
+    return resolve(dataclasses.replace(config, parallel=single, training=training), 1)
+
+
+def judge(case: Case, pools: RankPools, timeout_s: float = 300.0) -> Verdict:
+    """The verdict of ``case`` (see the module docstring)."""
+    start = time.monotonic()
+    config = resolve(case.config, case.world)
+    found = problems_by_rule(config, case.world)
+
+    def verdict(kind: str, **extra: Any) -> Verdict:
+        return Verdict(case.name, case.summary, kind, time.monotonic() - start, **extra)
+
+    if found:
+        return verdict("refused", rules=found)
+    single = reference_config(config)
+    if problems_by_rule(single, 1):
+        return verdict("late refusal", worst="its single-process reference is refused",
+                       detail="\n".join(m for _, m in problems_by_rule(single, 1)))
+    try:
+        (want,) = pools.get(1).call(rank_case, (single, 1, case.eod), timeout_s=timeout_s)
+        got = pools.get(case.world).call(rank_case, (config, case.world, case.eod),
+                                         timeout_s=timeout_s)
+    except RankTimeout as err:
+        return verdict("hang", worst=str(err).splitlines()[0], detail=str(err))
+    except RankError as err:
+        return verdict("late refusal", worst=str(err).splitlines()[1].strip()
+                       if len(str(err).splitlines()) > 1 else str(err), detail=str(err))
+    errors, where = compare(got, want, config.training.precision)
+    tol = TOLERANCES[config.training.precision]
+    bounds = {"loss": tol.loss, "grad_norm": tol.grads, "grads": tol.grads,
+              "params": tol.params}
+    over = [k for k, v in errors.items() if not v <= bounds[k]]
+    if over:
+        return verdict("mismatch", errors=errors, worst="; ".join(f"{k}: {where[k]}"
+                                                                   for k in over))
+    return verdict("match", errors=errors)
+
+
+def compare(got: list[dict[str, Any]], want: dict[str, Any],
+            precision: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Largest relative error of each quantity of the parallel run's ranks ``got`` against
+    the reference ``want``, and where it is (step and tensor)."""
+    floor = TOLERANCES[precision].floor
+    errors: dict[str, float] = {}
+    where: dict[str, str] = {}
+
+    def note(kind: str, err: float, at: str) -> None:
+        if not err <= errors.get(kind, -1.0):  # NaN is kept
+            errors[kind], where[kind] = err, at
+
+    for res in got:
+        for step, (a, b) in enumerate(zip(res["losses"], want["losses"], strict=True)):
+            note("loss", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
+        for step, (a, b) in enumerate(zip(res["norms"], want["norms"], strict=True)):
+            note("grad_norm", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
+    for step, ref in enumerate(want["grads"]):
+        merged = _merge(res["grads"][step] for res in got)
+        err, name = worst(merged, ref, floor)
+        note("grads", err, f"step {step} {name}")
+    err, name = worst(_merge(res["params"] for res in got), want["params"], floor)
+    note("params", err, f"after step {len(want['losses']) - 1} {name}")
+    return errors, where
+
+
+def _merge(parts: Any) -> dict[str, torch.Tensor]:
+    """The union of the stages' tensors (a tied weight appears on two stages: equal)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part)
+    return out

@@ -1,0 +1,80 @@
+"""The fuzzer's share of ``make test`` (colonnade/fuzz/): a fixed set of draws, then a few fresh
+ones whose seed is printed with the command that reproduces each.
+
+Every draw must be refused by the validator before launch (naming the rules) or match its
+single-process run (loss, grad norm and every gathered gradient each step, every parameter after
+the last step: 1e-10 in float64, the looser bf16 bounds). The fixed set covers what the long
+run found working across the axes: pipeline schedules with uneven stages, ZeRO-1/3, cp both
+attentions, MoE with ep, dropout, document resets, bf16. A comparison and a rule lookup are
+also checked to fail on a planted error, so the verdicts cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from colonnade.config.validate import problems_by_rule, resolve
+from colonnade.fuzz.compare import TOLERANCES
+from colonnade.fuzz.main import reproduce_command
+from colonnade.fuzz.run import compare, judge
+from colonnade.fuzz.space import draw_case
+from colonnade.parallel.pool import RankPools
+
+FIXED: list[tuple[int, int, str]] = [
+    (1, 1, "refused"),  # qwen2 MoE pp2 gpipe cp2 ZeRO-2 ep2: ZeRO-2 with experts (moe)
+    (1, 10, "match"),  # qwen2 pp2 zbv, dropout, document resets
+    (1, 15, "match"),  # qwen3 MoE pp2 zbv uneven 0-2-1-0, dp2 ZeRO-1 ep2, full recompute
+    (2, 28, "match"),  # deepseek_v3 (MLA) cp2 all_to_all ZeRO-3, document resets
+    (3, 39, "match"),  # qwen3 tp2 cp2 all_to_all ZeRO-3, document resets, bf16
+]
+"""(seed, case, verdict) of the fixed draws."""
+FRESH = 2
+"""Fresh draws per ``make test`` (a new seed each run)."""
+
+
+@pytest.mark.parametrize(("seed", "index", "want"), FIXED,
+                         ids=[f"{s}/{i}" for s, i, _ in FIXED])
+def test_fixed_draws(rank_pools: RankPools, seed: int, index: int, want: str) -> None:
+    case = draw_case(seed, index)
+    verdict = judge(case, rank_pools)
+    assert verdict.verdict == want, (f"{case.summary}: {verdict.verdict} ({verdict.worst})\n"
+                                     f"{verdict.detail}\nreproduce: "
+                                     f"{reproduce_command(seed, index)}")
+    if want == "refused":
+        assert verdict.rules and all(msg for _, msg in verdict.rules)
+        return
+    tol = TOLERANCES[case.config.training.precision]
+    assert set(verdict.errors) == {"loss", "grad_norm", "grads", "params"}
+    assert verdict.errors["loss"] <= tol.loss and verdict.errors["params"] <= tol.params
+
+
+def test_fresh_draws(rank_pools: RankPools) -> None:
+    """:data:`FRESH` new draws; the failure message (and stdout) carry the seed and the one
+    command that runs the failing case again."""
+    seed = random.SystemRandom().randrange(10**6)
+    print(f"fresh fuzz draws: seed {seed}, cases 0..{FRESH - 1}")
+    for index in range(FRESH):
+        verdict = judge(draw_case(seed, index), rank_pools)
+        assert verdict.verdict in ("match", "refused"), (
+            f"{verdict.summary}: {verdict.verdict} ({verdict.worst})\n{verdict.detail}\n"
+            f"reproduce: {reproduce_command(seed, index)}")
+
+
+def test_rules_are_named_and_errors_are_caught() -> None:
+    """problems_by_rule names the rule of a known refusal; compare() reports a gradient
+    perturbed by 1e-9 relative and a loss off by 1e-6 as over the float64 bounds."""
+    case = draw_case(1, 1)
+    found = problems_by_rule(resolve(case.config, case.world), case.world)
+    assert ("moe", next(m for r, m in found if r == "moe")) in found
+    assert any("parallel.zero_stage=2" in m for _, m in found)
+    grad = {"w": torch.ones(3, dtype=torch.float64)}
+    want = {"losses": [2.0], "norms": [1.0], "grads": [grad], "params": grad}
+    bad = {"w": grad["w"] * (1 + 1e-9)}
+    got = [{"losses": [2.0 * (1 + 1e-6)], "norms": [1.0], "grads": [bad], "params": grad}]
+    errors, where = compare(got, want, "fp64")
+    assert errors["loss"] == pytest.approx(1e-6) and errors["grads"] == pytest.approx(1e-9)
+    assert errors["params"] == 0.0 and where["grads"] == "step 0 w"
+    assert errors["grads"] > TOLERANCES["fp64"].grads
