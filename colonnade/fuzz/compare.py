@@ -28,7 +28,8 @@ class Tolerance:
     params: float
     """Of each parameter after the last step."""
     floor: float
-    """Denominator floor of :func:`rel_err` for gradients and parameters (0: none)."""
+    """Absolute denominator floor of :func:`rel_err` for gradients and parameters (besides
+    the shares of :data:`GRAD_FLOOR_SHARE` and :data:`PARAM_FLOOR_SHARE`)."""
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -40,6 +41,25 @@ activations, fp32 gradients and masters, reductions in another order than the re
 the bounds of the repository's bf16 parity tests (loss 2e-2, parameters 5e-2 over a 1e-2
 floor); gradients 1e-1 over the same floor, as they are compared tensor by tensor after bf16
 matmuls."""
+
+
+GRAD_FLOOR_SHARE = 1e-3
+"""A gradient tensor's error is measured against at least this share of the norm of all the
+step's gradients: a gradient that is 0 in exact arithmetic (the key bias's: adding b to every
+key adds q.b to a whole row of scores, which softmax ignores) is round-off, ~1e-17, whose
+relative error between two summation orders is O(1). A real bug is an O(1) error of a tensor
+of any size above this share."""
+PARAM_FLOOR_SHARE = 1.0
+"""Parameters are measured against the norm of all parameters: AdamW turns a round-off
+gradient g into an update lr g / (|g| + eps) (~1e-11 for g ~ 1e-17), which differs between
+summation orders by its own size; a parameter that is wrong for a real reason (a shard not
+updated, a wrong gradient) is off by ~lr per element, 1e-3 of the total or more."""
+
+
+def floor_of(tensors: dict[str, torch.Tensor], share: float, floor: float) -> float:
+    """max(``floor``, ``share`` x the norm of all ``tensors`` together)."""
+    total = sum(float(t.double().pow(2).sum()) for t in tensors.values()) ** 0.5
+    return max(floor, share * total)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

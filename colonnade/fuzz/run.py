@@ -8,7 +8,9 @@
    (:func:`rank_case`) and the same model on one rank with every degree 1 (:func:`reference`:
    dp 1 with microbatches x dp micro-batches, ZeRO 0, no recompute, the same global batches):
    per step the loss, the global gradient norm and every gradient gathered to its full tensor;
-   after the last step every parameter. Within :data:`TOLERANCES` of the case's precision:
+   after the last step every parameter (each tensor's relative error over a floor of a share
+   of all tensors' norm, :data:`GRAD_FLOOR_SHARE`, :data:`PARAM_FLOOR_SHARE`). Within
+   :data:`TOLERANCES` of the case's precision:
    ``match``; else ``mismatch`` naming the worst quantity;
 3. any exception once the validator has accepted the case is ``late refusal`` (a traceback,
    a late error), a run past its timeout is ``hang``: both count as bugs.
@@ -30,7 +32,13 @@ import torch
 
 from colonnade.config.sections import Config, ParallelConfig
 from colonnade.config.validate import problems_by_rule, resolve
-from colonnade.fuzz.compare import TOLERANCES, worst
+from colonnade.fuzz.compare import (
+    GRAD_FLOOR_SHARE,
+    PARAM_FLOOR_SHARE,
+    TOLERANCES,
+    floor_of,
+    worst,
+)
 from colonnade.fuzz.space import EOD_RATE, Case
 from colonnade.parallel.pool import RankError, RankPools, RankTimeout
 from colonnade.pipeline.plan import Batch
@@ -209,7 +217,7 @@ def compare(got: list[dict[str, Any]], want: dict[str, Any],
             precision: str) -> tuple[dict[str, float], dict[str, str]]:
     """Largest relative error of each quantity of the parallel run's ranks ``got`` against
     the reference ``want``, and where it is (step and tensor)."""
-    floor = TOLERANCES[precision].floor
+    tol = TOLERANCES[precision]
     errors: dict[str, float] = {}
     where: dict[str, str] = {}
 
@@ -224,8 +232,9 @@ def compare(got: list[dict[str, Any]], want: dict[str, Any],
             note("grad_norm", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
     for step, ref in enumerate(want["grads"]):
         merged = _merge(res["grads"][step] for res in got)
-        err, name = worst(merged, ref, floor)
+        err, name = worst(merged, ref, floor_of(ref, GRAD_FLOOR_SHARE, tol.floor))
         note("grads", err, f"step {step} {name}")
+    floor = floor_of(want["params"], PARAM_FLOOR_SHARE, tol.floor)
     err, name = worst(_merge(res["params"] for res in got), want["params"], floor)
     note("params", err, f"after step {len(want['losses']) - 1} {name}")
     return errors, where
