@@ -43,6 +43,11 @@ floor); gradients 1e-1 over the same floor, as they are compared tensor by tenso
 matmuls."""
 
 
+HF_TOLERANCE = Tolerance(loss=TOL, grads=TOL, params=TOL, floor=0.0)
+"""The single-process run against its transformers twin: float64 with transformers' float32
+islands removed (:func:`colonnade.fuzz.hf_twin.float64_twin`), so exact up to summation
+order like the parallel runs (measured ~1e-15 after one step, ~1e-13 after two)."""
+
 GRAD_FLOOR_SHARE = 1e-3
 """A gradient tensor's error is measured against at least this share of the norm of all the
 step's gradients: a gradient that is 0 in exact arithmetic (the key bias's: adding b to every

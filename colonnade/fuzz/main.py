@@ -57,18 +57,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     help="seconds one run may take before it is a hang (default 300)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON,
                     help=f"results JSON (default {DEFAULT_JSON})")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="skip the transformers twin of the cases that have one")
     ap.add_argument("--matrix", type=Path, default=None, metavar="PATH",
                     help="write the support matrix page (docs/support_matrix.md) and exit")
     return ap.parse_args(argv)
 
 
 def run_cases(cases: list[Case], timeout_s: float, pools: RankPools,
-              say: Any = print) -> list[Verdict]:
-    """Judge every case in order; ``say`` gets each table row as it finishes."""
+              say: Any = print, hf: bool = True) -> list[Verdict]:
+    """Judge every case in order (``hf``: with its transformers twin where it has one);
+    ``say`` gets each table row as it finishes."""
     out = []
     with progress_bar(len(cases), enabled=True, desc="fuzz", unit="case") as bar:
         for case in cases:
-            verdict = judge(case, pools, timeout_s)
+            verdict = judge(case, pools, timeout_s, hf=hf)
             out.append(verdict)
             say(row(case, verdict))
             if bar is not None:
@@ -76,18 +79,20 @@ def run_cases(cases: list[Case], timeout_s: float, pools: RankPools,
     return out
 
 
-HEADER = (f"{'case':>10}  {'ranks':>5}  {'layout':<58}  {'verdict':<12}  {'max rel err':>11}  "
-          f"{'s':>6}")
+HEADER = (f"{'case':>10}  {'ranks':>5}  {'layout':<58}  {'verdict':<12}  {'hf':>2}  "
+          f"{'max rel err':>11}  {'s':>6}")
 """The table's header line."""
 
 
 def row(case: Case, v: Verdict) -> str:
-    """One table line: case, ranks, layout summary, verdict (refused: its rules), error, s."""
+    """One table line: case, ranks, layout summary, verdict (refused: its rules), whether the
+    transformers twin was compared too, the largest relative error, seconds."""
     verdict = v.verdict if v.verdict != "refused" else "refused:" + ",".join(
         sorted({r for r, _ in v.rules}))
     err = f"{v.max_err:.2e}" if v.errors else "-"
-    return (f"{v.case:>10}  {case.world:>5}  {v.summary:<58.58}  {verdict:<12}  {err:>11}  "
-            f"{v.seconds:6.1f}")
+    twin = "✓" if v.errors and not v.hf else "-"
+    return (f"{v.case:>10}  {case.world:>5}  {v.summary:<58.58}  {verdict:<12}  {twin:>2}  "
+            f"{err:>11}  {v.seconds:6.1f}")
 
 
 def report(seed: int, steps: int, cases: list[Case], verdicts: list[Verdict]) -> dict[str, Any]:
@@ -100,10 +105,11 @@ def report(seed: int, steps: int, cases: list[Case], verdicts: list[Verdict]) ->
     return {
         "seed": seed, "steps": steps, "cases": len(verdicts),
         "verdicts": {k: counts.get(k, 0) for k in VERDICTS},
+        "hf_checked": sum(1 for v in verdicts if v.errors and not v.hf),
         "refusals_by_rule": {k: by_rule[k] for k in sorted(by_rule)},
         "results": [{"case": v.case, "layout": v.summary, "verdict": v.verdict,
                      "seconds": round(v.seconds, 2), "errors": v.errors, "worst": v.worst,
-                     "rules": [list(r) for r in v.rules], "world": case.world,
+                     "rules": [list(r) for r in v.rules], "world": case.world, "hf": v.hf,
                      "overrides": case.overrides(), "eod": case.eod,
                      "reproduce": reproduce_command(seed, case.index, steps),
                      "detail": v.detail[-4000:]}
@@ -113,7 +119,8 @@ def report(seed: int, steps: int, cases: list[Case], verdicts: list[Verdict]) ->
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """Verdict counts, refusals per rule, and each failure with its reproducing command."""
-    lines = ["verdicts: " + ", ".join(f"{k} {n}" for k, n in result["verdicts"].items())]
+    lines = ["verdicts: " + ", ".join(f"{k} {n}" for k, n in result["verdicts"].items())
+             + f"; checked against transformers too: {result['hf_checked']}"]
     rules = result["refusals_by_rule"]
     if rules:
         lines.append("refusals per rule (a case may break several): " + ", ".join(
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     pools = RankPools(max_live_ranks=LIVE_RANKS)
     try:
-        verdicts = run_cases(cases, args.timeout, pools, lambda line: print(line, flush=True))
+        verdicts = run_cases(cases, args.timeout, pools, lambda line: print(line, flush=True),
+                             hf=not args.no_hf)
     finally:
         pools.close()
     result = report(seed, args.steps, cases, verdicts)

@@ -12,7 +12,11 @@
    of all tensors' norm, :data:`GRAD_FLOOR_SHARE`, :data:`PARAM_FLOOR_SHARE`). Within
    :data:`TOLERANCES` of the case's precision:
    ``match``; else ``mismatch`` naming the worst quantity;
-3. any exception once the validator has accepted the case is ``late refusal`` (a traceback,
+3. where the model has a transformers class and nothing outside it (no dropout, ...:
+   :func:`~colonnade.fuzz.hf_twin.twin_gap`), the single-process run against its HF twin
+   trained by ``torch.optim.AdamW`` (:func:`~colonnade.fuzz.hf_twin.hf_twin`, bounds
+   :data:`HF_TOLERANCE`); a mismatch there is a ``mismatch`` too (``hf_*`` quantities);
+4. any exception once the validator has accepted the case is ``late refusal`` (a traceback,
    a late error), a run past its timeout is ``hang``: both count as bugs.
 
 Data: step ``k`` of a case trains on a global batch of ``microbatches x dp`` micro-batches
@@ -34,11 +38,14 @@ from colonnade.config.sections import Config, ParallelConfig
 from colonnade.config.validate import problems_by_rule, resolve
 from colonnade.fuzz.compare import (
     GRAD_FLOOR_SHARE,
+    HF_TOLERANCE,
     PARAM_FLOOR_SHARE,
     TOLERANCES,
+    Tolerance,
     floor_of,
     worst,
 )
+from colonnade.fuzz.hf_twin import hf_twin, to_file_layout, twin_gap
 from colonnade.fuzz.space import EOD_RATE, Case
 from colonnade.parallel.pool import RankError, RankPools, RankTimeout
 from colonnade.pipeline.plan import Batch
@@ -68,6 +75,8 @@ class Verdict:
     """What mismatched most (``mismatch``), or the error's first line (late refusal, hang)."""
     detail: str = ""
     """The failing ranks' tracebacks (late refusal) or the ranks that did not answer (hang)."""
+    hf: str = ""
+    """Why the case was not also checked against its transformers twin ('' when it was)."""
 
     @property
     def max_err(self) -> float:
@@ -127,7 +136,7 @@ def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
     """Rank side: ``training.steps`` Trainer steps of the resolved, validated ``config`` on
     this pool rank. Returns per step the loss and grad norm; on the rank that speaks for its
     pipeline stage (dp x cp rank 0, tp rank 0) the full gradients of each step and the full
-    parameters after the last."""
+    parameters after the last; at world 1 also the initial parameters (the HF twin's)."""
     from colonnade.checkpoint.export import full_state
     from colonnade.models.blocks import DocReset
     from colonnade.training.loop import Trainer
@@ -142,6 +151,7 @@ def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
             chunk.doc_reset = DocReset(eod, positions=data.reset_position_ids,
                                        attention=data.reset_attention_mask)
     keep = groups.dp_cp.rank == 0 and groups.tp.rank == 0
+    initial = full_state(trainer.chunks, groups, trainer.ddp) if world == 1 else {}
     grads: list[dict[str, torch.Tensor]] = []
     step_fn = trainer.optimizer.step
 
@@ -161,7 +171,8 @@ def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
     trainer.ddp.finish_param_gather()
     params = full_state(trainer.chunks, groups, trainer.ddp)
     params = {k: v.double() for k, v in params.items()} if keep else {}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params,
+            "initial": {k: v.double().clone() for k, v in initial.items()}}
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -178,8 +189,9 @@ def reference_config(config: Config) -> Config:
     return resolve(dataclasses.replace(config, parallel=single, training=training), 1)
 
 
-def judge(case: Case, pools: RankPools, timeout_s: float = 300.0) -> Verdict:
-    """The verdict of ``case`` (see the module docstring)."""
+def judge(case: Case, pools: RankPools, timeout_s: float = 300.0, hf: bool = True) -> Verdict:
+    """The verdict of ``case`` (see the module docstring); ``hf``: also train the
+    transformers twin where the case has one (:func:`colonnade.fuzz.hf_twin.twin_gap`)."""
     start = time.monotonic()
     config = resolve(case.config, case.world)
     found = problems_by_rule(config, case.world)
@@ -193,31 +205,55 @@ def judge(case: Case, pools: RankPools, timeout_s: float = 300.0) -> Verdict:
     if problems_by_rule(single, 1):
         return verdict("late refusal", worst="its single-process reference is refused",
                        detail="\n".join(m for _, m in problems_by_rule(single, 1)))
+    gap = twin_gap(single, case.eod) if hf else "not asked (--no-hf)"
     try:
         (want,) = pools.get(1).call(rank_case, (single, 1, case.eod), timeout_s=timeout_s)
         got = pools.get(case.world).call(rank_case, (config, case.world, case.eod),
                                          timeout_s=timeout_s)
+        twin = None
+        if not gap:
+            batches = [global_batch(single, k, case.eod) for k in range(single.training.steps)]
+            (twin,) = pools.get(1).call(hf_twin, (single, want["initial"], batches),
+                                        timeout_s=timeout_s)
+            gap = twin.get("gap", "")
+            twin = None if gap else twin
     except RankTimeout as err:
-        return verdict("hang", worst=str(err).splitlines()[0], detail=str(err))
+        return verdict("hang", worst=str(err).splitlines()[0], detail=str(err), hf=gap)
     except RankError as err:
-        return verdict("late refusal", worst=str(err).splitlines()[1].strip()
-                       if len(str(err).splitlines()) > 1 else str(err), detail=str(err))
-    errors, where = compare(got, want, config.training.precision)
+        lines = str(err).splitlines()
+        return verdict("late refusal", worst=lines[1].strip() if len(lines) > 1 else str(err),
+                       detail=str(err), hf=gap)
     tol = TOLERANCES[config.training.precision]
-    bounds = {"loss": tol.loss, "grad_norm": tol.grads, "grads": tol.grads,
-              "params": tol.params}
-    over = [k for k, v in errors.items() if not v <= bounds[k]]
+    errors, where = compare(got, want, tol)
+    over = [k for k, v in errors.items() if not v <= _bound(tol, k)]
+    if twin is not None:
+        hf_errors, hf_where = compare([twin], to_file_layout_run(single, want), HF_TOLERANCE)
+        over += [f"hf_{k}" for k, v in hf_errors.items() if not v <= _bound(HF_TOLERANCE, k)]
+        errors.update({f"hf_{k}": v for k, v in hf_errors.items()})
+        where.update({f"hf_{k}": v for k, v in hf_where.items()})
     if over:
-        return verdict("mismatch", errors=errors, worst="; ".join(f"{k}: {where[k]}"
-                                                                   for k in over))
-    return verdict("match", errors=errors)
+        return verdict("mismatch", errors=errors, hf=gap,
+                       worst="; ".join(f"{k}: {where[k]}" for k in over))
+    return verdict("match", errors=errors, hf=gap)
+
+
+def _bound(tol: Tolerance, kind: str) -> float:
+    """The bound of one compared quantity."""
+    return {"loss": tol.loss, "params": tol.params}.get(kind, tol.grads)
+
+
+def to_file_layout_run(config: Config, run: dict[str, Any]) -> dict[str, Any]:
+    """A single-process run's gradients and parameters under HF's file-layout names."""
+    cfg, like = config.model, run["params"]
+    return {"losses": run["losses"], "params": to_file_layout(cfg, like, like),
+            "grads": [to_file_layout(cfg, g, like) for g in run["grads"]]}
 
 
 def compare(got: list[dict[str, Any]], want: dict[str, Any],
-            precision: str) -> tuple[dict[str, float], dict[str, str]]:
-    """Largest relative error of each quantity of the parallel run's ranks ``got`` against
-    the reference ``want``, and where it is (step and tensor)."""
-    tol = TOLERANCES[precision]
+            tol: Tolerance) -> tuple[dict[str, float], dict[str, str]]:
+    """Largest relative error of each quantity (loss, grad_norm where both have norms,
+    grads, params) of the ranks' results ``got`` against the reference ``want``, and where
+    it is (step and tensor)."""
     errors: dict[str, float] = {}
     where: dict[str, str] = {}
 
@@ -228,8 +264,9 @@ def compare(got: list[dict[str, Any]], want: dict[str, Any],
     for res in got:
         for step, (a, b) in enumerate(zip(res["losses"], want["losses"], strict=True)):
             note("loss", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
-        for step, (a, b) in enumerate(zip(res["norms"], want["norms"], strict=True)):
-            note("grad_norm", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
+        if "norms" in res and "norms" in want:
+            for step, (a, b) in enumerate(zip(res["norms"], want["norms"], strict=True)):
+                note("grad_norm", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
     for step, ref in enumerate(want["grads"]):
         merged = _merge(res["grads"][step] for res in got)
         err, name = worst(merged, ref, floor_of(ref, GRAD_FLOOR_SHARE, tol.floor))

@@ -74,7 +74,7 @@ def test_rules_are_named_and_errors_are_caught() -> None:
     want = {"losses": [2.0], "norms": [1.0], "grads": [grad], "params": grad}
     bad = {"w": grad["w"] * (1 + 1e-9)}
     got = [{"losses": [2.0 * (1 + 1e-6)], "norms": [1.0], "grads": [bad], "params": grad}]
-    errors, where = compare(got, want, "fp64")
+    errors, where = compare(got, want, TOLERANCES["fp64"])
     assert errors["loss"] == pytest.approx(1e-6) and errors["grads"] == pytest.approx(1e-9)
     assert errors["params"] == 0.0 and where["grads"] == "step 0 w"
     assert errors["grads"] > TOLERANCES["fp64"].grads
