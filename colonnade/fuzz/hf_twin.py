@@ -70,6 +70,7 @@ def hf_twin(config: Config, initial: dict[str, torch.Tensor],
     from colonnade.optim.lr import lr_at
 
     torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar, per case
     with tempfile.TemporaryDirectory() as tmp:
         write_hf(Path(tmp), config.model, initial)
         try:

@@ -66,17 +66,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def run_cases(cases: list[Case], timeout_s: float, pools: RankPools,
               say: Any = print, hf: bool = True) -> list[Verdict]:
-    """Judge every case in order (``hf``: with its transformers twin where it has one);
-    ``say`` gets each table row as it finishes."""
-    out = []
+    """Judge every case (``hf``: with its transformers twin where it has one); ``say`` gets
+    each table row as it finishes. Cases run grouped by world size, smallest first, so each
+    pool of ranks starts once (a pool start costs seconds to minutes on a loaded machine);
+    the verdicts come back in the cases' order."""
+    verdicts: dict[int, Verdict] = {}
+    order = sorted(range(len(cases)), key=lambda i: (cases[i].world, i))
     with progress_bar(len(cases), enabled=True, desc="fuzz", unit="case") as bar:
-        for case in cases:
-            verdict = judge(case, pools, timeout_s, hf=hf)
-            out.append(verdict)
-            say(row(case, verdict))
+        for i in order:
+            verdicts[i] = judge(cases[i], pools, timeout_s, hf=hf)
+            say(row(cases[i], verdicts[i]))
             if bar is not None:
                 bar.update(1)
-    return out
+    return [verdicts[i] for i in range(len(cases))]
 
 
 HEADER = (f"{'case':>10}  {'ranks':>5}  {'layout':<58}  {'verdict':<12}  {'hf':>2}  "
@@ -85,14 +87,14 @@ HEADER = (f"{'case':>10}  {'ranks':>5}  {'layout':<58}  {'verdict':<12}  {'hf':>
 
 
 def row(case: Case, v: Verdict) -> str:
-    """One table line: case, ranks, layout summary, verdict (refused: its rules), whether the
-    transformers twin was compared too, the largest relative error, seconds."""
-    verdict = v.verdict if v.verdict != "refused" else "refused:" + ",".join(
-        sorted({r for r, _ in v.rules}))
+    """One table line: case, ranks, layout summary, verdict, whether the transformers twin
+    was compared too, the largest relative error, seconds (a refusal: then its rules)."""
+    verdict = v.verdict if v.verdict != "refused" else "refused"
     err = f"{v.max_err:.2e}" if v.errors else "-"
     twin = "✓" if v.errors and not v.hf else "-"
+    rules = f"  ({', '.join(sorted({r for r, _ in v.rules}))})" if v.rules else ""
     return (f"{v.case:>10}  {case.world:>5}  {v.summary:<58.58}  {verdict:<12}  {twin:>2}  "
-            f"{err:>11}  {v.seconds:6.1f}")
+            f"{err:>11}  {v.seconds:6.1f}{rules}")
 
 
 def report(seed: int, steps: int, cases: list[Case], verdicts: list[Verdict]) -> dict[str, Any]:

@@ -5,13 +5,14 @@
 1. resolve it for its world and run the validator (:func:`problems_by_rule`) before any rank
    or group exists: problems -> verdict ``refused`` with the rules and messages;
 2. else train ``training.steps`` steps through the Trainer on ``world`` pool ranks
-   (:func:`rank_case`) and the same model on one rank with every degree 1 (:func:`reference`:
-   dp 1 with microbatches x dp micro-batches, ZeRO 0, no recompute, the same global batches):
+   (:func:`rank_case`) and the same model on one rank with every degree 1
+   (:func:`reference_config`: dp 1 with microbatches x dp micro-batches, ZeRO 0, no
+   recompute, the same global batches):
    per step the loss, the global gradient norm and every gradient gathered to its full tensor;
    after the last step every parameter (each tensor's relative error over a floor of a share
    of all tensors' norm, :data:`GRAD_FLOOR_SHARE`, :data:`PARAM_FLOOR_SHARE`). Within
-   :data:`TOLERANCES` of the case's precision:
-   ``match``; else ``mismatch`` naming the worst quantity;
+   :data:`TOLERANCES` of the case's precision: ``match``; else ``mismatch`` naming the worst
+   quantity;
 3. where the model has a transformers class and nothing outside it (no dropout, ...:
    :func:`~colonnade.fuzz.hf_twin.twin_gap`), the single-process run against its HF twin
    trained by ``torch.optim.AdamW`` (:func:`~colonnade.fuzz.hf_twin.hf_twin`, bounds
@@ -20,7 +21,7 @@
    a late error), a run past its timeout is ``hang``: both count as bugs.
 
 Data: step ``k`` of a case trains on a global batch of ``microbatches x dp`` micro-batches
-[micro, seq + 1] drawn from ``torch.Generator().manual_seed(training.seed + k)``; dp rank r
+[micro, seq + 1] drawn from ``torch.Generator().manual_seed(1000 training.seed + k)``; dp rank r
 takes micro-batches [r m, (r + 1) m) (its cp ranks the same ones, each its zigzag rows).
 With document resets, a share of the tokens is the end-of-document id.
 """

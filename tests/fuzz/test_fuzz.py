@@ -3,9 +3,10 @@ ones whose seed is printed with the command that reproduces each.
 
 Every draw must be refused by the validator before launch (naming the rules) or match its
 single-process run (loss, grad norm and every gathered gradient each step, every parameter after
-the last step: 1e-10 in float64, the looser bf16 bounds). The fixed set covers what the long
-run found working across the axes: pipeline schedules with uneven stages, ZeRO-1/3, cp both
-attentions, MoE with ep, dropout, document resets, bf16. A comparison and a rule lookup are
+the last step: 1e-10 in float64, the looser bf16 bounds) and, where the model has one, its
+transformers twin trained by torch.optim.AdamW. The fixed set spans the axes: a pipeline
+schedule with uneven stages, ZeRO-1/3, cp all_to_all, MoE with ep, MLA, document resets, bf16,
+one transformers twin. A comparison and a rule lookup are
 also checked to fail on a planted error, so the verdicts cannot pass vacuously.
 """
 
@@ -25,9 +26,9 @@ from colonnade.parallel.pool import RankPools
 
 FIXED: list[tuple[int, int, str]] = [
     (1, 1, "refused"),  # qwen2 MoE pp2 gpipe cp2 ZeRO-2 ep2: ZeRO-2 with experts (moe)
-    (1, 10, "match"),  # qwen2 pp2 zbv, dropout, document resets
     (1, 15, "match"),  # qwen3 MoE pp2 zbv uneven 0-2-1-0, dp2 ZeRO-1 ep2, full recompute
     (2, 28, "match"),  # deepseek_v3 (MLA) cp2 all_to_all ZeRO-3, document resets
+    (3, 30, "match+hf"),  # deepseek_v3 dp2 ZeRO-1, full recompute; and its transformers twin
     (3, 39, "match"),  # qwen3 tp2 cp2 all_to_all ZeRO-3, document resets, bf16
 ]
 """(seed, case, verdict) of the fixed draws."""
@@ -40,6 +41,8 @@ FRESH = 2
 def test_fixed_draws(rank_pools: RankPools, seed: int, index: int, want: str) -> None:
     case = draw_case(seed, index)
     verdict = judge(case, rank_pools)
+    twin = want.endswith("+hf")
+    want = want.removesuffix("+hf")
     assert verdict.verdict == want, (f"{case.summary}: {verdict.verdict} ({verdict.worst})\n"
                                      f"{verdict.detail}\nreproduce: "
                                      f"{reproduce_command(seed, index)}")
@@ -47,7 +50,9 @@ def test_fixed_draws(rank_pools: RankPools, seed: int, index: int, want: str) ->
         assert verdict.rules and all(msg for _, msg in verdict.rules)
         return
     tol = TOLERANCES[case.config.training.precision]
-    assert set(verdict.errors) == {"loss", "grad_norm", "grads", "params"}
+    kinds = {"loss", "grad_norm", "grads", "params"}
+    assert set(verdict.errors) == kinds | ({f"hf_{k}" for k in kinds - {"grad_norm"}}
+                                          if twin else set()), (verdict.errors, verdict.hf)
     assert verdict.errors["loss"] <= tol.loss and verdict.errors["params"] <= tol.params
 
 
