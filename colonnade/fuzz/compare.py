@@ -16,6 +16,19 @@ import torch
 TOL = 1e-10
 """Largest relative error accepted in float64 parity (any larger mismatch is a bug)."""
 
+GRAD_FLOOR_SHARE = 1e-3
+"""float64's :attr:`Tolerance.grad_share`: a gradient tensor's error is measured against at
+least this share of the norm of all the step's gradients. A gradient that is 0 in exact
+arithmetic (the key bias's: adding b to every key adds q.b to a whole row of scores, which
+softmax ignores) is round-off, ~1e-17, whose relative error between two summation orders is
+O(1). A real bug is an O(1) error of a tensor
+of any size above this share."""
+PARAM_FLOOR_SHARE = 1.0
+"""Parameters are measured against the norm of all parameters: AdamW turns a round-off
+gradient g into an update lr g / (|g| + eps) (~1e-11 for g ~ 1e-17), which differs between
+summation orders by its own size; a parameter that is wrong for a real reason (a shard not
+updated, a wrong gradient) is off by ~lr per element, 1e-3 of the total or more."""
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -28,38 +41,30 @@ class Tolerance:
     params: float
     """Of each parameter after the last step."""
     floor: float
-    """Absolute denominator floor of :func:`rel_err` for gradients and parameters (besides
-    the shares of :data:`GRAD_FLOOR_SHARE` and :data:`PARAM_FLOOR_SHARE`)."""
+    """Absolute denominator floor of :func:`rel_err` for gradients and parameters."""
+    grad_share: float = 1e-3
+    """A gradient tensor's error is measured against at least this share of the norm of all
+    the step's gradients (:data:`GRAD_FLOOR_SHARE`)."""
 
 
 TOLERANCES: dict[str, Tolerance] = {
-    "fp64": Tolerance(loss=TOL, grads=TOL, params=TOL, floor=0.0),
-    "bf16": Tolerance(loss=2e-2, grads=1e-1, params=5e-2, floor=1e-2),
+    "fp64": Tolerance(loss=TOL, grads=TOL, params=TOL, floor=0.0, grad_share=GRAD_FLOOR_SHARE),
+    "bf16": Tolerance(loss=2e-2, grads=1e-1, params=5e-2, floor=1e-2, grad_share=1.0),
 }
 """Per training.precision. fp64: exact up to summation order. bf16 (bf16 weights and
 activations, fp32 gradients and masters, reductions in another order than the reference's):
 the bounds of the repository's bf16 parity tests (loss 2e-2, parameters 5e-2 over a 1e-2
-floor); gradients 1e-1 over the same floor, as they are compared tensor by tensor after bf16
-matmuls."""
+floor); gradients 1e-1 against the norm of all the step's gradients: a token whose top-k
+scores tie to bf16 round-off goes to another expert in one run than in the other (a
+discontinuity, not a bug), moving that expert's gradient by O(1) of itself (0.25 relative
+measured on an expert of a 6-expert top-1 layer) but little of the whole."""
 
 
-HF_TOLERANCE = Tolerance(loss=TOL, grads=TOL, params=TOL, floor=0.0)
+HF_TOLERANCE = Tolerance(loss=TOL, grads=TOL, params=TOL, floor=0.0,
+                         grad_share=GRAD_FLOOR_SHARE)
 """The single-process run against its transformers twin: float64 with transformers' float32
 islands removed (:func:`colonnade.fuzz.hf_twin.float64_twin`), so exact up to summation
 order like the parallel runs (measured ~1e-15 after one step, ~1e-13 after two)."""
-
-GRAD_FLOOR_SHARE = 1e-3
-"""A gradient tensor's error is measured against at least this share of the norm of all the
-step's gradients: a gradient that is 0 in exact arithmetic (the key bias's: adding b to every
-key adds q.b to a whole row of scores, which softmax ignores) is round-off, ~1e-17, whose
-relative error between two summation orders is O(1). A real bug is an O(1) error of a tensor
-of any size above this share."""
-PARAM_FLOOR_SHARE = 1.0
-"""Parameters are measured against the norm of all parameters: AdamW turns a round-off
-gradient g into an update lr g / (|g| + eps) (~1e-11 for g ~ 1e-17), which differs between
-summation orders by its own size; a parameter that is wrong for a real reason (a shard not
-updated, a wrong gradient) is off by ~lr per element, 1e-3 of the total or more."""
-
 
 def floor_of(tensors: dict[str, torch.Tensor], share: float, floor: float) -> float:
     """max(``floor``, ``share`` x the norm of all ``tensors`` together)."""

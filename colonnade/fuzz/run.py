@@ -10,7 +10,7 @@
    recompute, the same global batches):
    per step the loss, the global gradient norm and every gradient gathered to its full tensor;
    after the last step every parameter (each tensor's relative error over a floor of a share
-   of all tensors' norm, :data:`GRAD_FLOOR_SHARE`, :data:`PARAM_FLOOR_SHARE`). Within
+   of all tensors' norm, :attr:`Tolerance.grad_share`, :data:`PARAM_FLOOR_SHARE`). Within
    :data:`TOLERANCES` of the case's precision: ``match``; else ``mismatch`` naming the worst
    quantity;
 3. where the model has a transformers class and nothing outside it (no dropout, ...:
@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from colonnade.config.sections import Config, ParallelConfig
+from colonnade.config.sections import Config, ModelConfig, ParallelConfig
 from colonnade.config.validate import problems_by_rule, resolve
 from colonnade.fuzz.compare import (
-    GRAD_FLOOR_SHARE,
     HF_TOLERANCE,
     PARAM_FLOOR_SHARE,
     TOLERANCES,
@@ -51,9 +50,11 @@ from colonnade.fuzz.space import EOD_RATE, Case
 from colonnade.parallel.pool import RankError, RankPools, RankTimeout
 from colonnade.pipeline.plan import Batch
 
-VERDICTS: tuple[str, ...] = ("match", "refused", "mismatch", "late refusal", "hang")
-"""Every verdict; the last three are failures."""
-FAILURES: frozenset[str] = frozenset(VERDICTS[2:])
+VERDICTS: tuple[str, ...] = ("match", "refused", "unreferenced", "mismatch", "late refusal",
+                             "hang")
+"""Every verdict; the last three are failures. 'unreferenced': accepted, but no
+single-process run has the same objective (:func:`no_reference`), so nothing was run."""
+FAILURES: frozenset[str] = frozenset(VERDICTS[3:])
 """Verdicts that count as bugs (the command exits non-zero)."""
 
 
@@ -102,6 +103,22 @@ def global_batch(config: Config, step: int, eod: int | None) -> list[Batch]:
     return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in ids]
 
 
+def rank_batches(data: Config, run: Config, step: int, eod: int | None,
+                 dp_rank: int) -> list[Batch]:
+    """The micro-batches of step ``step`` that dp rank ``dp_rank`` of the run ``run`` takes
+    from the case's global batch (:func:`global_batch` of the case's config ``data``): its
+    microbatches-long slice; or, for a reference that regroups (:func:`reference_config`:
+    micro-batches of ``micro x dp`` sequences), micro-batch k the concatenation of every dp
+    rank's k-th micro-batch (the case's micro-step k)."""
+    batches = global_batch(data, step, eod)
+    m = int(run.training.microbatches or 1)
+    if run.training.micro_batch_size == data.training.micro_batch_size:
+        return batches[dp_rank * m:(dp_rank + 1) * m]
+    dp = int(data.parallel.dp or 1)
+    return [tuple(torch.cat([batches[r * m + k][i] for r in range(dp)])  # [micro dp, s]
+                  for i in range(2)) for k in range(m)]  # type: ignore[misc]
+
+
 def full_grads(trainer: Any) -> dict[str, torch.Tensor]:
     """This step's reduced gradient of every parameter of this rank's stage as its full
     tensor (float64), keyed like :func:`colonnade.checkpoint.export.full_state`; called after
@@ -133,9 +150,10 @@ def full_grads(trainer: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
+def rank_case(config: Config, world: int, eod: int | None, data: Config) -> dict[str, Any]:
     """Rank side: ``training.steps`` Trainer steps of the resolved, validated ``config`` on
-    this pool rank. Returns per step the loss and grad norm; on the rank that speaks for its
+    this pool rank, on the global batches of the case's config ``data``. Returns per step the
+    loss and grad norm; on the rank that speaks for its
     pipeline stage (dp x cp rank 0, tp rank 0) the full gradients of each step and the full
     parameters after the last; at world 1 also the initial parameters (the HF twin's)."""
     from colonnade.checkpoint.export import full_state
@@ -147,10 +165,10 @@ def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
     groups = build_groups(config, world)
     trainer = Trainer(Runtime(config, torch.device("cpu"), groups), None)
     if eod is not None:
-        data = config.data
+        resets = config.data
         for chunk in trainer.chunks:
-            chunk.doc_reset = DocReset(eod, positions=data.reset_position_ids,
-                                       attention=data.reset_attention_mask)
+            chunk.doc_reset = DocReset(eod, positions=resets.reset_position_ids,
+                                       attention=resets.reset_attention_mask)
     keep = groups.dp_cp.rank == 0 and groups.tp.rank == 0
     initial = full_state(trainer.chunks, groups, trainer.ddp) if world == 1 else {}
     grads: list[dict[str, torch.Tensor]] = []
@@ -162,11 +180,9 @@ def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
         return step_fn()
 
     trainer.optimizer.step = step_and_gather
-    m, r = int(config.training.microbatches or 1), groups.dp.rank
     losses, norms = [], []
     for step in range(config.training.steps):
-        mine = global_batch(config, step, eod)[r * m:(r + 1) * m]
-        info = trainer.train_step(mine)
+        info = trainer.train_step(rank_batches(data, config, step, eod, groups.dp.rank))
         losses.append(info["loss"])
         norms.append(info["grad_norm"])
     trainer.ddp.finish_param_gather()
@@ -179,14 +195,41 @@ def rank_case(config: Config, world: int, eod: int | None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- parent side
 
 
+def global_token_losses(model: ModelConfig) -> bool:
+    """Whether the model has a router loss over the 'global' token set (the 'global'
+    balancing loss, the z-loss): each micro-step's loss counts the tokens of every dp x cp x
+    tp(sp) rank's micro-batch of that micro-step (training/moe.py), so which sequences share a
+    micro-step is part of the objective."""
+    balance = model.moe_aux_loss_coeff > 0 and model.moe_aux_loss_type == "global"
+    return model.moe and (balance or model.moe_z_loss_coeff > 0)
+
+
+def no_reference(config: Config) -> str:
+    """Why no single-process run trains the objective of ``config`` ('' when one does): with
+    a router loss over the 'global' token set (:func:`global_token_losses`) at dp > 1 the
+    reference must put the dp ranks' k-th micro-batches into one micro-batch, which moves
+    their sequences to other (micro-batch, element) indices, and dropout masks are a hash of
+    those indices (layout-independent only while a sequence keeps them)."""
+    m = config.model
+    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
+    if global_token_losses(m) and dropout and int(config.parallel.dp or 1) > 1:
+        return ("dropout with a 'global' router loss at dp > 1: no single-process run has "
+                "both the micro-step grouping and the dropout masks")
+    return ""
+
+
 def reference_config(config: Config) -> Config:
-    """``config`` (resolved) on one rank: every degree 1, the same global batch as
-    microbatches x dp micro-batches, ZeRO 0, no recompute, no pipeline layout."""
+    """``config`` (resolved) on one rank: every degree 1, ZeRO 0, no recompute, no pipeline
+    layout, the same global batch: as microbatches x dp micro-batches; or, when the objective
+    groups a micro-step's sequences (:func:`global_token_losses`), as microbatches
+    micro-batches of micro x dp sequences, micro-step k the dp ranks' k-th micro-batches
+    (:func:`rank_batches`)."""
     par, tr = config.parallel, config.training
-    dp = int(par.dp or 1)
+    dp, m = int(par.dp or 1), int(tr.microbatches or 1)
     single = ParallelConfig(bucket_size=par.bucket_size, timeout_s=par.timeout_s)
-    training = dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * dp,
-                                   recompute="none")
+    shape = ({"micro_batch_size": tr.micro_batch_size * dp, "microbatches": m}
+             if global_token_losses(config.model) else {"microbatches": m * dp})
+    training = dataclasses.replace(tr, recompute="none", **shape)
     return resolve(dataclasses.replace(config, parallel=single, training=training), 1)
 
 
@@ -206,14 +249,19 @@ def judge(case: Case, pools: RankPools, timeout_s: float = 300.0, hf: bool = Tru
     if problems_by_rule(single, 1):
         return verdict("late refusal", worst="its single-process reference is refused",
                        detail="\n".join(m for _, m in problems_by_rule(single, 1)))
+    why = no_reference(config)
+    if why:
+        return verdict("unreferenced", worst=why)
     gap = twin_gap(single, case.eod) if hf else "not asked (--no-hf)"
     try:
-        (want,) = pools.get(1).call(rank_case, (single, 1, case.eod), timeout_s=timeout_s)
-        got = pools.get(case.world).call(rank_case, (config, case.world, case.eod),
+        (want,) = pools.get(1).call(rank_case, (single, 1, case.eod, config),
+                                    timeout_s=timeout_s)
+        got = pools.get(case.world).call(rank_case, (config, case.world, case.eod, config),
                                          timeout_s=timeout_s)
         twin = None
         if not gap:
-            batches = [global_batch(single, k, case.eod) for k in range(single.training.steps)]
+            batches = [rank_batches(config, single, k, case.eod, 0)
+                       for k in range(single.training.steps)]
             (twin,) = pools.get(1).call(hf_twin, (single, want["initial"], batches),
                                         timeout_s=timeout_s)
             gap = twin.get("gap", "")
@@ -270,7 +318,7 @@ def compare(got: list[dict[str, Any]], want: dict[str, Any],
                 note("grad_norm", abs(a - b) / abs(b) if b else abs(a - b), f"step {step}")
     for step, ref in enumerate(want["grads"]):
         merged = _merge(res["grads"][step] for res in got)
-        err, name = worst(merged, ref, floor_of(ref, GRAD_FLOOR_SHARE, tol.floor))
+        err, name = worst(merged, ref, floor_of(ref, tol.grad_share, tol.floor))
         note("grads", err, f"step {step} {name}")
     floor = floor_of(want["params"], PARAM_FLOOR_SHARE, tol.floor)
     err, name = worst(_merge(res["params"] for res in got), want["params"], floor)
