@@ -12,6 +12,7 @@ also checked to fail on a planted error, so the verdicts cannot pass vacuously.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from colonnade.config.validate import problems_by_rule, resolve
 from colonnade.fuzz.compare import TOLERANCES
 from colonnade.fuzz.main import reproduce_command
-from colonnade.fuzz.run import compare, judge
+from colonnade.fuzz.run import compare, judge, no_reference, rank_batches, reference_config
 from colonnade.fuzz.space import draw_case
 from colonnade.parallel.pool import RankPools
 
@@ -63,7 +64,7 @@ def test_fresh_draws(rank_pools: RankPools) -> None:
     print(f"fresh fuzz draws: seed {seed}, cases 0..{FRESH - 1}")
     for index in range(FRESH):
         verdict = judge(draw_case(seed, index), rank_pools)
-        assert verdict.verdict in ("match", "refused"), (
+        assert verdict.verdict in ("match", "refused", "unreferenced"), (
             f"{verdict.summary}: {verdict.verdict} ({verdict.worst})\n{verdict.detail}\n"
             f"reproduce: {reproduce_command(seed, index)}")
 
@@ -83,3 +84,23 @@ def test_rules_are_named_and_errors_are_caught() -> None:
     assert errors["loss"] == pytest.approx(1e-6) and errors["grads"] == pytest.approx(1e-9)
     assert errors["params"] == 0.0 and where["grads"] == "step 0 w"
     assert errors["grads"] > TOLERANCES["fp64"].grads
+
+
+def test_reference_groups_the_micro_steps_of_a_global_router_loss() -> None:
+    """Case 37/106 (gpt_oss MoE at dp2, 'global' balancing loss) mismatched its reference at
+    step 1 (loss 2.5e-4, router gradient 3.0 relative) while that reference took the 4
+    micro-batches one by one: the loss of micro-step k counts both dp ranks' k-th
+    micro-batches. The reference now takes them as one micro-batch of 2 x micro sequences;
+    with dropout that case has no reference (the masks follow the sequences' indices)."""
+    case = draw_case(37, 106)
+    config = resolve(case.config, case.world)
+    single = reference_config(config)
+    assert (single.training.micro_batch_size, single.training.microbatches) == (4, 2)
+    ranks = [rank_batches(config, config, 0, case.eod, r) for r in range(2)]
+    merged = rank_batches(config, single, 0, case.eod, 0)
+    for k in range(2):
+        assert torch.equal(merged[k][0], torch.cat([ranks[0][k][0], ranks[1][k][0]]))
+    assert no_reference(config) == ""
+    dropped = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                    hidden_dropout=0.1))
+    assert "dropout" in no_reference(dropped)
