@@ -71,7 +71,8 @@ def test_fresh_draws(rank_pools: RankPools) -> None:
 
 def test_rules_are_named_and_errors_are_caught() -> None:
     """problems_by_rule names the rule of a known refusal; compare() reports a gradient
-    perturbed by 1e-9 relative and a loss off by 1e-6 as over the float64 bounds."""
+    perturbed by 1e-9 relative and a loss off by 1e-6 as over the float64 bounds, and not
+    the round-off of a gradient that is 0 (case 1/8's false mismatch before the floors)."""
     case = draw_case(1, 1)
     found = problems_by_rule(resolve(case.config, case.world), case.world)
     assert ("moe", next(m for r, m in found if r == "moe")) in found
@@ -84,6 +85,14 @@ def test_rules_are_named_and_errors_are_caught() -> None:
     assert errors["loss"] == pytest.approx(1e-6) and errors["grads"] == pytest.approx(1e-9)
     assert errors["params"] == 0.0 and where["grads"] == "step 0 w"
     assert errors["grads"] > TOLERANCES["fp64"].grads
+    # a gradient that is 0 in exact arithmetic (case 1/8: gpt2's key bias, 4e-19 against a
+    # total of 1.8) differs between summation orders by its own size: not a mismatch
+    zero = {"w": torch.ones(3, dtype=torch.float64), "k": torch.full((3,), 4e-19)}
+    noisy = {"w": zero["w"], "k": torch.full((3,), -7e-19)}
+    want = {"losses": [2.0], "grads": [zero], "params": zero}
+    errors, _ = compare([{"losses": [2.0], "grads": [noisy], "params": noisy}], want,
+                        TOLERANCES["fp64"])
+    assert errors["grads"] < 1e-12 and errors["params"] < 1e-12
 
 
 def test_reference_groups_the_micro_steps_of_a_global_router_loss() -> None:
