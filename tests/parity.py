@@ -5,11 +5,8 @@ The per-package modules (``tests/<package>/harness.py`` / ``common.py``) keep on
 particular to their package (a layout type, an instrumented loop, a recording RNG tracker) and
 call these with their own numbers, so every test keeps its model, data and tolerance.
 
-Relative error, the measure of every parity assertion (``b`` the reference)::
-
-    rel_err(a, b, floor) = ||a - b||_2 / max(||b||_2, floor)      (||a - b|| when both are 0)
-
-computed in float64 (IEEE division of two doubles: the same number however it is spelled).
+The relative error of every parity assertion and TOL, the float64 bound, are the fuzzer's
+(:mod:`colonnade.fuzz.compare`): one measure for the hand-picked tests and the fuzzed draws.
 """
 
 from __future__ import annotations
@@ -24,6 +21,8 @@ from colonnade.config.choices import tied_across_stages
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.config.validate import resolve, validate
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
+from colonnade.fuzz.compare import TOL as TOL  # re-exported: the tests import it from here
+from colonnade.fuzz.compare import rel_err
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.lr import lr_at
 from colonnade.parallel.dims import ParallelDims
@@ -31,8 +30,6 @@ from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.training.step import forward_backward
 
-TOL = 1e-10
-"""Largest relative error accepted in float64 parity (any larger mismatch is a bug)."""
 VOCAB = 101
 """Prime vocabulary: never divisible by tp, so every parity run pads the vocab."""
 
@@ -114,13 +111,6 @@ def split_micro(data: torch.Tensor) -> list[Batch]:
 
 
 # ----------------------------------------------------------------------------- errors
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """||a - b|| / max(||b||, floor) in float64; ||a - b|| when the denominator is 0."""
-    ref = max(float(b.double().norm()), floor)
-    diff = float((a.double() - b.double()).norm())
-    return diff / ref if ref > 0 else diff
 
 
 def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

@@ -4,7 +4,7 @@ The order enforced (bottom first; a module may import its own layer or any layer
 
     device, eager, gelu < config < parallel < tensor_parallel < context_parallel < moe < models
     < pipeline < data_parallel < optim < checkpoint < reliability < data < training < analysis
-    < top-level modules (cli, bench, generate, hf_export, launch, plot, train)
+    < top-level modules (cli, bench, generate, hf_export, launch, plot, train) < fuzz
 
 ``device.py`` is the one module that may touch ``torch.cuda`` and sits at the bottom (``parallel``
 and ``pipeline`` ask it for the device), beside ``eager.py`` (functions ``torch.compile`` never
@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),
     ("analysis",),
     ("cli", "bench", "generate", "hf_export", "launch", "plot", "train", "__init__"),
+    ("fuzz",),
 )
 
 # (importing module, imported module) pairs that still break the order, each with its reason.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import itertools
 import tomllib
 import types
@@ -31,7 +32,10 @@ def _suggest(name: str, options: list[str]) -> str:
     return " Did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
+    """Each field's annotated type (a section class never changes: resolved once, as
+    ``get_type_hints`` compiles every annotation string on each call)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 

@@ -567,12 +567,22 @@ RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _context
                            hierarchical_rules)
 
 
+def rule_name(rule: Rule) -> str:
+    """The name a rule is reported under: its function's name without the leading underscore
+    and the ``_rules`` suffix (``_degrees`` -> 'degrees', ``moe_rules`` -> 'moe')."""
+    return rule.__name__.lstrip("_").removesuffix("_rules")
+
+
+def problems_by_rule(config: Config, world_size: int | None = None) -> list[tuple[str, str]]:
+    """Every violated rule's message with the name of the rule that raised it
+    (:func:`rule_name`), in :data:`RULES` order; empty when the config is valid."""
+    return [(rule_name(rule), message) for rule in RULES
+            for message in rule(config, world_size)]
+
+
 def problems(config: Config, world_size: int | None = None) -> list[str]:
     """Every violated rule's message (empty when the config is valid)."""
-    out: list[str] = []
-    for rule in RULES:
-        out.extend(rule(config, world_size))
-    return out
+    return [message for _, message in problems_by_rule(config, world_size)]
 
 
 def validate(config: Config, world_size: int | None = None) -> Config:

@@ -75,14 +75,20 @@ def init_runtime(config: Config) -> Runtime:
                                 device_id=device if device.type == "cuda" else None)
     set_cpu_threads(config.training.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                     say=local_rank == 0)
+    return Runtime(config, device, build_groups(config, world))
+
+
+def build_groups(config: Config, world: int) -> ProcessGroups:
+    """Every process group of ``config``'s layout on ``world`` ranks (a validated config;
+    torch.distributed initialised when world > 1): the dense and expert views, the tied
+    embedding's group, hybrid sharding's shard / replicate groups."""
     dims = ParallelDims.from_config(config.parallel, world)
-    groups = ProcessGroups.build(dims, config.parallel.timeout_s,
-                                 tied_embeddings=tied_across_stages(
-                                     config.model.tie_embeddings, config.parallel.schedule),
-                                 experts=config.model.moe,
-                                 zero_shard_size=config.parallel.zero_shard_size,
-                                 cp_a2a_size=config.parallel.cp_a2a_size)
-    return Runtime(config, device, groups)
+    return ProcessGroups.build(dims, config.parallel.timeout_s,
+                               tied_embeddings=tied_across_stages(
+                                   config.model.tie_embeddings, config.parallel.schedule),
+                               experts=config.model.moe,
+                               zero_shard_size=config.parallel.zero_shard_size,
+                               cp_a2a_size=config.parallel.cp_a2a_size)
 
 
 def cpu_threads(configured: int | None, omp: str | None, cores: int, local_ranks: int,

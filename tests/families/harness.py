@@ -34,6 +34,7 @@ from colonnade.config.sections import (
     ParallelConfig,
     TrainingConfig,
 )
+from colonnade.fuzz.hf_twin import file_layout_grads, float64_softmax, float64_twin
 from tests.parity import TOL, VOCAB, rel_err, resolved, split_micro, step_global_batch
 
 SEQ = 16
@@ -87,7 +88,7 @@ def hf_check(model: Any, tmp_path: Path, *, vocab: int, seq: int = 12, tol: floa
     from_hf(hf_dir, tmp_path / "ck")
     config, ours = load_exported(tmp_path / "ck", dtype=torch.float64)
     cfg = config.model
-    theirs = _float64(model, cfg)
+    theirs = float64_twin(model, cfg)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (2, seq + 1), generator=gen)  # [b, s + 1]
     tokens, labels = ids[:, :-1], ids[:, 1:]
@@ -112,7 +113,7 @@ def hf_check(model: Any, tmp_path: Path, *, vocab: int, seq: int = 12, tol: floa
     buffers = {n for n, _ in theirs.named_buffers()}
     mapped = {n: g for n, g in format_for(cfg).to_hf(cfg, grads | frozen).items()
               if n not in buffers}
-    want = {n: g for n, g in _file_layout_grads(theirs).items() if n in mapped}
+    want = {n: g for n, g in file_layout_grads(theirs).items() if n in mapped}
     assert set(mapped) == set(want), f"names differ: {sorted(set(mapped) ^ set(want))}"
     worst = max(want, key=lambda n: rel_err(mapped[n], want[n]))
     err = rel_err(mapped[worst], want[worst])
@@ -142,111 +143,10 @@ def hf_check(model: Any, tmp_path: Path, *, vocab: int, seq: int = 12, tol: floa
     return cfg
 
 
-def _file_layout_grads(model: Any) -> dict[str, torch.Tensor]:
-    """The gradients of an HF ``model`` under the names and shapes of its saved files:
-    transformers >= 5 fuses some weights in memory (MoE experts: ``experts.gate_up_proj``
-    [E, 2f, h]) and splits them back on save; the same (linear) conversion applied to the
-    gradients gives the per-expert tensors our ``to_hf`` names."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return dict(revert_weight_conversion(model, grads))
-
-
 def _logits(chunk: Any, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """The single-process chunk's training forward (autograd on): tokens [b, s] -> logits
     [b, s, V] (the tp padding of the vocabulary cut off)."""
     return chunk(tokens).transpose(0, 1)[..., :vocab]  # [s, b, V'] -> [b, s, V]
-
-
-def _float64(model: Any, cfg: ModelConfig) -> Any:
-    """A float64 copy of an HF model with its float32 islands removed (the reference of
-    every check): transformers computes the RMSNorm (``.to(torch.float32)``), the RoPE
-    cos/sin tables and the routers' and eager attention's softmax in float32 whatever the
-    model's dtype. Here every ``*RMSNorm`` runs the same formula in float64, the rotary
-    module returns HF's [b, s, d] tables built from Colonnade's float64 angles (whose init is
-    checked against transformers' own rope init separately, at float32 precision), and
-    softmax keeps float64 (:func:`float64_softmax`, entered by the caller). MoE classes run
-    their eager experts (transformers' grouped_mm kernel takes no float64)."""
-    import copy
-
-    from colonnade.models.blocks import rope_tables
-
-    out = copy.deepcopy(model).double()
-    if out._can_set_experts_implementation():  # MoE: its default grouped_mm has no float64
-        out.set_experts_implementation("eager")
-    for module in out.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = _rms_norm_fp64.__get__(module)
-    rotary = getattr(out.model, "rotary_emb", None)
-    if rotary is not None:
-        cos, sin = rope_tables(cfg, None, torch.float64)  # [S, d/2]
-        x = torch.zeros(1, dtype=torch.float64)
-        width = rotary(x, torch.zeros(1, 1, dtype=torch.long))[0].shape[-1]  # d, or d/2
-        rotary.forward = _Float64Rope(cos, sin, half=width == cos.shape[-1]).forward
-    return out
-
-
-def _rms_norm_fp64(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm formula without its cast to float32."""
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-class _Float64Rope:
-    """HF's rotary module's outputs, cos and sin [b, s, d] (the d/2 angles twice, as HF's
-    ``cat((freqs, freqs))``), taken from float64 tables [S, d/2] by ``position_ids``;
-    ``half``: [b, s, d/2] once (gpt-oss's rotary module returns the angles once)."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, half: bool = False) -> None:
-        if not half:
-            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # [S, d]
-        self.cos, self.sin = cos, sin
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
-
-
-class float64_softmax:  # a context manager used like a function
-    """Inside: ``softmax(x, dim, dtype=torch.float32)`` of a float64 ``x`` stays float64
-    (transformers' routers and eager attention ask for float32), and so does
-    ``x.type(torch.float32)`` (DeepSeek-V3's router casts its input and weight so) and
-    ``x.float()`` (Mixtral's router: ``softmax(router_logits.float())``)."""
-
-    def __enter__(self) -> None:
-        self.saved = F.softmax, torch.softmax, torch.Tensor.softmax
-        self.saved_type = torch.Tensor.type
-        saved_type = self.saved_type
-
-        def keep_type(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if x.dtype == torch.float64 and args[:1] == (torch.float32,) and not kwargs:
-                return x
-            return saved_type(x, *args, **kwargs)
-
-        torch.Tensor.type = keep_type  # type: ignore[method-assign,assignment]
-        self.saved_float = torch.Tensor.float
-        saved_float = self.saved_float
-
-        def keep_float(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            return x if x.dtype == torch.float64 else saved_float(x, *args, **kwargs)
-
-        torch.Tensor.float = keep_float  # type: ignore[method-assign,assignment]
-
-        def keep(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-            def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-                if x.dtype == torch.float64 and kwargs.get("dtype") == torch.float32:
-                    kwargs["dtype"] = torch.float64
-                return fn(x, *args, **kwargs)
-            return call
-
-        F.softmax, torch.softmax = keep(F.softmax), keep(torch.softmax)
-        torch.Tensor.softmax = keep(torch.Tensor.softmax)
-
-    def __exit__(self, *exc: object) -> None:
-        F.softmax, torch.softmax, torch.Tensor.softmax = self.saved
-        torch.Tensor.type = self.saved_type  # type: ignore[method-assign]
-        torch.Tensor.float = self.saved_float  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -99,10 +99,11 @@ def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
 
     from colonnade.checkpoint.convert import from_hf
     from colonnade.checkpoint.export import load_exported
+    from colonnade.fuzz.hf_twin import float64_softmax, float64_twin, rms_norm_fp64
     from colonnade.hf_export import to_hf
     from colonnade.models.counts import param_count
     from colonnade.models.mtp import mtp_loss, shifted
-    from tests.families.harness import _float64, _rms_norm_fp64, float64_softmax, save_hf
+    from tests.families.harness import save_hf
 
     model = randomize(transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(**HF_TINY)))
@@ -128,13 +129,13 @@ def test_mtp_against_transformers_layers(tmp_path: Path) -> None:
     ours.train()
     x = ours.run_layers(ours.embedding(tokens))
     mine = mtp_loss(ours.mtp, ours.final_norm(x), tokens, labels, ours.rope, None, 0.0)
-    theirs = _float64(model, config.model).train()
+    theirs = float64_twin(model, config.model).train()
     ref_layer = type(layer)(theirs.config, layer_idx=3)
     ref_layer.load_state_dict(layer.state_dict())
     ref_layer = ref_layer.double().train()
     for module in ref_layer.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            module.forward = _rms_norm_fp64.__get__(module)
+            module.forward = rms_norm_fp64.__get__(module)
     w = {n: t.double() for n, t in layer.extra.items()}
     eps = theirs.config.rms_norm_eps
 
