@@ -82,3 +82,17 @@ def run_ranks(rank_pools: RankPools) -> Callable[..., list[Any]]:
     ``torch.distributed.get_rank()``. A rank exception raises ``RankError``.
     """
     return rank_pools.run
+
+
+@pytest.fixture()
+def cli(run_ranks: Callable[..., list[Any]], capsys: pytest.CaptureFixture[str]
+        ) -> Iterator[Callable[[list[str]], tuple[int, str]]]:
+    """``cli(argv)`` -> (exit status, stdout + stderr) of ``colonnade argv`` run in the test's
+    process, ``train --nproc N``'s ranks on the session's rank pool
+    (:func:`tests.workflow.cli.ranks_in_pool`): no interpreter, torch or launcher started per
+    command. For tests of what a command computes; the real processes and launcher keep
+    their own tests (tests/workflow/test_end_to_end.py, tests/reliability/test_launch.py)."""
+    from tests.workflow.cli import ranks_in_pool, run_in_process
+
+    with ranks_in_pool(run_ranks):
+        yield lambda argv: run_in_process(argv, capsys)

@@ -17,6 +17,7 @@ from colonnade.analysis.cli import add_plan_parser, main, run_plan
 from colonnade.analysis.hardware import PRESETS
 from colonnade.analysis.report import format_table
 from colonnade.analysis.search import plan
+from colonnade.parallel.pool import RankPools
 
 
 def test_plan_writes_table_json_and_plot(tmp_path, capsys) -> None:
@@ -67,11 +68,13 @@ def test_dimension_overrides_and_plain_table() -> None:
     assert not any(e.layout.sp for e in result.ranked)
 
 
-def test_calibration_measures_and_predicts() -> None:
+def test_calibration_measures_and_predicts(rank_pools: RankPools) -> None:
+    """Measured on the session's warm 2-rank pool (``measure_gloo``'s ``pool``), not on two
+    processes started for it."""
     w = tiny_workload()
     local = measure_local(w.model, tokens=512)
     assert local["matmul_gflops"] > 0.5 and local["memory_gbps"] > 0.5
-    gloo = measure_gloo()
+    gloo = measure_gloo(rank_pools.get(2))
     assert 0 < gloo["latency_us"] < 50_000 and gloo["gbps"] > 0.01
     cluster = calibrated_cluster(local, gloo)
     preds = predict_tiny(cluster, w)

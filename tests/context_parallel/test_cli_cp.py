@@ -2,7 +2,8 @@
 process on the same data (1e-12), with ring and all-to-all attention and with packed-document
 masks; a resume that changes cp; ``colonnade generate`` from the cp-trained checkpoint (at
 cp = 1); the layout line and the throughput fields under cp (tokens per step global, FLOPs per
-device over every rank)."""
+device over every rank). The commands run in this process, their ranks on the rank pool
+(the ``cli`` fixture)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from colonnade.cli import main
 from colonnade.config.load import load_config
 from colonnade.models.counts import flops_per_token
 from tests.reliability.jobs import losses, tiny_args
-from tests.workflow.cli import assert_same_losses, greedy_text, run_cli
+from tests.workflow.cli import Cli, assert_same_losses, greedy_text
 from tests.workflow.conftest import corpus
 
 __all__ = ["corpus"]
@@ -50,12 +51,12 @@ CASES = [("ring", "plain"), ("ring", "docs")]  # all_to_all: test_resume_changes
 def test_cp2_train_equals_one_process(corpus: tuple[Path, Path], tmp_path: Path,
                                       reference: dict[str, tuple[dict[int, float], Path]],
                                       attention: str, data: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                      capsys: pytest.CaptureFixture[str], cli: Cli) -> None:
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     extra = DOC_MASKS if data == "docs" else {}
     args = _args(corpus, run, parallel__cp=2, parallel__cp_attention=attention,
                  checkpoint__save=ckpt, checkpoint__interval=3, **extra)
-    status, out = run_cli(["train", "--nproc", "2", *args])
+    status, out = cli(["train", "--nproc", "2", *args])
     assert status == 0, out
     overlap = ", overlapped" if attention == "ring" else ""
     assert f"colonnade: cp2 (cp attention: {attention}{overlap}) on cpu" in out, out
@@ -77,20 +78,21 @@ def test_cp2_train_equals_one_process(corpus: tuple[Path, Path], tmp_path: Path,
 
 
 def test_resume_changes_cp(corpus: tuple[Path, Path], tmp_path: Path,
-                           reference: dict[str, tuple[dict[int, float], Path]]) -> None:
+                           reference: dict[str, tuple[dict[int, float], Path]],
+                           cli: Cli) -> None:
     """A cp2 all-to-all run (the one-process losses) that died after committing step 3,
     re-run as cp4 (ring): it resumes at step 3 and steps 4..6 have the same losses."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     first = _args(corpus, run, parallel__cp=2, parallel__cp_attention="all_to_all",
                   checkpoint__save=ckpt, checkpoint__interval=3)
-    status, out = run_cli(["train", "--nproc", "2", *first])
+    status, out = cli(["train", "--nproc", "2", *first])
     assert status == 0, out
     assert "colonnade: cp2 (cp attention: all_to_all) on cpu" in out, out
     want, _ = reference["plain"]
     assert_same_losses(losses(run), want, range(1, STEPS + 1), TOL)
     (ckpt / "latest").write_text("step_00000003\n")  # as if it died after step 3
     again = _args(corpus, run, parallel__cp=4, checkpoint__save=ckpt, checkpoint__interval=3)
-    status, out = run_cli(["train", "--nproc", "4", *again])
+    status, out = cli(["train", "--nproc", "4", *again])
     assert status == 0, out
     assert "resuming from" in out and "step_00000003" in out, out
     assert "cp4 (cp attention: ring, overlapped)" in out, out

@@ -3,7 +3,13 @@
 family's chat special tokens, a tokenizer_config.json holding its chat template), SFT chats
 prepared with that folder's tokenizer, ``train --init-from`` under a layout whose loss falls
 by more than 1 in a few steps, and ``convert --to-hf`` whose export transformers loads with
-zero warnings (Python's and its logger's) and whose logits equal the checkpoint's."""
+zero warnings (Python's and its logger's) and whose logits equal the checkpoint's.
+
+The commands run in the test's process and the training ranks on the session's rank pool
+(the ``cli`` fixture, tests/conftest.py): the CLI's parsing, HF import, preparation
+and checks are the product's, and no interpreter, torch or transformers is started per
+command (a family's five processes cost ~20 s of CPU). The real processes and launcher run
+in tests/workflow/test_end_to_end.py."""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from colonnade.checkpoint.export import load_exported
 from colonnade.data.tokenizer import train_bpe_from_texts
 from tests.families.harness import save_hf
 from tests.reliability.jobs import losses
-from tests.workflow.cli import run_cli
+from tests.workflow.cli import Cli
 
 
 def conversations() -> list[list[dict[str, str]]]:
@@ -48,16 +54,16 @@ def hf_folder(root: Path, make_model: Callable[[int], Any], specials: list[str],
     return root, tok.get_vocab_size()
 
 
-def fine_tune(tmp_path: Path, hf: Path, layout: list[str], steps: int) -> str:
+def fine_tune(cli: Cli, tmp_path: Path, hf: Path, layout: list[str], steps: int) -> str:
     """Prepare the chats with ``hf``'s tokenizer and chat template, then ``train --init-from``
     under ``layout`` (``--nproc N --parallel...`` arguments) for ``steps`` steps, saving to
     tmp_path/ck; asserts the loss falls by more than 1. Returns the run's config.toml."""
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations()))
-    status, out = run_cli(["prepare", "--data.format=sft", f"--data.input={chats}",
+    status, out = cli(["prepare", "--data.format=sft", f"--data.input={chats}",
                            f"--data.tokenizer={hf}", f"--data.prepared_dir={tmp_path / 'sft'}"])
     assert status == 0, out
-    status, out = run_cli([
+    status, out = cli([
         "train", *layout, f"--init-from={hf}", "--data.format=sft",
         f"--data.prepared_dir={tmp_path / 'sft'}", "--training.seq_len=32",
         "--training.micro_batch_size=2", "--training.microbatches=2",
@@ -73,10 +79,10 @@ def fine_tune(tmp_path: Path, hf: Path, layout: list[str], steps: int) -> str:
     return (tmp_path / "run" / "config.toml").read_text()
 
 
-def export_and_load(tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
+def export_and_load(cli: Cli, tmp_path: Path) -> tuple[Any, Any, dict[str, Any]]:
     """``convert --to-hf`` of tmp_path/ck into tmp_path/export, loaded by transformers (model
     and tokenizer) with no warning at all; returns (model, tokenizer, config.json)."""
-    status, out = run_cli(["convert", "--to-hf", str(tmp_path / "ck"), "--out",
+    status, out = cli(["convert", "--to-hf", str(tmp_path / "ck"), "--out",
                            str(tmp_path / "export")])
     assert status == 0, out
     logged: list[str] = []

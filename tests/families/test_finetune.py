@@ -29,6 +29,7 @@ from tests.families.finetune import (
 )
 from tests.families.test_deepseek_v3 import HF_TINY
 from tests.families.test_gpt_oss import hf_gpt_oss
+from tests.workflow.cli import Cli
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' "
           "+ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -57,7 +58,7 @@ def _prompt_ends(tok: Any, suffix: str) -> None:
     assert prompt.endswith(suffix), prompt
 
 
-def test_llama3_fine_tune_in_tp2_pp2(tmp_path: Path) -> None:
+def test_llama3_fine_tune_in_tp2_pp2(cli: Cli, tmp_path: Path) -> None:
     hf, vocab = hf_folder(tmp_path / "hf", lambda v: transformers.LlamaForCausalLM(
         transformers.LlamaConfig(vocab_size=v, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=2, num_attention_heads=4,
@@ -65,16 +66,16 @@ def test_llama3_fine_tune_in_tp2_pp2(tmp_path: Path) -> None:
                                  rope_parameters=ROPE, tie_word_embeddings=False)),
         ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         LLAMA3, "<|eot_id|>")
-    saved = fine_tune(tmp_path, hf, TP2_PP2, steps=8)
+    saved = fine_tune(cli, tmp_path, hf, TP2_PP2, steps=8)
     assert 'rope_scaling = "llama3"' in saved and "rope_original_max_seq_len = 16" in saved
-    model, tok, exported = export_and_load(tmp_path)
+    model, tok, exported = export_and_load(cli, tmp_path)
     assert exported["rope_parameters"] == ROPE
     _prompt_ends(tok, "<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert_same_logits(tmp_path, model, vocab)
 
 
-def test_qwen2_fine_tune_in_tp2_pp2(tmp_path: Path) -> None:
+def test_qwen2_fine_tune_in_tp2_pp2(cli: Cli, tmp_path: Path) -> None:
     hf, vocab = hf_folder(tmp_path / "hf", lambda v: transformers.Qwen2ForCausalLM(
         transformers.Qwen2Config(vocab_size=v, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=2, num_attention_heads=4,
@@ -82,16 +83,16 @@ def test_qwen2_fine_tune_in_tp2_pp2(tmp_path: Path) -> None:
                                  use_sliding_window=True, sliding_window=8,
                                  max_window_layers=1, tie_word_embeddings=True)),
         ["<|im_start|>", "<|im_end|>"], CHATML, "<|im_end|>")
-    saved = fine_tune(tmp_path, hf, TP2_PP2, steps=8)
+    saved = fine_tune(cli, tmp_path, hf, TP2_PP2, steps=8)
     assert 'arch = "qwen2"' in saved and "sliding_window = 8" in saved, saved
-    model, _, exported = export_and_load(tmp_path)
+    model, _, exported = export_and_load(cli, tmp_path)
     assert (exported["use_sliding_window"], exported["sliding_window"],
             exported["max_window_layers"], exported["tie_word_embeddings"]) == (True, 8, 1, True)
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
     assert_same_logits(tmp_path, model, vocab, seq=24)
 
 
-def test_qwen3_moe_fine_tune_in_cp2_ep2(tmp_path: Path) -> None:
+def test_qwen3_moe_fine_tune_in_cp2_ep2(cli: Cli, tmp_path: Path) -> None:
     hf, vocab = hf_folder(tmp_path / "hf", lambda v: transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(
             vocab_size=v, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
@@ -100,36 +101,36 @@ def test_qwen3_moe_fine_tune_in_cp2_ep2(tmp_path: Path) -> None:
             max_position_embeddings=64, use_sliding_window=True, sliding_window=8,
             tie_word_embeddings=False)),
         ["<|im_start|>", "<|im_end|>"], CHATML, "<|im_end|>")
-    saved = fine_tune(tmp_path, hf, ["--nproc", "2", "--parallel.cp=2", "--parallel.ep=2"],
+    saved = fine_tune(cli, tmp_path, hf, ["--nproc", "2", "--parallel.cp=2", "--parallel.ep=2"],
                       steps=10)
     assert 'arch = "qwen3"' in saved and "sliding_window = 8" in saved and "head_dim = 16" in saved
-    model, tok, exported = export_and_load(tmp_path)
+    model, tok, exported = export_and_load(cli, tmp_path)
     assert exported["architectures"] == ["Qwen3MoeForCausalLM"]
     assert (exported["use_sliding_window"], exported["sliding_window"]) == (True, 8)
     _prompt_ends(tok, "<|im_start|>assistant\n")
     assert_same_logits(tmp_path, model, vocab)
 
 
-def test_gpt_oss_fine_tune_in_cp2_ep2(tmp_path: Path) -> None:
+def test_gpt_oss_fine_tune_in_cp2_ep2(cli: Cli, tmp_path: Path) -> None:
     hf, vocab = hf_folder(tmp_path / "hf", lambda v: hf_gpt_oss(vocab_size=v),
                           ["<|start|>", "<|message|>", "<|end|>"], HARMONY, "<|end|>")
-    saved = fine_tune(tmp_path, hf, ["--nproc", "2", "--parallel.cp=2",
+    saved = fine_tune(cli, tmp_path, hf, ["--nproc", "2", "--parallel.cp=2",
                                      "--parallel.cp_attention=all_to_all", "--parallel.ep=2"],
                       steps=10)
     assert 'arch = "gpt_oss"' in saved, saved
-    model, _, exported = export_and_load(tmp_path)
+    model, _, exported = export_and_load(cli, tmp_path)
     assert exported["architectures"] == ["GptOssForCausalLM"]
     assert_same_logits(tmp_path, model, vocab, seq=12)
 
 
-def test_deepseek_v3_fine_tune_in_pp2_dp2_ep2(tmp_path: Path) -> None:
+def test_deepseek_v3_fine_tune_in_pp2_dp2_ep2(cli: Cli, tmp_path: Path) -> None:
     hf, vocab = hf_folder(tmp_path / "hf", lambda v: transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(**(HF_TINY | {"vocab_size": v, "num_hidden_layers": 2,
                                                     "n_routed_experts": 4}))),
         ["<|im_start|>", "<|im_end|>"], CHATML, "<|im_end|>")
-    saved = fine_tune(tmp_path, hf, ["--nproc", "4", "--parallel.pp=2", "--parallel.ep=2"],
+    saved = fine_tune(cli, tmp_path, hf, ["--nproc", "4", "--parallel.pp=2", "--parallel.ep=2"],
                       steps=8)
     assert 'arch = "deepseek_v3"' in saved and "moe_n_group = 2" in saved, saved
-    model, _, exported = export_and_load(tmp_path)
+    model, _, exported = export_and_load(cli, tmp_path)
     assert exported["architectures"] == ["DeepseekV3ForCausalLM"]
     assert_same_logits(tmp_path, model, vocab)

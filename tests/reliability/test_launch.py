@@ -20,11 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from colonnade.cli import main
 from colonnade.config.load import load_config
 from colonnade.reliability.monitor import failure_path
 from colonnade.reliability.watch import process_state
@@ -41,6 +43,7 @@ from tests.reliability.jobs import (
     wait_until,
     write_corpus,
 )
+from tests.workflow.cli import ranks_in_pool
 
 pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
 
@@ -67,13 +70,15 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-              ) -> dict[int, float]:
-    """Losses of an uninterrupted tp2 x dp2 run started by one launcher with --nproc 4."""
+def reference(corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+              run_ranks: Callable[..., list[Any]]) -> dict[int, float]:
+    """Losses of an uninterrupted tp2 x dp2 run of ``colonnade train --nproc 4``, in this
+    process with its ranks on the rank pool (:func:`tests.workflow.cli.ranks_in_pool`): the
+    comparison of the launched jobs here, not one of them (the launcher's one-node --nproc 4
+    run is tests/workflow/test_end_to_end.py's, equal to the pool's)."""
     run = tmp_path_factory.mktemp("reference")
-    job = start(["train", "--nproc", "4", *tiny_args(*corpus, run, parallel__tp=2)],
-                run / "job.log")
-    assert job.wait(JOB_TIMEOUT_S) == 0, job.output()
+    with ranks_in_pool(run_ranks):
+        assert main(["train", "--nproc", "4", *tiny_args(*corpus, run, parallel__tp=2)]) == 0
     got = losses(run)
     assert sorted(got) == list(range(1, STEPS + 1)), got
     return got

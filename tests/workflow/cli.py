@@ -9,7 +9,9 @@ signal handling and the stop protocol are the product's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -18,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -41,6 +43,71 @@ def run_cli(argv: list[str], timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
                           capture_output=True, text=True, timeout=timeout,
                           start_new_session=True)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+Cli = Callable[[list[str]], tuple[int, str]]
+"""``cli(argv)`` -> (exit status, stdout + stderr) of ``colonnade argv`` (the ``cli`` fixture of
+tests/conftest.py)."""
+
+
+def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``colonnade argv`` in this process (no interpreter, torch or transformers to start);
+    (exit status, stdout + stderr), as :func:`run_cli` returns them."""
+    capsys.readouterr()
+    status = main(argv)
+    got = capsys.readouterr()
+    return status, got.out + got.err
+
+
+def pool_rank(config: Config) -> str:
+    """One rank of ``colonnade train`` on a rank-pool worker: torchrun's environment (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) taken from the pool's default group for the
+    call, then the launched rank's own body (:func:`~colonnade.launch.run_rank`, which joins
+    the group already there); returns what the rank printed (a worker's stdout is not the
+    test's)."""
+    import torch.distributed as dist
+
+    from colonnade.launch import run_rank
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update({key: str(value) for key, value in env.items()})
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            run_rank(config)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return out.getvalue()
+
+
+@contextlib.contextmanager
+def ranks_in_pool(run_ranks: Callable[..., list[Any]]) -> Iterator[None]:
+    """Inside, ``colonnade train --nproc N`` (one node) run in this process starts no process:
+    the CLI parses, initialises, prepares and checks as ever, and its launcher's N ranks are
+    the session's warm pool of N (:func:`pool_rank`; rank 0's output printed here). For the
+    tests of what a run computes; the launcher itself (spawn, signals, exit codes) keeps its
+    real runs (tests/workflow/test_end_to_end.py, tests/reliability/test_launch.py)."""
+    import colonnade.launch as launch_mod
+
+    real = launch_mod.launch
+
+    def launch(config: Config, args: Any, overrides: list[str] | None = None,
+               **_: Any) -> int:
+        assert args.nnodes == 1, "the rank pool is one node"
+        print(run_ranks(args.nproc, pool_rank, config)[0], end="", flush=True)
+        return 0
+
+    launch_mod.launch = launch  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        launch_mod.launch = real  # type: ignore[assignment]
 
 
 def hashes(directory: Path) -> dict[str, str]:

@@ -4,7 +4,8 @@ evaluation at step 0 and every 2 steps (the forward-only V order). Every step's 
 and validation loss equals the one-process
 run's (1e-12, as the cp CLI tests); the checkpoint records the layout (pp 2, vp 2, schedule
 zbv); ``colonnade generate`` from it writes the one-process checkpoint's greedy text; and the
-run resumed from its step-2 checkpoint as pp 2 1F1B (vp 1) repeats steps 3-6."""
+run resumed from its step-2 checkpoint as pp 2 1F1B (vp 1) repeats steps 3-6. The commands
+run in this process, the two ranks on the rank pool (the ``cli`` fixture)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from colonnade.cli import main
-from tests.workflow.cli import assert_same_losses, greedy_text, run_cli
+from tests.workflow.cli import Cli, assert_same_losses, greedy_text
 
 STEPS, TOL = 6, 1e-12
 VALID = "valid_loss"
@@ -61,10 +62,10 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                      capsys: pytest.CaptureFixture[str], cli: Cli) -> None:
     prepared, ref_run, ref_ckpt = reference
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    status, out = run_cli(["train", "--nproc", "2", *_args(prepared, run, ckpt), *ZBV])
+    status, out = cli(["train", "--nproc", "2", *_args(prepared, run, ckpt), *ZBV])
     assert status == 0, out
     assert "colonnade: pp2-vp2 (schedule zbv) on cpu" in out, out
     assert_same_losses(losses(run), losses(ref_run), range(1, STEPS + 1), TOL)
@@ -79,7 +80,7 @@ def test_zbv_train_equals_one_process(reference: tuple[Path, Path, Path], tmp_pa
     assert greedy_text(ckpt, capsys, "def ") == greedy_text(ref_ckpt, capsys, "def ")
 
     (ckpt / "latest").write_text("step_00000002\n")  # as if it died after step 2
-    status, out = run_cli(["train", "--nproc", "2", *_args(prepared, run, ckpt),
+    status, out = cli(["train", "--nproc", "2", *_args(prepared, run, ckpt),
                            "--parallel.pp=2"])
     assert status == 0, out
     assert "resuming from" in out and "step_00000002" in out, out

@@ -9,9 +9,11 @@
    The interrupted run has a stop gate (:func:`tests.workflow.cli.start_gated`): its ranks take
    step 13 only once the forwarded SIGTERM has reached them, and the signal is sent after step
    12 was logged, so the run is mid-way when it comes and stops after step 13 exactly, for
-   every interleaving (a stalled test process cannot find it finished);
+   every interleaving (a stalled test process cannot find it finished). The uninterrupted run
+   whose losses it must equal runs in-process on the rank pool (the ``cli`` fixture): it is
+   the comparison, not the workflow;
 3. export to Hugging Face; transformers loads it and its greedy text equals `colonnade generate`'s
-   on the export and on the checkpoint;
+   on the export (a process) and on the checkpoint (in-process);
 4. fine-tune the export on new prompt/response data with the prompt masked from the loss
    (`prepare --data.format=sft`, `train --init-from`): a new run from step 1 whose loss falls.
 """
@@ -33,6 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tests.reliability.jobs import WORDS, losses, start
 from tests.workflow.cli import (
     JOB_TIMEOUT_S,
+    Cli,
     assert_clean,
     run_cli,
     start_gated,
@@ -86,10 +89,10 @@ def _train_argv(tmp: Path, name: str) -> list[str]:
             f"--checkpoint.save={tmp / (name + '_ckpt')}", "--checkpoint.interval=10"]
 
 
-def _interrupt_and_resume(tmp: Path) -> Path:
+def _interrupt_and_resume(tmp: Path, cli: Cli) -> Path:
     """SIGTERM a tp2 x dp2 job, re-run it; returns its checkpoint root."""
-    ref = start(_train_argv(tmp, "reference"), tmp / "reference.log")
-    assert ref.wait(JOB_TIMEOUT_S) == 0, ref.output()
+    status, out = cli(_train_argv(tmp, "reference"))
+    assert status == 0, out
     argv = _train_argv(tmp, "run")
     job = start_gated(argv, tmp / "job.log", GATE, range(4))
     wait_for_records(job, tmp / "run", GATE - 1)
@@ -121,14 +124,14 @@ def _interrupt_and_resume(tmp: Path) -> Path:
     return ckpt
 
 
-def _generate(where: Path, prompt: str) -> str:
-    status, out = run_cli(["generate", str(where), "--prompt", prompt, "--temperature", "0",
-                           "--max-new-tokens", "12"])
+def _generate(where: Path, prompt: str, cli: Cli = run_cli) -> str:
+    status, out = cli(["generate", str(where), "--prompt", prompt, "--temperature", "0",
+                       "--max-new-tokens", "12"])
     assert status == 0, out
     return out.strip()
 
 
-def _export_and_compare(ckpt: Path, hf: Path, prompt: str) -> None:
+def _export_and_compare(ckpt: Path, hf: Path, prompt: str, cli: Cli) -> None:
     status, out = run_cli(["convert", "--to-hf", str(ckpt), "--out", str(hf)])
     assert status == 0, out
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -139,7 +142,7 @@ def _export_and_compare(ckpt: Path, hf: Path, prompt: str) -> None:
     assert new.shape[1] > ids["input_ids"].shape[1]
     theirs = tok.decode(new[0], skip_special_tokens=True)
     assert _generate(hf, prompt) == theirs.strip()
-    assert _generate(ckpt, prompt) == theirs.strip()
+    assert _generate(ckpt, prompt, cli) == theirs.strip()
 
 
 def _fine_tune(tmp: Path, hf: Path) -> None:
@@ -161,13 +164,14 @@ def _fine_tune(tmp: Path, hf: Path) -> None:
     assert got[15] < got[1] - 0.3, got
 
 
-def test_prepare_train_interrupt_resume_export_generate_finetune(tmp_path: Path) -> None:
+def test_prepare_train_interrupt_resume_export_generate_finetune(tmp_path: Path,
+                                                                 cli: Cli) -> None:
     status, out = run_cli(["prepare", f"--data.input={_inputs(tmp_path)}",
                            f"--data.tokenizer={_hf_tokenizer(tmp_path / 'hf_tok')}",
                            f"--data.prepared_dir={tmp_path / 'prepared'}"])
     assert status == 0, out
     manifest = json.loads((tmp_path / "prepared" / "prepare.json").read_text())
     assert manifest["result"]["num_docs"] == 36
-    ckpt = _interrupt_and_resume(tmp_path)
-    _export_and_compare(ckpt, tmp_path / "hf", "the")
+    ckpt = _interrupt_and_resume(tmp_path, cli)
+    _export_and_compare(ckpt, tmp_path / "hf", "the", cli)
     _fine_tune(tmp_path, tmp_path / "hf")

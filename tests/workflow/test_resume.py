@@ -28,7 +28,7 @@ from colonnade.config.validate import resolve
 from colonnade.reliability.startup import resume_config
 from tests.reliability.faults import Fault, install, uninstall
 from tests.reliability.jobs import losses, tiny_args
-from tests.workflow.cli import hashes, run_cli, steps_logged, steps_logged_file
+from tests.workflow.cli import Cli, hashes, steps_logged, steps_logged_file
 
 
 def _crash_after(ckpt: Path, step: int) -> None:
@@ -227,16 +227,17 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 def test_layout_change_on_resume_keeps_the_global_batch(
-        corpus: tuple[Path, Path], tmp_path: Path) -> None:
+        corpus: tuple[Path, Path], tmp_path: Path, cli: Cli) -> None:
     """Saved by dp2 (global batch 4 = 2 x 2 ranks), resumed on one rank: the global batch stays
-    4 (2 micro-batches of 2), so steps 5..8 see the same samples and match the dp2 run."""
+    4 (2 micro-batches of 2), so steps 5..8 see the same samples and match the dp2 run. Both
+    commands in this process, the dp2 ranks on the rank pool (the ``cli`` fixture)."""
     ckpt = tmp_path / "ckpt"
     args = _args(corpus, tmp_path / "run", ckpt)[1:]
-    status, out = run_cli(["train", "--nproc", "2", *args])
+    status, out = cli(["train", "--nproc", "2", *args])
     assert status == 0, out
     want = losses(tmp_path / "run")
     _crash_after(ckpt, 4)
-    status, out = run_cli(["train", *args])
+    status, out = cli(["train", *args])
     assert status == 0, out
     assert "keeping its global batch 4" in out and "global batch 4 x 16 tokens" in out, out
     got = losses(tmp_path / "run")
