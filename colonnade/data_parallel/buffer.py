@@ -319,8 +319,9 @@ class FlatBuffers:
         expert_rank = rank if expert_rank is None else expert_rank
         if self.shard_data is not None:
             if (self.shard_rank, self.expert_shard_rank) != (rank, expert_rank):
-                raise ValueError(f"the buffers keep shards ({self.shard_rank}, "
-                                 f"{self.expert_shard_rank}), not ({rank}, {expert_rank})")
+                raise ValueError(f"the buffers keep rank {self.shard_rank}'s shard (expert "
+                                 f"shard {self.expert_shard_rank}), not rank {rank}'s "
+                                 f"(expert shard {expert_rank})")
             return
         self.shard_rank, self.expert_shard_rank = rank, expert_rank
         self._new_shard()
