@@ -14,15 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from colonnade.config.rules_moe import moe_rules
 from colonnade.config.validate import problems_by_rule, resolve
 from colonnade.fuzz.compare import TOLERANCES
 from colonnade.fuzz.main import reproduce_command
-from colonnade.fuzz.run import compare, judge, no_reference, rank_batches, reference_config
-from colonnade.fuzz.space import draw_case
+from colonnade.fuzz.run import (
+    compare,
+    global_token_losses,
+    judge,
+    no_reference,
+    rank_batches,
+    reference_config,
+)
+from colonnade.fuzz.space import Case, draw_case
 from colonnade.parallel.pool import RankPools
 
 FIXED: list[tuple[int, int, str]] = [
@@ -77,10 +86,11 @@ def test_rules_are_named_and_errors_are_caught() -> None:
     """problems_by_rule names the rule of a known refusal; compare() reports a gradient
     perturbed by 1e-9 relative and a loss off by 1e-6 as over the float64 bounds, and not
     the round-off of a gradient that is 0 (case 1/8's false mismatch before the floors)."""
-    case = draw_case(1, 1)
+    case = first_draw(1, lambda c: c.config.model.moe and any(
+        r == "moe" for r, _ in problems_by_rule(resolve(c.config, c.world), c.world)))
     found = problems_by_rule(resolve(case.config, case.world), case.world)
-    assert ("moe", next(m for r, m in found if r == "moe")) in found
-    assert any("parallel.zero_stage=2" in m for _, m in found)
+    moe_messages = moe_rules(resolve(case.config, case.world), case.world)
+    assert moe_messages and [m for r, m in found if r == "moe"] == moe_messages
     grad = {"w": torch.ones(3, dtype=torch.float64)}
     want = {"losses": [2.0], "norms": [1.0], "grads": [grad], "params": grad}
     bad = {"w": grad["w"] * (1 + 1e-9)}
@@ -99,13 +109,25 @@ def test_rules_are_named_and_errors_are_caught() -> None:
     assert errors["grads"] < 1e-12 and errors["params"] < 1e-12
 
 
+def first_draw(seed: int, want: Callable[[Case], bool], limit: int = 2000) -> Case:
+    """The first draw of ``seed`` with the property ``want`` (a regression test names its
+    case by what it is, so it outlives changes to the generator's sequence)."""
+    return next(c for c in (draw_case(seed, i) for i in range(limit)) if want(c))
+
+
 def test_reference_groups_the_micro_steps_of_a_global_router_loss() -> None:
-    """Case 37/106 (gpt_oss MoE at dp2, 'global' balancing loss) mismatched its reference at
+    """Case 37/106 (gpt_oss MoE at dp2, 'global' balancing loss; here the first such valid
+    draw of seed 37 at micro-batch 2 x 2 micro-batches) mismatched its reference at
     step 1 (loss 2.5e-4, router gradient 3.0 relative) while that reference took the 4
     micro-batches one by one: the loss of micro-step k counts both dp ranks' k-th
     micro-batches. The reference now takes them as one micro-batch of 2 x micro sequences;
     with dropout that case has no reference (the masks follow the sequences' indices)."""
-    case = draw_case(37, 106)
+    case = first_draw(37, lambda c: c.world == 2 and global_token_losses(c.config.model)
+                      and resolve(c.config, 2).parallel.dp == 2
+                      and c.config.training.micro_batch_size == 2
+                      and c.config.training.microbatches == 2
+                      and not no_reference(resolve(c.config, 2))
+                      and not problems_by_rule(resolve(c.config, 2), 2))
     config = resolve(case.config, case.world)
     single = reference_config(config)
     assert (single.training.micro_batch_size, single.training.microbatches) == (4, 2)
