@@ -132,14 +132,15 @@ def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 # ----------------------------------------------------------------------------- groups
 
 
-def rank_groups(dims: ParallelDims) -> ProcessGroups:
-    """This pool rank's groups of ``dims`` (one thread per rank); outside any process group
-    a world of 1 gets the single-process groups (``ProcessGroups.build`` does that)."""
+def rank_groups(dims: ParallelDims, zero_shard_size: int | None = None) -> ProcessGroups:
+    """This pool rank's groups of ``dims`` (one thread per rank), with hybrid sharding's
+    groups when ``zero_shard_size`` is given; outside any process group a world of 1 gets the
+    single-process groups (``ProcessGroups.build`` does that)."""
     torch.set_num_threads(1)
     if dist.is_initialized() and dist.get_world_size() != dims.world_size:
         raise AssertionError(f"pool has {dist.get_world_size()} ranks, layout needs "
                              f"{dims.world_size}")
-    return ProcessGroups.build(dims)
+    return ProcessGroups.build(dims, zero_shard_size=zero_shard_size)
 
 
 def dims_of(config: Config) -> ParallelDims:
