@@ -246,7 +246,7 @@ class Layout:
             return stage
         if stage == "last":
             return self.pp - 1
-        middles = [j for j in range(self.pp) if self.stage_kind(j) == "middle"]
+        middles = range(1, self.pp if self.schedule == "zbv" else self.pp - 1)
         if stage != "middle" or not middles:
             return 0
         held = self.stage_layers(num_layers)

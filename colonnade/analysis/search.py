@@ -1,10 +1,11 @@
 """Enumerate every valid layout of a workload on N devices, predict each, rank by step time.
 
 Valid means what colonnade's config rules accept (colonnade.config.validate): tp divides the
-query heads, the kv heads and the MLP width; pp <= the layers, split evenly over pp * vp
-virtual stages when it divides them, else (and also then, to lighten the embedding's and the
-head's stages) by the balanced uneven splits of :func:`pipeline_layouts` (parallel.
-pipeline_layout, every stage timed and sized with its own layers); dp = N / (tp pp)
+query heads, the kv heads and the MLP width; pp * vp divides the layers, or (with
+``Constraints.uneven_stages``, a fixed pp, or where no pp searched divides the layers, as
+DeepSeek-V3's 61) pp <= the layers split by the balanced uneven splits of
+:func:`pipeline_layouts` (parallel.pipeline_layout: lighter embedding and head stages, every
+stage timed and sized with its own layers); dp = N / (tp pp)
 divides the global batch and the micro-batch divides B / dp; the interleaved schedule needs
 vp > 1, pp > 1 and m a multiple of pp; ZB-V runs vp = 2 only (two chunks per stage in a V,
 priced by replaying its lists: :mod:`colonnade.analysis.zbv`); sp needs tp > 1 and s
@@ -117,7 +118,8 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
                ) -> Iterator[tuple[str, int]]:
     """(schedule, vp) pairs searched for pp stages of ``layers_per_stage`` layers (l // pp)
     and m micro-batches (module docstring); a vp that does not divide them gets uneven
-    virtual stages (:func:`pipeline_layouts`)."""
+    virtual stages (:func:`pipeline_layouts`); at least as many layers as virtual stages
+    (only the embedding's or the head's virtual stage may then get none)."""
     if pp == 1:
         if cons.vp in (None, 1):
             yield "1f1b", 1
@@ -130,13 +132,13 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
                 if v > 1 and cons.vp in (None, v):
                     yield sched, v
         elif sched == "zbv":  # two chunks per stage, l/(2 pp) layers or uneven
-            if layers_per_stage >= 1 and cons.vp in (None, 2):
+            if layers_per_stage >= 2 and cons.vp in (None, 2):
                 yield sched, 2
         elif cons.vp in (None, 1):
             yield sched, 1
 
 
-END_LOADS = ((0, 0), (0, 1), (1, 1), (0, 2))
+END_LOADS = ((0, 0), (0, 1), (1, 1))
 """Extra load, in layers, credited to the virtual stage holding the embedding and to the one
 holding the head when the search splits layers unevenly (:func:`pipeline_layouts`)."""
 
@@ -235,8 +237,9 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
     ZeRO searched)."""
     m, rest = w.shape, gpus // (tp * cp)
     pps = [cons.pp] if cons.pp else divisors(rest)
+    uneven = _search_uneven(m.layers, pps, cons)
     for pp in pps:
-        if rest % pp or m.layers < pp:
+        if rest % pp or m.layers < pp or (m.layers % pp and not uneven):
             continue
         dp = rest // pp
         if (cons.dp and dp != cons.dp) or w.global_batch % dp:
@@ -246,7 +249,7 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
         for mb in mbs:
             if per % mb:
                 continue
-            for sched, vp, lay in _pipelines(pp, m.layers, per // mb, cons):
+            for sched, vp, lay in _pipelines(pp, m.layers, per // mb, cons, uneven):
                 for rc in cons.recompute:
                     for sp in cons.sp:
                         if sp and (tp == 1 or not cp_shape_ok(w, tp, cp, kind, sp=True)):
@@ -265,11 +268,22 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                                              else None, pipeline_layout=lay)
 
 
-def _pipelines(pp: int, layers: int, m: int, cons: Constraints
+def _search_uneven(layers: int, pps: list[int], cons: Constraints) -> bool:
+    """Whether pp x vp splits that do not divide the layers are searched: with
+    ``uneven_stages``, with pp fixed by the user, or when no pp > 1 searched divides the layers
+    (DeepSeek-V3's 61 on any power-of-two count). Otherwise the even splits alone keep the
+    search as fast as before (uneven ones multiply the zero-bubble replays)."""
+    return (cons.uneven_stages or cons.pp is not None
+            or not any(p > 1 and layers % p == 0 for p in pps))
+
+
+def _pipelines(pp: int, layers: int, m: int, cons: Constraints, uneven: bool
                ) -> Iterator[tuple[str, int, tuple[int, ...] | None]]:
     """(schedule, vp, pipeline_layout) triples searched: every :func:`_schedules` pair with
-    each of its :func:`pipeline_layouts`."""
+    each of its :func:`pipeline_layouts` (only even splits unless ``uneven``)."""
     for sched, vp in _schedules(pp, layers // pp, m, cons):
+        if layers % (pp * vp) and not uneven:
+            continue
         for lay in pipeline_layouts(layers, pp, vp, schedule_placement(sched),
                                     cons.uneven_stages):
             yield sched, vp, lay
@@ -304,8 +318,9 @@ def _factor_error(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Plan
     return PlanError(
         f"{gpus} GPUs cannot be factored as tp x pp x dp for this workload: tp must divide "
         f"heads={m.heads}, kv heads and ffn={m.ffn} and be <= {cons.max_tp or c.gpus_per_node} "
-        f"(options {tps or 'none'}); pp must be <= layers={m.layers}; dp = GPUs/(tp pp) must "
-        f"divide the global batch {w.global_batch}"
+        f"(options {tps or 'none'}); pp must divide layers={m.layers} (or be <= them with "
+        "uneven stages: --uneven-stages, a fixed --pp, or where no pp divides them); "
+        f"dp = GPUs/(tp pp) must divide the global batch {w.global_batch}"
         + (f"; fixed {_fixed(cons)}" if _fixed(cons) else "")
         + f". GPU counts near {gpus} that work: {hint}.")
 
