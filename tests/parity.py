@@ -122,15 +122,16 @@ def max_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 # ----------------------------------------------------------------------------- groups
 
 
-def rank_groups(dims: ParallelDims, cp_a2a_size: int | None = None) -> ProcessGroups:
+def rank_groups(dims: ParallelDims, cp_a2a_size: int | None = None,
+                zero_shard_size: int | None = None) -> ProcessGroups:
     """This pool rank's groups of ``dims`` (one thread per rank; ``cp_a2a_size``: hierarchical
-    cp's groups too); outside any process group a world of 1 gets the single-process groups
-    (``ProcessGroups.build`` does that)."""
+    cp's groups too; ``zero_shard_size``: hybrid sharding's groups too); outside any process
+    group a world of 1 gets the single-process groups (``ProcessGroups.build`` does that)."""
     torch.set_num_threads(1)
     if dist.is_initialized() and dist.get_world_size() != dims.world_size:
         raise AssertionError(f"pool has {dist.get_world_size()} ranks, layout needs "
                              f"{dims.world_size}")
-    return ProcessGroups.build(dims, cp_a2a_size=cp_a2a_size)
+    return ProcessGroups.build(dims, zero_shard_size=zero_shard_size, cp_a2a_size=cp_a2a_size)
 
 
 def dims_of(config: Config) -> ParallelDims:

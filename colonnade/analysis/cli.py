@@ -117,6 +117,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--recompute", default=",".join(RECOMPUTE), help="modes to search")
     f.add_argument("--schedule", default=",".join(SCHEDULES), help="pipeline schedules to "
                    "search (gpipe allowed)")
+    f.add_argument("--uneven-stages", action="store_true",
+                   help="also try uneven pipeline stages (fewer layers beside the embedding "
+                   "and the head) where pp x vp divides the layers; where it does not they "
+                   "are always tried (e.g. DeepSeek-V3's 61 layers)")
     f.add_argument("--sp", choices=("any", "on", "off"), default="any",
                    help="sequence parallelism (with tp > 1): search both, or only on / off")
     f.add_argument("--zero", default="0,1,2,3",
@@ -215,6 +219,7 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
                        micro_batch=args.micro_batch, max_tp=args.max_tp,
                        recompute=_list(args.recompute, RECOMPUTE, "--recompute"),
                        schedules=_list(args.schedule, SCHEDULES, "--schedule"),
+                       uneven_stages=getattr(args, "uneven_stages", False),
                        sp=_choice(args.sp), zero=_stages(args.zero),
                        reshard=_reshard(args.reshard), zero_shard_size=args.zero_shard_size,
                        cp=_degrees(args.cp, "--cp"),

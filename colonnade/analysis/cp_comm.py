@@ -162,5 +162,5 @@ def step_cp_bytes(w: Workload, layout: Layout, c: Cluster) -> float:
     """Bytes one rank sends for cp attention per optimizer step: layers per stage x
     micro-batches x (forward + backward) of :func:`cp_comm`."""
     one = cp_comm(w, layout, c)
-    layers = w.shape.layers // layout.pp
+    layers = layout.max_stage_layers(w.shape.layers)
     return layers * layout.microbatches(w.global_batch) * (one.fwd_bytes + one.bwd_bytes)

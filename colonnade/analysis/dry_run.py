@@ -255,7 +255,8 @@ def dry_run(config: Config, world: int) -> str:
         f"model: {m.arch}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
         f"{_heads_and_rope(m)}, vocab {m.vocab}{unknown}: {total:,} parameters "
         f"({total / 1e9:.3g} B; built on the meta device)",
-        f"layout: {layout_text(config.parallel, dims.describe())} on {world} rank(s)",
+        f"layout: {layout_text(config.parallel, dims.describe(), m.num_layers)} on {world} "
+        "rank(s)",
         f"batch: global {tr.global_batch_size} x seq {tr.seq_len} = {tokens:,} tokens per step "
         f"(micro-batch {tr.micro_batch_size} x {tr.microbatches} micro-batches x dp "
         f"{dims.dp}); {tr.steps} steps = {tr.steps * tokens:,} tokens",

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.moe import dense_model
-from colonnade.config.choices import CP_ATTENTIONS, MOE_DISPATCHERS
+from colonnade.config.choices import CP_ATTENTIONS, MOE_DISPATCHERS, schedule_placement
+from colonnade.config.rules_pipeline import stage_layout
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.counts import LayerShape
+from colonnade.models.stages import stage_chunks
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 REDUCE_BYTES = {"fp32": 4, "bf16": 2}
@@ -153,6 +155,9 @@ class Layout:
     zero_shard_size: int | None = None
     """Hybrid sharding: shard over groups of this many dp ranks, replicate across them;
     None = the whole dp group."""
+    pipeline_layout: tuple[int, ...] | None = None
+    """Layers per virtual stage (parallel.pipeline_layout: pp x vp entries in virtual-stage
+    order, uneven stages); None = the even split l / (pp vp)."""
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.cp_attention not in CP_ATTENTIONS:
@@ -169,6 +174,10 @@ class Layout:
                              f"divide tp x cp x dp = {self.tp * self.cp * self.dp}.")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero}: the ZeRO stage must be one of {ZERO_STAGES}.")
+        lay = self.pipeline_layout
+        if lay is not None and (len(lay) != self.pp * self.vp or min(lay) < 0):
+            raise ValueError(f"pipeline_layout={list(lay)} must have pp x vp = "
+                             f"{self.pp * self.vp} non-negative entries.")
         if self.zero_shard_size is not None and (self.zero_shard_size < 1
                                                  or self.dp_cp % self.zero_shard_size):
             raise ValueError(f"zero_shard_size={self.zero_shard_size} must divide "
@@ -225,6 +234,61 @@ class Layout:
             return self.pp == 1
         return self.reshard_after_forward
 
+    @property
+    def placement(self) -> str:
+        """The virtual-stage placement of the schedule ("v" for zbv, else "loop")."""
+        return schedule_placement(self.schedule) if self.pp > 1 else "loop"
+
+    def stage_layers(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
+        """Global layer indices each pipeline stage holds (all its chunks), stage order."""
+        return _stage_layers(num_layers, self.pp, self.vp, self.pipeline_layout,
+                             self.placement)
+
+    def chunk_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers of each virtual stage, in virtual-stage order."""
+        if self.pipeline_layout is not None:
+            return self.pipeline_layout
+        return (num_layers // (self.pp * self.vp),) * (self.pp * self.vp)
+
+    @property
+    def head_stage(self) -> int:
+        """The pipeline stage holding the head (and the MTP modules): pp - 1, or 0 under the
+        "v" placement."""
+        return 0 if self.placement == "v" else self.pp - 1
+
+    def max_stage_layers(self, num_layers: int) -> int:
+        """Layers of the pipeline stage holding the most (l // pp with even stages)."""
+        if self.pipeline_layout is None:
+            return num_layers // self.pp
+        return max(len(held) for held in self.stage_layers(num_layers))
+
+    def stage_kind(self, index: int) -> str:
+        """The kind of pipeline stage ``index``: 'only' (no pipeline), 'first' (embedding),
+        'last' (head and loss), 'middle'; under zbv 'ends' (stage 0: both) and 'middle'."""
+        if self.pp == 1:
+            return "only"
+        if self.schedule == "zbv":
+            return "ends" if index == 0 else "middle"
+        return "first" if index == 0 else "last" if index == self.pp - 1 else "middle"
+
+    def stage_index(self, stage: str | int, num_layers: int) -> int:
+        """The pipeline stage a kind stands for: 'first' / 'only' / 'ends' 0, 'last' pp - 1,
+        'middle' the middle stage holding the most layers (with even stages: any); an int
+        is that stage."""
+        if isinstance(stage, int):
+            return stage
+        if stage == "last":
+            return self.pp - 1
+        middles = range(1, self.pp if self.schedule == "zbv" else self.pp - 1)
+        if stage != "middle" or not middles:
+            return 0
+        held = self.stage_layers(num_layers)
+        return max(middles, key=lambda j: (len(held[j]), -j))
+
+    def stage_layer_count(self, stage: str | int, num_layers: int) -> int:
+        """Layers held by ``stage`` (a kind, :meth:`stage_index`, or a stage index)."""
+        return len(self.stage_layers(num_layers)[self.stage_index(stage, num_layers)])
+
     def zero_label(self) -> str:
         """The stage for tables: '-', '1', '2', '3' ('3k' keeps gathered parameters over the
         step's micro-batches; '/S' appended with hybrid sharding over S ranks)."""
@@ -264,6 +328,8 @@ class Layout:
             extra.append(f"zero{self.zero_label()}")
         tail = (" " + " ".join(extra)) if extra else ""
         sched = f" {self.schedule}" if self.pp > 1 else ""
+        if self.pipeline_layout is not None:
+            sched += " layers=" + ",".join(map(str, self.pipeline_layout))
         return (f"tp{self.tp} pp{self.pp} vp{self.vp} dp{self.dp} mb{self.micro_batch}"
                 f"{sched} rc={self.recompute}{tail}")
 
@@ -282,6 +348,8 @@ class Layout:
             overlap_grad_reduce=workload.overlap_grad_reduce,
             overlap_param_gather=workload.overlap_param_gather,
             overlap_p2p=workload.overlap_p2p, bucket_size=workload.bucket_size,
+            pipeline_layout=self.pipeline_layout, first_stage_layers=None,
+            last_stage_layers=None,
         )
         tr = dataclasses.replace(
             base.training, seq_len=workload.seq_len, micro_batch_size=self.micro_batch,
@@ -306,6 +374,8 @@ class Layout:
             cp.append(f"--parallel.cp_a2a_size={self.cp_a2a_size}")
         ep = [f"--parallel.ep={self.ep}"] if self.ep > 1 else []
         ep += [f"--parallel.expert_tp={self.expert_tp}"] if self.expert_tp > 1 else []
+        if self.pipeline_layout is not None:
+            ep.append("--parallel.pipeline_layout=" + ",".join(map(str, self.pipeline_layout)))
         return [
             f"--parallel.tp={self.tp}", *cp, *ep, f"--parallel.pp={self.pp}",
             f"--parallel.vp={self.vp}",
@@ -328,4 +398,15 @@ class Layout:
                    dp=dp, micro_batch=tr.micro_batch_size,
                    zero=par.zero, recompute=tr.recompute, sp=par.sp, schedule=par.schedule,
                    reshard_after_forward=par.reshard_after_forward,
-                   zero_shard_size=par.zero_shard_size)
+                   zero_shard_size=par.zero_shard_size,
+                   pipeline_layout=stage_layout(par, cfg.model.num_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(num_layers: int, pp: int, vp: int, layout: tuple[int, ...] | None,
+                  placement: str) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline stage, the global layer indices of all its chunks (cached: the search
+    asks for the same split many times)."""
+    return tuple(tuple(i for layers, _, _ in stage_chunks(num_layers, pp, vp, s, layout,
+                                                          placement) for i in layers)
+                 for s in range(pp))

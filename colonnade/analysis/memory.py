@@ -207,6 +207,24 @@ def zero_buffer_bytes(w: Workload, layout: Layout, stage: str, params: float,
     return grad, min(params, (touched + w.zero_prefetch) * b) * w.elem
 
 
+def stage_layers(num_layers: int, layout: Layout, stage: str) -> float:
+    """Layers held by one device of ``stage``: l / pp with even stages; with uneven ones
+    (``layout.pipeline_layout``) the stage's own count, 'middle' the fullest middle stage."""
+    if layout.pipeline_layout is None:
+        return num_layers / layout.pp
+    return float(layout.stage_layer_count(stage, num_layers))
+
+
+def stage_moe_count(w: Workload, layout: Layout, stage: str | int) -> int | None:
+    """MoE layers of ``stage`` (a kind or a stage index) under uneven stages, the MTP
+    modules' with the head; None with the even split (each MoE helper's own count)."""
+    if layout.pipeline_layout is None or not w.model.moe:
+        return None
+    j = layout.stage_index(stage, w.shape.layers)
+    held = layout.stage_layers(w.shape.layers)[j]
+    return MoEShape.of(w.model).moe_layers_of(held, j == layout.head_stage)
+
+
 def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
     """Parameters held by one device of ``stage`` ('first', 'last', 'only', or ZB-V's
     'ends': stage 0 with the embedding and the head, one shared copy when tied; a 'middle'
@@ -217,7 +235,7 @@ def stage_params(m: LayerShape, layout: Layout, stage: str) -> float:
         replicated += m.mla.replicated_params(h) - m.mla.norm_params
     sharded = layer_params(m) - replicated
     per_layer = sharded / t + replicated
-    total = per_layer * m.layers / layout.pp
+    total = per_layer * stage_layers(m.layers, layout, stage)
     positions = position_params(m)
     embed = (embedding_params(m) - positions) / t + positions
     norm = head_params(m) - (0 if m.tied else m.vocab * h)
@@ -332,7 +350,7 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     micro, e, t = layout.micro_batch, w.elem, layout.tp
     s = w.seq_len / layout.cp  # rows of each sample on this cp rank
     mbs = layout.microbatches(w.global_batch)
-    layers = m.layers // layout.pp
+    layers = int(stage_layers(m.layers, layout, stage))
     sbh = float(s) * micro * m.hidden
     shape = activation_shape(w, layout)
     flight = stage_flight(layout, mbs, stage)
@@ -359,9 +377,10 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
 def moe_stage_params(w: Workload, layout: Layout, stage: str) -> tuple[float, float]:
     """(non-expert parameter change, routed-expert parameters) of one rank of ``stage`` from
     its MoE layers (:mod:`colonnade.analysis.moe`)."""
-    x = MoEShape.of(w.model)
-    return (moe_nonexpert_delta_per_rank(x, layout.pp, layout.tp, stage),
-            expert_params_per_rank(x, layout.pp, layout.ep, stage, layout.expert_tp))
+    x, count = MoEShape.of(w.model), stage_moe_count(w, layout, stage)
+    return (moe_nonexpert_delta_per_rank(x, layout.pp, layout.tp, stage, moe_layers=count),
+            expert_params_per_rank(x, layout.pp, layout.ep, stage, moe_layers=count,
+                                   etp=layout.expert_tp))
 
 
 def moe_layer_activation_delta(w: Workload, layout: Layout) -> float:
@@ -387,8 +406,10 @@ def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float, n: float)
     x = MoEShape.of(w.model)
     act = mem.activations
     if layout.recompute != "full":
-        act += flight * x.stage_moe_layers(layout.pp, mem.stage) * moe_layer_activation_delta(
-            w, layout)
+        layers = stage_moe_count(w, layout, mem.stage)
+        if layers is None:
+            layers = x.stage_moe_layers(layout.pp, mem.stage)
+        act += flight * layers * moe_layer_activation_delta(w, layout)
     grad_buckets, gathered = zero_buffer_bytes(w, layout, mem.stage, n + delta + experts,
                                                x.experts // layout.ep * x.expert_params)
     return dataclasses.replace(
@@ -401,11 +422,11 @@ def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float, n: float)
 def memory_per_device(w: Workload, layout: Layout) -> Memory:
     """Memory of the fullest stage (first or last; the only one without pp; ZB-V's stage 0,
     'ends', whose layers hold as much as any other stage's and which adds the embedding and
-    the head)."""
+    the head). With uneven stages the fullest middle stage competes too: it may hold more
+    layers than the ends."""
     if layout.pp == 1:
         return stage_memory(w, layout, "only")
-    if layout.schedule == "zbv":
-        return stage_memory(w, layout, "ends")
-    first = stage_memory(w, layout, "first")
-    last = stage_memory(w, layout, "last")
-    return first if first.total >= last.total else last
+    kinds = ["ends"] if layout.schedule == "zbv" else ["first", "last"]
+    if layout.pipeline_layout is not None and (layout.pp > 2 or layout.schedule == "zbv"):
+        kinds.append("middle")
+    return max((stage_memory(w, layout, k) for k in kinds), key=lambda mem: mem.total)

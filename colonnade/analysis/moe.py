@@ -57,6 +57,7 @@ by tests/analysis/test_moe*.py as they land.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -119,7 +120,12 @@ class MoEShape:
 
     @classmethod
     def of(cls, model: ModelConfig) -> MoEShape:
-        """Resolve ``model``'s MoE facts (the MLP kind from its dense architecture)."""
+        """Resolve ``model``'s MoE facts (the MLP kind from its dense architecture); cached
+        per model (the planner asks for it once per stage of every layout it searches)."""
+        return _moe_shape(cls, model)
+
+    @classmethod
+    def _resolve(cls, model: ModelConfig) -> MoEShape:
         dense = LayerShape.of(dense_model(model))
         return cls(hidden=model.hidden_size, experts=model.num_experts,
                    top_k=model.moe_top_k if model.moe else 0,
@@ -180,6 +186,11 @@ class MoEShape:
         """MoE layers among global layers [first, first + count)."""
         return sum(1 for i in self.moe_layers if first <= i < first + count)
 
+    def moe_layers_of(self, layers: tuple[int, ...], head: bool) -> int:
+        """MoE layers among global ``layers``, plus the MTP modules' when ``head`` (the stage
+        holding the head): a stage of uneven stages."""
+        return sum(1 for i in layers if i in self.moe_layers) + (self.mtp_moe if head else 0)
+
     def max_stage_moe_layers(self, pp: int, placement: str = "loop") -> int:
         """MoE layers of the pipeline stage holding the most: contiguous l/pp blocks (the
         interleaved schedule's chunks are not told apart), or with the "v" placement (ZB-V)
@@ -207,6 +218,12 @@ class MoEShape:
             return self.chunk_moe_layers(pp, 2, 0) + self.chunk_moe_layers(pp, 2, 2 * pp - 1)
         mtp = self.mtp_moe if stage in ("last", "only") else 0  # the MTP modules' layers
         return self.moe_layers_in((pp - 1) * per if stage == "last" else 0, per) + mtp
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_shape(cls: type[MoEShape], model: ModelConfig) -> MoEShape:
+    """:meth:`MoEShape.of`, once per model."""
+    return cls._resolve(model)
 
 
 def moe_param_counts(model: ModelConfig) -> dict[str, int]:
@@ -247,25 +264,27 @@ def active_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return flops_per_token(dense_model(model), seq_len) + 3.0 * moe_flops_delta_per_token(model)
 
 
-def expert_params_per_rank(x: MoEShape, pp: int, ep: int, stage: str = "max",
-                           etp: int = 1) -> float:
+def expert_params_per_rank(x: MoEShape, pp: int, ep: int, stage: str = "max", *,
+                           moe_layers: int | None = None, etp: int = 1) -> float:
     """Routed-expert parameters held by one rank of ``stage``: L_moe E/ep experts, each
     split over expert tp ``etp`` but for its replicated down bias h:
-    (c h f_e (+ (c - 1) f_e)) / etp (+ h)."""
+    (c h f_e (+ (c - 1) f_e)) / etp (+ h) (``moe_layers``: L_moe when known, as under uneven
+    stages; None: the even split's)."""
     if not x.moe:
         return 0.0
     if x.experts % ep:
         raise ValueError(f"parallel.ep={ep} must divide model.num_experts={x.experts}.")
     down_bias = x.hidden if x.bias else 0
     per_expert = (x.expert_params - down_bias) / etp + down_bias
-    return float(x.stage_moe_layers(pp, stage) * (x.experts // ep) * per_expert)
+    count = x.stage_moe_layers(pp, stage) if moe_layers is None else moe_layers
+    return float(count * (x.experts // ep) * per_expert)
 
 
-def moe_nonexpert_delta_per_rank(x: MoEShape, pp: int, tp: int, stage: str = "max"
-                                 ) -> float:
+def moe_nonexpert_delta_per_rank(x: MoEShape, pp: int, tp: int, stage: str = "max",
+                                 moe_layers: int | None = None) -> float:
     """Non-expert parameters one rank of ``stage`` holds beyond the dense model, per its MoE
-    layers: router (+ gate) replicated, shared expert / t, minus the dense MLP / t (its row
-    bias h replicated in both)."""
+    layers (``moe_layers`` when known, as under uneven stages): router (+ gate) replicated,
+    shared expert / t, minus the dense MLP / t (its row bias h replicated in both)."""
     def local(width: int) -> float:
         if width == 0:
             return 0.0
@@ -273,7 +292,8 @@ def moe_nonexpert_delta_per_rank(x: MoEShape, pp: int, tp: int, stage: str = "ma
         return sharded / tp + (x.hidden if x.bias else 0)
 
     per = x.router_params + (x.hidden if x.shared_gate else 0) + local(x.shared_ffn)
-    return x.stage_moe_layers(pp, stage) * (per - local(x.dense_ffn))
+    count = x.stage_moe_layers(pp, stage) if moe_layers is None else moe_layers
+    return count * (per - local(x.dense_ffn))
 
 
 def moe_activation_terms(x: MoEShape, tokens: float, full_rows: float, elem: int, tp: int,

@@ -1,7 +1,11 @@
 """Enumerate every valid layout of a workload on N devices, predict each, rank by step time.
 
 Valid means what colonnade's config rules accept (colonnade.config.validate): tp divides the
-query heads, the kv heads and the MLP width; pp * vp divides the layers; dp = N / (tp pp)
+query heads, the kv heads and the MLP width; pp * vp divides the layers, or (with
+``Constraints.uneven_stages``, a fixed pp, or where no pp searched divides the layers, as
+DeepSeek-V3's 61) pp <= the layers split by the balanced uneven splits of
+:func:`pipeline_layouts` (parallel.pipeline_layout: lighter embedding and head stages, every
+stage timed and sized with its own layers); dp = N / (tp pp)
 divides the global batch and the micro-batch divides B / dp; the interleaved schedule needs
 vp > 1, pp > 1 and m a multiple of pp; ZB-V runs vp = 2 only (two chunks per stage in a V,
 priced by replaying its lists: :mod:`colonnade.analysis.zbv`); sp needs tp > 1 and s
@@ -22,6 +26,7 @@ faster on these clusters).  Layouts that do not fit in memory are counted, not r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -30,8 +35,9 @@ from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import ZERO_STAGES, Layout, Workload
 from colonnade.analysis.memory import memory_per_device
 from colonnade.analysis.moe import moe_param_counts
-from colonnade.config.choices import RECOMPUTE_MODES
+from colonnade.config.choices import RECOMPUTE_MODES, schedule_placement
 from colonnade.config.choices import SCHEDULES as ALL_SCHEDULES
+from colonnade.models.stages import locate
 
 RECOMPUTE = RECOMPUTE_MODES
 """Recompute modes searched, least recomputation first."""
@@ -71,6 +77,9 @@ class Constraints:
     """Hybrid sharding of stages >= 1 over groups of this many dp ranks (layouts whose dp it
     does not divide get stage 0 only); None = shard over all dp ranks."""
     schedules: tuple[str, ...] = SCHEDULES
+    uneven_stages: bool = False
+    """Also try uneven splits (lighter embedding and head stages) where pp x vp divides the
+    layers; where it does not they are always tried (:func:`pipeline_layouts`)."""
     max_tp: int | None = None
     """Largest tp searched; None = GPUs per node."""
 
@@ -110,8 +119,10 @@ def _tp_options(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> list[i
 
 def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
                ) -> Iterator[tuple[str, int]]:
-    """(schedule, vp) pairs searched for pp stages of ``layers_per_stage`` layers and m
-    micro-batches (module docstring)."""
+    """(schedule, vp) pairs searched for pp stages of ``layers_per_stage`` layers (l // pp)
+    and m micro-batches (module docstring); a vp that does not divide them gets uneven
+    virtual stages (:func:`pipeline_layouts`); at least as many layers as virtual stages
+    (only the embedding's or the head's virtual stage may then get none)."""
     if pp == 1:
         if cons.vp in (None, 1):
             yield "1f1b", 1
@@ -123,11 +134,59 @@ def _schedules(pp: int, layers_per_stage: int, m: int, cons: Constraints
             for v in divisors(layers_per_stage):
                 if v > 1 and cons.vp in (None, v):
                     yield sched, v
-        elif sched == "zbv":  # two chunks of l/(2 pp) layers per stage
-            if layers_per_stage % 2 == 0 and cons.vp in (None, 2):
+        elif sched == "zbv":  # two chunks per stage, l/(2 pp) layers or uneven
+            if layers_per_stage >= 2 and cons.vp in (None, 2):
                 yield sched, 2
         elif cons.vp in (None, 1):
             yield sched, 1
+
+
+END_LOADS = ((0, 0), (0, 1), (1, 1))
+"""Extra load, in layers, credited to the virtual stage holding the embedding and to the one
+holding the head when the search splits layers unevenly (:func:`pipeline_layouts`)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def balanced_layout(num_layers: int, pp: int, vp: int, placement: str, first: int,
+                    last: int) -> tuple[int, ...]:
+    """Layers per virtual stage (virtual-stage order) minimising the fullest pipeline stage's
+    load when virtual stage 0 already carries ``first`` layers' worth (the embedding) and the
+    last one ``last`` (the head): each layer goes to a virtual stage of the least loaded
+    stage (``placement`` puts virtual stages on stages), the least loaded of its chunks, a
+    chunk without the embedding or the head on ties (the ends are never the heavier side)."""
+    chunks = pp * vp
+    counts, loads = [0] * chunks, [0] * chunks
+    loads[0] += first
+    loads[-1] += last
+    stage = [locate(v, pp, placement)[0] for v in range(chunks)]
+    held = [0] * pp
+    held[stage[0]] += first
+    held[stage[-1]] += last
+    ends = {0, chunks - 1}
+    for _ in range(num_layers):
+        v = min(range(chunks), key=lambda k: (held[stage[k]], loads[k], k in ends, k))
+        counts[v] += 1
+        loads[v] += 1
+        held[stage[v]] += 1
+    return tuple(counts)
+
+
+def pipeline_layouts(num_layers: int, pp: int, vp: int, placement: str = "loop",
+                     uneven: bool = False) -> list[tuple[int, ...] | None]:
+    """Splits of the layers over pp x vp virtual stages the search tries: None (the even
+    split) when pp x vp divides them (and nothing else unless ``uneven``), else the balanced
+    uneven splits whose ends carry :data:`END_LOADS` (fewer layers on the embedding's and the
+    head's stages, as Megatron's --decoder-first/last-pipeline-num-layers;
+    :func:`balanced_layout`)."""
+    if pp * vp == 1 or (num_layers % (pp * vp) == 0 and not uneven):
+        return [None]
+    out: list[tuple[int, ...] | None] = []
+    for first, last in END_LOADS:
+        lay = balanced_layout(num_layers, pp, vp, placement, first, last)
+        key = None if len(set(lay)) == 1 else lay
+        if key not in out:
+            out.append(key)
+    return out
 
 
 def cp_shape_ok(w: Workload, tp: int, cp: int, kind: str, sp: bool = False,
@@ -191,8 +250,9 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
     ZeRO searched)."""
     m, rest = w.shape, gpus // (tp * cp)
     pps = [cons.pp] if cons.pp else divisors(rest)
+    uneven = _search_uneven(m.layers, pps, cons)
     for pp in pps:
-        if rest % pp or m.layers % pp:
+        if rest % pp or m.layers < pp or (m.layers % pp and not uneven):
             continue
         dp = rest // pp
         if (cons.dp and dp != cons.dp) or w.global_batch % dp:
@@ -202,7 +262,7 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
         for mb in mbs:
             if per % mb:
                 continue
-            for sched, vp in _schedules(pp, m.layers // pp, per // mb, cons):
+            for sched, vp, lay in _pipelines(pp, m.layers, per // mb, cons, uneven):
                 for rc in cons.recompute:
                     for sp in cons.sp:
                         if sp and (tp == 1 or not cp_shape_ok(w, tp, cp, kind, True, a2a)):
@@ -218,7 +278,28 @@ def _layouts_at(w: Workload, gpus: int, tp: int, cp: int, kind: str, cons: Const
                                              recompute=rc, sp=sp, schedule=sched,
                                              reshard_after_forward=rs,
                                              zero_shard_size=cons.zero_shard_size if z
-                                             else None)
+                                             else None, pipeline_layout=lay)
+
+
+def _search_uneven(layers: int, pps: list[int], cons: Constraints) -> bool:
+    """Whether pp x vp splits that do not divide the layers are searched: with
+    ``uneven_stages``, with pp fixed by the user, or when no pp > 1 searched divides the layers
+    (DeepSeek-V3's 61 on any power-of-two count). Otherwise the even splits alone keep the
+    search as fast as before (uneven ones multiply the zero-bubble replays)."""
+    return (cons.uneven_stages or cons.pp is not None
+            or not any(p > 1 and layers % p == 0 for p in pps))
+
+
+def _pipelines(pp: int, layers: int, m: int, cons: Constraints, uneven: bool
+               ) -> Iterator[tuple[str, int, tuple[int, ...] | None]]:
+    """(schedule, vp, pipeline_layout) triples searched: every :func:`_schedules` pair with
+    each of its :func:`pipeline_layouts` (only even splits unless ``uneven``)."""
+    for sched, vp in _schedules(pp, layers // pp, m, cons):
+        if layers % (pp * vp) and not uneven:
+            continue
+        for lay in pipeline_layouts(layers, pp, vp, schedule_placement(sched),
+                                    cons.uneven_stages):
+            yield sched, vp, lay
 
 
 def _ep_options(w: Workload, inner: int, cons: Constraints, zero: int
@@ -263,8 +344,9 @@ def _factor_error(w: Workload, gpus: int, c: Cluster, cons: Constraints) -> Plan
     return PlanError(
         f"{gpus} GPUs cannot be factored as tp x pp x dp for this workload: tp must divide "
         f"heads={m.heads}, kv heads and ffn={m.ffn} and be <= {cons.max_tp or c.gpus_per_node} "
-        f"(options {tps or 'none'}); pp must divide layers={m.layers}; dp = GPUs/(tp pp) must "
-        f"divide the global batch {w.global_batch}"
+        f"(options {tps or 'none'}); pp must divide layers={m.layers} (or be <= them with "
+        "uneven stages: --uneven-stages, a fixed --pp, or where no pp divides them); "
+        f"dp = GPUs/(tp pp) must divide the global batch {w.global_batch}"
         + (f"; fixed {_fixed(cons)}" if _fixed(cons) else "")
         + f". GPU counts near {gpus} that work: {hint}.")
 

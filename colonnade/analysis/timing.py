@@ -79,7 +79,13 @@ from colonnade.analysis.cp_comm import cp_comm
 from colonnade.analysis.efficiency import head_gemm_s, layer_gemm_s
 from colonnade.analysis.hardware import Cluster
 from colonnade.analysis.layout import Layout, Workload
-from colonnade.analysis.memory import moe_stage_params, stage_params, stage_state_bytes
+from colonnade.analysis.memory import (
+    moe_stage_params,
+    stage_layers,
+    stage_moe_count,
+    stage_params,
+    stage_state_bytes,
+)
 from colonnade.analysis.moe import (
     MoEShape,
     dispatch_bytes,
@@ -91,7 +97,7 @@ from colonnade.config.choices import schedule_placement, tied_across_stages
 from colonnade.models.counts import (
     LayerShape,
 )
-from colonnade.models.stages import virtual_stage
+from colonnade.models.stages import virtual_stage, virtual_stage_layers
 
 OPS_PER_LAYER = 24
 """Tensor operations in one layer's forward (2 norms, 4 attention and 2-3 MLP matmuls,
@@ -270,14 +276,22 @@ def _plus(a: _Stage, b: _Stage) -> _Stage:
     return _Stage(*(x + y for x, y in zip(astuple(a), astuple(b), strict=True)))
 
 
-def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str) -> _Stage:
-    """Per-micro-batch costs of pipeline ``stage``: l/pp layers, plus the embedding on
+def _stage_costs(w: Workload, layout: Layout, c: Cluster, stage: str,
+                 index: int | None = None) -> _Stage:
+    """Per-micro-batch costs of pipeline ``stage``: l/pp layers (uneven stages: those of
+    stage ``index``, or of the stage the kind stands for), plus the embedding on
     'first' / 'only' / 'ends' and the head + loss on 'last' / 'only' / 'ends'."""
     n_moe = 0
-    if w.model.moe:
-        n_moe = MoEShape.of(w.model).stage_moe_layers(
-            layout.pp, "max" if stage == "middle" else stage, _placement(layout))
-    cost = _layers_cost(w, layout, c, w.shape.layers // layout.pp, n_moe)
+    if layout.pipeline_layout is not None:
+        j = layout.stage_index(stage if index is None else index, w.shape.layers)
+        layers = len(layout.stage_layers(w.shape.layers)[j])
+        n_moe = stage_moe_count(w, layout, j) or 0
+    else:
+        layers = w.shape.layers // layout.pp
+        if w.model.moe:
+            n_moe = MoEShape.of(w.model).stage_moe_layers(
+                layout.pp, "max" if stage == "middle" else stage, _placement(layout))
+    cost = _layers_cost(w, layout, c, layers, n_moe)
     if stage in ("first", "only", "ends"):
         cost = _plus(cost, _embedding_cost(w, layout, c))
     if stage in ("last", "only", "ends"):
@@ -294,15 +308,21 @@ def _zbv_chunks(w: Workload, layout: Layout, c: Cluster) -> list[tuple[_Stage, _
     """Per stage, the costs of its two ZB-V chunks: chunk k of stage s is virtual stage
     v (s on the way down, 2 pp - 1 - s on the way up) with l/(2 pp) layers and v's MoE
     layers, plus the embedding on v = 0 and the head + loss on v = 2 pp - 1."""
-    pp, layers = layout.pp, w.shape.layers // (2 * layout.pp)
+    pp, counts = layout.pp, layout.chunk_layers(w.shape.layers)
     x = MoEShape.of(w.model) if w.model.moe else None
+    chunk_layers = (virtual_stage_layers(w.shape.layers, pp, 2, layout.pipeline_layout)
+                    if x and layout.pipeline_layout is not None else None)
     out = []
     for s in range(pp):
         pair = []
         for k in range(2):
             v = virtual_stage(s, k, pp, "v")
-            cost = _layers_cost(w, layout, c, layers,
-                                x.chunk_moe_layers(pp, 2, v) if x else 0)
+            n_moe = 0
+            if x and chunk_layers is not None:
+                n_moe = x.moe_layers_of(tuple(chunk_layers[v]), v == 2 * pp - 1)
+            elif x:
+                n_moe = x.chunk_moe_layers(pp, 2, v)
+            cost = _layers_cost(w, layout, c, counts[v], n_moe)
             if v == 0:
                 cost = _plus(cost, _embedding_cost(w, layout, c))
             if v == 2 * pp - 1:
@@ -434,7 +454,9 @@ def step_collectives_s(w: Workload, layout: Layout, c: Cluster) -> float:
     total = ar(8, t) + ar(8, p) + (ar(8, layout.dp_cp) if layout.zero else 0.0)
     total += ar(16, layout.world)
     if layout.sp and t > 1:
-        total += ar((2 * m.layers / p + 1) * m.hidden * w.elem, t)
+        layers = (m.layers / p if layout.pipeline_layout is None
+                  else layout.max_stage_layers(m.layers))
+        total += ar((2 * layers + 1) * m.hidden * w.elem, t)
     if p > 1 and tied_across_stages(m.tied, layout.schedule):  # ZB-V: one copy, stage 0
         total += ar(m.vocab * m.hidden / t * w.elem, 2)
     return total
@@ -448,7 +470,8 @@ def launch_floor_s(w: Workload, layout: Layout, c: Cluster) -> float:
     if c.launch_us <= 0:
         return 0.0
     passes = 4 if layout.recompute == "full" else 3
-    per_mb = w.shape.layers // layout.pp * OPS_PER_LAYER * passes + HEAD_OPS * 3
+    layers = int(stage_layers(w.shape.layers, layout, "last" if layout.pp > 1 else "only"))
+    per_mb = layers * OPS_PER_LAYER * passes + HEAD_OPS * 3
     return layout.microbatches(w.global_batch) * per_mb * c.launch_us * 1e-6 + c.step_overhead_s
 
 
@@ -461,7 +484,7 @@ def step_time(w: Workload, layout: Layout, c: Cluster) -> Timing:
         chunks = _zbv_chunks(w, layout, c)
         stages = [_plus(*pair) for pair in chunks]
     else:
-        stages = [_stage_costs(w, layout, c, n) for n in names]
+        stages = [_stage_costs(w, layout, c, n, j) for j, n in enumerate(names)]
     steady, bubble, tp_comm = _pipeline(layout, m, stages, chunks)
     slowest = max(stages, key=lambda st: st.fwd + st.bwd)
     cp_s = m * slowest.cp  # the slowest stage's, as above
@@ -523,8 +546,9 @@ def _expert_dp_s(w: Workload, layout: Layout, c: Cluster, names: list[str], stag
     expert_tp) ranks, the layout's ZeRO stage sharding over them or their hybrid shard groups)
     with the fullest stage's expert parameters, in the same backward window as the dense
     reduction (each exposed part added)."""
-    experts = max(moe_stage_params(w, layout, "first" if n == "middle" else n)[1]
-                  for n in names)
+    uneven = layout.pipeline_layout is not None  # 'middle': the fullest middle stage
+    experts = max(moe_stage_params(w, layout, "first" if n == "middle" and not uneven
+                                   else n)[1] for n in names)
     elay = replace(layout, dp=layout.edp, cp=1, ep=1, expert_tp=1,
                    zero_shard_size=layout.expert_shard_size)
     exposed, full = _dp_exposed(w, elay, c, experts, stage, m)
@@ -535,8 +559,11 @@ def _dense_stage_params(w: Workload, layout: Layout, stage: str) -> float:
     """Parameters of ``stage`` reduced over dp x cp with the dense stage's ZeRO sharding:
     the stage's dense parameters with its MoE layers' non-expert change.  (The routed
     experts' own reduction over edp is not timed yet.)  A middle stage counts as the first
-    one, except under ZB-V, whose middle stages hold layers only (stage 0 holds both ends)."""
+    one (as many layers and the embedding), except under ZB-V, whose middle stages hold layers
+    only (stage 0 holds both ends); with uneven stages as the larger of the first and the
+    fullest middle stage."""
+    kinds = [stage]
     if stage == "middle" and layout.schedule != "zbv":
-        stage = "first"
-    base = stage_params(w.shape, layout, stage)
-    return base + (moe_stage_params(w, layout, stage)[0] if w.model.moe else 0.0)
+        kinds = ["first", "middle"] if layout.pipeline_layout is not None else ["first"]
+    return max(stage_params(w.shape, layout, k)
+               + (moe_stage_params(w, layout, k)[0] if w.model.moe else 0.0) for k in kinds)

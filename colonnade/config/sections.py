@@ -99,7 +99,18 @@ class ParallelConfig:
     with the backward split into input and weight gradients) or 'zbv' (zero-bubble ZB-V: vp = 2
     chunks per stage in a V, stage 0 holding both the embedding and the head)."""
     pipeline_layout: tuple[int, ...] | None = None
-    """Layers per virtual stage (pp * vp entries, in virtual-stage order) for uneven splits."""
+    """Layers per virtual stage (pp * vp entries, in virtual-stage order) for uneven splits;
+    an entry may be 0 (a virtual stage that only passes activations on, or only holds the
+    embedding or the head)."""
+    first_stage_layers: int | None = None
+    """Layers of the virtual stage holding the embedding (Megatron's
+    --decoder-first-pipeline-num-layers; with vp > 1 only that chunk), the other virtual
+    stages splitting the rest evenly; None: part of the even split. Not with pipeline_layout
+    (config/rules_pipeline.py expands it)."""
+    last_stage_layers: int | None = None
+    """Layers of the virtual stage holding the head and the loss (Megatron's
+    --decoder-last-pipeline-num-layers; under zbv a chunk of stage 0), the other virtual
+    stages splitting the rest evenly; None: part of the even split. Not with pipeline_layout."""
     use_distributed_optimizer: bool = False
     """ZeRO-1 in Megatron's spelling: shard fp32 master weights and Adam states across dp
     ranks; the same as zero_stage >= 1 (code reads the effective stage, :attr:`zero`)."""

@@ -46,6 +46,7 @@ from colonnade.config.load import ConfigError
 from colonnade.config.rules_cp import hierarchical_rules
 from colonnade.config.rules_deepseek import deepseek_rules
 from colonnade.config.rules_moe import moe_rules
+from colonnade.config.rules_pipeline import pipeline_rules
 from colonnade.config.rules_rope import rope_rules
 from colonnade.config.rules_window import window_rules
 from colonnade.config.sections import Config, DataConfig
@@ -324,10 +325,13 @@ def _pipeline(c: Config, _: int | None) -> list[str]:
     if p.vp > 1 and p.pp == 1:
         out.append("parallel.vp > 1 needs parallel.pp > 1.")
     if p.pipeline_layout is None:
-        if chunks >= 1 and m.num_layers % chunks:
+        if (chunks >= 1 and m.num_layers % chunks and p.first_stage_layers is None
+                and p.last_stage_layers is None):
             out.append(f"model.num_layers={m.num_layers} is not divisible by parallel.pp x "
                        f"parallel.vp={chunks}; set parallel.pipeline_layout (layers per virtual "
-                       "stage) or change the layer count. No layer is ever dropped.")
+                       "stage) or parallel.first_stage_layers / last_stage_layers (fewer "
+                       "layers beside the embedding and the head), or change the layer count. "
+                       "No layer is ever dropped.")
     else:
         lay = p.pipeline_layout
         if len(lay) != chunks:
@@ -564,7 +568,7 @@ def _zero(c: Config, _: int | None) -> list[str]:
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _context, _pipeline,
                            _batch, _optim, _io, _reliability, _files_and_loop, _compile, _zero,
                            moe_rules, window_rules, rope_rules, deepseek_rules,
-                           hierarchical_rules)
+                           hierarchical_rules, pipeline_rules)
 
 
 def rule_name(rule: Rule) -> str:

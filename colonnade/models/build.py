@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from colonnade.config.choices import PRECISIONS, schedule_placement
+from colonnade.config.rules_pipeline import stage_layout
 from colonnade.config.sections import Config
 from colonnade.models.compile import compile_layers
 from colonnade.models.gpt import ModelChunk
@@ -84,7 +85,8 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
     ctx = make_context(config, groups, device, dtype, meta_params=meta)
     spec = spec if spec is not None else arch_spec(config.model)
     specs = stage_chunks(config.model.num_layers, par.pp, par.vp, groups.pp_rank,
-                         par.pipeline_layout, schedule_placement(par.schedule))
+                         stage_layout(par, config.model.num_layers),
+                         schedule_placement(par.schedule))
     chunks: list[ModelChunk] = []
     for layers, first, last in specs:
         chunk = ModelChunk(config.model, ctx, layers, first=first, last=last,

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from colonnade.config.choices import AXES
+from colonnade.config.rules_pipeline import stage_layout
 from colonnade.config.sections import ParallelConfig
 
 EXPERT_AXES: tuple[str, ...] = ("etp", "ep", "edp")
@@ -245,13 +246,17 @@ class ParallelDims:
         return "-".join(parts) or "single"
 
 
-def layout_text(par: ParallelConfig, described: str) -> str:
+def layout_text(par: ParallelConfig, described: str, num_layers: int | None = None) -> str:
     """The layout as the start-up line and the dry run name it: ``described`` (e.g.
-    'pp2-vp2', :meth:`ParallelDims.describe`) and, with pp > 1, the pipeline schedule, with
+    'pp2-vp2', :meth:`ParallelDims.describe`) and, with pp > 1, the pipeline schedule (and,
+    given ``num_layers``, the layers per virtual stage of uneven stages), with
     cp > 1 how attention crosses the cp ranks (``parallel.cp_attention``, ``cp_overlap``)."""
     extra = []
     if par.pp > 1:
         extra.append(f"schedule {par.schedule}")
+        uneven = stage_layout(par, num_layers) if num_layers is not None else None
+        if uneven is not None:
+            extra.append("layers per virtual stage " + ", ".join(map(str, uneven)))
     if par.cp > 1:
         ring = par.cp_attention == "ring" or (par.cp_attention == "hierarchical"
                                               and par.cp == (par.cp_a2a_size or 1))

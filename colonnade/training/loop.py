@@ -261,7 +261,8 @@ def _open_run_log(cfg: Config, rt: Runtime, trainer: Trainer) -> MetricsWriter |
     kept = write_run_config(log_cfg.dir, config_to_toml(cfg))
     if kept:
         print(f"colonnade: {kept}")
-    print(f"colonnade: {layout_text(cfg.parallel, rt.groups.dims.describe())} on {rt.device}, "
+    layout = layout_text(cfg.parallel, rt.groups.dims.describe(), cfg.model.num_layers)
+    print(f"colonnade: {layout} on {rt.device}, "
           f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
           f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
     return writer

@@ -45,7 +45,7 @@ def test_subparser_wiring_and_bad_input(capsys) -> None:
     args = parser.parse_args(["plan", "--model", "nope", "--gpus", "8"])
     assert run_plan(args) == 2
     assert "neither a file nor a preset" in capsys.readouterr().err
-    args = parser.parse_args(["plan", "--model", "llama2-7b", "--gpus", "13"])
+    args = parser.parse_args(["plan", "--model", "llama2-7b", "--gpus", "37"])  # pp > layers
     assert run_plan(args) == 2
     assert "cannot be factored" in capsys.readouterr().err
 

@@ -58,17 +58,21 @@ def test_model_that_fits_nowhere() -> None:
 
 
 def test_gpu_count_not_factorable() -> None:
+    """37 GPUs: tp 1 (37 is prime), pp 37 > 32 layers, dp 37 does not divide 1024. (13 GPUs
+    plan now: no pp searched divides the 32 layers, so pp 13 gets uneven stages.)"""
     with pytest.raises(PlanError) as err:
-        plan(_llama7b(), A100, 13)
+        plan(_llama7b(), A100, 37)
     msg = str(err.value)
-    assert "13 GPUs cannot be factored as tp x pp x dp" in msg
-    assert "global batch 1024" in msg and "16" in msg.split("work:")[1]
+    assert "37 GPUs cannot be factored as tp x pp x dp" in msg
+    assert "pp must divide layers=32 (or be <= them with uneven stages" in msg
+    assert "global batch 1024" in msg and "36" in msg.split("work:")[1]
 
 
 def test_gpu_counts_suggested_beyond_16_away() -> None:
     """1001 GPUs for GPT-3 175B at global batch 1536 (1001 = 7 x 11 x 13): no count within
     +-16 factors, so the search reaches further (up to a quarter of the count) and names the
-    four nearest that do, each of which plans."""
+    four nearest that do, each of which plans. (pp 7, 11, 13 would need uneven stages of the
+    96 layers, but no dp = 1001 / pp divides 1536.)"""
     gpt3 = Workload.from_config(load_config(CONFIGS / "gpt3-175b.toml"))
     w = dataclasses.replace(gpt3, global_batch=1536)
     with pytest.raises(PlanError) as err:

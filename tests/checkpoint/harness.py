@@ -35,6 +35,8 @@ class Layout:
     zero: bool = False
     schedule: str = ""
     """The pipeline schedule; empty: interleaved_1f1b when vp > 1, else 1f1b."""
+    layers: tuple[int, ...] | None = None
+    """parallel.pipeline_layout (layers per virtual stage); None: the even split."""
 
     @property
     def pipeline_schedule(self) -> str:
@@ -49,7 +51,8 @@ class Layout:
     def __str__(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"vp{self.vp}", f"dp{self.dp}"]
         return ("".join(parts) + ("sp" if self.sp else "") + ("zero" if self.zero else "")
-                + (f"-{self.schedule}" if self.schedule else ""))
+                + (f"-{self.schedule}" if self.schedule else "")
+                + ("-" + "".join(map(str, self.layers)) if self.layers else ""))
 
 
 def make_config(layout: Layout, precision: str = "fp64", arch: str = "llama",
@@ -59,7 +62,7 @@ def make_config(layout: Layout, precision: str = "fp64", arch: str = "llama",
                        seq=16, init_std=0.02, tie=tie)
     par = ParallelConfig(tp=layout.tp, pp=layout.pp, vp=layout.vp, dp=layout.dp, sp=layout.sp,
                          use_distributed_optimizer=layout.zero, bucket_size=1000,
-                         schedule=layout.pipeline_schedule)
+                         schedule=layout.pipeline_schedule, pipeline_layout=layout.layers)
     mb = GLOBAL_BATCH // (MICRO * layout.dp)
     tr = TrainingConfig(steps=6, seq_len=SEQ, micro_batch_size=MICRO, microbatches=mb,
                         global_batch_size=GLOBAL_BATCH, precision=precision, eval_interval=0)

@@ -35,6 +35,8 @@ CASES = [
     (Layout(dp=2), Layout(dp=4, zero=True)),
     (Layout(tp=2, sp=True), Layout(tp=2)),
     (Layout(tp=2, dp=2, sp=True), Layout()),
+    (Layout(pp=2, layers=(3, 1)), Layout()),  # uneven stages: keys are global layer indices
+    (Layout(pp=2, vp=2, layers=(0, 2, 1, 1)), Layout(pp=2, layers=(1, 3))),
 ]
 
 

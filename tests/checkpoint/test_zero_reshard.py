@@ -47,7 +47,6 @@ class Zero:
 def make_trainer(z: Zero) -> Any:
     """A Trainer of ``z`` on this pool rank (the checkpoint harness's tiny llama, fp64)."""
     from colonnade.parallel.dims import ParallelDims
-    from colonnade.parallel.groups import ProcessGroups
     from colonnade.training.loop import Trainer
     from colonnade.training.setup import Runtime
 
@@ -56,9 +55,7 @@ def make_trainer(z: Zero) -> Any:
         cfg.parallel, zero_stage=z.stage, zero_shard_size=z.shard_size))
     lay = z.layout
     dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=lay.vp)
-    groups = (ProcessGroups.build(dims, zero_shard_size=z.shard_size) if z.shard_size
-              else rank_groups(dims))
-    torch.set_num_threads(1)
+    groups = rank_groups(dims, zero_shard_size=z.shard_size)
     trainer = Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
     assert trainer.ddp.zero == z.stage
     assert (trainer.ddp.param_shards is not None) == (z.stage == 3)
@@ -148,6 +145,8 @@ REVERSE = [
     (Zero(Layout(dp=4), 2, shard_size=2), Zero(Layout(dp=4), 3, shard_size=2)),
     (Zero(Layout(dp=4), 3, shard_size=2), Zero(Layout(dp=2), 2)),
     (Zero(Layout(pp=2, dp=2), 3), Zero(Layout(tp=2), 0)),
+    # hybrid ZeRO-3 over pairs with uneven stages -> even stages at ZeRO-2 without hybrid
+    (Zero(Layout(pp=2, dp=4, layers=(3, 1)), 3, shard_size=2), Zero(Layout(pp=2, dp=2), 2)),
 ]
 
 

@@ -51,19 +51,22 @@ EOD = 7
 def cp_config(*, arch: str = "llama", cp: int = 2, tp: int = 1, pp: int = 1, vp: int = 1,
               dp: int = 1, sp: bool = False, schedule: str = "1f1b",
               cp_attention: str = "ring", cp_overlap: bool = True, zero_stage: int = 0,
-              cp_a2a_size: int | None = None,
+              cp_a2a_size: int | None = None, zero_shard_size: int | None = None,
               recompute: str = "none", dropout: float = 0.0,
               attention_dropout: float | None = None, kv_heads: int | None = None,
               seq: int = 16, microbatches: int = 2, steps: int = 3,
               compile: bool = False, tp_comm_chunks: int = 1) -> Config:
     """A resolved, validated config of a tiny model (h = 32, 4 heads, max(2, pp x vp)
     layers, vocab 101, micro-batch 2) for tp x cp x dp x pp ranks (``cp_a2a_size`` with
-    cp_attention='hierarchical')."""
+    cp_attention='hierarchical'; ZeRO-2/3: buckets of 2000 elements, so that a layer spans
+    several)."""
     model = tiny_model(arch, layers=max(2, pp * vp), kv_heads=kv_heads, seq=seq,
                        dropout=dropout, attention_dropout=attention_dropout)
     parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule,
                               cp_attention=cp_attention, cp_overlap=cp_overlap,
                               cp_a2a_size=cp_a2a_size, zero_stage=zero_stage,
+                              zero_shard_size=zero_shard_size,
+                              bucket_size=2000 if zero_stage > 1 else 40_000_000,
                               tp_comm_chunks=tp_comm_chunks)
     training = TrainingConfig(steps=steps, seq_len=seq, micro_batch_size=2,
                               microbatches=microbatches, precision="fp64", seed=11,
@@ -146,7 +149,7 @@ def rank_train(config: Config, step_batches: list[list[Batch]],
     bytes its cp group moved in the last step."""
     par = config.parallel
     dims = ParallelDims(tp=par.tp, cp=par.cp, dp=par.dp or 1, pp=par.pp, vp=par.vp)
-    groups = rank_groups(dims, par.cp_a2a_size)
+    groups = rank_groups(dims, par.cp_a2a_size, par.zero_shard_size)
     chunks = build_chunks(config, groups, dtype=torch.float64)
     for chunk in chunks:
         chunk.doc_reset = doc_reset

@@ -111,11 +111,8 @@ def _reference(config: Config, step_batches: list[list[Batch]]) -> dict[str, Any
 def rank_groups(config: Config) -> ProcessGroups:
     """This pool rank's groups for the config's layout (one thread per rank)."""
     par = config.parallel
-    if par.zero_shard_size is not None:  # hybrid sharding: the shard / replicate groups too
-        torch.set_num_threads(1)
-        return ProcessGroups.build(ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1),
-                                   zero_shard_size=par.zero_shard_size)
-    return shared_rank_groups(ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1))
+    return shared_rank_groups(ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp or 1),
+                              zero_shard_size=par.zero_shard_size)
 
 
 def rank_train(config: Config, step_batches: list[list[Batch]],

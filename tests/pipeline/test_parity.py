@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from colonnade.checkpoint.export import gather_full
+from colonnade.checkpoint.export import full_state, gather_full
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
 from colonnade.models.blocks import DocReset
 from colonnade.models.params import grad_of, unique_params
@@ -52,16 +52,22 @@ EOD = 5  # the end-of-document id of the document-reset cases
 
 def make_config(*, pp: int, vp: int = 1, schedule: str = "1f1b", m: int, tp: int = 1,
                 dp: int = 1, sp: bool = False, arch: str = "llama",
-                layout: tuple[int, ...] | None = None, zero: bool = False) -> Config:
-    """A tiny float64 model with one layer per virtual stage (embedding and head on top)."""
+                layout: tuple[int, ...] | None = None, zero: int = 0,
+                ends: tuple[int | None, int | None] | None = None,
+                layers: int | None = None) -> Config:
+    """A tiny float64 model with one layer per virtual stage (embedding and head on top),
+    or ``layers`` / sum(layout) layers; ``ends``: (first_stage_layers, last_stage_layers);
+    ``zero``: the ZeRO stage (bucketed finely so that buckets follow the layers)."""
     gpt2 = arch == "gpt2"
-    layers = sum(layout) if layout is not None else pp * vp
+    layers = layers or (sum(layout) if layout is not None else pp * vp)
     model = tiny_model(arch, layers=layers, hidden=32, heads=4, kv_heads=2, vocab=VOCAB,
                        seq=SEQ, init_std=0.02, dropout=0.1,
                        attention_dropout=0.1 if gpt2 else 0.0)
+    first, last = ends or (None, None)
     par = ParallelConfig(tp=tp, pp=pp, vp=vp, dp=dp, sp=sp, schedule=schedule,
-                         pipeline_layout=layout, use_distributed_optimizer=zero,
-                         p2p_in_order=True)
+                         pipeline_layout=layout, first_stage_layers=first,
+                         last_stage_layers=last, zero_stage=int(zero),
+                         bucket_size=2000 if zero > 1 else 40_000_000, p2p_in_order=True)
     tr = TrainingConfig(steps=STEPS, seq_len=SEQ, micro_batch_size=MICRO, microbatches=m,
                         precision="fp64", seed=7, eval_interval=0)
     opt = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=0, clip_grad=0.05, weight_decay=0.1)
@@ -112,11 +118,11 @@ def train_steps(cfg: Config, groups: ProcessGroups, options: ExecOptions | None 
             out, _ = train_step(trainer.chunks, trainer.ddp, trainer.optimizer, groups, cfg,
                                 step, batches, options=options)
             losses.append(mean_loss(out, groups, torch.device("cpu"), batches))
-        grads.append({p.sharding.key: gather_full(grad_of(p), p.sharding, groups.tp)
+        grads.append({} if cfg.parallel.zero else  # ZeRO: a rank holds its shard only
+                     {p.sharding.key: gather_full(grad_of(p), p.sharding, groups.tp)
                       for p in unique_params(trainer.chunks)})
     trainer.ddp.finish_param_gather()
-    params = {p.sharding.key: gather_full(p, p.sharding, groups.tp)
-              for p in unique_params(trainer.chunks)}
+    params = full_state(trainer.chunks, groups, trainer.ddp)  # ZeRO-3: from the shards
     return {"loss": losses, "grads": grads, "params": params, "stage": groups.pp_rank}
 
 
@@ -126,7 +132,8 @@ def reference_run(cfg: Config, masked: bool = False, docs: bool = False) -> dict
     single = dataclasses.replace(
         cfg, parallel=dataclasses.replace(par, tp=1, pp=1, vp=1, dp=1, sp=False,
                                           schedule="1f1b", pipeline_layout=None,
-                                          use_distributed_optimizer=False),
+                                          first_stage_layers=None, last_stage_layers=None,
+                                          zero_stage=0, bucket_size=40_000_000),
         training=dataclasses.replace(tr, microbatches=int(tr.microbatches or 1) * int(par.dp or 1),
                                      global_batch_size=None))
     return _reference(resolved(single, 1), masked, docs)
@@ -180,8 +187,7 @@ def check(run_ranks: Callable[..., list[Any]], cfg: Config,
     par = cfg.parallel
     results = run_ranks(par.tp * par.pp * int(par.dp or 1), rank_train, cfg, options, masked,
                         docs)
-    assert_parity(results, reference_run(cfg, masked, docs),
-                  grads=not par.use_distributed_optimizer)
+    assert_parity(results, reference_run(cfg, masked, docs), grads=par.zero == 0)
 
 
 CASES = [  # (pp, vp, schedule, m): m = pp, a multiple of pp, not a multiple
@@ -218,16 +224,40 @@ def test_combined_layout_parity(run_ranks: Callable[..., list[Any]], tp: int, dp
                                  arch=arch))
 
 
-@pytest.mark.parametrize(("schedule", "vp", "layout"), [
-    ("zb_h1", 1, (3, 1)),  # uneven stages
-    ("interleaved_1f1b", 2, (2, 0, 1, 1)),  # a virtual stage without layers passes through
-    ("zbv", 2, (3, 1, 1, 1)),  # v order: stage 0 holds v0 (3 layers) and v3 (1 layer)
-    ("zbv", 2, (1, 2, 0, 2)),  # v2 (stage 1, chunk 1, after the local turn) passes through
-])
+UNEVEN = [  # (schedule, vp, layout or (first, last) of 5 layers, arch, tp, dp, ZeRO stage)
+    ("gpipe", 1, (1, 3), "llama", 1, 1, 0),
+    ("1f1b", 1, (0, 3), "gpt2", 1, 1, 0),  # stage 0: the embedding only (tied head on 1)
+    ("1f1b", 1, (None, 1), "llama", 2, 1, 0),  # last_stage_layers=1: (4, 1) under tp2 + sp
+    ("1f1b", 1, (1, None), "gpt2", 1, 2, 2),  # first_stage_layers=1: (1, 4), ZeRO-2 x dp2
+    ("zb_h1", 1, (3, 1), "gpt2", 1, 1, 0),
+    ("zb_h1", 1, (2, 0), "llama", 1, 2, 3),  # stage 1: the head only, ZeRO-3 x dp2
+    ("interleaved_1f1b", 2, (2, 0, 1, 1), "gpt2", 1, 1, 0),  # v1 passes activations on
+    ("interleaved_1f1b", 2, (1, 0, 2, 0), "llama", 1, 2, 3),  # a chunk without parameters
+    ("interleaved_1f1b", 2, (1, 0), "gpt2", 2, 1, 0),  # ends: (1, 2, 2, 0), tp2 + sp
+    ("zbv", 2, (3, 1, 1, 1), "gpt2", 1, 1, 0),  # v order: stage 0 holds v0 (3) and v3 (1)
+    ("zbv", 2, (1, 2, 0, 2), "gpt2", 1, 1, 0),  # v2 (stage 1, chunk 1) passes through
+    ("zbv", 2, (0, 3, 2, 0), "llama", 1, 2, 1),  # stage 0: embedding and head only; ZeRO-1
+    ("zbv", 2, (1, 0), "gpt2", 2, 1, 0),  # ends: (1, 2, 2, 0), tied head on stage 0, tp2 + sp
+]
+
+
+@pytest.mark.parametrize(("schedule", "vp", "layout", "arch", "tp", "dp", "zero"), UNEVEN,
+                         ids=[f"{c[0]}-{'-'.join(map(str, c[2]))}-{c[3]}-tp{c[4]}-dp{c[5]}-"
+                              f"z{c[6]}" for c in UNEVEN])
 def test_uneven_layout_parity(run_ranks: Callable[..., list[Any]], schedule: str, vp: int,
-                              layout: tuple[int, ...]) -> None:
-    check(run_ranks, make_config(pp=2, vp=vp, schedule=schedule, m=3, arch="gpt2",
-                                 layout=layout))
+                              layout: tuple[int | None, ...], arch: str, tp: int, dp: int,
+                              zero: int) -> None:
+    """Uneven stages under every schedule, tied (gpt2) and untied (llama), with tp2 + sp and
+    dp2 with ZeRO 1-3: virtual stages without layers (only the embedding, only the head, or
+    nothing but a hand-over) and Megatron's first / last stage counts (two entries of
+    ``UNEVEN`` for pp x vp > 2 virtual stages, or with a None: ``ends``)."""
+    explicit = len(layout) == 2 * vp and None not in layout
+    cfg = make_config(pp=2, vp=vp, schedule=schedule, m=3, arch=arch, tp=tp, dp=dp,
+                      sp=tp > 1, zero=zero,
+                      layout=layout if explicit else None,  # type: ignore[arg-type]
+                      ends=None if explicit else layout,  # type: ignore[arg-type]
+                      layers=None if explicit else 5)
+    check(run_ranks, cfg)
 
 
 @pytest.mark.parametrize(("schedule", "in_order"), [
