@@ -10,8 +10,8 @@ A draw (:func:`draw_case`) picks, each from its own stream of ``random.Random(f"
   dropout, label smoothing; dense or mixture of experts (router, top-k, capacity, aux-loss
   type and coefficients, shared expert, dense prefix, dispatcher);
 * the layout: a world of 1-8 ranks factored over tp, pp, cp and dp, sp, cp_attention (and
-  hierarchical cp's inner size), the schedule and vp (an uneven ``pipeline_layout`` sometimes), ZeRO stage and shard size, ep
-  and expert_tp;
+  hierarchical cp's inner size), the schedule and vp (an uneven ``pipeline_layout``
+  sometimes), ZeRO stage and shard size, ep and expert_tp;
 * the run: recompute mode and method, precision (fp64 mostly; bf16 for the looser check),
   micro-batch size and count, document resets.
 
