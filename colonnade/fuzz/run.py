@@ -126,11 +126,11 @@ def full_grads(trainer: Any) -> dict[str, torch.Tensor]:
 
     The flat pieces this rank holds (:meth:`DataParallel.owned_ranges`, all of them without
     ZeRO) are written into zero-filled local tensors; with ZeRO each element is held by one
-    rank of the shard group (expert-dp for expert weights), so a sum over that group rebuilds
-    the local (tp / ep shard) tensor exactly; then the tp / ep all-gather of ``gather_full``.
+    rank of its bucket's shard group (expert-dp for expert weights; under hybrid sharding one
+    shard group of it), so a sum over that group rebuilds the local (tp / ep / expert tp shard)
+    tensor exactly; then the tp / ep / expert tp all-gather of ``gather_full``.
     """
     from colonnade.checkpoint.export import gather_full
-    from colonnade.data_parallel.buffer import is_expert_param
 
     ddp, groups = trainer.ddp, trainer.groups
     buffers = ddp.buffers
@@ -142,11 +142,12 @@ def full_grads(trainer: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for p in buffers.params:
         local = flat[id(p)]
-        if ddp.sharded:
-            group = ddp.expert_group if is_expert_param(p) else ddp.group
+        if ddp.sharded:  # the bucket's shard group: dp x cp or expert-dp (hybrid: a part)
+            group = ddp.shard_groups.shard(ddp.buckets[buffers.slot(p).bucket])
             group.all_reduce(local, name="fuzz_gather_grad")
         key = p.sharding.key
-        out[key] = gather_full(local.view(p.shape), p.sharding, groups.tp, groups.ep).clone()
+        out[key] = gather_full(local.view(p.shape), p.sharding, groups.tp, groups.ep,
+                               groups.expert_tp).clone()
     return out
 
 

@@ -241,7 +241,8 @@ def _draw_parallel(rng: random.Random, model: ModelConfig, degrees: dict[str, in
     cp_attention = rng.choice(CP_ATTENTIONS)
     a2a = None  # hierarchical cp's inner size, a divisor of cp (or a refused one, rarely)
     if cp_attention == "hierarchical":
-        a2a = rng.choice([a for a in range(1, cp + 1) if cp % a == 0] + [3])
+        a2a = rng.choice([a for a in range(1, cp + 1) if cp % a == 0])
+        a2a = 3 if rng.random() < 0.1 else a2a
     return ParallelConfig(
         tp=tp, pp=pp, vp=vp, cp=cp, sp=tp > 1 and rng.random() < 0.7,
         cp_attention=cp_attention, cp_a2a_size=a2a, schedule=schedule, zero_stage=zero,

@@ -4,9 +4,9 @@ ones whose seed is printed with the command that reproduces each.
 Every draw must be refused by the validator before launch (naming the rules) or match its
 single-process run (loss, grad norm and every gathered gradient each step, every parameter after
 the last step: 1e-10 in float64, the looser bf16 bounds) and, where the model has one, its
-transformers twin trained by torch.optim.AdamW. The fixed set spans the axes: a pipeline
-schedule with uneven stages, ZeRO-1/3, cp all_to_all, MoE with ep, MLA, document resets, bf16,
-one transformers twin. A comparison and a rule lookup are
+transformers twin trained by torch.optim.AdamW. The fixed set spans the axes: pipeline
+schedules with uneven stages, ZeRO-1/2/3 and hybrid sharding, cp all_to_all and hierarchical,
+MoE with ep, expert tp and ZeRO-3, MLA, document resets, bf16, one transformers twin. A comparison and a rule lookup are
 also checked to fail on a planted error, so the verdicts cannot pass vacuously.
 """
 
@@ -35,10 +35,12 @@ from colonnade.fuzz.space import Case, draw_case
 from colonnade.parallel.pool import RankPools
 
 FIXED: list[tuple[int, int, str]] = [
-    (1, 1, "refused"),  # qwen2 MoE pp2 gpipe cp2 ZeRO-2 ep2: ZeRO-2 with experts (moe)
+    (1, 44, "refused"),  # qwen3 MoE tp2 without sp: the tp ranks would route the same tokens
     (1, 15, "match"),  # qwen3 MoE pp2 zbv uneven 0-2-1-0, dp2 ZeRO-1 ep2, full recompute
+    (1, 56, "match"),  # qwen2 MoE pp2 1F1B uneven 2-1, dp2 ZeRO-3, expert tp 2
+    (2, 53, "match"),  # mistral MoE cp4 hierarchical (all-to-all 2 x ring 2) ZeRO-3 ep2
     (2, 28, "match"),  # deepseek_v3 (MLA) cp2 all_to_all ZeRO-3, document resets
-    (3, 30, "match+hf"),  # deepseek_v3 dp2 ZeRO-1, full recompute; and its transformers twin
+    (1, 40, "match+hf"),  # mistral cp2 dp2 hybrid ZeRO-2 (shard 2); and its transformers twin
     (3, 39, "match"),  # qwen3 tp2 cp2 all_to_all ZeRO-3, document resets, bf16
 ]
 """(seed, case, verdict) of the fixed draws."""
