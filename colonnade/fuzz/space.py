@@ -48,7 +48,7 @@ from colonnade.config.sections import (
 WORLD_WEIGHTS: dict[int, float] = {1: 0.5, 2: 4, 3: 0.5, 4: 4, 6: 1, 8: 3}
 """How often each world size is drawn (1-8 ranks; 5 and 7 only factor as one axis, rarely
 useful, so they are left out)."""
-AXIS_WEIGHTS: dict[str, float] = {"tp": 1.0, "pp": 1.0, "cp": 0.8, "dp": 1.2}
+AXIS_WEIGHTS: dict[str, float] = {"tp": 1.0, "pp": 1.0, "cp": 1.0, "dp": 1.2}
 """How each prime factor of the world picks its axis."""
 VOCABS: tuple[int, ...] = (97, 101, 127, 131)
 """Odd prime vocabularies: never divisible by tp, so the vocab padding is always exercised."""
@@ -236,8 +236,8 @@ def _draw_parallel(rng: random.Random, model: ModelConfig, degrees: dict[str, in
     ep, expert_tp = 1, None
     if model.moe:
         ep = rng.choice([e for e in (1, 2, 4, 8) if e <= tp * cp * dp])
-        if rng.random() < 0.3:
-            expert_tp = rng.choice((1, 2))
+        if rng.random() < 0.5:
+            expert_tp = rng.choice((1, 2, 2))
     cp_attention = rng.choice(CP_ATTENTIONS)
     a2a = None  # hierarchical cp's inner size, a divisor of cp (or a refused one, rarely)
     if cp_attention == "hierarchical":

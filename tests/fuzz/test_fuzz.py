@@ -35,9 +35,9 @@ from colonnade.fuzz.space import Case, draw_case
 from colonnade.parallel.pool import RankPools
 
 FIXED: list[tuple[int, int, str]] = [
-    (1, 44, "refused"),  # qwen3 MoE tp2 without sp: the tp ranks would route the same tokens
+    (2, 13, "refused"),  # llama MoE tp2 without sp: the tp ranks would route the same tokens
     (1, 15, "match"),  # qwen3 MoE pp2 zbv uneven 0-2-1-0, dp2 ZeRO-1 ep2, full recompute
-    (1, 56, "match"),  # qwen2 MoE pp2 1F1B uneven 2-1, dp2 ZeRO-3, expert tp 2
+    (1, 56, "match"),  # qwen2 MoE pp2 1F1B uneven 2-1, dp2 ZeRO-3, expert tp 2, selective
     (2, 53, "match"),  # mistral MoE cp4 hierarchical (all-to-all 2 x ring 2) ZeRO-3 ep2
     (2, 28, "match"),  # deepseek_v3 (MLA) cp2 all_to_all ZeRO-3, document resets
     (1, 40, "match+hf"),  # mistral cp2 dp2 hybrid ZeRO-2 (shard 2); and its transformers twin
