@@ -5,7 +5,7 @@ group, chosen independently of attention's tp) against the single-process run
 gradients (assembled from the shards under ZeRO) and the parameters after 3 AdamW steps.
 
 Layouts: expert_tp2 alone (ep1), expert_tp2 x ep2, tp2+sp with expert_tp = tp (x ep2) and
-tp1 with expert_tp2 under cp2, pp2 and dp (expert-dp 2, ZeRO-1, ZeRO-2 with gpt2's partial
+tp1 with expert_tp2 under cp2, pp2 (1F1B and interleaved) and dp (expert-dp 2, ZeRO-1, ZeRO-2 with gpt2's partial
 down bias, ZeRO-3 x ep2 on 8 ranks); families with expert biases
 (gpt-oss: clamped SwiGLU, biases on every expert matrix; gpt2: GELU experts with biases and a
 shared expert) and DeepSeek-V3's sigmoid router with shared experts. tp2+sp with expert_tp1 x
@@ -36,6 +36,8 @@ CASES: dict[str, dict[str, Any]] = {
     "etp2-cp2-gpt2-shared": {"arch": "gpt2", "etp": 2, "ep": 1, "cp": 2, "shared": 16},
     "etp2-pp2-sigmoid": {"etp": 2, "ep": 1, "pp": 2, "dp": 2, "router": "sigmoid",
                          "microbatches": 4},
+    "etp2-pp2-interleaved": {"etp": 2, "ep": 1, "pp": 2, "vp": 2, "dp": 2, "layers": 4,
+                                "schedule": "interleaved_1f1b", "microbatches": 4},
     "etp2-edp2-zero1": {"etp": 2, "ep": 1, "dp": 4, "zero_stage": 1},
     "etp2-edp2-zero2-gpt2": {"arch": "gpt2", "etp": 2, "ep": 1, "dp": 4, "zero_stage": 2},
     "etp2-ep2-edp2-zero3-sigmoid": {"etp": 2, "ep": 2, "dp": 8, "zero_stage": 3,
