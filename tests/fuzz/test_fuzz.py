@@ -6,8 +6,9 @@ single-process run (loss, grad norm and every gathered gradient each step, every
 the last step: 1e-10 in float64, the looser bf16 bounds) and, where the model has one, its
 transformers twin trained by torch.optim.AdamW. The fixed set spans the axes: pipeline
 schedules with uneven stages, ZeRO-1/2/3 and hybrid sharding, cp all_to_all and hierarchical,
-MoE with ep, expert tp and ZeRO-3, MLA, document resets, bf16, one transformers twin. A comparison and a rule lookup are
-also checked to fail on a planted error, so the verdicts cannot pass vacuously.
+MoE with ep, expert tp and ZeRO-3, MLA, document resets, bf16, one transformers twin. A
+comparison and a rule lookup are also checked to fail on a planted error, so the verdicts
+cannot pass vacuously.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ group, chosen independently of attention's tp) against the single-process run
 gradients (assembled from the shards under ZeRO) and the parameters after 3 AdamW steps.
 
 Layouts: expert_tp2 alone (ep1), expert_tp2 x ep2, tp2+sp with expert_tp = tp (x ep2) and
-tp1 with expert_tp2 under cp2, pp2 (1F1B and interleaved) and dp (expert-dp 2, ZeRO-1, ZeRO-2 with gpt2's partial
-down bias, ZeRO-3 x ep2 on 8 ranks); families with expert biases
+tp1 with expert_tp2 under cp2, pp2 (1F1B and interleaved) and dp (expert-dp 2, ZeRO-1,
+ZeRO-2 with gpt2's partial down bias, ZeRO-3 x ep2 on 8 ranks); families with expert biases
 (gpt-oss: clamped SwiGLU, biases on every expert matrix; gpt2: GELU experts with biases and a
 shared expert) and DeepSeek-V3's sigmoid router with shared experts. tp2+sp with expert_tp1 x
 ep2 is tests/moe/test_parity_moe_layouts.py's ep2-tp2-sp-dp2.
