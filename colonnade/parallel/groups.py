@@ -81,28 +81,30 @@ CP_GROUP_NAMES: tuple[str, ...] = ("cp_a2a", "cp_ring")
 """Hierarchical cp's groups, made after the expert groups when ``cp_a2a_size`` is given."""
 
 
-def cp_partitions(cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
-    """Hierarchical cp over every cp group ``g`` (c ranks, in cp-index order): inner
-    all-to-all groups ``g[k size : (k + 1) size]`` and outer ring groups ``g[j::size]``."""
-    for ranks in cp:
+def split_partition(partition: list[list[int]], size: int, field: str, names: tuple[str, str]
+                    ) -> dict[str, list[list[int]]]:
+    """Every group ``g`` of ``partition`` (n ranks) split into groups of ``size`` consecutive
+    ranks ``g[k size : (k + 1) size]`` (``names[0]``) and the strided groups ``g[j::size]``
+    holding one rank of each (``names[1]``); ``field`` names the setting in the error when
+    ``size`` does not divide n (the validator says so first, with the fix)."""
+    for ranks in partition:
         if len(ranks) % size:
-            raise ValueError(f"parallel.cp_a2a_size={size} does not divide parallel.cp = "
-                             f"{len(ranks)}")
-    inner = [ranks[k:k + size] for ranks in cp for k in range(0, len(ranks), size)]
-    outer = [ranks[j::size] for ranks in cp for j in range(size)]
-    return {"cp_a2a": sorted(inner), "cp_ring": sorted(outer)}
+            raise ValueError(f"{field}={size} does not divide a group of {len(ranks)} ranks")
+    inner = [ranks[k:k + size] for ranks in partition for k in range(0, len(ranks), size)]
+    outer = [ranks[j::size] for ranks in partition for j in range(size)]
+    return {names[0]: sorted(inner), names[1]: sorted(outer)}
+
+
+def cp_partitions(cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
+    """Hierarchical cp over every cp group (in cp-index order): inner all-to-all groups of
+    ``size`` consecutive ranks and outer ring groups across them (:func:`split_partition`)."""
+    return split_partition(cp, size, "parallel.cp_a2a_size", CP_GROUP_NAMES)
 
 
 def zero_partitions(dp_cp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
-    """Hybrid sharding of every dp x cp group ``g`` (n ranks) into shard groups of ``size``
-    consecutive ranks ``g[k size : (k + 1) size]`` and replicate groups ``g[j::size]``."""
-    for ranks in dp_cp:
-        if len(ranks) % size:
-            raise ValueError(f"parallel.zero_shard_size={size} does not divide dp x cp = "
-                             f"{len(ranks)}")
-    shard = [ranks[k:k + size] for ranks in dp_cp for k in range(0, len(ranks), size)]
-    replicate = [ranks[j::size] for ranks in dp_cp for j in range(size)]
-    return {"zero_shard": sorted(shard), "zero_replicate": sorted(replicate)}
+    """Hybrid sharding of every dp x cp group into shard groups of ``size`` consecutive ranks
+    and replicate groups across them (:func:`split_partition`)."""
+    return split_partition(dp_cp, size, "parallel.zero_shard_size", ZERO_GROUP_NAMES)
 
 
 def expert_shard_size(zero_shard_size: int, edp: int) -> int:
@@ -112,17 +114,11 @@ def expert_shard_size(zero_shard_size: int, edp: int) -> int:
 
 
 def expert_zero_partitions(expert_dp: list[list[int]], size: int) -> dict[str, list[list[int]]]:
-    """Hybrid sharding of every expert_dp group ``g`` (edp ranks) into expert shard groups of
-    s = :func:`expert_shard_size` consecutive ranks ``g[k s : (k + 1) s]`` and expert
-    replicate groups ``g[j::s]``."""
+    """Hybrid sharding of every expert_dp group (edp ranks) into expert shard groups of
+    s = :func:`expert_shard_size` consecutive ranks and expert replicate groups across them
+    (:func:`split_partition`)."""
     s = expert_shard_size(size, len(expert_dp[0]))
-    for ranks in expert_dp:
-        if len(ranks) % s:
-            raise ValueError(f"parallel.zero_shard_size={size} does not divide expert dp = "
-                             f"{len(ranks)}")
-    shard = [ranks[k:k + s] for ranks in expert_dp for k in range(0, len(ranks), s)]
-    replicate = [ranks[j::s] for ranks in expert_dp for j in range(s)]
-    return {"expert_zero_shard": sorted(shard), "expert_zero_replicate": sorted(replicate)}
+    return split_partition(expert_dp, s, "parallel.zero_shard_size", EXPERT_ZERO_GROUP_NAMES)
 
 
 @dataclass(frozen=True)
