@@ -23,8 +23,7 @@ from colonnade.config.validate import resolve, validate
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.fuzz.compare import TOL as TOL  # re-exported: the tests import it from here
 from colonnade.fuzz.compare import rel_err
-from colonnade.optim.clip import clip_coefficient
-from colonnade.optim.lr import lr_at
+from colonnade.fuzz.hf_twin import reference_update as reference_update  # re-exported
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
@@ -181,17 +180,3 @@ def reference_adamw(params: list[torch.nn.Parameter], config: Config) -> torch.o
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def reference_update(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-                     config: Config, step: int) -> torch.Tensor:
-    """The single-process reference's update after its backward: clip the gradients of
-    ``params`` to ``optim.clip_grad`` by their global norm, set the step's learning rate,
-    take the optimizer step. Returns the norm before clipping (0-d)."""
-    o = config.optim
-    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-    coef = clip_coefficient(norm, o.clip_grad)
-    for p in params:
-        p.grad.mul_(coef)
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, config.training.steps, o)
-    opt.step()
-    return norm

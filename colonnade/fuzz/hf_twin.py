@@ -66,8 +66,6 @@ def hf_twin(config: Config, initial: dict[str, torch.Tensor],
     from huggingface_hub.errors import StrictDataclassError
 
     from colonnade.hf_export import write_hf
-    from colonnade.optim.clip import clip_coefficient
-    from colonnade.optim.lr import lr_at
 
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar, per case
@@ -101,13 +99,7 @@ def hf_twin(config: Config, initial: dict[str, torch.Tensor],
             total += float(loss.detach())
         losses.append(total / len(batches))
         grads.append({k: v.detach().clone() for k, v in file_layout_grads(model).items()})
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        coef = clip_coefficient(norm, o.clip_grad)
-        for p in params:
-            p.grad.mul_(coef)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config.training.steps, o)
-        opt.step()
+        reference_update(params, opt, config, step)
     return {"losses": losses, "grads": grads, "params": file_layout_params(model)}
 
 
@@ -230,3 +222,21 @@ class float64_softmax:  # a context manager used like a function
         torch.Tensor.float = self.saved_float  # type: ignore[method-assign]
 
 
+def reference_update(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+                     config: Config, step: int) -> torch.Tensor:
+    """A single-process reference's update after its backward (the transformers twin's and
+    the tests' float64 references'): clip the gradients of ``params`` to ``optim.clip_grad``
+    by their global norm, set the step's learning rate, take the optimizer step. Returns the
+    norm before clipping (0-d)."""
+    from colonnade.optim.clip import clip_coefficient
+    from colonnade.optim.lr import lr_at
+
+    o = config.optim
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+    coef = clip_coefficient(norm, o.clip_grad)
+    for p in params:
+        p.grad.mul_(coef)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, config.training.steps, o)
+    opt.step()
+    return norm
