@@ -51,19 +51,32 @@ collectives in the same order (NCCL): the plan is built once from every rank's p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.tensor_parallel.sharding import Sharding
 
-if TYPE_CHECKING:  # muon.py imports this module (its make_orthogonalizer)
+if TYPE_CHECKING:
     from colonnade.data_parallel.ddp import DataParallel
-    from colonnade.optim.muon import MatrixFn, MuonPiece
     from colonnade.parallel.groups import ProcessGroups
+
+class MuonPiece(Protocol):
+    """What the exchange reads of :class:`colonnade.optim.muon.MuonPiece` (muon.py imports
+    this module, so the fields are named here rather than imported)."""
+
+    param: torch.nn.Parameter
+    index: int | None
+    lo: int
+    hi: int
+    values: torch.Tensor
+
+
+MatrixFn = Callable[[torch.Tensor, str], torch.Tensor]
+"""``fn(full [A, B], key) -> s(A, B) NS(full) [A, B]`` (:data:`colonnade.optim.muon.MatrixFn`)."""
 
 MatrixId = tuple[str, int | None]
 """(parameter key, local expert index or None): one matrix, the same on every rank of a block."""
