@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from colonnade.data_parallel.ddp import DataParallel
     from colonnade.parallel.groups import ProcessGroups
 
+
 class MuonPiece(Protocol):
     """What the exchange reads of :class:`colonnade.optim.muon.MuonPiece` (muon.py imports
     this module, so the fields are named here rather than imported)."""

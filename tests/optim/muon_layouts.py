@@ -35,6 +35,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "zero_stage": 1},
     "tp2sp-etp2": {"moe": True, "ep": 1, "etp": 2, "tp": 2, "sp": True},
     "cp2-zero1": {"cp": 2, "zero_stage": 1},
+    "tp2sp-dp2-ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "tp": 2, "sp": True,
+                            "zero_stage": 1},
+    "dp4-ep1-hybrid2-zero1": {"moe": True, "ep": 1, "dp": 4, "zero_stage": 1,
+                              "zero_shard_size": 2},
     "mla-tp2-dp2-zero1": {"mla": True, "tp": 2, "dp": 2, "zero_stage": 1},
 }
 """Named layouts (``moe``: the MoE harness's model; ``mla``: a tiny DeepSeek-V3 attention,
