@@ -44,9 +44,16 @@ So a matrix of N elements, unsplit and unsharded on DDP's r replicas, costs its 
 
 Overlap: the rounds (one matrix per block rank, in buffer order) are pipelined: while round
 k's matrices are orthogonalised, round k+1's G2 and round k+2's G1 are in flight (posted
-async before, waited after); the scatters of round k follow. Every rank of a group issues the same
-collectives in the same order (NCCL): the plan is built once from every rank's piece list
-(two ``all_gather_object`` calls over S and T, control plane), identical on every rank.
+async before, waited after); the scatters of round k follow. Every rank of a group issues
+the same collectives in the same order (NCCL): the plan is built once from every rank's
+piece list (two ``all_gather_object`` calls over S and T, control plane), identical on
+every rank.
+
+Load: owners are holders, so each rank's Newton-Schulz work follows the Muon elements its
+ZeRO shard holds (a shard mostly made of the embedding owns few matrices). Layouts that split
+nothing (one rank, DDP, cp, pp, ep alone) never come here:
+:func:`colonnade.optim.muon.make_orthogonalizer` gives them the local orthogonalizer, every
+replica computing NS itself.
 """
 
 from __future__ import annotations
