@@ -33,6 +33,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2-pp2-dp2": {"tp": 2, "pp": 2, "dp": 2},
     "ep2": {"moe": True, "ep": 2},
     "ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "zero_stage": 1},
+    "ep2-zero3": {"moe": True, "ep": 2, "dp": 2, "zero_stage": 3},
     "tp2sp-etp2": {"moe": True, "ep": 1, "etp": 2, "tp": 2, "sp": True},
     "cp2-zero1": {"cp": 2, "zero_stage": 1},
     "tp2sp-dp2-ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "tp": 2, "sp": True,
