@@ -280,10 +280,12 @@ class DistributedOptimizer:
         return [group(iv, decay) for iv, decay in pairs]
 
     def describe(self) -> str:
-        """The optimizer and, for Muon, which of this rank's parameters each update takes."""
+        """The optimizer and, for Muon, which of this rank's parameters each update takes:
+        'adamw for every parameter' or 'muon: M matrices in T tensors (...) use Muon, ...'."""
         if self.muon is None:
-            return f"{self.cfg.name}: every parameter"
-        return f"{self.cfg.name}: {describe_split(self.ddp.buffers.params)}"
+            return f"{self.cfg.name} for every parameter"
+        return (f"{self.cfg.name}: {describe_split(self.ddp.buffers.params)} on rank "
+                f"{self.groups.world.rank}")
 
     @property
     def loss_scale(self) -> float:
