@@ -86,10 +86,10 @@ def test_exchange_equals_fn_of_the_whole_matrix(run_ranks: Any) -> None:
 
 
 PARITY = ["tp2", "tp2-sp", "dp2-zero1", "dp2-zero2", "dp2-zero3", "cp2-zero1", "tp2-pp2-dp2",
-          "ep2-zero3", "tp2sp-etp2", "mla-tp2-dp2-zero1"]
+          "dp4-hybrid2-zero1", "ep2-zero3", "tp2sp-etp2", "mla-tp2-dp2-zero1"]
 """The layouts of the end-to-end test: the issue's list where a matrix is split (pp2, cp2,
-ep2 and DDP alone orthogonalise locally: tests/optim/test_muon.py), expert tp and MLA's
-tp-replicated matrices too."""
+ep2 and DDP alone orthogonalise locally: tests/optim/test_muon.py), hybrid sharding, expert
+tp and MLA's tp-replicated matrices too."""
 
 
 def test_muon_parity_across_layouts(run_ranks: Any) -> None:
