@@ -317,13 +317,13 @@ class BlockExchange:
             self.pieces.setdefault(index[mid], []).append(piece)
         return self.plan
 
-    def _owned_here(self, m: int, stage: str) -> bool:
-        """Whether this rank takes part in stage G1 / S1 of matrix m as the sigma_o rank's
-        replica-and-tp line (rho = rho_o; G1 also needs tau in the gathered taus)."""
+    def _gathers(self, m: int) -> bool:
+        """Whether this rank's S group takes part in G1 of matrix m: the owner's replica, and
+        a tp rank whose shard is gathered (every tau when tp splits m, else tau_o)."""
         assert self.plan is not None
         rho, _, tau = self.groups.position
         ro, _, to = self.plan.owners[m]
-        return rho == ro and (stage == "S1" or self.plan.matrices[m].split or tau == to)
+        return rho == ro and (self.plan.matrices[m].split or tau == to)
 
     def _post_g1(self, rnd: _Round, like: torch.Tensor) -> None:
         """G1 over S: my pieces of the round's matrices to their sigma_o."""
@@ -333,7 +333,7 @@ class BlockExchange:
         sends: list[list[torch.Tensor]] = [[] for _ in range(g.shard.size)]
         recv = [0] * g.shard.size
         for m in rnd.matrices:
-            if not self._owned_here(m, "G1"):
+            if not self._gathers(m):
                 continue
             so = plan.owners[m][1]
             sends[so] += [p.values for p in self.pieces.get(m, [])]
@@ -350,7 +350,7 @@ class BlockExchange:
         parts = rnd.g1.parts()
         offsets = [0] * g.shard.size
         for m in rnd.matrices:
-            if not self._owned_here(m, "G1") or plan.owners[m][1] != sigma:
+            if not self._gathers(m) or plan.owners[m][1] != sigma:
                 continue
             local = like.new_zeros(plan.matrices[m].local_numel)  # [L_m]
             for x in range(g.shard.size):
