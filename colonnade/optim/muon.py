@@ -1,0 +1,202 @@
+"""Muon: orthogonalised momentum for the hidden matrices, AdamW for the rest.
+
+Which parameters: :func:`muon_matrices` is the one rule. A parameter whose logical shape
+(``Sharding.full_shape``) has 2 dims is one Muon matrix [A, B] (attention and MLP projections,
+MLA's projections, shared experts, MTP's projection), and a stacked expert weight
+[E, A, B] (split over "ep") is E matrices, one per expert; embeddings (word, position, MTP's),
+output heads and router weights are AdamW's by name, and so is everything with 1 or 3+ dims
+that is not an expert stack (norms, biases, sinks).
+
+Update of a Muon matrix W [A, B] at step t with gradient g = c G (c the unscale-and-clip
+coefficient AdamW gets), momentum mu, learning rate lr, weight decay wd:
+    M <- mu M + g
+    U  = g + mu M            (nesterov; else U = M)
+    O  = NS(U)               (:func:`newton_schulz`)
+    W <- W (1 - lr wd) - lr s(A, B) O          (s = :func:`muon_scale`)
+M is elementwise, so it lives in the optimizer's flat owned ranges like Adam's exp_avg; only
+NS needs the whole matrix. An :class:`Orthogonalizer` turns the pieces of U a rank holds
+(:class:`MuonPiece`) into the same pieces of s(A, B) NS(U): :class:`LocalOrthogonalizer` when
+every piece is a whole, unsplit matrix (one rank, DDP, cp, pp, ep), the distributed one
+(``colonnade.optim.muon_exchange``) when tp or ZeRO splits them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from colonnade.config.sections import OptimConfig
+from colonnade.data_parallel.buffer import is_expert_param, param_key
+from colonnade.data_parallel.ddp import DataParallel
+from colonnade.parallel.groups import ProcessGroups
+
+NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+"""(a, b, c) of the quintic Newton-Schulz iteration (Keller Jordan's Muon)."""
+NS_EPS = 1e-7
+"""Added to ||U||_F before the first iterate is normalised."""
+ADAMW_NAMES: frozenset[str] = frozenset({"embedding", "embed", "head", "router"})
+"""Key components that make a 2-D parameter AdamW's: word / position / MTP embeddings, the
+output heads and the MoE routers."""
+
+
+@dataclass(frozen=True)
+class MuonMatrices:
+    """The Muon matrices of one (local) parameter."""
+
+    count: int
+    """Matrices in the local parameter: E_local for a stacked expert weight, else 1."""
+    shape: tuple[int, int]
+    """Logical shape [A, B] of each matrix (unsharded)."""
+    stacked: bool
+    """Whether dim 0 of the parameter indexes experts (one matrix per expert)."""
+
+
+def muon_matrices(param: torch.nn.Parameter) -> MuonMatrices | None:
+    """The Muon matrices of ``param``, or None when AdamW updates it (module docstring)."""
+    sharding = getattr(param, "sharding", None)
+    full = tuple(sharding.full_shape) if sharding is not None else tuple(param.shape)
+    if ADAMW_NAMES.intersection(param_key(param).split(".")):
+        return None
+    if is_expert_param(param) and len(full) == 3:
+        return MuonMatrices(int(param.shape[0]), (full[1], full[2]), True)
+    if len(full) == 2 and not is_expert_param(param):
+        return MuonMatrices(1, (full[0], full[1]), False)
+    return None
+
+
+def split_matrices(param: torch.nn.Parameter, lo: int, hi: int
+                   ) -> list[tuple[int | None, int, int]]:
+    """Elements [lo, hi) of the flattened local ``param`` (a Muon parameter) as
+    (expert index or None, lo', hi') pieces of each local matrix's flattening: the local
+    matrix ``e`` of a stacked weight [E_local, a, b] holds flat elements [e a b, (e + 1) a b)."""
+    found = muon_matrices(param)
+    assert found is not None, f"{param_key(param)} is not a Muon parameter"
+    if not found.stacked:
+        return [(None, lo, hi)]
+    size = param[0].numel()  # a b: one local expert matrix
+    return [(e, max(lo, e * size) - e * size, min(hi, (e + 1) * size) - e * size)
+            for e in range(lo // size, (hi - 1) // size + 1)] if hi > lo else []
+
+
+def muon_scale(a: int, b: int, mode: str) -> float:
+    """The scale s(A, B) of the update of a matrix [A, B] (``optim.muon_scale``)."""
+    if mode == "match_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    if mode == "spectral":
+        return math.sqrt(max(1.0, a / b))
+    raise ValueError(f"optim.muon_scale={mode!r} is unknown")
+
+
+def newton_schulz(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """NS(U) for U [A, B]: the quintic Newton-Schulz iteration towards the orthogonal factor.
+
+    X = U / (||U||_F + 1e-7), transposed to [B, A] when A > B; ``steps`` times
+    X <- a X + (b P + c P^2) X with P = X X^T [min, min], (a, b, c) = :data:`NS_COEFFICIENTS`;
+    transposed back. Computed in bf16 on CUDA, in U's dtype elsewhere (fp64 runs are exact);
+    returned in U's dtype, shape [A, B].
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = u.to(torch.bfloat16) if u.device.type == "cuda" else u
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T  # [B, A]: P is the smaller Gram matrix
+    x = x / (torch.linalg.matrix_norm(x) + NS_EPS)
+    for _ in range(steps):
+        p = x @ x.T  # [min, min]
+        x = a * x + (b * p + c * (p @ p)) @ x
+    return (x.T if tall else x).to(u.dtype)
+
+
+@dataclass
+class MuonPiece:
+    """Elements [lo, hi) of one local Muon matrix that this rank holds."""
+
+    param: torch.nn.Parameter
+    """The local (tp-shard) parameter."""
+    index: int | None
+    """Expert index into a stacked [E_local, ...] weight, else None."""
+    lo: int
+    """Start of the piece in the flattened local matrix."""
+    hi: int
+    """End (exclusive) of the piece in the flattened local matrix."""
+    values: torch.Tensor
+    """1-D view [hi - lo] of U; overwritten in place with s(A, B) NS(U)."""
+
+
+MatrixFn = Callable[[torch.Tensor, str], torch.Tensor]
+"""``fn(full, key)``: s(A, B) NS(full) for a logical matrix [A, B] named ``key`` (the
+parameter's sharding key, the same for every expert of a stack)."""
+
+
+class Orthogonalizer(Protocol):
+    """Replaces every piece's U by its piece of ``fn`` of the whole logical matrix."""
+
+    def apply(self, pieces: list[MuonPiece], fn: MatrixFn) -> None:
+        """``pieces`` are in buffer order, the same order on every rank of a group."""
+        ...
+
+
+def local_matrix(piece: MuonPiece) -> torch.Tensor:
+    """The local matrix the piece belongs to (the parameter, or one expert of it)."""
+    return piece.param if piece.index is None else piece.param[piece.index]
+
+
+class LocalOrthogonalizer:
+    """Every piece is a whole matrix that no axis splits: ``fn`` on the view itself."""
+
+    def apply(self, pieces: list[MuonPiece], fn: MatrixFn) -> None:
+        for piece in pieces:
+            matrix = local_matrix(piece)
+            if (piece.lo, piece.hi) != (0, matrix.numel()):
+                raise AssertionError(f"{param_key(piece.param)}: piece [{piece.lo}, "
+                                     f"{piece.hi}) of a {tuple(matrix.shape)} matrix is not "
+                                     "whole; the layout needs the distributed orthogonalizer")
+            full = piece.values.view(matrix.shape)  # [A, B]
+            piece.values.copy_(fn(full, param_key(piece.param)).reshape(-1))
+
+
+def splits_matrices(ddp: DataParallel, groups: ProcessGroups) -> bool:
+    """Whether some rank holds only a piece of a Muon matrix: tp or expert tp > 1, or ZeRO
+    sharding the buffers over more than one rank."""
+    etp = groups.expert_tp.size if groups.expert_tp is not None else 1
+    shard = ddp.shard_groups
+    sharded = ddp.sharded and any(g is not None and g.size > 1
+                                  for g in (shard.dense, shard.expert))
+    return groups.tp.size > 1 or etp > 1 or sharded
+
+
+def make_orthogonalizer(ddp: DataParallel, groups: ProcessGroups) -> Orthogonalizer:
+    """The local orthogonalizer when nothing is split (:func:`splits_matrices`), else the
+    distributed one."""
+    if not splits_matrices(ddp, groups):
+        return LocalOrthogonalizer()
+    raise NotImplementedError("optim.name='muon' with tp, expert tp or ZeRO sharding needs "
+                              "colonnade.optim.muon_exchange.DistributedOrthogonalizer")
+
+
+@dataclass(frozen=True)
+class MuonHyper:
+    """The Muon settings of a run (``optim.muon_*``)."""
+
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    scale: str
+
+    @staticmethod
+    def of(cfg: OptimConfig) -> MuonHyper:
+        """The settings in ``cfg``."""
+        return MuonHyper(cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps,
+                         cfg.muon_scale)
+
+    def matrix_fn(self) -> MatrixFn:
+        """``fn(full, key) = s(A, B) NS(full)``."""
+        def fn(full: torch.Tensor, key: str) -> torch.Tensor:
+            del key
+            return muon_scale(full.shape[0], full.shape[1], self.scale) * newton_schulz(
+                full, self.ns_steps)
+        return fn
