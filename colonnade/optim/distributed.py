@@ -143,6 +143,9 @@ class DistributedOptimizer:
             self.expert_norm_groups = [groups.ep, *etp, groups.pp] + (
                 [expert_shard] if ddp.sharded else [])
         self.step_count = 0
+        self.state_start = 0
+        """``step_count`` when the state started from zero (a resume that switched optimizer,
+        ``checkpoint.optimizer_switch='reset'``); AdamW's bias correction counts from it."""
 
     def _index_segments(self, coords: Coords, expert_coords: Coords) -> None:
         """Views for weight decay (matrices), the norm (owned grads: dense, expert) and the
@@ -250,7 +253,7 @@ class DistributedOptimizer:
             return info
         coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
-        self.adamw.update(self.step_count + 1, hp, grad_scale=coef)
+        self.adamw.update(self.step_count + 1 - self.state_start, hp, grad_scale=coef)
         if self.own_masters:
             self._copy_masters()
         self.ddp.start_param_gather()
