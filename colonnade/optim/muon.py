@@ -69,16 +69,17 @@ def muon_matrices(param: torch.nn.Parameter) -> MuonMatrices | None:
 
 
 def split_matrices(param: torch.nn.Parameter, lo: int, hi: int
-                   ) -> list[tuple[int | None, int, int]]:
+                   ) -> list[tuple[int | None, int, int, int]]:
     """Elements [lo, hi) of the flattened local ``param`` (a Muon parameter) as
-    (expert index or None, lo', hi') pieces of each local matrix's flattening: the local
-    matrix ``e`` of a stacked weight [E_local, a, b] holds flat elements [e a b, (e + 1) a b)."""
+    (expert index or None, lo', hi', base) per local matrix: [lo', hi') of that matrix's
+    flattening, which starts at element ``base`` of the parameter's (the local expert ``e`` of
+    a stacked weight [E_local, a, b] holds elements [e a b, (e + 1) a b))."""
     found = muon_matrices(param)
     assert found is not None, f"{param_key(param)} is not a Muon parameter"
     if not found.stacked:
-        return [(None, lo, hi)]
-    size = param[0].numel()  # a b: one local expert matrix
-    return [(e, max(lo, e * size) - e * size, min(hi, (e + 1) * size) - e * size)
+        return [(None, lo, hi, 0)]
+    size = math.prod(param.shape[1:])  # a b: one local expert matrix
+    return [(e, max(lo, e * size) - e * size, min(hi, (e + 1) * size) - e * size, e * size)
             for e in range(lo // size, (hi - 1) // size + 1)] if hi > lo else []
 
 
@@ -200,3 +201,70 @@ class MuonHyper:
             return muon_scale(full.shape[0], full.shape[1], self.scale) * newton_schulz(
                 full, self.ns_steps)
         return fn
+
+
+@dataclass
+class MuonSlot:
+    """One owned piece of a local Muon matrix and its aligned flat views (all [hi - lo])."""
+
+    param: torch.nn.Parameter
+    """The local (tp-shard) parameter."""
+    index: int | None
+    """Expert index into a stacked weight, else None."""
+    lo: int
+    """Start of the piece in the flattened local matrix."""
+    hi: int
+    """End (exclusive) of the piece in the flattened local matrix."""
+
+
+class FlatMuon:
+    """The Muon update (module docstring) over this rank's owned pieces of Muon matrices.
+
+    ``masters[i]``, ``grads[i]``, ``momenta[i]`` are 1-D views of ``slots[i]``'s piece of the
+    master weights, main gradients and momentum M; :meth:`update` builds U in a scratch
+    buffer, hands its pieces to the orthogonalizer (every rank calls it, with or without
+    pieces, so distributed exchanges match) and applies the decayed step.
+    """
+
+    def __init__(self, slots: list[MuonSlot], masters: list[torch.Tensor],
+                 grads: list[torch.Tensor], momenta: list[torch.Tensor],
+                 orthogonalizer: Orthogonalizer, hyper: MuonHyper) -> None:
+        self.slots, self.masters, self.grads, self.momenta = slots, masters, grads, momenta
+        self.orthogonalizer, self.hyper = orthogonalizer, hyper
+        self.fn = hyper.matrix_fn()
+
+    @torch.no_grad()
+    def update(self, lr: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+        """One step with gradients g = ``grad_scale`` G (G as stored, left unchanged)."""
+        mu = self.hyper.momentum
+        sizes = [m.numel() for m in self.momenta]
+        dtype = self.masters[0].dtype if self.masters else torch.float32
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        u_flat = torch.empty(sum(sizes), dtype=dtype, device=device)  # [owned Muon elements]
+        us = list(u_flat.split(sizes))
+        if self.slots:
+            torch._foreach_mul_(self.momenta, mu)
+            torch._foreach_add_(self.momenta, self.grads, alpha=grad_scale)  # M <- mu M + g
+            if self.hyper.nesterov:  # U = g + mu M
+                torch._foreach_copy_(us, self.grads)
+                if grad_scale != 1.0:
+                    torch._foreach_mul_(us, grad_scale)
+                torch._foreach_add_(us, self.momenta, alpha=mu)
+            else:
+                torch._foreach_copy_(us, self.momenta)
+        pieces = [MuonPiece(s.param, s.index, s.lo, s.hi, u)
+                  for s, u in zip(self.slots, us, strict=True)]
+        self.orthogonalizer.apply(pieces, self.fn)  # U <- s(A, B) NS(U), piece by piece
+        if self.slots:
+            if weight_decay:
+                torch._foreach_mul_(self.masters, 1.0 - lr * weight_decay)
+            torch._foreach_add_(self.masters, us, alpha=-lr)
+
+
+def describe_split(params: list[torch.nn.Parameter]) -> str:
+    """'M matrices in P tensors (N parameters) use Muon, Q tensors (K parameters) AdamW'."""
+    muon = [(p, found) for p in params if (found := muon_matrices(p)) is not None]
+    rest = [p for p in params if muon_matrices(p) is None]
+    return (f"{sum(f.count for _, f in muon)} matrices in {len(muon)} tensors "
+            f"({sum(p.numel() for p, _ in muon):,} parameters) use Muon, {len(rest)} tensors "
+            f"({sum(p.numel() for p in rest):,} parameters) AdamW")
