@@ -20,7 +20,9 @@ Four measurements, each side by side in one run (this machine is noisy: medians 
   ranks and groups (``CommStats``), Muon minus AdamW (the same gradient reductions and
   parameter gathers otherwise), against the theory: the owner of a matrix of n elements of e
   bytes receives the pieces it lacks and sends each holder its piece of the result back, 2 (n
-  - n_owner) e, and with equal pieces over g holders 2 (g - 1)/g n e per matrix, summed;
+  - n_owner) e, and with equal pieces over g holders 2 (g - 1)/g n e per matrix, summed; and
+  against the exchange's own per-rank formula (``DistributedOrthogonalizer.
+  exchange_elements``: its plan's owners and piece sizes, every stage), summed over ranks;
 * loss after N steps: both optimizers from the same seed on the same data (``--data``: a
   prepared dataset, e.g. `colonnade prepare --model.vocab_size=1024
   --data.prepared_dir=DIR`; default: uniform random tokens, which no optimizer can learn):
@@ -162,7 +164,10 @@ def exchange_rank(w: Workload, micro: int, name: str, steps: int) -> dict[str, A
     for step in data[1:]:
         trainer.train_step(step)
     snap = groups.stats.snapshot()
-    return {"rank": groups.world.rank,
+    muon = trainer.optimizer.muon
+    formula = getattr(muon.orthogonalizer, "exchange_elements", None) if muon else None
+    sent = sum(a for a, _ in formula().values()) if formula is not None else 0
+    return {"rank": groups.world.rank, "formula_sent_elements": sent,
             "wire_bytes": {k: v["wire_bytes"] / steps for k, v in snap.items()},
             "payload_bytes": {k: v["payload_bytes"] / steps for k, v in snap.items()},
             "calls": {k: v["calls"] / steps for k, v in snap.items()}}
@@ -187,11 +192,13 @@ def exchange_bytes(w: Workload, micro: int, steps: int) -> dict[str, Any]:
                 keys[k] = keys.get(k, 0.0) + sign * v
     extra = {k: v for k, v in keys.items() if abs(v) > 0.5}
     theory = exchange_theory(muon_shapes(w, micro), EXCHANGE_WORLD, 4)
+    formula = 4 * sum(r["formula_sent_elements"] for r in per["muon"])
     measured = totals["muon"] - totals["adamw"]
     return {"layout": "tp2 x dp2 ZeRO-1, 4 ranks", "steps": steps,
             "wire_bytes_per_step": totals, "muon_extra_bytes": measured,
-            "muon_extra_by_key": extra, "theory_bytes": theory,
+            "muon_extra_by_key": extra, "theory_bytes": theory, "formula_bytes": formula,
             "measured_over_theory": measured / theory if theory else float("nan"),
+            "measured_over_formula": measured / formula if formula else float("nan"),
             "per_rank": per}
 
 
@@ -263,7 +270,9 @@ def table(res: dict[str, Any]) -> str:
     if "exchange" in res:
         ex = res["exchange"]
         lines.append(f"exchange    {ex['layout']}: Muon adds {ex['muon_extra_bytes']:,.0f} "
-                     f"wire bytes/step (all ranks) against {ex['theory_bytes']:,.0f} in theory "
+                     f"wire bytes/step (all ranks); the exchange's formula "
+                     f"{ex['formula_bytes']:,.0f} ({ex['measured_over_formula']:.3f}x), equal "
+                     f"pieces 2(g-1)/g N e {ex['theory_bytes']:,.0f} "
                      f"({ex['measured_over_theory']:.3f}x)")
     if "loss" in res:
         lo = res["loss"]
@@ -293,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.pairs, args.warmup, args.ns_repeats = 5, 1, 5
-        args.exchange_steps, args.loss_steps = min(args.exchange_steps, 1), 20
+        args.exchange_steps, args.loss_steps = min(args.exchange_steps, 1), min(args.loss_steps,
+                                                                                20)
     w = WORKLOADS[args.workload]
     res = run(w, args.micro_batch or w.global_batch, args.pairs, args.warmup, args.ns_repeats,
               args.exchange_steps, args.loss_steps, Path(args.data) if args.data else None)
