@@ -17,7 +17,8 @@ M is elementwise, so it lives in the optimizer's flat owned ranges like Adam's e
 NS needs the whole matrix. An :class:`Orthogonalizer` turns the pieces of U a rank holds
 (:class:`MuonPiece`) into the same pieces of s(A, B) NS(U): :class:`LocalOrthogonalizer` when
 every piece is a whole, unsplit matrix (one rank, DDP, cp, pp, ep), the distributed one
-(``colonnade.optim.muon_exchange``) when tp or ZeRO splits them.
+(:class:`colonnade.optim.muon_exchange.DistributedOrthogonalizer`: one owner rank per
+matrix gathers it, orthogonalises it and scatters the result) when tp or ZeRO splits them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from colonnade.config.sections import OptimConfig
 from colonnade.data_parallel.buffer import is_expert_param, param_key
 from colonnade.data_parallel.ddp import DataParallel
+from colonnade.optim.muon_exchange import DistributedOrthogonalizer
 from colonnade.parallel.groups import ProcessGroups
 
 NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -175,8 +177,7 @@ def make_orthogonalizer(ddp: DataParallel, groups: ProcessGroups) -> Orthogonali
     distributed one."""
     if not splits_matrices(ddp, groups):
         return LocalOrthogonalizer()
-    raise NotImplementedError("optim.name='muon' with tp, expert tp or ZeRO sharding needs "
-                              "colonnade.optim.muon_exchange.DistributedOrthogonalizer")
+    return DistributedOrthogonalizer(ddp, groups)
 
 
 @dataclass(frozen=True)

@@ -51,17 +51,18 @@ collectives in the same order (NCCL): the plan is built once from every rank's p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.tensor_parallel.sharding import Sharding
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # muon.py imports this module (its make_orthogonalizer)
     from colonnade.data_parallel.ddp import DataParallel
+    from colonnade.optim.muon import MatrixFn, MuonPiece
     from colonnade.parallel.groups import ProcessGroups
 
 MatrixId = tuple[str, int | None]
@@ -70,8 +71,6 @@ Ranges = tuple[tuple[int, int], ...]
 """The [lo, hi) ranges of the flattened local shard one rank holds, in its piece order."""
 Position = tuple[int, int, int]
 """(rho, sigma, tau): a rank's place in the block (replica, shard, tp)."""
-Fn = Callable[[torch.Tensor, str], torch.Tensor]
-"""fn(U [A, B], name) -> scale * NS(U) [A, B]."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,8 @@ class Matrix:
 
     mid: MatrixId
     name: str
-    """What ``fn`` is told (the parameter key; an expert adds ``[global expert]``)."""
+    """What ``fn`` is told: the parameter's sharding key (every expert of a stack shares it,
+    as :class:`~colonnade.optim.muon.LocalOrthogonalizer` tells it)."""
     sharding: Sharding
     """Its 2-D logical layout: ``full_shape`` [A, B], split over "tp" (T) or not at all."""
     local_numel: int
@@ -114,7 +114,7 @@ def piece_count(ranges: Ranges) -> int:
     return sum(hi - lo for lo, hi in ranges)
 
 
-def matrix_of(piece: Any, ep_rank: int) -> tuple[MatrixId, str, Sharding, int]:
+def matrix_of(piece: MuonPiece) -> tuple[MatrixId, str, Sharding, int]:
     """(id, name, 2-D sharding, local numel) of the matrix ``piece`` belongs to: the
     parameter's own sharding, or for expert ``index`` of a stacked [E_local, ...] weight the
     per-expert one (the ep split dropped, the tp split moved one dim in)."""
@@ -124,8 +124,7 @@ def matrix_of(piece: Any, ep_rank: int) -> tuple[MatrixId, str, Sharding, int]:
         return (sharding.key, None), sharding.key, sharding, param.numel()
     splits = tuple((axis, d - 1) for axis, d in sharding.splits if axis != "ep")
     per = Sharding(sharding.key, sharding.full_shape[1:], splits=splits)
-    expert = ep_rank * param.shape[0] + index
-    return (sharding.key, index), f"{sharding.key}[{expert}]", per, param[index].numel()
+    return (sharding.key, index), sharding.key, per, param[index].numel()
 
 
 def build_plan(tables: Sequence[Sequence[list[tuple[MatrixId, int, int]]]],
@@ -258,23 +257,22 @@ class BlockExchange:
     """The gathers, Newton-Schulz calls and scatters of one kind of matrices (dense or
     expert) over its :class:`BlockGroups`."""
 
-    def __init__(self, groups: BlockGroups, ep_rank: int, name: str,
-                 device: torch.device) -> None:
-        self.groups, self.ep_rank, self.name = groups, ep_rank, name
+    def __init__(self, groups: BlockGroups, name: str, device: torch.device) -> None:
+        self.groups, self.name = groups, name
         self.dtype = torch.float32
         """The dtype U travels in: the first holder's (every rank of the block agrees)."""
         self.device = device
         self.plan: Plan | None = None
         self._signature: list[tuple[MatrixId, int, int]] | None = None
-        self.pieces: dict[int, list[Any]] = {}
+        self.pieces: dict[int, list[MuonPiece]] = {}
         """m -> this rank's pieces of matrix m, in the plan's range order."""
 
-    def prepare(self, pieces: Sequence[Any]) -> Plan:
+    def prepare(self, pieces: Sequence[MuonPiece]) -> Plan:
         """The plan (built by the first call: collectives over S and T on every rank); later
         calls check that the pieces still describe the same layout."""
         table, meta = [], {}
         for piece in pieces:
-            mid, name, sharding, numel = matrix_of(piece, self.ep_rank)
+            mid, name, sharding, numel = matrix_of(piece)
             table.append((mid, int(piece.lo), int(piece.hi)))
             meta[mid] = Matrix(mid, name, sharding, numel)
         if self.plan is None:
@@ -356,7 +354,7 @@ class BlockExchange:
                     recv[x] += plan.matrices[m].local_numel
         rnd.g2 = _post(g.tp, sends, recv, like, f"muon_{self.name}_gather")
 
-    def _orthogonalize(self, rnd: _Round, fn: Fn) -> dict[int, torch.Tensor]:
+    def _orthogonalize(self, rnd: _Round, fn: MatrixFn) -> dict[int, torch.Tensor]:
         """Wait for G2, assemble every matrix this rank owns and return m -> O [A, B]."""
         plan, g = self.plan, self.groups
         assert plan is not None and rnd.g2 is not None
@@ -459,7 +457,7 @@ class BlockExchange:
             offset += n
         return offset
 
-    def run(self, pieces: Sequence[Any], fn: Fn) -> None:
+    def run(self, pieces: Sequence[MuonPiece], fn: MatrixFn) -> None:
         """Overwrite every piece's U with its piece of fn(U): the rounds, pipelined (round
         k+1's gathers are in flight while round k's matrices are orthogonalised)."""
         plan = self.prepare(pieces)
@@ -512,14 +510,12 @@ class DistributedOrthogonalizer:
 
     def __init__(self, ddp: DataParallel, groups: ProcessGroups) -> None:
         device = ddp.buffers.device
-        self.dense = BlockExchange(block_groups(ddp, groups, False), 0, "dense", device)
+        self.dense = BlockExchange(block_groups(ddp, groups, False), "dense", device)
         self.expert: BlockExchange | None = None
         if ddp.expert_group is not None:
-            ep_rank = max(groups.ep.rank, 0) if groups.ep is not None else 0
-            self.expert = BlockExchange(block_groups(ddp, groups, True), ep_rank, "expert",
-                                        device)
+            self.expert = BlockExchange(block_groups(ddp, groups, True), "expert", device)
 
-    def apply(self, pieces: list[Any], fn: Fn) -> None:
+    def apply(self, pieces: list[MuonPiece], fn: MatrixFn) -> None:
         """Overwrite each piece's ``values`` (U) with its piece of ``fn(U_full, name)``."""
         dense = [p for p in pieces if p.index is None]
         self.dense.run(dense, fn)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
-from colonnade.data_parallel.buffer import is_expert_param
+from colonnade.optim.muon import MuonPiece, muon_matrices, split_matrices
 from tests.moe.harness import moe_config
 from tests.parity import resolved, tiny_model
 
@@ -31,28 +30,33 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cp2": {"cp": 2},
     "dp4-hybrid2-zero1": {"dp": 4, "zero_stage": 1, "zero_shard_size": 2},
     "tp2-pp2-dp2-zero1": {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1},
+    "tp2-pp2-dp2": {"tp": 2, "pp": 2, "dp": 2},
     "ep2": {"moe": True, "ep": 2},
     "ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "zero_stage": 1},
     "tp2sp-etp2": {"moe": True, "ep": 1, "etp": 2, "tp": 2, "sp": True},
 }
 
 
-def layout_config(name: str, steps: int = 3) -> Config:
+def layout_config(name: str, optimizer: str = "adamw", steps: int = 3) -> Config:
     """The resolved float64 config of layout ``name`` (small buckets, so ZeRO shards cut
-    matrices in the middle)."""
+    matrices in the middle); a dense model's global batch is 4 micro-batches of 2 in every
+    layout (one single-process reference for all)."""
     case = dict(LAYOUTS[name])
     if case.pop("moe", False):
         config = moe_config(steps=steps, **case)
+        config = dataclasses.replace(config, optim=dataclasses.replace(config.optim,
+                                                                       name=optimizer))
     else:
         par = ParallelConfig(tp=case.get("tp", 1), sp=case.get("sp", False),
                              pp=case.get("pp", 1), cp=case.get("cp", 1), dp=case.get("dp", 1),
                              zero_stage=case.get("zero_stage", 0),
                              zero_shard_size=case.get("zero_shard_size"),
                              use_distributed_optimizer=case.get("zero_stage", 0) >= 1)
-        training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2, microbatches=2,
-                                  precision="fp64", seed=11, eval_interval=0)
-        optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1,
-                            clip_grad=0.05)
+        training = TrainingConfig(steps=steps, seq_len=16, micro_batch_size=2,
+                                  microbatches=4 // int(par.dp or 1), precision="fp64",
+                                  seed=11, eval_interval=0)
+        optim = OptimConfig(name=optimizer, lr=1e-2, min_lr=1e-3, warmup_steps=1,
+                            weight_decay=0.1, clip_grad=0.05)
         config = Config(model=tiny_model("llama", layers=2), parallel=par, training=training,
                         optim=optim)
         config = resolved(config, par.tp * par.pp * par.cp * int(par.dp or 1))
@@ -64,27 +68,6 @@ def world_of(config: Config) -> int:
     """tp x pp x cp x dp."""
     par = config.parallel
     return par.tp * par.pp * par.cp * int(par.dp or 1)
-
-
-@dataclass
-class Piece:
-    """The MuonPiece fields (colonnade.optim.muon's interface)."""
-
-    param: torch.nn.Parameter
-    index: int | None
-    lo: int
-    hi: int
-    values: torch.Tensor
-
-
-def is_matrix(param: torch.nn.Parameter) -> bool:
-    """A hidden matrix (2-D, not embedding / head / router) or a stacked expert weight."""
-    sharding = param.sharding  # type: ignore[attr-defined]
-    key = sharding.key
-    if is_expert_param(param):
-        return len(sharding.full_shape) == 3
-    return len(sharding.full_shape) == 2 and not any(
-        word in key for word in ("embedding", "output", "router"))
 
 
 def seeded(key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -106,37 +89,28 @@ def local_matrix(param: torch.nn.Parameter, index: int | None, full: torch.Tenso
     return sharding.shard(stacked, coords)[index].reshape(-1)
 
 
-def matrix_name(param: torch.nn.Parameter, index: int | None, ep_rank: int) -> str:
-    """The name fn is told: the key, an expert's with ``[global expert]``."""
+def seed_name(param: torch.nn.Parameter, index: int | None, ep_rank: int) -> str:
+    """The seed of U: the key, an expert's with ``[global expert]``."""
     key = param.sharding.key  # type: ignore[attr-defined]
     return key if index is None else f"{key}[{ep_rank * param.shape[0] + index}]"
 
 
 def u_pieces(ddp: Any, coords: dict[str, tuple[int, int]],
-             expert_coords: dict[str, tuple[int, int]]) -> list[Piece]:
-    """This rank's pieces of every matrix in buffer order, holding its slice of U."""
+             expert_coords: dict[str, tuple[int, int]]) -> list[MuonPiece]:
+    """This rank's pieces of every Muon matrix in buffer order, holding its slice of U."""
     buffers = ddp.buffers
     out = []
     for lo, hi in ddp.owned_ranges():
         for p, a, b in buffers.segments(lo, hi):
-            if not is_matrix(p):
+            found = muon_matrices(p)
+            if found is None:
                 continue
             start = buffers.slot(p).start
-            a, b = a - start, b - start
-            expert = is_expert_param(p)
-            where = expert_coords if expert else coords
-            indices = range(p.shape[0]) if expert else [None]
-            n = p[0].numel() if expert else p.numel()
-            for i in indices:
-                off = (i or 0) * n
-                x, y = max(a, off), min(b, off + n)
-                if x >= y:
-                    continue
-                name = matrix_name(p, i, where.get("ep", (0, 1))[0])
-                shape = p.sharding.full_shape[1:] if expert else p.sharding.full_shape
-                full = seeded(name, tuple(shape))
-                values = local_matrix(p, i, full, where)[x - off:y - off].clone()
-                out.append(Piece(p, i, x - off, y - off, values))
+            where = expert_coords if found.stacked else coords
+            for index, x, y, _ in split_matrices(p, a - start, b - start):
+                full = seeded(seed_name(p, index, where.get("ep", (0, 1))[0]), found.shape)
+                values = local_matrix(p, index, full, where)[x:y].clone()
+                out.append(MuonPiece(p, index, x, y, values))
     return out
 
 
@@ -145,12 +119,13 @@ def cubic(full: torch.Tensor, name: str) -> torch.Tensor:
     return full @ full.T @ full * (1 + zlib.crc32(name.encode()) % 7)
 
 
-def expected_piece(piece: Piece, coords: dict[str, tuple[int, int]],
+def expected_piece(piece: MuonPiece, coords: dict[str, tuple[int, int]],
                    expert_coords: dict[str, tuple[int, int]]) -> torch.Tensor:
     """The piece's slice of fn(U) computed on the whole logical matrix."""
     expert = piece.index is not None
     where = expert_coords if expert else coords
-    name = matrix_name(piece.param, piece.index, where.get("ep", (0, 1))[0])
+    seed = seed_name(piece.param, piece.index, where.get("ep", (0, 1))[0])
     shape = piece.param.sharding.full_shape  # type: ignore[attr-defined]
-    full = seeded(name, tuple(shape[1:] if expert else shape))
-    return local_matrix(piece.param, piece.index, cubic(full, name), where)[piece.lo:piece.hi]
+    full = seeded(seed, tuple(shape[1:] if expert else shape))
+    return local_matrix(piece.param, piece.index, cubic(full, piece.param.sharding.key),  # type: ignore[attr-defined]
+                        where)[piece.lo:piece.hi]
