@@ -18,8 +18,8 @@ from typing import Any
 from tests.checkpoint.harness import Layout
 from tests.checkpoint.test_zero_reshard import Zero, _same, _stored_once, load_run, save_run
 
-SAVED = Zero(Layout(pp=2), 0, optim="muon")
-TARGETS = [Zero(Layout(), 0, optim="muon"), Zero(Layout(dp=2), 0, optim="muon")]
+SAVED = Zero(Layout(dp=2), 1, optim="muon")
+TARGETS = [Zero(Layout(), 0, optim="muon"), Zero(Layout(tp=2), 0, optim="muon")]
 
 
 def test_muon_momentum_reshards(run_ranks: Callable[..., list[Any]], tmp_path: Path) -> None:
