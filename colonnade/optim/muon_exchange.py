@@ -51,6 +51,7 @@ collectives in the same order (NCCL): the plan is built once from every rank's p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -124,7 +125,8 @@ def matrix_of(piece: MuonPiece) -> tuple[MatrixId, str, Sharding, int]:
         return (sharding.key, None), sharding.key, sharding, param.numel()
     splits = tuple((axis, d - 1) for axis, d in sharding.splits if axis != "ep")
     per = Sharding(sharding.key, sharding.full_shape[1:], splits=splits)
-    return (sharding.key, index), sharding.key, per, param[index].numel()
+    # the shape, not param[index]: a ZeRO-3 parameter's storage is freed between gathers
+    return (sharding.key, index), sharding.key, per, math.prod(param.shape[1:])
 
 
 def build_plan(tables: Sequence[Sequence[list[tuple[MatrixId, int, int]]]],
