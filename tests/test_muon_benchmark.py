@@ -25,5 +25,8 @@ def test_muon_benchmark_measures_both_optimizers() -> None:
     adamw, muon = loss["adamw"]["losses"], loss["muon"]["losses"]
     assert adamw[0] == muon[0] and adamw[2] != muon[2]  # same start, other updates
     assert loss["muon"]["final"] == muon[-1]
-    assert bench.exchange_theory([(2, 3)], 4, 4) == pytest.approx(2 * 3 / 4 * 6 * 4)
+    # a 6-element matrix in pieces of 4 and 2 (one owner: the 2 move there and back), and an
+    # expert matrix of 8 held whole: 2 (6 - 4) x 4 bytes
+    pieces = [("w", None, 4, 6), ("w", None, 2, 6), ("e", 0, 8, 8)]
+    assert bench.exchange_bound(pieces, 4) == 16.0
     assert "muon/adamw" in bench.table(res)
