@@ -54,6 +54,7 @@ from colonnade.optim.muon import (
     FlatMuon,
     MuonHyper,
     MuonSlot,
+    describe_split,
     make_orthogonalizer,
     muon_matrices,
     split_matrices,
@@ -272,6 +273,12 @@ class DistributedOptimizer:
         pairs = [(self.decayed_intervals, True), (self._plain_intervals, False)]
         self._group_intervals = [iv for iv, _ in pairs if iv]  # FlatAdamW keeps non-empty
         return [group(iv, decay) for iv, decay in pairs]
+
+    def describe(self) -> str:
+        """The optimizer and, for Muon, which of this rank's parameters each update takes."""
+        if self.muon is None:
+            return f"{self.cfg.name}: every parameter"
+        return f"{self.cfg.name}: {describe_split(self.ddp.buffers.params)}"
 
     @property
     def loss_scale(self) -> float:

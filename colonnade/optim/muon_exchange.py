@@ -42,29 +42,50 @@ these formulas alone), with n = |P[tau][sigma][m]|, t = |T|, r = |R|:
 So a matrix of N elements, unsplit and unsharded on DDP's r replicas, costs its owner
 (r - 1) N sent; ZeRO over s ranks without tp moves (N - n_owner) each way.
 
-Overlap: the rounds (one matrix per block rank, in buffer order) are pipelined: round k+1's
-G1 is posted (async) before round k's Newton-Schulz runs and its G2 right after, so they are
-in flight during it; the scatters of round k follow. Every rank of a group issues the same
-collectives in the same order (NCCL): the plan is built once from every rank's piece list
-(two ``all_gather_object`` calls over S and T, control plane), identical on every rank.
+Overlap: the rounds (one matrix per block rank, in buffer order) are pipelined: while round
+k's matrices are orthogonalised, round k+1's G2 and round k+2's G1 are in flight (posted
+async before, waited after); the scatters of round k follow. Every rank of a group issues
+the same collectives in the same order (NCCL): the plan is built once from every rank's
+piece list (two ``all_gather_object`` calls over S and T, control plane), identical on
+every rank.
+
+Load: owners are holders, so each rank's Newton-Schulz work follows the Muon elements its
+ZeRO shard holds (a shard mostly made of the embedding owns few matrices). Layouts that split
+nothing (one rank, DDP, cp, pp, ep alone) never come here:
+:func:`colonnade.optim.muon.make_orthogonalizer` gives them the local orthogonalizer, every
+replica computing NS itself.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from colonnade.parallel.comm import CommGroup, Handle
 from colonnade.tensor_parallel.sharding import Sharding
 
-if TYPE_CHECKING:  # muon.py imports this module (its make_orthogonalizer)
+if TYPE_CHECKING:
     from colonnade.data_parallel.ddp import DataParallel
-    from colonnade.optim.muon import MatrixFn, MuonPiece
     from colonnade.parallel.groups import ProcessGroups
+
+
+class MuonPiece(Protocol):
+    """What the exchange reads of :class:`colonnade.optim.muon.MuonPiece` (muon.py imports
+    this module, so the fields are named here rather than imported)."""
+
+    param: torch.nn.Parameter
+    index: int | None
+    lo: int
+    hi: int
+    values: torch.Tensor
+
+
+MatrixFn = Callable[[torch.Tensor, str], torch.Tensor]
+"""``fn(full [A, B], key) -> s(A, B) NS(full) [A, B]`` (:data:`colonnade.optim.muon.MatrixFn`)."""
 
 MatrixId = tuple[str, int | None]
 """(parameter key, local expert index or None): one matrix, the same on every rank of a block."""
@@ -460,8 +481,9 @@ class BlockExchange:
         return offset
 
     def run(self, pieces: Sequence[MuonPiece], fn: MatrixFn) -> None:
-        """Overwrite every piece's U with its piece of fn(U): the rounds, pipelined (round
-        k+1's gathers are in flight while round k's matrices are orthogonalised)."""
+        """Overwrite every piece's U with its piece of fn(U), round after round, pipelined:
+        while round k's matrices are orthogonalised, round k+1's G2 and round k+2's G1 are
+        in flight (posted before, waited after)."""
         plan = self.prepare(pieces)
         like = torch.empty(0, dtype=self.dtype, device=self.device)
         rounds = [_Round(ms) for ms in plan.rounds]
@@ -470,14 +492,15 @@ class BlockExchange:
         self._post_g1(rounds[0], like)
         self._take_g1(rounds[0], like)
         self._post_g2(rounds[0], like)
+        if len(rounds) > 1:
+            self._post_g1(rounds[1], like)
         for k, rnd in enumerate(rounds):
-            following = rounds[k + 1] if k + 1 < len(rounds) else None
-            if following is not None:
-                self._post_g1(following, like)
+            if k + 1 < len(rounds):
+                self._take_g1(rounds[k + 1], like)
+                self._post_g2(rounds[k + 1], like)
+            if k + 2 < len(rounds):
+                self._post_g1(rounds[k + 2], like)
             results = self._orthogonalize(rnd, fn)
-            if following is not None:
-                self._take_g1(following, like)
-                self._post_g2(following, like)
             self._scatter_tp(rnd, results, like)
             self._scatter_shard(rnd, like)
             self._scatter_replicas(rnd, like)

@@ -34,7 +34,19 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2": {"moe": True, "ep": 2},
     "ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "zero_stage": 1},
     "tp2sp-etp2": {"moe": True, "ep": 1, "etp": 2, "tp": 2, "sp": True},
+    "cp2-zero1": {"cp": 2, "zero_stage": 1},
+    "tp2sp-dp2-ep2-zero1": {"moe": True, "ep": 2, "dp": 2, "tp": 2, "sp": True,
+                            "zero_stage": 1},
+    "dp4-ep1-hybrid2-zero1": {"moe": True, "ep": 1, "dp": 4, "zero_stage": 1,
+                              "zero_shard_size": 2},
+    "mla-tp2-dp2-zero1": {"mla": True, "tp": 2, "dp": 2, "zero_stage": 1},
 }
+"""Named layouts (``moe``: the MoE harness's model; ``mla``: a tiny DeepSeek-V3 attention,
+whose q_a / kv_a projections are Muon matrices replicated over tp)."""
+
+MLA = {"mla_kv_lora_rank": 16, "mla_q_lora_rank": 24, "mla_qk_nope_head_dim": 16,
+       "mla_qk_rope_head_dim": 8, "mla_v_head_dim": 12}
+"""tests/families/test_deepseek_v3.py's multi-head latent attention."""
 
 
 def layout_config(name: str, optimizer: str = "adamw", steps: int = 3) -> Config:
@@ -57,8 +69,10 @@ def layout_config(name: str, optimizer: str = "adamw", steps: int = 3) -> Config
                                   seed=11, eval_interval=0)
         optim = OptimConfig(name=optimizer, lr=1e-2, min_lr=1e-3, warmup_steps=1,
                             weight_decay=0.1, clip_grad=0.05)
-        config = Config(model=tiny_model("llama", layers=2), parallel=par, training=training,
-                        optim=optim)
+        model = tiny_model("llama", layers=2)
+        if case.get("mla"):
+            model = dataclasses.replace(model, arch="deepseek_v3", **MLA)  # type: ignore[arg-type]
+        config = Config(model=model, parallel=par, training=training, optim=optim)
         config = resolved(config, par.tp * par.pp * par.cp * int(par.dp or 1))
     parallel = dataclasses.replace(config.parallel, bucket_size=1500)
     return dataclasses.replace(config, parallel=parallel)
