@@ -31,8 +31,9 @@ from colonnade.fuzz.space import Case
 from colonnade.models.build import build_reference
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.lr import lr_at
-from colonnade.optim.muon import muon_matrices
+from colonnade.optim.muon import MuonMatrices, muon_matrices, split_matrices
 from colonnade.parallel.pool import RankPools
+from colonnade.tensor_parallel.sharding import Sharding
 
 STEPS = 3
 
@@ -261,3 +262,20 @@ def test_readme_optimizer_table_is_muon_matrices() -> None:
     table = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
     expected = update_table()
     assert table == expected, f"the README's optimizer table should read:\n{expected}"
+
+
+def test_split_matrices_cuts_an_expert_stack_per_expert() -> None:
+    """A ZeRO-like range [5, 19) of a stacked [3, 2, 4] expert weight is three pieces, one per
+    expert matrix, at offsets 0, 8, 16; a dense matrix is one piece; a 1-D one is AdamW's."""
+    stack = torch.nn.Parameter(torch.zeros(3, 2, 4))
+    stack.sharding = Sharding("layers.0.mlp.experts.up", (6, 2, 4),  # type: ignore[attr-defined]
+                              splits=(("ep", 0),))
+    assert muon_matrices(stack) == MuonMatrices(3, (2, 4), True)
+    assert split_matrices(stack, 5, 19) == [(0, 5, 8, 0), (1, 0, 8, 8), (2, 0, 3, 16)]
+    dense = torch.nn.Parameter(torch.zeros(4, 6))
+    dense.sharding = Sharding("layers.0.attn.o.weight", (4, 12), dim=1)  # type: ignore[attr-defined]
+    assert muon_matrices(dense) == MuonMatrices(1, (4, 12), False)
+    assert split_matrices(dense, 3, 7) == [(None, 3, 7, 0)]
+    norm = torch.nn.Parameter(torch.zeros(4))
+    norm.sharding = Sharding("final_norm.weight", (4,))  # type: ignore[attr-defined]
+    assert muon_matrices(norm) is None
