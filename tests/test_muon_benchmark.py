@@ -21,7 +21,9 @@ def test_muon_benchmark_measures_both_optimizers() -> None:
                                         + sorted(st["ratio_rounds"])[1] / 2)
     # 2 layers x (q, k, v, o, fc, proj) of gpt2; embeddings, head, norms, biases are AdamW's
     assert ns["matrices"] == 12 and ns["elements"] == 2 * (4 * 32 * 32 + 2 * 32 * 128)
-    assert 0 < ns["share_of_muon_step"] < 1
+    share = ns["per_step_s"] / st["step_s"]["muon"]  # not bounded by 1 here: a loaded
+    assert ns["share_of_muon_step"] == share > 0  # machine may deschedule a timed NS call
+    assert set(ns["per_shape_s"]) == {"32x32", "128x32", "32x128"}
     adamw, muon = loss["adamw"]["losses"], loss["muon"]["losses"]
     assert adamw[0] == muon[0] and adamw[2] != muon[2]  # same start, other updates
     assert loss["muon"]["final"] == muon[-1]
