@@ -3,11 +3,14 @@
 The checkpoint never sees an optimizer's buffers. An optimizer exposes two methods:
 
 ``logical_state() -> dict[str, dict[str, OptimSlice]]``
-    global parameter key -> state name (``master``, ``exp_avg``, ``exp_avg_sq`` for AdamW,
-    ``momentum`` for a Muon matrix: :data:`STATE_NAMES`) -> the values
-    this rank owns: its tp shard (``flat=None``) or a flat range ``[start, end)`` of the
-    row-major flattening of its (padded) local tp shard (a ZeRO-1 rank's part of the bucket).
-    ``master`` may be left out when it *is* the model parameter (fp32 / fp64 runs).
+    global parameter key -> state name -> the values this rank owns: its tp shard
+    (``flat=None``) or a flat range ``[start, end)`` of the row-major flattening of its
+    (padded) local tp shard (a ZeRO-1 rank's part of the bucket). ``master`` may be left out
+    when it *is* the model parameter (fp32 / fp64 runs). The state names are the optimizer's:
+    each parameter's are those of the update it takes (AdamW: ``master``, ``exp_avg``,
+    ``exp_avg_sq``; a Muon matrix: ``master``, ``momentum``), so a checkpoint stores
+    ``optim/<key>/<name>`` for exactly those and a loader asks for its own (a state the
+    checkpoint lacks starts at zero).
 ``load_logical_state(read: StateReader) -> None``
     ``read(key, name, flat)`` returns the values the optimizer asks for, shaped like its local
     tp shard (``flat=None``, zero padded) or 1-D for a flat range; ``None`` when the checkpoint
@@ -22,7 +25,8 @@ reads the embedding's state and the checkpoint writer leaves it out (``Sharding.
 
 :func:`logical_state` / :func:`load_logical_state` call those methods, and adapt
 :class:`~colonnade.optim.distributed.DistributedOptimizer` (its ``shard_state()`` ranges of the
-flat buffers) when it does not have them.
+flat buffers) when it does not have them: there the names are the keys of the views each
+owned piece of ``shard_state()`` carries.
 """
 
 from __future__ import annotations
@@ -35,9 +39,8 @@ import torch
 
 from colonnade.tensor_parallel.sharding import Sharding
 
-STATE_NAMES: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq", "momentum")
-"""Every state an optimizer may hold per element: AdamW parameters have exp_avg and
-exp_avg_sq, Muon matrices momentum (optim.name='muon'), both master when it is separate."""
+MASTER = "master"
+"""The state name of the master weights (left out where they are the model parameters)."""
 
 
 @dataclass
@@ -67,6 +70,12 @@ def load_logical_state(optimizer: Any, read: StateReader) -> None:
         _flat_load_logical_state(optimizer, read)
 
 
+def state_names(optimizer: Any) -> dict[str, list[str]]:
+    """Parameter key -> the names of the state this rank holds of it (sorted; parameters
+    with no owned element on this rank are absent): what a checkpoint records."""
+    return {key: sorted(states) for key, states in logical_state(optimizer).items()}
+
+
 def dp_sharded(optimizer: Any) -> bool:
     """Whether dp ranks own disjoint parts of the optimizer state (ZeRO stage >= 1)."""
     if hasattr(optimizer, "dp_sharded"):
@@ -91,8 +100,8 @@ def _flat_logical_state(opt: Any) -> dict[str, dict[str, OptimSlice]]:
             continue
         if key in out:
             raise AssertionError(f"{key}: two owned ranges on one rank")
-        names = [n for n in STATE_NAMES if n in views and (n != "master" or opt.own_masters)]
-        out[key] = {n: OptimSlice(views[n].detach(), sharding, (lo, hi)) for n in names}
+        out[key] = {n: OptimSlice(v.detach(), sharding, (lo, hi)) for n, v in views.items()
+                    if n != MASTER or opt.own_masters}
     return out
 
 
@@ -112,13 +121,13 @@ def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
     model: dict[tuple[str, int, int], torch.Tensor] | None = None
     with torch.no_grad():
         for key, lo, hi, views in opt.shard_state():
-            for name in STATE_NAMES:
-                if name not in views or (name == "master" and not opt.own_masters):
+            for name, view in views.items():
+                if name == MASTER and not opt.own_masters:
                     continue
                 value = read(key, name, (lo, hi))
-                if value is None and name == "master":
+                if value is None and name == MASTER:
                     model = _model_values(opt) if model is None else model
                     value = model[(key, lo, hi)]
                 elif value is None:
-                    value = torch.zeros_like(views[name])
-                views[name].copy_(value.to(views[name].device))
+                    value = torch.zeros_like(view)
+                view.copy_(value.to(view.device))

@@ -4,7 +4,8 @@
 
     format_version, step, consumed_samples, sampler {...}, optimizer {step_count, lr,
     total_steps, schedule {total_steps, lr, min_lr, warmup_steps, decay, decay_fraction,
-    decay_shape}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
+    decay_shape}, name, state_dtype, master_dtype, state_start, states {param key: [state
+    names]}}, scaler {...} | null, rng {seed, step, microbatch}, layout {tp, pp, vp, dp,
     cp, cp_attention, cp_a2a_size, sp, zero, zero_shard_size, bucket_size, world_size},
     model {...the [model] section...}, elapsed_s (seconds of training of the whole run at the
     save, so a resume's clock goes on from it)
@@ -20,6 +21,14 @@ resuming reproduces the uninterrupted run exactly, in the same or in another lay
 The LR is a pure function of the optimizer's ``step_count`` (stored) and the schedule, which
 is stored too: resuming under another schedule is refused unless ``checkpoint.lr_schedule``
 says which one to follow (:func:`schedule_change`).
+
+Which optimizer wrote the state is stored too (``optimizer.name``, the precision fields of
+``[optim]`` that shape its state, and the state names of every parameter: ``master``,
+``exp_avg``, ``exp_avg_sq`` for AdamW, ``momentum`` for a Muon matrix; checkpoints older than
+the field were written by AdamW). Resuming under another ``optim.name`` is refused unless
+``checkpoint.optimizer_switch='reset'`` starts the new optimizer's state fresh
+(:func:`optimizer_change`); ``state_start`` is the step count at which the state started
+(AdamW's bias correction counts its steps from there).
 """
 
 from __future__ import annotations
@@ -48,10 +57,12 @@ from colonnade.checkpoint.format import (
     tokenizer_files,
     write_rank_shard,
 )
+from colonnade.checkpoint.optim_state import state_names
 from colonnade.checkpoint.sharded import load_model, load_optimizer, model_entries, optim_entries
 from colonnade.checkpoint.staging import HostStager, Staged
 from colonnade.checkpoint.state import TrainState
 from colonnade.config.load import config_to_dict, config_to_toml
+from colonnade.config.sections import OptimConfig
 from colonnade.optim.lr import SCHEDULE_FIELDS, lr_at, schedule_of, with_schedule
 
 
@@ -100,7 +111,9 @@ def _metadata(trainer: TrainState) -> dict[str, Any]:
         "sampler": sampler,
         "optimizer": {"step_count": step_count, "total_steps": opt.total_steps,
                       "schedule": schedule_of(opt.total_steps, opt.cfg),
-                      "lr": lr_at(max(0, step_count - 1), opt.total_steps, opt.cfg)},
+                      "lr": lr_at(max(0, step_count - 1), opt.total_steps, opt.cfg),
+                      **optimizer_identity(opt.cfg),
+                      "state_start": int(getattr(opt, "state_start", 0))},
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": trainer.chunks[0].ctx.rng.state_dict(),
         "layout": {"tp": groups.tp.size, "pp": groups.pp.size, "vp": par.vp,
@@ -113,6 +126,42 @@ def _metadata(trainer: TrainState) -> dict[str, Any]:
         "model": config_to_dict(cfg)["model"],
         "elapsed_s": float(getattr(trainer, "elapsed_s", 0.0)),
     }
+
+
+STATE_FIELDS: tuple[str, ...] = ("state_dtype", "master_dtype")
+"""Fields of ``[optim]`` besides ``name`` that decide the form of the stored state (recorded,
+not compared: a resume casts the stored values to this run's dtypes)."""
+
+
+def optimizer_identity(cfg: OptimConfig) -> dict[str, Any]:
+    """The optimizer a checkpoint's state belongs to: {"name", and each of
+    :data:`STATE_FIELDS` this config has}."""
+    out: dict[str, Any] = {"name": cfg.name}
+    out.update({f: getattr(cfg, f) for f in STATE_FIELDS if hasattr(cfg, f)})
+    return out
+
+
+def saved_optimizer(meta: dict[str, Any]) -> str:
+    """``optim.name`` of the run that wrote a checkpoint ('adamw' before it was recorded)."""
+    return str((meta.get("optimizer") or {}).get("name") or "adamw")
+
+
+def optimizer_change(meta: dict[str, Any], cfg: OptimConfig, ckpt: Path, mode: str) -> str:
+    """Whether a resume loads the checkpoint's optimizer state: "" when it does (the same
+    optimizer), else the line to log when ``mode`` is 'reset' (the state starts fresh);
+    'check' raises :class:`CheckpointError` naming both optimizers and both fixes."""
+    saved, now = saved_optimizer(meta), cfg.name
+    if saved == now:
+        return ""
+    if mode == "reset":
+        return (f"optimizer switched from {saved} (the checkpoint's) to {now}: weights, step "
+                f"and data position loaded, {now}'s state starts fresh "
+                "(checkpoint.optimizer_switch=reset)")
+    raise CheckpointError(
+        f"{ckpt} was written by the {saved} optimizer but this run sets optim.name={now}: "
+        f"{saved}'s state cannot continue as {now}'s. Set --checkpoint.optimizer_switch=reset "
+        f"to load the weights, step, LR schedule and data position and start {now}'s state "
+        f"fresh, or --optim.name={saved} to resume exactly.")
 
 
 def zero_stage_of(meta: dict[str, Any]) -> int:
@@ -155,9 +204,16 @@ def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
     ddp = getattr(trainer, "ddp", None)  # ZeRO-3: the model pieces are its shard's ranges
     entries = (model_entries(trainer.chunks, groups, ddp)
                + optim_entries(trainer.optimizer, groups))
-    # who writes; also the barrier that orders rank 0's prepare_tmp before every write
-    writers = [r for r, w in enumerate(groups.world.all_gather_object(bool(entries))) if w]
+    # who writes, and every rank's state names; also the barrier that orders rank 0's
+    # prepare_tmp before every write
+    told = groups.world.all_gather_object((bool(entries), state_names(trainer.optimizer)))
+    writers = [r for r, (w, _) in enumerate(told) if w]
     meta = _metadata(trainer) if rank == 0 else {}
+    if rank == 0:
+        states = meta["optimizer"]["states"] = {}
+        for _, names in told:
+            for key, got in names.items():
+                states[key] = sorted(set(states.get(key, [])) | set(got))
     files = {"config.toml": config_to_toml(trainer.config).encode()}
     if tokenizer is not None and Path(tokenizer).exists():  # with its config, chat template
         files.update(tokenizer_files(Path(tokenizer).parent))
@@ -202,7 +258,9 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
 
     Restores parameters, optimizer state (masters, moments, step count hence the LR), the
     step, the sampler position, the RNG tracker, the loss scaler and the run's elapsed time
-    (``trainer.elapsed_s``; 0 for a checkpoint older than it).
+    (``trainer.elapsed_s``; 0 for a checkpoint older than it). A checkpoint of another
+    optimizer is refused, or with ``checkpoint.optimizer_switch='reset'`` restored without its
+    optimizer state (:func:`optimizer_change`; the line to log is ``meta["optimizer_note"]``).
     """
     from colonnade.checkpoint.finetune import is_weights_only, model_mismatch, weights_only_error
 
@@ -214,12 +272,19 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
     if bad:
         raise CheckpointError(f"{ckpt} holds another model than this run's: {', '.join(bad)}; "
                               "set those model fields to the checkpoint's values")
+    ck = trainer.config.checkpoint
+    meta["optimizer_note"] = (optimizer_change(meta, trainer.config.optim, ckpt,
+                                               ck.optimizer_switch)
+                              if load_optimizer_state else "")
     reader = CheckpointReader(ckpt, verify=verify)
     _finish_gathers(trainer)
     load_model(reader, trainer.chunks, trainer.groups, getattr(trainer, "ddp", None))
     step_count = int(meta["optimizer"]["step_count"]) if load_optimizer_state else 0
-    load_optimizer(reader if load_optimizer_state else None, trainer.optimizer, trainer.chunks,
+    fresh = not load_optimizer_state or bool(meta["optimizer_note"])
+    load_optimizer(None if fresh else reader, trainer.optimizer, trainer.chunks,
                    trainer.groups, step_count)
+    trainer.optimizer.state_start = (step_count if fresh else
+                                     int(meta["optimizer"].get("state_start") or 0))
     reader.close()
     if not load_optimizer_state:
         return meta
@@ -247,13 +312,14 @@ def start_from(trainer: TrainState, path: str | Path) -> str:
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
         raise hf_load_error(path)
     meta = load_training(trainer, path)
-    note = f"; {meta['schedule_note']}" if meta["schedule_note"] else ""
+    note = "".join(f"; {meta[k]}" for k in ("optimizer_note", "schedule_note") if meta[k])
     return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}{note}"
 
 
 def preflight_resume(config: Any) -> None:
     """Before any rank starts: refuse, as the ranks would, a ``checkpoint.load`` that is an HF
-    directory, holds weights only, another model shape, or is resumed under another LR schedule
+    directory, holds weights only, another model shape, another optimizer
+    (``checkpoint.optimizer_switch='check'``) or is resumed under another LR schedule
     (``checkpoint.lr_schedule='check'``), and tokenizers that disagree with the data's (the
     checkpoint's, data.blend's; :func:`~colonnade.checkpoint.finetune.check_tokenizers`)."""
     from colonnade.checkpoint.finetune import (
@@ -282,6 +348,7 @@ def preflight_resume(config: Any) -> None:
     if bad:
         raise CheckpointError(f"{ckpt} holds another model than this run's: {', '.join(bad)}; "
                               "set those model fields to the checkpoint's values")
+    optimizer_change(meta, config.optim, ckpt, config.checkpoint.optimizer_switch)
     probe = SimpleNamespace(total_steps=config.training.steps, cfg=config.optim,
                             step_count=meta["optimizer"]["step_count"])
     schedule_change(meta, probe, ckpt, config.checkpoint.lr_schedule)

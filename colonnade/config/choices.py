@@ -45,6 +45,8 @@ WSD_SHAPES: tuple[str, ...] = ("linear", "1-sqrt")
 """optim.decay_shape values (the final decay of decay='wsd')."""
 LR_SCHEDULE_POLICIES: tuple[str, ...] = ("check", "checkpoint", "config")
 """checkpoint.lr_schedule: what a resume does when the run's LR schedule differs."""
+OPTIMIZER_SWITCHES: tuple[str, ...] = ("check", "reset")
+"""checkpoint.optimizer_switch: what a resume does when the checkpoint's optimizer differs."""
 ON_EXISTING: tuple[str, ...] = ("auto", "resume", "overwrite", "refuse")
 """checkpoint.on_existing: what a run does with a checkpoint directory that already exists."""
 ERROR_POLICIES: tuple[str, ...] = ("strict", "skip")

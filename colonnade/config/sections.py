@@ -410,6 +410,13 @@ class CheckpointConfig:
     saved schedule (training.steps then only says when to stop: past the saved horizon the LR
     stays at its end value); 'config' switches to this run's schedule at the resumed step (the
     LR jumps to the new curve, logged)."""
+    optimizer_switch: str = "check"
+    """On resume, when the checkpoint was written by another optimizer (optim.name; older
+    checkpoints count as adamw): 'check' stops naming both; 'reset' loads the weights, the data
+    position, the step counter and the LR schedule's place and starts this run's optimizer
+    state fresh (logged; Megatron's --no-load-optim, torchtitan's exclude_from_loading =
+    ["optimizer"], applied only when the optimizer changes, so a later resume of the new run
+    keeps its state)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,8 @@ def twin_gap(config: Config, eod: int | None) -> str:
     """Why the case has no HF twin ('' when it has one)."""
     m, t = config.model, config.training
     reasons = [(t.precision != "fp64", f"precision {t.precision}"),
+               (config.optim.name != "adamw", f"optim.name={config.optim.name} (the twin "
+                "trains with torch.optim.AdamW)"),
                (m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout"),
                (eod is not None, "document resets"),
                (t.label_smoothing > 0, "label smoothing"),

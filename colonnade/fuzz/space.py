@@ -13,7 +13,10 @@ A draw (:func:`draw_case`) picks, each from its own stream of ``random.Random(f"
   hierarchical cp's inner size), the schedule and vp (an uneven ``pipeline_layout``
   sometimes), ZeRO stage and shard size, ep and expert_tp;
 * the run: recompute mode and method, precision (fp64 mostly; bf16 for the looser check),
-  micro-batch size and count, document resets.
+  micro-batch size and count, document resets;
+* the optimizer: ``optim.name``, each of :data:`colonnade.config.choices.OPTIMIZERS` equally
+  often, from a stream of its own (``.../optim``), so adding an optimizer left every other
+  field of every earlier draw as it was.
 
 Nothing is filtered here: a draw the validator refuses is a verdict of its own
 (:mod:`colonnade.fuzz.run`), so the generator needs no change when a refusal is lifted.
@@ -32,6 +35,7 @@ from colonnade.config.choices import (
     MOE_AUX_LOSS_TYPES,
     MOE_DISPATCHERS,
     MOE_ROUTERS,
+    OPTIMIZERS,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
     SCHEDULES,
@@ -84,6 +88,8 @@ class Case:
         """A one-line layout summary, e.g. ``llama moe4k2 tp2sp pp2:zbv/2 cp2a dp2 z1 ep2 fp64``."""
         m, p, t = self.config.model, self.config.parallel, self.config.training
         parts = [m.arch + (f" moe{m.num_experts}k{m.moe_top_k}" if m.moe else "")]
+        if self.config.optim.name != "adamw":
+            parts.append(self.config.optim.name)
         if p.tp > 1 or p.sp:
             parts.append(f"tp{p.tp}{'sp' if p.sp else ''}")
         if p.pp > 1 or p.schedule != "1f1b" or p.vp > 1:
@@ -145,7 +151,9 @@ def draw_case(seed: int, index: int, steps: int = 2) -> Case:
     if resets:
         positions, attention = rng.choice([(True, True), (True, False), (False, True)])
         data = DataConfig(reset_position_ids=positions, reset_attention_mask=attention)
-    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1, clip_grad=0.5)
+    name = random.Random(f"colonnade-fuzz/{seed}/{index}/optim").choice(OPTIMIZERS)
+    optim = OptimConfig(name=name, lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.1,
+                        clip_grad=0.5)
     config = Config(model=model, parallel=parallel, training=training, optim=optim, data=data)
     return Case(seed, index, config, world, EOD if resets else None)
 

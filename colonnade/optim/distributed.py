@@ -202,6 +202,9 @@ class DistributedOptimizer:
             self.expert_norm_groups = [groups.ep, *etp, groups.pp] + (
                 [expert_shard] if ddp.sharded else [])
         self.step_count = 0
+        self.state_start = 0
+        """``step_count`` when the state started from zero (a resume that switched optimizer,
+        ``checkpoint.optimizer_switch='reset'``); AdamW's bias correction counts from it."""
 
     def _index_segments(self, coords: Coords, expert_coords: Coords) -> None:
         """Intervals of the owned ranges by update (Muon pieces; AdamW: decayed matrices, the
@@ -337,7 +340,7 @@ class DistributedOptimizer:
             return info
         coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
-        self.adamw.update(self.step_count + 1, hp, grad_scale=coef)
+        self.adamw.update(self.step_count + 1 - self.state_start, hp, grad_scale=coef)
         if self.muon is not None:
             self.muon.update(lr, self.cfg.weight_decay, grad_scale=coef)
         if self.own_masters:

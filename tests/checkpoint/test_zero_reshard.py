@@ -33,6 +33,8 @@ class Zero:
     stage: int
     shard_size: int | None = None
     precision: str = "fp64"
+    optim: str = "adamw"
+    """optim.name."""
 
     @property
     def world(self) -> int:
@@ -41,7 +43,8 @@ class Zero:
 
     def __str__(self) -> str:
         hybrid = f"h{self.shard_size}" if self.shard_size else ""
-        return f"{self.layout}z{self.stage}{hybrid}{self.precision}"
+        name = "" if self.optim == "adamw" else self.optim
+        return f"{self.layout}z{self.stage}{hybrid}{self.precision}{name}"
 
 
 def make_trainer(z: Zero) -> Any:
@@ -52,7 +55,8 @@ def make_trainer(z: Zero) -> Any:
 
     cfg = make_config(z.layout, z.precision)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, zero_stage=z.stage, zero_shard_size=z.shard_size))
+        cfg.parallel, zero_stage=z.stage, zero_shard_size=z.shard_size),
+        optim=dataclasses.replace(cfg.optim, name=z.optim))
     lay = z.layout
     dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp, vp=lay.vp)
     groups = rank_groups(dims, zero_shard_size=z.shard_size)

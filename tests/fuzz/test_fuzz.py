@@ -6,9 +6,9 @@ single-process run (loss, grad norm and every gathered gradient each step, every
 the last step: 1e-10 in float64, the looser bf16 bounds) and, where the model has one, its
 transformers twin trained by torch.optim.AdamW. The fixed set spans the axes: pipeline
 schedules with uneven stages, ZeRO-1/2/3 and hybrid sharding, cp all_to_all and hierarchical,
-MoE with ep, expert tp and ZeRO-3, MLA, document resets, bf16, one transformers twin. A
-comparison and a rule lookup are also checked to fail on a planted error, so the verdicts
-cannot pass vacuously.
+MoE with ep, expert tp and ZeRO-3, MLA, document resets, bf16, one transformers twin, and
+both optimizers (AdamW and Muon). A comparison and a rule lookup are also checked to fail on a
+planted error, so the verdicts cannot pass vacuously.
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ from colonnade.parallel.pool import RankPools
 
 FIXED: list[tuple[int, int, str]] = [
     (2, 13, "refused"),  # llama MoE tp2 without sp: the tp ranks would route the same tokens
-    (1, 15, "match"),  # qwen3 MoE pp2 zbv uneven 0-2-1-0, dp2 ZeRO-1 ep2, full recompute
-    (1, 56, "match"),  # qwen2 MoE pp2 1F1B uneven 2-1, dp2 ZeRO-3, expert tp 2, selective
-    (2, 53, "match"),  # mistral MoE cp4 hierarchical (all-to-all 2 x ring 2) ZeRO-3 ep2
+    (1, 15, "match"),  # Muon; qwen3 MoE pp2 zbv uneven 0-2-1-0, dp2 ZeRO-1 ep2, full recompute
+    (1, 56, "match"),  # Muon; qwen2 MoE pp2 1F1B uneven 2-1, dp2 ZeRO-3, expert tp 2, selective
+    (2, 53, "match"),  # Muon; mistral MoE cp4 hierarchical (all-to-all 2 x ring 2) ZeRO-3 ep2
     (2, 28, "match"),  # deepseek_v3 (MLA) cp2 all_to_all ZeRO-3, document resets
     (1, 40, "match+hf"),  # mistral cp2 dp2 hybrid ZeRO-2 (shard 2); and its transformers twin
-    (3, 39, "match"),  # qwen3 tp2 cp2 all_to_all ZeRO-3, document resets, bf16
+    (3, 39, "match"),  # Muon; qwen3 tp2 cp2 all_to_all ZeRO-3, document resets, bf16
 ]
-"""(seed, case, verdict) of the fixed draws."""
+"""(seed, case, verdict) of the fixed draws. Their layouts are those they were picked for
+before optim.name joined the space (drawn from a stream of its own), which made four of them
+Muon draws: the set now also proves distributed Muon under pp with ZeRO-1 and ep, ZeRO-3 with
+expert tp, hierarchical cp and tp2 + sp in bf16."""
 FRESH = 2
 """Fresh draws per ``make test`` (a new seed each run)."""
 FRESH_RANKS = 4
