@@ -13,8 +13,10 @@ Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), 
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
 otherwise AdamW updates the masters with the scheduled LR from the gradients times
 clip_coefficient / S (:class:`colonnade.optim.adamw.FlatAdamW`: with the fused kernel the main
-gradients are multiplied by that coefficient in place first when it is not 1), masters are
-cast into the parameter buffer and (ZeRO-1) gathered.
+gradients are multiplied by that coefficient in place first when it is not 1), with
+optim.qk_clip_threshold > 0 the q/k rows of the masters are clipped
+(:mod:`colonnade.optim.qk_clip`), masters are cast into the parameter buffer and (ZeRO-1)
+gathered.
 
 ZeRO-2/3: the gradients are the shard views ``DataParallel.owned_grads`` (already averaged
 and complete after the sync) and the parameters ``DataParallel.owned_params``; at stage 3 these
@@ -48,6 +50,7 @@ from colonnade.data_parallel.ddp import DataParallel
 from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW
 from colonnade.optim.clip import clip_coefficient, global_sq, owns_grad
 from colonnade.optim.lr import lr_at
+from colonnade.optim.qk_clip import QKClip
 from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.groups import ProcessGroups
@@ -86,8 +89,11 @@ class DistributedOptimizer:
     """AdamW on this rank's ranges of the flat buffers (all of them unless ZeRO-1)."""
 
     def __init__(self, ddp: DataParallel, cfg: OptimConfig, groups: ProcessGroups,
-                 total_steps: int, precision: str = "fp32") -> None:
+                 total_steps: int, precision: str = "fp32", qk_clip: QKClip | None = None
+                 ) -> None:
         self.ddp, self.cfg, self.groups, self.total_steps = ddp, cfg, groups, total_steps
+        self.qk_clip = qk_clip
+        """q/k logit clipping after each update (optim.qk_clip_threshold > 0), else None."""
         buffers = ddp.buffers
         self.ranges = ddp.owned_ranges()
         dtype = buffers.grad_dtype  # fp32 masters and moments (fp64 for fp64 models)
@@ -251,6 +257,8 @@ class DistributedOptimizer:
         coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
         self.adamw.update(self.step_count + 1, hp, grad_scale=coef)
+        if self.qk_clip is not None:  # MuonClip: scale q/k rows of the masters
+            info["qk_clipped"] = self.qk_clip.apply(self.ddp.buffers, self.ranges, self.masters)
         if self.own_masters:
             self._copy_masters()
         self.ddp.start_param_gather()
