@@ -42,11 +42,16 @@ def record_logit_max(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     allowed = masks.attention_mask(s, s, window, mask, q.device)  # [b or 1, 1, s, s] or None
     if allowed is None:
         allowed = masks.causal(s, s, q.device)[None, None]  # [1, 1, s, s]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill_(
+        allowed.logical_not(), -math.inf)  # [b or 1, 1, s, s]: 0 or -inf (not attended)
     keys = k.to(dtype).repeat_interleave(n // k.shape[1], dim=1)  # [b, n, s, d]
-    scale = 1.0 / math.sqrt(d)
     rows = max(1, BLOCK_ELEMENTS // max(1, b * n * s))
+    top = torch.full_like(out, -math.inf, dtype=dtype)  # [n]: max of q . k (unscaled)
     for r0 in range(0, s, rows):
         r1 = min(s, r0 + rows)
-        scores = q[:, :, r0:r1].to(dtype) @ keys.transpose(2, 3) * scale  # [b, n, rows, s]
-        scores.masked_fill_(~allowed[:, :, r0:r1], -math.inf)
-        torch.maximum(out, scores.amax(dim=(0, 2, 3)).to(out.dtype), out=out)  # [n]
+        scores = q[:, :, r0:r1].to(dtype) @ keys.transpose(2, 3)  # [b, n, rows, s]
+        if bias.shape[0] == 1:  # one mask for the batch: reduce over b before masking
+            scores = scores.amax(dim=0, keepdim=True)  # [1, n, rows, s]
+        scores += bias[:, :, r0:r1]
+        torch.maximum(top, scores.amax(dim=(0, 2, 3)), out=top)
+    torch.maximum(out, (top * (1.0 / math.sqrt(d))).to(out.dtype), out=out)  # scale > 0

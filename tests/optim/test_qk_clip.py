@@ -4,7 +4,8 @@
   same Trainer without it whose weights the test clips by hand after each update, from the
   logit maxima it computes itself (each attention layer's input captured, q and k projected,
   rotated and multiplied in plain torch, causal mask, max over micro-batches); grouped-query
-  attention (4 query heads on 2 key heads) with q/k biases. tau splits the heads: some are
+  attention (4 query heads on 2 key heads) with q/k biases, document resets (a per-sample
+  mask) and a sliding window on the second layer. tau splits the heads: some are
   clipped at every step and some are not (asserted), and the logged qk_clipped equals the
   hand count.
 * tp2 and dp2 ZeRO-1 (and dp2 ZeRO-3: the master is the persistent shard) against that
@@ -23,7 +24,13 @@ import pytest
 import torch
 
 from colonnade.config.load import ConfigError
-from colonnade.config.sections import Config, OptimConfig, ParallelConfig, TrainingConfig
+from colonnade.config.sections import (
+    Config,
+    DataConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
 from colonnade.config.validate import problems, resolve
 from colonnade.fuzz.compare import TOL
 from colonnade.fuzz.run import global_batch, judge
@@ -31,21 +38,29 @@ from colonnade.fuzz.space import Case
 from colonnade.parallel.pool import RankPools
 from tests.parity import resolved, tiny_model
 
-TAU = 4.5
+TAU = 4.0
 """Splits the heads of :func:`qk_config`'s model at both steps (asserted below)."""
 ALPHA = 0.4
 """An uneven split, so a swapped q / k exponent shows."""
+LR = 0.1
+"""Large enough that the second update raises logits past tau again."""
+EOD = 7
+"""End-of-document token: attention does not cross documents (a per-sample mask)."""
+WINDOW = 12
+"""Sliding window of the second layer (the first attends causally)."""
 
 
 def qk_config(parallel: ParallelConfig, microbatches: int = 2, tau: float = TAU) -> Config:
     """A llama with GQA and q/k biases, float64, 2 steps, clipping at ``tau``."""
     model = dataclasses.replace(tiny_model("llama", layers=2, hidden=32, heads=4, kv_heads=2,
-                                           bias=True, init_std=0.2), rope_theta=100.0)
+                                           bias=True, init_std=0.2), rope_theta=100.0,
+                                sliding_window=WINDOW, sliding_window_layers=(1,))
     training = TrainingConfig(steps=2, seq_len=16, micro_batch_size=2, microbatches=microbatches,
                               precision="fp64", seed=5, eval_interval=0, device="cpu")
-    optim = OptimConfig(lr=2e-2, min_lr=1e-3, warmup_steps=0, decay="constant",
+    optim = OptimConfig(lr=LR, min_lr=1e-3, warmup_steps=0, decay="constant",
                         qk_clip_threshold=tau, qk_clip_alpha=ALPHA)
-    return Config(model=model, parallel=parallel, training=training, optim=optim)
+    data = DataConfig(reset_attention_mask=True)
+    return Config(model=model, parallel=parallel, training=training, optim=optim, data=data)
 
 
 # ----------------------------------------------------------------------------- by hand
@@ -61,17 +76,22 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def hand_logit_max(x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, kv: int,
-                   theta: float) -> torch.Tensor:
-    """max over b, i, j <= i of q_h(i) . k_g(h)(j) / sqrt(d) per query head h: [heads]."""
+def hand_logit_max(x: torch.Tensor, tokens: torch.Tensor, w: dict[str, torch.Tensor],
+                   heads: int, kv: int, theta: float, window: int | None) -> torch.Tensor:
+    """max over b, i and j allowed of q_h(i) . k_g(h)(j) / sqrt(d) per query head h: [heads];
+    allowed: j <= i, i - j < window, no EOD of ``tokens`` [b, s] in positions j .. i - 1."""
     b, s, _ = x.shape
     q = (x @ w["qw"].T + w["qb"]).view(b, s, heads, -1)  # [b, s, a, d]
     k = (x @ w["kw"].T + w["kb"]).view(b, s, kv, -1)  # [b, s, kv, d]
     d = q.shape[-1]
     q, k = rope(q, theta), rope(k, theta).repeat_interleave(heads // kv, dim=2)
     logits = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)  # [b, a, s, s]
-    future = torch.ones(s, s, dtype=torch.bool).triu(1)
-    return logits.masked_fill(future, -math.inf).amax(dim=(0, 2, 3))
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    ok = (j <= i) & (i - j < (window or s))  # [s, s]
+    ends = torch.cat([torch.zeros(b, 1, dtype=torch.long), (tokens == EOD).long()[:, :-1]], 1)
+    doc = ends.cumsum(1)  # [b, s]: EODs before each position
+    ok = ok & (doc[:, :, None] == doc[:, None, :])  # [b, s, s]
+    return logits.masked_fill(~ok[:, None], -math.inf).amax(dim=(0, 2, 3))
 
 
 @torch.no_grad()
@@ -96,7 +116,7 @@ def clip_by_hand(attn: Any, s_max: torch.Tensor, tau: float, alpha: float) -> in
 
 def rank_hand_check(config: Config) -> dict[str, Any]:
     """Pool rank (world 1): the clipping Trainer against the unclipped one clipped by hand."""
-    from colonnade.models.blocks import Attention
+    from colonnade.models.blocks import Attention, DocReset
     from colonnade.training.loop import Trainer
     from colonnade.training.setup import Runtime, build_groups
 
@@ -106,6 +126,8 @@ def rank_hand_check(config: Config) -> dict[str, Any]:
                                                                 qk_clip_threshold=0.0))
     clip = Trainer(Runtime(config, torch.device("cpu"), groups), None)
     ref = Trainer(Runtime(off, torch.device("cpu"), groups), None)
+    for chunk in clip.chunks + ref.chunks:
+        chunk.doc_reset = DocReset(EOD, positions=False, attention=True)
     layers = [m for c in ref.chunks for m in c.modules() if isinstance(m, Attention)]
     inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
     for i, attn in enumerate(layers):
@@ -113,7 +135,7 @@ def rank_hand_check(config: Config) -> dict[str, Any]:
     counts, logged, maxima = [], [], []
     m, o = config.model, config.optim
     for step in range(config.training.steps):
-        batches = global_batch(config, step, None)
+        batches = global_batch(config, step, EOD)
         before = [{"qw": a.q.weight.detach().clone(), "qb": a.q.bias.detach().clone(),
                    "kw": a.k.weight.detach().clone(), "kb": a.k.bias.detach().clone()}
                   for a in layers]
@@ -122,8 +144,11 @@ def rank_hand_check(config: Config) -> dict[str, Any]:
         ref.train_step(batches)
         count = 0
         for i, attn in enumerate(layers):
-            s_max = torch.stack([hand_logit_max(x, before[i], attn.heads, attn.kv_heads,
-                                                m.rope_theta) for x in inputs[i]]).amax(0)
+            window = WINDOW if i == 1 else None
+            s_max = torch.stack([hand_logit_max(x, tokens, before[i], attn.heads, attn.kv_heads,
+                                                m.rope_theta, window)
+                                 for x, (tokens, _) in zip(inputs[i], batches, strict=True)])
+            s_max = s_max.amax(0)
             maxima.append(s_max.tolist())
             count += clip_by_hand(attn, s_max, o.qk_clip_threshold, o.qk_clip_alpha)
         counts.append(count)
@@ -151,6 +176,7 @@ LAYOUTS = {
     "tp2": (ParallelConfig(tp=2), 2, 2),
     "dp2-zero1": (ParallelConfig(zero_stage=1), 1, 2),
     "dp2-zero3": (ParallelConfig(zero_stage=3), 1, 2),
+    "tp2sp-pp2": (ParallelConfig(tp=2, sp=True, pp=2), 2, 4),
 }
 """name -> (parallel, micro-batches per dp rank, world): every reference is the
 single-process run above (2 micro-batches of the same global batch)."""
@@ -159,7 +185,7 @@ single-process run above (2 micro-batches of the same global batch)."""
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_single_process(rank_pools: RankPools, name: str) -> None:
     parallel, micro, world = LAYOUTS[name]
-    verdict = judge(Case(0, 0, qk_config(parallel, micro), world, None), rank_pools, hf=False)
+    verdict = judge(Case(0, 0, qk_config(parallel, micro), world, EOD), rank_pools, hf=False)
     assert verdict.verdict == "match", (verdict.verdict, verdict.worst, verdict.detail)
     assert verdict.errors["params"] <= TOL and verdict.errors["grads"] <= TOL, verdict.errors
 
@@ -191,3 +217,10 @@ def test_validator_refuses_what_is_not_supported() -> None:
     assert not [p for p in problems(resolve(off, 2)) if "qk_clip" in p]
     with pytest.raises(ConfigError, match=r"parallel\.cp=2"):
         resolved(cases["parallel.cp=2"], 2)
+
+
+def test_log_line_shows_clipped_heads() -> None:
+    from colonnade.training.metrics import format_line
+
+    assert "qk_clipped 5" in format_line({"step": 1, "loss": 2.0, "qk_clipped": 5.0})
+    assert "qk_clipped" not in format_line({"step": 1, "loss": 2.0})
