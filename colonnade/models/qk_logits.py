@@ -10,7 +10,10 @@ with g(h) = h // (n / n_kv) the key head of query head h (grouped-query attentio
 ``enable_gqa``) and scale SDPA's default, the one every :class:`~colonnade.models.blocks.
 Attention` path uses. q and k are the rotated heads core attention receives. Computed under
 no_grad in query blocks whose [b, n, rows, S] scores hold at most :data:`BLOCK_ELEMENTS`
-elements (the full [s, S] square is never stored), in at least float32.
+elements (the full [s, S] square is never stored). The products are taken in q's dtype,
+as core attention multiplies them (bf16 on a GPU: tensor cores, float32 accumulation, each
+logit rounded once to bf16, relative error <= 2^-9 on S; exact in float32 / float64), the
+maximum is kept in ``logit_max``'s dtype (at least float32).
 :class:`~colonnade.models.blocks.Attention` keeps the running maximum over a step's
 micro-batches in ``logit_max`` [n] while :mod:`colonnade.optim.qk_clip` has installed it.
 """
@@ -38,20 +41,19 @@ def record_logit_max(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     (causal), the window AND-ed in. Always eager (an in-place side result of a compiled
     layer)."""
     b, n, s, d = q.shape
-    dtype = torch.promote_types(q.dtype, torch.float32)
     allowed = masks.attention_mask(s, s, window, mask, q.device)  # [b or 1, 1, s, s] or None
     if allowed is None:
         allowed = masks.causal(s, s, q.device)[None, None]  # [1, 1, s, s]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill_(
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
         allowed.logical_not(), -math.inf)  # [b or 1, 1, s, s]: 0 or -inf (not attended)
-    keys = k.to(dtype).repeat_interleave(n // k.shape[1], dim=1)  # [b, n, s, d]
+    keys = k.repeat_interleave(n // k.shape[1], dim=1)  # [b, n, s, d]
     rows = max(1, BLOCK_ELEMENTS // max(1, b * n * s))
-    top = torch.full_like(out, -math.inf, dtype=dtype)  # [n]: max of q . k (unscaled)
+    top = torch.full_like(out, -math.inf)  # [n]: max of q . k (unscaled)
     for r0 in range(0, s, rows):
         r1 = min(s, r0 + rows)
-        scores = q[:, :, r0:r1].to(dtype) @ keys.transpose(2, 3)  # [b, n, rows, s]
+        scores = q[:, :, r0:r1] @ keys.transpose(2, 3)  # [b, n, rows, s] in q's dtype
         if bias.shape[0] == 1:  # one mask for the batch: reduce over b before masking
             scores = scores.amax(dim=0, keepdim=True)  # [1, n, rows, s]
         scores += bias[:, :, r0:r1]
-        torch.maximum(top, scores.amax(dim=(0, 2, 3)), out=top)
-    torch.maximum(out, (top * (1.0 / math.sqrt(d))).to(out.dtype), out=out)  # scale > 0
+        torch.maximum(top, scores.amax(dim=(0, 2, 3)).to(top.dtype), out=top)
+    torch.maximum(out, top * (1.0 / math.sqrt(d)), out=out)  # scale > 0: max commutes
