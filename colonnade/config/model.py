@@ -26,6 +26,9 @@ class ArchTraits:
     clamped_swiglu: bool = False
     """Its experts use gpt-oss's clamped SwiGLU (model.moe_swiglu_alpha / moe_swiglu_limit
     apply; other architectures refuse them set)."""
+    qk_norm: bool = False
+    """An RMSNorm on every query and key head after the projections (Qwen3): the logits do
+    not depend on the scale of W_q / W_k rows (optim.qk_clip_threshold refuses it)."""
 
 
 ARCH_TRAITS: dict[str, ArchTraits] = {
@@ -33,7 +36,7 @@ ARCH_TRAITS: dict[str, ArchTraits] = {
     "gpt2": ArchTraits(rope=False, gated_mlp=False),
     "mistral": ArchTraits(rope=True, gated_mlp=True),
     "qwen2": ArchTraits(rope=True, gated_mlp=True),
-    "qwen3": ArchTraits(rope=True, gated_mlp=True),
+    "qwen3": ArchTraits(rope=True, gated_mlp=True, qk_norm=True),
     "deepseek_v3": ArchTraits(rope=True, gated_mlp=True, mla=True),
     "gpt_oss": ArchTraits(rope=True, gated_mlp=True, clamped_swiglu=True),
 }

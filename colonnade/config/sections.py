@@ -248,8 +248,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """The optimizer (AdamW or Muon), the learning-rate schedule, clipping and the loss
-    scaler."""
+    """The optimizer (AdamW or Muon), the learning-rate schedule, clipping, the loss scaler and
+    q/k logit clipping."""
 
     name: str = "adamw"
     """'adamw' for every parameter, or 'muon': Newton-Schulz-orthogonalised momentum for each
@@ -299,6 +299,17 @@ class OptimConfig:
     """fp16 only: clean steps before the scale doubles."""
     min_loss_scale: float = 1.0
     """fp16 only: the scale never drops below this."""
+    qk_clip_threshold: float = 0.0
+    """MuonClip's per-head q/k logit clipping (Kimi K2), tau; 0 disables. With tau > 0 every
+    training forward records per attention head h the largest pre-softmax logit S_h =
+    max (q_h . k_h) / sqrt(d) over the step's micro-batches, queries and allowed keys (max over
+    dp); after each update a head with S_h > tau has its W_q rows (and q bias) multiplied by
+    (tau / S_h)^qk_clip_alpha and its key head's W_k rows (and k bias) by (tau / S)^(1 -
+    qk_clip_alpha), S the max over the query heads sharing that key head (GQA). Works with
+    either optimizer; Kimi K2 used 100. Logged as qk_clipped (heads clipped this step)."""
+    qk_clip_alpha: float = 0.5
+    """MuonClip's split of the clipping factor gamma = tau / S_h between queries (gamma^alpha)
+    and keys (gamma^(1 - alpha)); in [0, 1]."""
 
     def wsd_decay_steps(self, total_steps: int) -> int:
         """decay='wsd': steps of the final decay, decay_fraction of ``total_steps`` (>= 1)."""

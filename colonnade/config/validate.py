@@ -1,7 +1,8 @@
 """The one place where cross-field configuration checks live (the mixture-of-experts rules,
 one of :data:`RULES`, in :mod:`colonnade.config.rules_moe`; the RoPE scaling rules in
 :mod:`colonnade.config.rules_rope`; the sliding-window rules in
-:mod:`colonnade.config.rules_window`; hierarchical cp's in :mod:`colonnade.config.rules_cp`).
+:mod:`colonnade.config.rules_window`; hierarchical cp's in :mod:`colonnade.config.rules_cp`;
+q/k logit clipping's in :mod:`colonnade.config.rules_qk_clip`).
 
 :func:`resolve` derives the free degrees (dp, micro-batches, global batch) from the world size;
 :func:`validate` runs every rule and raises one :class:`ConfigError` listing each violated rule
@@ -50,6 +51,7 @@ from colonnade.config.rules_cp import hierarchical_rules
 from colonnade.config.rules_deepseek import deepseek_rules
 from colonnade.config.rules_moe import moe_rules
 from colonnade.config.rules_pipeline import pipeline_rules
+from colonnade.config.rules_qk_clip import qk_clip_rules
 from colonnade.config.rules_rope import rope_rules
 from colonnade.config.rules_window import window_rules
 from colonnade.config.sections import Config, DataConfig
@@ -579,7 +581,7 @@ def _zero(c: Config, _: int | None) -> list[str]:
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _context, _pipeline,
                            _batch, _optim, _io, _reliability, _files_and_loop, _compile, _zero,
                            moe_rules, window_rules, rope_rules, deepseek_rules,
-                           hierarchical_rules, pipeline_rules)
+                           hierarchical_rules, pipeline_rules, qk_clip_rules)
 
 
 def rule_name(rule: Rule) -> str:

@@ -40,6 +40,7 @@ def twin_gap(config: Config, eod: int | None) -> str:
                (m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout"),
                (eod is not None, "document resets"),
                (t.label_smoothing > 0, "label smoothing"),
+               (config.optim.qk_clip_threshold > 0, "q/k logit clipping"),
                (m.mtp_layers > 0, "multi-token prediction"),
                (m.moe and m.moe_capacity_factor is not None, "expert capacity"),
                (m.moe and (m.moe_aux_loss_coeff > 0 or m.moe_z_loss_coeff > 0), "aux losses"),

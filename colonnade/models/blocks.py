@@ -48,6 +48,7 @@ from colonnade.context_parallel.sinks import attention_with_sinks
 from colonnade.eager import eager
 from colonnade.models.checkpointing import checkpoint
 from colonnade.models.dropout_attention import DropoutSpec, dropout_attention
+from colonnade.models.qk_logits import record_logit_max
 from colonnade.models.rope import rope_cos_sin
 from colonnade.parallel.comm import CommGroup
 from colonnade.tensor_parallel.context import ParallelContext
@@ -193,6 +194,11 @@ class Attention(nn.Module):
         self.recompute_core = False
         self.window = cfg.window(layer)
         """This layer's sliding window W (query i attends keys i - W < j <= i), or None."""
+        self.logit_max: torch.Tensor | None = None
+        """[a/tp]: the running per-head maximum of this step's pre-softmax logits, updated by
+        every training forward (:func:`~colonnade.models.qk_logits.record_logit_max`) once
+        q/k clipping installs it (:mod:`colonnade.optim.qk_clip`, which reads and resets it
+        after each update); None: nothing is recorded."""
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         """An empty KV cache of ``length`` positions: k, v [b, kv/tp, S, d]."""
@@ -235,6 +241,8 @@ class Attention(nn.Module):
         mask = doc.mask if doc is not None else None  # [b, 1, s, s] or None (causal)
         if self.ctx.cp_size > 1:
             return self.o(self._cp_core(q, k, v, doc))  # [s, b, h] or [s/tp, b, h]
+        if self.logit_max is not None and self.training and cache is None:
+            record_logit_max(self.logit_max, q, k, self.window, mask)  # cp = 1 (validator)
         if self.recompute_core and self.training:
             out = checkpoint(self.core_attention, self.ctx.rng, q, k, v, start,
                              mask)  # [b, s, a/tp d] or [s, b, a/tp d]

@@ -187,8 +187,10 @@ def _check_registry() -> None:
         attention = spec.layer(0).attention
         mla = isinstance(attention, type) and issubclass(attention, MLAttention)
         clamped = getattr(MOE_MLPS.get(name), "clamped_swiglu", False)
+        qk_norm = getattr(attention, "head_norms", 0) > 0
         if (spec.rope != traits.rope or (spec.layer(0).mlp.matrices == 3) != traits.gated_mlp
-                or mla != traits.mla or clamped != traits.clamped_swiglu):
+                or mla != traits.mla or clamped != traits.clamped_swiglu
+                or qk_norm != traits.qk_norm):
             raise AssertionError(f"ARCH_SPECS[{name!r}] disagrees with ARCH_TRAITS[{name!r}]")
 
 

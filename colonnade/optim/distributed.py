@@ -13,8 +13,10 @@ Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), 
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
 otherwise AdamW updates the masters with the scheduled LR from the gradients times
 clip_coefficient / S (:class:`colonnade.optim.adamw.FlatAdamW`: with the fused kernel the main
-gradients are multiplied by that coefficient in place first when it is not 1), masters are
-cast into the parameter buffer and (ZeRO-1) gathered.
+gradients are multiplied by that coefficient in place first when it is not 1), with
+optim.qk_clip_threshold > 0 the q/k rows of the masters are clipped
+(:mod:`colonnade.optim.qk_clip`), masters are cast into the parameter buffer and (ZeRO-1)
+gathered.
 
 Muon (optim.name='muon', :mod:`colonnade.optim.muon`): the owned elements of the Muon matrices
 (``muon_matrices``) leave AdamW's lists and get :class:`~colonnade.optim.muon.FlatMuon`'s
@@ -66,6 +68,7 @@ from colonnade.optim.muon import (
     muon_matrices,
     split_matrices,
 )
+from colonnade.optim.qk_clip import QKClip
 from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.groups import ProcessGroups
@@ -132,8 +135,11 @@ class DistributedOptimizer:
     buffers (all of them unless ZeRO)."""
 
     def __init__(self, ddp: DataParallel, cfg: OptimConfig, groups: ProcessGroups,
-                 total_steps: int, precision: str = "fp32") -> None:
+                 total_steps: int, precision: str = "fp32", qk_clip: QKClip | None = None
+                 ) -> None:
         self.ddp, self.cfg, self.groups, self.total_steps = ddp, cfg, groups, total_steps
+        self.qk_clip = qk_clip
+        """q/k logit clipping after each update (optim.qk_clip_threshold > 0), else None."""
         buffers = ddp.buffers
         self.ranges = ddp.owned_ranges()
         dtype = buffers.grad_dtype  # fp32 masters and moments (fp64 for fp64 models)
@@ -343,6 +349,8 @@ class DistributedOptimizer:
         self.adamw.update(self.step_count + 1 - self.state_start, hp, grad_scale=coef)
         if self.muon is not None:
             self.muon.update(lr, self.cfg.weight_decay, grad_scale=coef)
+        if self.qk_clip is not None:  # MuonClip: scale q/k rows of the masters
+            info["qk_clipped"] = self.qk_clip.apply(self.ddp.buffers, self.ranges, self.masters)
         if self.own_masters:
             self._copy_masters()
         self.ddp.start_param_gather()

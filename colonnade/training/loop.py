@@ -19,6 +19,7 @@ from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
+from colonnade.optim.qk_clip import qk_clip_of
 from colonnade.parallel.dims import layout_text
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
@@ -61,7 +62,8 @@ class Trainer:
             install_doc_reset(self.chunks, cfg.data, data.tokenizer)
         self.ddp = build_data_parallel(self.chunks, cfg, self.groups)
         self.optimizer = DistributedOptimizer(self.ddp, cfg.optim, self.groups, cfg.training.steps,
-                                              cfg.training.precision)
+                                              cfg.training.precision,
+                                              qk_clip_of(self.chunks, cfg.optim, self.groups))
         self.step = 0
         self.clock: RunClock | None = None
         """The loop's clock while :func:`train` runs (None before)."""

@@ -208,6 +208,8 @@ def format_line(rec: dict[str, Any]) -> str:
         parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}",
                   f"{rec['tokens_per_s']:,.0f} tok/s",
                   f"{rec['tflops_per_device']:.3f} TFLOP/s/dev", mfu]
+    if "qk_clipped" in rec:
+        parts.append(f"qk_clipped {rec['qk_clipped']:.0f}")
     parts += format_moe(rec)
     if "mem_peak_gib" in rec:
         parts.append(f"mem {rec['mem_peak_gib']:.2f} GiB")
