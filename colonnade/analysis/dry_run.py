@@ -138,7 +138,8 @@ def moe_lines(config: Config, world: int) -> list[str]:
     experts = m.num_experts // layout.ep
     stage = "only" if layout.pp == 1 else ("ends" if zbv else "first")
     _, expert_params = moe_stage_params(workload, layout, stage)
-    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero, layout.expert_shard)
+    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero, layout.expert_shard,
+                                      workload.state_dtype, workload.master_dtype)
     sharded = ("optimizer", "optimizer and gradients", "weights, gradients and optimizer")
     tokens = layout.local_tokens(workload.seq_len) / layout.tp
     mbs = layout.microbatches(workload.global_batch)

@@ -8,6 +8,12 @@ Model states, derived from what Colonnade keeps per parameter held by the device
                   fp64 models: G = E); the ZeRO paper counts fp16 gradients (2) instead.
     optimizer O:  Adam's fp32 master, m and v: 12 for 16-bit models; an fp32/fp64 model's
                   parameters are their own masters, so m and v only: 2E (8 for fp32).
+                  Precision-aware states (:func:`optimizer_bytes_per_element`): m and v of
+                  ``optim.state_dtype`` (2 bytes each in bf16), and no master with
+                  ``optim.master_dtype='bf16'`` on a bf16 model: O = M + 2 S, e.g. bf16 states
+                  with fp32 masters 8, bf16 states and masters 4. Muon matrices keep one
+                  momentum instead of m and v (not counted here yet: Adam's two for every
+                  parameter, an upper bound).
 Per stage, bytes per parameter (:func:`model_state_bytes`):
     stage 0 (all-reduce)       W + G + O                  bf16 18,     fp32 16
     stage 1 (optimizer states) W + G + O/S                bf16 6 + 12/S (Megatron's; the
@@ -126,21 +132,33 @@ overlap: GradShards' 2 outstanding reduce-scatters and the one being launched, a
 oldest is waited and freed; one more bucket may be filling meanwhile (its input only)."""
 
 
-def element_state_bytes(precision: str) -> tuple[float, float, float]:
+def optimizer_bytes_per_element(precision: str, state_dtype: str = "fp32",
+                                master_dtype: str = "fp32") -> float:
+    """O, the optimizer's bytes per owned element (``DistributedOptimizer.state_bytes`` /
+    owned elements): M + 2 S with M = 4 for a 16-bit model with fp32 masters (else 0: the
+    parameters are the masters) and S = bytes of ``state_dtype`` (8 for fp64 models)."""
+    master = 4.0 if precision in ("bf16", "fp16") and master_dtype == "fp32" else 0.0
+    state = 8.0 if precision == "fp64" else float(ELEMENT_BYTES[state_dtype])
+    return master + 2 * state
+
+
+def element_state_bytes(precision: str, state_dtype: str = "fp32",
+                        master_dtype: str = "fp32") -> tuple[float, float, float]:
     """Unsharded (weight W, gradient G, optimizer O) bytes per parameter for a precision:
-    16-bit 2, 4, 12 (fp32 main grads; fp32 master, m, v); fp32/fp64 E, E, 2E (m, v)."""
+    16-bit 2, 4, 12 (fp32 main grads; fp32 master, m, v); fp32/fp64 E, E, 2E (m, v); O from
+    :func:`optimizer_bytes_per_element` (bf16 states / masters)."""
     e = float(ELEMENT_BYTES[precision])
-    if precision in ("bf16", "fp16"):
-        return e, 4.0, 12.0
-    return e, e, 2 * e
+    o = optimizer_bytes_per_element(precision, state_dtype, master_dtype)
+    return e, (4.0 if precision in ("bf16", "fp16") else e), o
 
 
-def stage_state_bytes(precision: str, stage: int, shard: int) -> tuple[float, float, float]:
+def stage_state_bytes(precision: str, stage: int, shard: int, state_dtype: str = "fp32",
+                      master_dtype: str = "fp32") -> tuple[float, float, float]:
     """(W, G, O) bytes per parameter at ZeRO ``stage`` sharded over ``shard`` ranks:
     stage >= 1 divides O, >= 2 also G, 3 also W by ``shard``."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage {stage} is unknown; use 0, 1, 2 or 3.")
-    wb, gb, ob = element_state_bytes(precision)
+    wb, gb, ob = element_state_bytes(precision, state_dtype, master_dtype)
     return (wb / shard if stage >= 3 else wb, gb / shard if stage >= 2 else gb,
             ob / shard if stage >= 1 else ob)
 
@@ -152,7 +170,8 @@ def model_state_bytes(params: float, shard: int, stage: int, precision: str = "b
 
 def state_bytes_per_param(w: Workload, layout: Layout) -> tuple[float, float, float]:
     """(weight, gradient, optimizer-state) bytes per parameter held on one device."""
-    return stage_state_bytes(w.precision, layout.zero, layout.shard)
+    return stage_state_bytes(w.precision, layout.zero, layout.shard, w.state_dtype,
+                             w.master_dtype)
 
 
 def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
@@ -402,7 +421,8 @@ def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float, n: float)
     module a ZeRO-3 gather serves), activations."""
     delta, experts = moe_stage_params(w, layout, mem.stage)
     wb, gb, ob = state_bytes_per_param(w, layout)
-    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero, layout.expert_shard)
+    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero, layout.expert_shard,
+                                      w.state_dtype, w.master_dtype)
     x = MoEShape.of(w.model)
     act = mem.activations
     if layout.recompute != "full":

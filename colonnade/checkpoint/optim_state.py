@@ -26,6 +26,7 @@ flat buffers) when it does not have them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 
 from colonnade.tensor_parallel.sharding import Sharding
+
+log = logging.getLogger(__name__)
 
 STATE_NAMES: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")
 
@@ -106,11 +109,18 @@ def _model_values(opt: Any) -> dict[tuple[str, int, int], torch.Tensor]:
 
 
 def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
+    """Fill the owned ranges; a state stored in another dtype than the optimizer keeps it in
+    (a run resumed with another optim.state_dtype / master_dtype) is cast, rounding to
+    nearest, with one log line per state name."""
     model: dict[tuple[str, int, int], torch.Tensor] | None = None
+    cast: set[str] = set()
     with torch.no_grad():
         for key, lo, hi, views in opt.shard_state():
             for name in STATE_NAMES:
-                if name not in views or (name == "master" and not opt.own_masters):
+                if name not in views:
+                    continue
+                if name == "master" and not opt.own_masters:
+                    _note_unused_masters(opt, read, key, (lo, hi), cast)
                     continue
                 value = read(key, name, (lo, hi))
                 if value is None and name == "master":
@@ -118,4 +128,24 @@ def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
                     value = model[(key, lo, hi)]
                 elif value is None:
                     value = torch.zeros_like(views[name])
+                elif value.dtype != views[name].dtype and name not in cast:
+                    cast.add(name)
+                    log.info("optimizer state '%s' was saved as %s and is cast to %s "
+                             "(optim.state_dtype / master_dtype changed on resume)", name,
+                             value.dtype, views[name].dtype)
                 views[name].copy_(value.to(views[name].device))
+
+
+def _note_unused_masters(opt: Any, read: StateReader, key: str, flat: tuple[int, int],
+                         noted: set[str]) -> None:
+    """Log once when a 16-bit model without its own masters (optim.master_dtype='bf16')
+    resumes from a checkpoint that has fp32 masters: the parameters it loaded (the masters
+    rounded to the model dtype) are the masters from now on."""
+    buffers = opt.ddp.buffers
+    if "master" in noted or buffers.param_dtype == buffers.grad_dtype:
+        return
+    noted.add("master")
+    if read(key, "master", flat) is not None:
+        log.info("the checkpoint's %s master weights are not kept: optim.master_dtype='bf16' "
+                 "makes the %s parameters the masters (the saved masters rounded to nearest)",
+                 buffers.grad_dtype, buffers.param_dtype)

@@ -28,8 +28,10 @@ from colonnade.config.choices import (
     GRAD_REDUCE_DTYPES,
     LR_DECAYS,
     LR_SCHEDULE_POLICIES,
+    MASTER_DTYPES,
     NAN_POLICIES,
     ON_EXISTING,
+    OPTIM_STATE_DTYPES,
     PRECISIONS,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
@@ -150,6 +152,8 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("training.device", c.training.device, DEVICES),
         ("optim.decay", c.optim.decay, LR_DECAYS),
         ("optim.decay_shape", c.optim.decay_shape, WSD_SHAPES),
+        ("optim.state_dtype", c.optim.state_dtype, OPTIM_STATE_DTYPES),
+        ("optim.master_dtype", c.optim.master_dtype, MASTER_DTYPES),
         ("parallel.backend", c.parallel.backend, BACKENDS),
         ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, LR_SCHEDULE_POLICIES),
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
@@ -375,6 +379,7 @@ def _optim(c: Config, _: int | None) -> list[str]:
         out.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     if o.eps <= 0:
         out.append(f"optim.eps={o.eps} must be > 0.")
+    out.extend(_optim_dtypes(o.state_dtype, o.master_dtype, c.training.precision))
     if not 0 < o.decay_fraction <= 1:
         out.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (the share of "
                    "training.steps spent in the final decay of decay='wsd'), e.g. 0.2.")
@@ -384,6 +389,21 @@ def _optim(c: Config, _: int | None) -> list[str]:
                    f"{o.wsd_decay_steps(c.training.steps)} (optim.decay_fraction="
                    f"{o.decay_fraction} x training.steps={c.training.steps}) exceed "
                    "training.steps; shorten the warmup or lower decay_fraction.")
+    return out
+
+
+def _optim_dtypes(state: str, master: str, precision: str) -> list[str]:
+    """optim.state_dtype / master_dtype against training.precision: bf16 masters only for a
+    bf16 model (an fp32 / fp64 model is its own master), bf16 states not for fp64 runs."""
+    out = []
+    if master == "bf16" and precision != "bf16":
+        out.append(f"optim.master_dtype='bf16' needs training.precision='bf16' (got "
+                   f"'{precision}': its parameters are their own {precision} masters); set "
+                   "optim.master_dtype='fp32' or training.precision='bf16'.")
+    if state == "bf16" and precision == "fp64":
+        out.append("optim.state_dtype='bf16' with training.precision='fp64' would round the "
+                   "exactness runs' states; set optim.state_dtype='fp32' (fp64 runs keep fp64 "
+                   "states) or another precision.")
     return out
 
 

@@ -4,10 +4,19 @@ The optimizer works on *ranges* of the flat buffers of a :class:`DataParallel`:
   * DDP:    one range, the whole buffer; every dp rank updates every parameter.
   * ZeRO-1: this dp rank's range of each bucket (1/dp of it); after the update the ranges are
             all-gathered back into the parameter buffer (:meth:`DataParallel.start_param_gather`).
-For each range it keeps fp32 Adam moments m, v and, when the model is bf16/fp16, an fp32 master
-copy of the weights: 12 bytes per owned element (4 master + 4 m + 4 v); fp32/fp64 models update
-the parameter buffer in place (8 or 16 bytes of moments). With ZeRO-1 the owned elements are
-(params + padding) / dp, padding < buckets x dp x ALIGN (see :mod:`colonnade.data_parallel.buffer`).
+For each range it keeps Adam moments m, v in ``optim.state_dtype`` (fp32, or bf16; fp64 for
+fp64 models) and, when the model is bf16/fp16 and ``optim.master_dtype`` is fp32, an fp32 master
+copy of the weights. Bytes per owned element (:meth:`DistributedOptimizer.state_bytes`, the
+formula of :func:`colonnade.analysis.memory.optimizer_bytes_per_element`):
+    master M: 4 for a 16-bit model with fp32 masters, else 0 (the parameters are the masters:
+              fp32 / fp64 models, or master_dtype='bf16' on a bf16 model);
+    m, v:     2 S, S = 4 fp32 states, 2 bf16 states, 8 for fp64 models;
+    e.g. 12 (bf16 model, fp32 everything), 8 (fp32 model), 8 (bf16 model, bf16 states),
+    4 (bf16 model, bf16 states and masters), 16 (fp64).
+The update computes in fp32 (fp64) whatever the storage (:mod:`colonnade.optim.chunked`: bf16
+operands are upcast 2^20 elements at a time into fixed fp32 workspaces, at most 12 MiB, and
+rounded to nearest back). With ZeRO-1 the owned elements are (params + padding) / dp, padding <
+buckets x dp x ALIGN (see :mod:`colonnade.data_parallel.buffer`).
 
 Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), unscaled by the
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
@@ -90,15 +99,18 @@ class DistributedOptimizer:
         self.ddp, self.cfg, self.groups, self.total_steps = ddp, cfg, groups, total_steps
         buffers = ddp.buffers
         self.ranges = ddp.owned_ranges()
-        dtype = buffers.grad_dtype  # fp32 masters and moments (fp64 for fp64 models)
-        self.own_masters = buffers.param_dtype != dtype
+        dtype = buffers.grad_dtype  # the compute dtype: fp32 (fp64 for fp64 models)
+        self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else dtype
+        """Storage of m and v (optim.state_dtype; fp64 runs keep fp64, the validator says)."""
+        self.own_masters = buffers.param_dtype != dtype and cfg.master_dtype != "bf16"
         numel = sum(hi - lo for lo, hi in self.ranges)
         self.device = device = buffers.device
         self.params = ddp.owned_params()
         """Parameter-dtype views aligned with ``ranges`` (ZeRO-3: the persistent shard)."""
         grads = ddp.owned_grads()
-        self.exp_avg_flat = torch.zeros(numel, dtype=dtype, device=device)  # [shard]
-        self.exp_avg_sq_flat = torch.zeros(numel, dtype=dtype, device=device)  # [shard]
+        self.exp_avg_flat = torch.zeros(numel, dtype=self.state_dtype, device=device)  # [shard]
+        self.exp_avg_sq_flat = torch.zeros(numel, dtype=self.state_dtype,
+                                           device=device)  # [shard]
         self.master_flat = (torch.empty(numel, dtype=dtype, device=device)  # [shard]
                             if self.own_masters else None)
         self.masters: list[torch.Tensor] = []
@@ -126,7 +138,7 @@ class DistributedOptimizer:
             expert_coords["tp"] = (max(groups.expert_tp.rank, 0), groups.expert_tp.size)
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size), expert_coords)
         self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
-                               self.decayed, self._decay_groups())
+                               self.decayed, self._decay_groups(), compute=dtype)
         self.scaler: LossScaler = make_scaler(precision, cfg)
         self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
         """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
@@ -258,7 +270,8 @@ class DistributedOptimizer:
         return info
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: moments plus master copies (when separate)."""
+        """Bytes of optimizer state on this rank: moments plus master copies (when separate);
+        the chunked update's fixed workspace (``adamw.chunked``) is not state."""
         tensors = [self.exp_avg_flat, self.exp_avg_sq_flat]
         if self.master_flat is not None:
             tensors.append(self.master_flat)
