@@ -71,6 +71,9 @@ def zero_line(workload: Workload, layout: Layout) -> str:
     if layout.zero == 3:
         extra = (f"; reshard_after_forward={str(layout.reshard).lower()}, "
                  f"prefetch {workload.zero_prefetch}")
+    if (workload.state_dtype, workload.master_dtype) != ("fp32", "fp32"):
+        extra += (f"; optimizer states {workload.state_dtype}, masters "
+                  f"{workload.master_dtype if workload.mixed else workload.precision}")
     return (f"ZeRO stage {layout.zero}{group}: weights {wb:.3g} + grads {gb:.3g} + "
             f"optimizer {ob:.3g} = {wb + gb + ob:.3g} bytes/parameter"
             + (f" (ZeRO paper: {paper:.3g})" if paper is not None else "") + extra)

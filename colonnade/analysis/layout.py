@@ -16,9 +16,8 @@ from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.moe import dense_model
 from colonnade.config.choices import (
     CP_ATTENTIONS,
-    MASTER_DTYPES,
     MOE_DISPATCHERS,
-    OPTIM_STATE_DTYPES,
+    OPTIM_DTYPES,
     schedule_placement,
 )
 from colonnade.config.rules_pipeline import stage_layout
@@ -81,10 +80,10 @@ class Workload:
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"moe_dispatcher='{self.moe_dispatcher}' must be one of "
                              f"{', '.join(MOE_DISPATCHERS)}.")
-        for name, value, allowed in (("state_dtype", self.state_dtype, OPTIM_STATE_DTYPES),
-                                     ("master_dtype", self.master_dtype, MASTER_DTYPES)):
-            if value not in allowed:
-                raise ValueError(f"{name}='{value}' must be one of {', '.join(allowed)}.")
+        for name, value in (("state_dtype", self.state_dtype),
+                            ("master_dtype", self.master_dtype)):
+            if value not in OPTIM_DTYPES:
+                raise ValueError(f"{name}='{value}' must be one of {', '.join(OPTIM_DTYPES)}.")
         if self.seq_len < 1 or self.global_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
                              "be >= 1.")

@@ -3,7 +3,8 @@
 Building the buffers and the optimizer does not communicate, so a CommGroup that only claims
 dp ranks (no process group behind it) lets one process build what dp rank r would build.
 
-bf16 model, fp32 masters and moments: 12 bytes per optimizer element. Without ZeRO-1 every
+bf16 model, fp32 masters and moments: 12 bytes per optimizer element (precision-aware states:
+bf16 moments and / or no master, the formula of analysis.memory). Without ZeRO-1 every
 rank holds all P parameters: exactly 12 P bytes. With ZeRO-1 each rank holds 1/dp of every
 bucket, padded to a multiple of dp x ALIGN elements: 12 (P + pad) / dp bytes with
 0 <= pad < buckets x dp x ALIGN, i.e. at most 12 (P / dp + buckets x ALIGN).
@@ -15,7 +16,9 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 
+from colonnade.analysis.memory import optimizer_bytes_per_element, stage_state_bytes
 from colonnade.data_parallel import ALIGN, DataParallel
 from colonnade.models.build import build_reference
 from colonnade.optim.distributed import DistributedOptimizer
@@ -24,16 +27,47 @@ from colonnade.parallel.groups import ProcessGroups
 from tests.data_parallel.common import tiny_config
 
 
-def _build(dp: int, rank: int, zero: bool, bucket: int) -> tuple[DataParallel,
-                                                                   DistributedOptimizer, int]:
-    config = tiny_config(dp=1, precision="bf16", zero=zero, bucket=bucket)
+def _build(dp: int, rank: int, zero: bool, bucket: int, precision: str = "bf16",
+           state: str = "fp32", master: str = "fp32"
+           ) -> tuple[DataParallel, DistributedOptimizer, int]:
+    config = tiny_config(dp=1, precision=precision, zero=zero, bucket=bucket)
     model = build_reference(config)
     params = sum(p.numel() for p in model.parameters())
     group = CommGroup("dp_cp", list(range(dp)), None, CommStats(), rank)
     par = dataclasses.replace(config.parallel, use_distributed_optimizer=zero)
     ddp = DataParallel([model], group, par)
-    opt = DistributedOptimizer(ddp, config.optim, ProcessGroups.single(), 3, "bf16")
+    optim = dataclasses.replace(config.optim, state_dtype=state, master_dtype=master)
+    opt = DistributedOptimizer(ddp, optim, ProcessGroups.single(), 3, precision)
     return ddp, opt, params
+
+
+STATES = [("bf16", "fp32", "fp32", 12), ("bf16", "bf16", "fp32", 8), ("bf16", "fp32", "bf16", 8),
+          ("bf16", "bf16", "bf16", 4), ("fp32", "fp32", "fp32", 8), ("fp32", "bf16", "fp32", 4)]
+"""(precision, optim.state_dtype, optim.master_dtype, optimizer bytes per element)."""
+
+
+@pytest.mark.parametrize(("precision", "state", "master", "per_element"), STATES,
+                         ids=["-".join(s[:3]) for s in STATES])
+def test_state_bytes_follow_the_formula(precision: str, state: str, master: str,
+                                        per_element: int) -> None:
+    """Measured state_bytes() of one process and of each rank of dp2 ZeRO-1 (two buckets)
+    equal O x owned elements, O = analysis.memory's optimizer_bytes_per_element (master 4 or
+    0 + 2 x state bytes), which is also the planner's ZeRO-1 O/S per parameter; the tensors
+    have the configured dtypes."""
+    assert optimizer_bytes_per_element(precision, state, master) == per_element
+    _, single, params = _build(1, 0, False, 5000, precision, state, master)
+    assert single.state_bytes() == per_element * params
+    assert single.exp_avg_flat.dtype == (torch.bfloat16 if state == "bf16" else torch.float32)
+    assert (single.master_flat is not None) == (per_element - 2 * single.exp_avg_flat
+                                                .element_size() == 4)
+    for rank in range(2):
+        ddp, opt, _ = _build(2, rank, True, 5000, precision, state, master)
+        owned = sum(hi - lo for lo, hi in ddp.owned_ranges())
+        assert owned == (params + ddp.buffers.padding) // 2
+        assert opt.state_bytes() == per_element * owned
+        _, _, o_per_param = stage_state_bytes(precision, 1, 2, state, master)
+        assert o_per_param * params <= opt.state_bytes() <= o_per_param * (params + 2 * ALIGN
+                                                                             * len(ddp.buckets))
 
 
 @pytest.mark.parametrize("dp", [2, 4, 8])
