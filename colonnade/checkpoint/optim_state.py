@@ -3,7 +3,8 @@
 The checkpoint never sees an optimizer's buffers. An optimizer exposes two methods:
 
 ``logical_state() -> dict[str, dict[str, OptimSlice]]``
-    global parameter key -> state name (``master``, ``exp_avg``, ``exp_avg_sq``) -> the values
+    global parameter key -> state name (``master``, ``exp_avg``, ``exp_avg_sq`` for AdamW,
+    ``momentum`` for a Muon matrix: :data:`STATE_NAMES`) -> the values
     this rank owns: its tp shard (``flat=None``) or a flat range ``[start, end)`` of the
     row-major flattening of its (padded) local tp shard (a ZeRO-1 rank's part of the bucket).
     ``master`` may be left out when it *is* the model parameter (fp32 / fp64 runs).
@@ -37,7 +38,9 @@ from colonnade.tensor_parallel.sharding import Sharding
 
 log = logging.getLogger(__name__)
 
-STATE_NAMES: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")
+STATE_NAMES: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq", "momentum")
+"""Every state an optimizer may hold per element: AdamW parameters have exp_avg and
+exp_avg_sq, Muon matrices momentum (optim.name='muon'), both master when it is separate."""
 
 
 @dataclass

@@ -37,6 +37,10 @@ BACKENDS: tuple[str, ...] = ("auto", "gloo", "nccl")
 """parallel.backend: torch.distributed backend ('auto': nccl on GPUs, gloo on CPU)."""
 LR_DECAYS: tuple[str, ...] = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 """optim.decay values; colonnade.optim.lr implements each."""
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
+"""optim.name: the update (colonnade.optim.distributed builds each)."""
+MUON_SCALES: tuple[str, ...] = ("match_adamw", "spectral")
+"""optim.muon_scale: the shape-dependent scale of a Muon update (colonnade.optim.muon)."""
 WSD_SHAPES: tuple[str, ...] = ("linear", "1-sqrt")
 """optim.decay_shape values (the final decay of decay='wsd')."""
 LR_SCHEDULE_POLICIES: tuple[str, ...] = ("check", "checkpoint", "config")

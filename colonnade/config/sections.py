@@ -248,8 +248,14 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW, the learning-rate schedule, clipping and the loss scaler."""
+    """The optimizer (AdamW or Muon), the learning-rate schedule, clipping and the loss
+    scaler."""
 
+    name: str = "adamw"
+    """'adamw' for every parameter, or 'muon': Newton-Schulz-orthogonalised momentum for each
+    2-D hidden matrix (attention and MLP projections, each expert's matrices) and AdamW for
+    the rest (embeddings, output head, norms, biases, router weights); the split is
+    colonnade.optim.muon.muon_matrices."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -286,6 +292,16 @@ class OptimConfig:
     chunks). fp32 / fp64 models are their own masters ('bf16' is refused for them)."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold (0 disables)."""
+    muon_momentum: float = 0.95
+    """name='muon': momentum mu of M <- mu M + g, in [0, 1)."""
+    muon_nesterov: bool = True
+    """name='muon': orthogonalise g + mu M (Nesterov) instead of M."""
+    muon_ns_steps: int = 5
+    """name='muon': Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315), >= 1."""
+    muon_scale: str = "match_adamw"
+    """name='muon': the update's scale for a matrix [A, B]: 'match_adamw' 0.2 sqrt(max(A, B))
+    (Moonlight / Kimi: the update RMS of AdamW's, so its lr and weight_decay carry over) or
+    'spectral' sqrt(max(1, A / B)) (Keller Jordan's)."""
     initial_loss_scale: float = 2.0**16
     """fp16 only: starting dynamic loss scale."""
     loss_scale_window: int = 1000

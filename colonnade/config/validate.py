@@ -28,9 +28,11 @@ from colonnade.config.choices import (
     GRAD_REDUCE_DTYPES,
     LR_DECAYS,
     LR_SCHEDULE_POLICIES,
+    MUON_SCALES,
     NAN_POLICIES,
     ON_EXISTING,
     OPTIM_DTYPES,
+    OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
@@ -153,6 +155,8 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("optim.decay_shape", c.optim.decay_shape, WSD_SHAPES),
         ("optim.state_dtype", c.optim.state_dtype, OPTIM_DTYPES),
         ("optim.master_dtype", c.optim.master_dtype, OPTIM_DTYPES),
+        ("optim.name", c.optim.name, OPTIMIZERS),
+        ("optim.muon_scale", c.optim.muon_scale, MUON_SCALES),
         ("parallel.backend", c.parallel.backend, BACKENDS),
         ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, LR_SCHEDULE_POLICIES),
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
@@ -378,6 +382,11 @@ def _optim(c: Config, _: int | None) -> list[str]:
         out.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     if o.eps <= 0:
         out.append(f"optim.eps={o.eps} must be > 0.")
+    if not 0 <= o.muon_momentum < 1:
+        out.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95.")
+    if o.muon_ns_steps < 1:
+        out.append(f"optim.muon_ns_steps={o.muon_ns_steps} must be >= 1 (Newton-Schulz "
+                   "iterations), e.g. 5.")
     out.extend(_optim_dtypes(o.state_dtype, o.master_dtype, c.training.precision))
     if not 0 < o.decay_fraction <= 1:
         out.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (the share of "

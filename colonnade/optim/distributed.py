@@ -45,6 +45,8 @@ Both sums are taken on every rank of an MoE model (pipeline stages without exper
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from typing import Any
 
@@ -57,6 +59,14 @@ from colonnade.data_parallel.ddp import DataParallel
 from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW
 from colonnade.optim.clip import clip_coefficient, global_sq, owns_grad
 from colonnade.optim.lr import lr_at
+from colonnade.optim.muon import (
+    FlatMuon,
+    MuonHyper,
+    MuonSlot,
+    make_orthogonalizer,
+    muon_matrices,
+    split_matrices,
+)
 from colonnade.optim.scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.groups import ProcessGroups
@@ -83,6 +93,33 @@ def _cut(flats: list[torch.Tensor], intervals: list[Interval]) -> list[torch.Ten
             for i, a, b in intervals]
 
 
+class _Compact:
+    """Intervals of the owned ranges stored back to back in a compact flat tensor (the
+    AdamW moments of the AdamW elements only, the Muon momentum of the Muon elements)."""
+
+    def __init__(self, intervals: list[Interval]) -> None:
+        self.intervals = intervals
+        self.starts = [(i, lo) for i, lo, _ in intervals]
+        self.offsets = list(itertools.accumulate((hi - lo for _, lo, hi in intervals),
+                                                 initial=0))
+        self.numel = self.offsets[-1]
+
+    def views(self, flat: torch.Tensor, intervals: list[Interval] | None = None
+              ) -> list[torch.Tensor]:
+        """Views of ``flat`` [numel] holding ``intervals`` (default: all), each inside one of
+        this index's intervals."""
+        if intervals is None:
+            return list(flat.split([hi - lo for _, lo, hi in self.intervals]))
+        out = []
+        for i, a, b in intervals:
+            k = bisect.bisect_right(self.starts, (i, a)) - 1
+            _, lo, hi = self.intervals[k]
+            assert self.intervals[k][0] == i and lo <= a and b <= hi, (i, a, b)
+            start = self.offsets[k] + a - lo
+            out.append(flat[start:start + b - a])
+        return out
+
+
 def make_scaler(precision: str, cfg: OptimConfig) -> LossScaler:
     """Dynamic scaler for fp16, constant 1 otherwise."""
     if precision == "fp16":
@@ -107,28 +144,20 @@ class DistributedOptimizer:
         self.device = device = buffers.device
         self.params = ddp.owned_params()
         """Parameter-dtype views aligned with ``ranges`` (ZeRO-3: the persistent shard)."""
-        grads = ddp.owned_grads()
-        self.exp_avg_flat = torch.zeros(numel, dtype=self.state_dtype, device=device)  # [shard]
-        self.exp_avg_sq_flat = torch.zeros(numel, dtype=self.state_dtype,
-                                           device=device)  # [shard]
+        self.grads: list[torch.Tensor] = ddp.owned_grads()
+        """Main-gradient views aligned with ``ranges``."""
         self.master_flat = (torch.empty(numel, dtype=dtype, device=device)  # [shard]
                             if self.own_masters else None)
         self.masters: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-        self.exp_avgs: list[torch.Tensor] = []
-        self.exp_avg_sqs: list[torch.Tensor] = []
         offset = 0
-        for (lo, hi), values, grad in zip(self.ranges, self.params, grads, strict=True):
+        for (lo, hi), values in zip(self.ranges, self.params, strict=True):
             n = hi - lo
-            self.exp_avgs.append(self.exp_avg_flat[offset:offset + n])
-            self.exp_avg_sqs.append(self.exp_avg_sq_flat[offset:offset + n])
             if self.master_flat is not None:
                 master = self.master_flat[offset:offset + n]
                 master.copy_(values)
             else:
                 master = values  # fp32 / fp64 models: the parameter storage is the master
             self.masters.append(master)
-            self.grads.append(grad)
             offset += n
         self.experts = ddp.expert_group is not None
         """Whether the model has expert parameters (a second, expert norm sum is taken)."""
@@ -136,9 +165,30 @@ class DistributedOptimizer:
             groups.ep is not None) else {}
         if groups.expert_tp is not None:
             expert_coords["tp"] = (max(groups.expert_tp.rank, 0), groups.expert_tp.size)
+        self.muon_hyper = MuonHyper.of(cfg) if cfg.name == "muon" else None
+        """The Muon settings (None: AdamW updates every element)."""
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size), expert_coords)
-        self.adamw = FlatAdamW(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs,
-                               self.decayed, self._decay_groups(), compute=dtype)
+        self.adamw_index = _Compact(self.adamw_intervals)
+        self.muon_index = _Compact(self.muon_intervals)
+        self.exp_avg_flat = torch.zeros(self.adamw_index.numel, dtype=self.state_dtype,
+                                        device=device)  # [owned AdamW elements]
+        self.exp_avg_sq_flat = torch.zeros_like(self.exp_avg_flat)  # [owned AdamW elements]
+        self.momentum_flat = torch.zeros(self.muon_index.numel, dtype=self.state_dtype,
+                                         device=device)  # [owned Muon elements]
+        self.exp_avgs = self.adamw_index.views(self.exp_avg_flat)
+        self.exp_avg_sqs = self.adamw_index.views(self.exp_avg_sq_flat)
+        self.adamw = FlatAdamW(_cut(self.masters, self.adamw_intervals),
+                               _cut(self.grads, self.adamw_intervals), self.exp_avgs,
+                               self.exp_avg_sqs, self.decayed, self._decay_groups(),
+                               compute=dtype)
+        self.muon: FlatMuon | None = None
+        """The Muon update of the Muon elements (None for optim.name='adamw')."""
+        if self.muon_hyper is not None:
+            muon_iv = [iv for _, iv in self.muon_slots]
+            self.muon = FlatMuon([s for s, _ in self.muon_slots], _cut(self.masters, muon_iv),
+                                 _cut(self.grads, muon_iv),
+                                 self.muon_index.views(self.momentum_flat, muon_iv),
+                                 make_orthogonalizer(ddp, groups), self.muon_hyper)
         self.scaler: LossScaler = make_scaler(precision, cfg)
         self.norm_groups = [groups.tp, groups.pp] + ([ddp.group] if ddp.sharded else [])
         """Groups the squared norms are summed over: tp, pp and (ZeRO) the shard group, not
@@ -157,25 +207,52 @@ class DistributedOptimizer:
         self.step_count = 0
 
     def _index_segments(self, coords: Coords, expert_coords: Coords) -> None:
-        """Views for weight decay (matrices), the norm (owned grads: dense, expert) and the
-        inf check (rest); an expert parameter's ownership is judged on ``expert_coords``."""
+        """Intervals of the owned ranges by update (Muon pieces; AdamW: decayed matrices, the
+        rest with the padding), views for weight decay, the norm (owned grads: dense, expert)
+        and the inf check (rest); an expert parameter's ownership is judged on
+        ``expert_coords``."""
         decayed: list[Interval] = []
+        plain: list[Interval] = []  # AdamW without decay: vectors and padding
+        self.muon_slots: list[tuple[MuonSlot, Interval]] = []
+        """Each owned piece of a Muon matrix and its interval of the owned ranges."""
         counted: list[Interval] = []
         expert: list[Interval] = []
         rest: list[Interval] = []
         for i, (lo, hi) in enumerate(self.ranges):
+            cursor = lo
             for p, a, b in self.ddp.buffers.segments(lo, hi):
+                if a > cursor:
+                    plain.append((i, cursor - lo, a - lo))
+                cursor = b
                 interval = (i, a - lo, b - lo)
-                if p.ndim > 1:
-                    decayed.append(interval)
+                if self.muon_hyper is not None and muon_matrices(p) is not None:
+                    self._add_muon_slots(p, i, a - lo, b - lo)
+                else:
+                    (decayed if p.ndim > 1 else plain).append(interval)
                 if is_expert_param(p):
                     (expert if owns_grad(p, expert_coords) else rest).append(interval)
                 else:
                     (counted if owns_grad(p, coords) else rest).append(interval)
+            if hi > cursor:
+                plain.append((i, cursor - lo, hi - lo))
         self.decayed_intervals = _merge(decayed)
+        """AdamW's decayed intervals (its matrices)."""
+        self._plain_intervals = _merge(plain)
+        self.adamw_intervals = _merge(sorted(decayed + plain))
+        """The intervals AdamW updates (everything but the Muon pieces)."""
+        self.muon_intervals = _merge([iv for _, iv in self.muon_slots])
+        """The intervals Muon updates."""
         self.decayed = _cut(self.masters, self.decayed_intervals)
         self._norm_intervals = (_merge(counted), _merge(expert), _merge(rest))
         self._grad_views()
+
+    def _add_muon_slots(self, p: torch.nn.Parameter, i: int, a: int, b: int) -> None:
+        """The Muon pieces of ``p`` in range ``i``'s interval [a, b) (one per expert matrix
+        of a stacked weight)."""
+        start = self.ddp.buffers.slot(p).start - self.ranges[i][0]  # p's offset in range i
+        for index, lo, hi, base in split_matrices(p, a - start, b - start):
+            at = start + base  # the matrix's offset in range i
+            self.muon_slots.append((MuonSlot(p, index, lo, hi), (i, at + lo, at + hi)))
 
     def _grad_views(self) -> None:
         """The gradient views the norm reads (counted, expert, the rest), cut from ``grads``."""
@@ -185,30 +262,23 @@ class DistributedOptimizer:
     def _take_step_grads(self) -> None:
         """Direct gradients (``DataParallel.direct_grads``): point every gradient list at this
         step's ``param.grad`` tensors (autograd makes new ones each step; nothing is copied)."""
-        self.grads[:] = self.ddp.step_grads()  # the list FlatAdamW holds too
+        self.grads[:] = self.ddp.step_grads()
         self._grad_views()
+        self.adamw.grads[:] = _cut(self.grads, self.adamw_intervals)
         for group, intervals in zip(self.adamw.groups, self._group_intervals, strict=True):
             group.grads[:] = _cut(self.grads, intervals)
+        if self.muon is not None:
+            self.muon.grads[:] = _cut(self.grads, [iv for _, iv in self.muon_slots])
 
     def _decay_groups(self) -> list[AdamWGroup]:
-        """The owned ranges split into decayed pieces and the rest (padding included), as
+        """AdamW's intervals split into decayed pieces and the rest (padding included), as
         aligned views of masters, gradients and moments: the fused kernel's two calls."""
-        rest: list[Interval] = []
-        for i, (lo, hi) in enumerate(self.ranges):
-            cut = 0
-            for j, a, b in self.decayed_intervals:
-                if j == i:
-                    if a > cut:
-                        rest.append((i, cut, a))
-                    cut = b
-            if cut < hi - lo:
-                rest.append((i, cut, hi - lo))
-
         def group(intervals: list[Interval], decay: bool) -> AdamWGroup:
-            return AdamWGroup(*(_cut(flats, intervals) for flats in (
-                self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs)), decay)
+            return AdamWGroup(_cut(self.masters, intervals), _cut(self.grads, intervals),
+                              self.adamw_index.views(self.exp_avg_flat, intervals),
+                              self.adamw_index.views(self.exp_avg_sq_flat, intervals), decay)
 
-        pairs = [(self.decayed_intervals, True), (rest, False)]
+        pairs = [(self.decayed_intervals, True), (self._plain_intervals, False)]
         self._group_intervals = [iv for iv, _ in pairs if iv]  # FlatAdamW keeps non-empty
         return [group(iv, decay) for iv, decay in pairs]
 
@@ -263,6 +333,8 @@ class DistributedOptimizer:
         coef = clip_coefficient(norm, self.cfg.clip_grad) / scale
         hp = AdamWHyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay)
         self.adamw.update(self.step_count + 1, hp, grad_scale=coef)
+        if self.muon is not None:
+            self.muon.update(lr, self.cfg.weight_decay, grad_scale=coef)
         if self.own_masters:
             self._copy_masters()
         self.ddp.start_param_gather()
@@ -270,24 +342,31 @@ class DistributedOptimizer:
         return info
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: moments plus master copies (when separate);
-        the chunked update's fixed workspace (``adamw.chunked``) is not state."""
-        tensors = [self.exp_avg_flat, self.exp_avg_sq_flat]
+        """Bytes of optimizer state on this rank: moments (AdamW's two per AdamW element,
+        Muon's momentum per Muon element) plus master copies (when separate); the chunked
+        update's fixed workspace (``adamw.chunked``) is not state."""
+        tensors = [self.exp_avg_flat, self.exp_avg_sq_flat, self.momentum_flat]
         if self.master_flat is not None:
             tensors.append(self.master_flat)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def shard_state(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
         """(param key, lo, hi, views) per owned piece: elements [lo, hi) of the flattened local
-        (tp-shard) parameter, with views of its master, exp_avg and exp_avg_sq (resharding)."""
+        (tp-shard) parameter, with views of its master and its moments: exp_avg and exp_avg_sq
+        for an AdamW parameter, momentum for a Muon one (resharding)."""
         out = []
         buffers = self.ddp.buffers
+        muon = set(map(id, (s.param for s, _ in self.muon_slots)))
         for i, (lo, hi) in enumerate(self.ranges):
             for p, a, b in buffers.segments(lo, hi):
                 start = buffers.slot(p).start
-                views = {"master": self.masters[i][a - lo:b - lo],
-                         "exp_avg": self.exp_avgs[i][a - lo:b - lo],
-                         "exp_avg_sq": self.exp_avg_sqs[i][a - lo:b - lo]}
+                iv = [(i, a - lo, b - lo)]
+                views = {"master": self.masters[i][a - lo:b - lo]}
+                if id(p) in muon:
+                    (views["momentum"],) = self.muon_index.views(self.momentum_flat, iv)
+                else:
+                    (views["exp_avg"],) = self.adamw_index.views(self.exp_avg_flat, iv)
+                    (views["exp_avg_sq"],) = self.adamw_index.views(self.exp_avg_sq_flat, iv)
                 out.append((param_key(p), a - start, b - start, views))
         return out
 
@@ -298,6 +377,8 @@ class DistributedOptimizer:
             "ranges": list(self.ranges), "exp_avg": self.exp_avg_flat,
             "exp_avg_sq": self.exp_avg_sq_flat,
         }
+        if self.muon is not None:
+            state["momentum"] = self.momentum_flat
         if self.master_flat is not None:
             state["master"] = self.master_flat
         return state
@@ -312,6 +393,8 @@ class DistributedOptimizer:
         with torch.no_grad():
             self.exp_avg_flat.copy_(state["exp_avg"])
             self.exp_avg_sq_flat.copy_(state["exp_avg_sq"])
+            if self.muon is not None:
+                self.momentum_flat.copy_(state["momentum"])
             if self.master_flat is not None:
                 self.master_flat.copy_(state["master"])
                 self._copy_masters()
