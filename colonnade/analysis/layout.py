@@ -18,6 +18,7 @@ from colonnade.config.choices import (
     CP_ATTENTIONS,
     MOE_DISPATCHERS,
     OPTIM_DTYPES,
+    OPTIMIZERS,
     schedule_placement,
 )
 from colonnade.config.rules_pipeline import stage_layout
@@ -64,6 +65,9 @@ class Workload:
     keep fp64 ones)."""
     master_dtype: str = "fp32"
     """optim.master_dtype: a bf16 model's master weights ('fp32' copy, or 'bf16': none)."""
+    optimizer: str = "adamw"
+    """optim.name: 'adamw', or 'muon' (one momentum for each hidden matrix's element instead
+    of Adam's two moments: :func:`colonnade.analysis.memory.layer_muon_params`)."""
 
     def __post_init__(self) -> None:
         if self.grad_reduce_dtype not in REDUCE_BYTES:
@@ -84,6 +88,9 @@ class Workload:
                             ("master_dtype", self.master_dtype)):
             if value not in OPTIM_DTYPES:
                 raise ValueError(f"{name}='{value}' must be one of {', '.join(OPTIM_DTYPES)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer='{self.optimizer}' must be one of "
+                             f"{', '.join(OPTIMIZERS)}.")
         if self.seq_len < 1 or self.global_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
                              "be >= 1.")
@@ -132,7 +139,7 @@ class Workload:
                    bucket_size=par.bucket_size, zero_prefetch=par.zero_prefetch,
                    grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap,
                    moe_dispatcher=par.moe_dispatcher, state_dtype=cfg.optim.state_dtype,
-                   master_dtype=cfg.optim.master_dtype)
+                   master_dtype=cfg.optim.master_dtype, optimizer=cfg.optim.name)
 
 
 @dataclass(frozen=True, kw_only=True)
