@@ -1,0 +1,105 @@
+"""bf16 optimizer states (optim.state_dtype='bf16') in checkpoints: saved as bf16, resharded
+exactly, cast with a log line when a run resumes with the other state dtype.
+
+A bf16 model with bf16 moments trains 2 steps at dp2 ZeRO-1, saves (A), trains one more step.
+A is loaded at dp1 with fp32 states and saved again (B): every moment of B is A's, upcast
+(exact), and the loader logged the cast. B is loaded back at dp2 ZeRO-1 with bf16 states and
+saved (C): C's moments are A's bit for bit (a bf16 value survives fp32 and back), the
+loader logged the cast, and its next step's loss equals the uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.checkpoint.harness import Layout, batches_for, make_config
+
+LOGGER = "colonnade.checkpoint.optim_state"
+
+
+def _trainer(layout: Layout, state: str) -> Any:
+    from colonnade.parallel.dims import ParallelDims
+    from colonnade.training.loop import Trainer
+    from colonnade.training.setup import Runtime
+    from tests.parity import rank_groups
+
+    torch.set_num_threads(1)
+    cfg = make_config(layout, "bf16")
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, state_dtype=state))
+    groups = rank_groups(ParallelDims(dp=layout.dp))
+    return Trainer(Runtime(cfg, torch.device("cpu"), groups), None)
+
+
+def _step(trainer: Any) -> float:
+    g = trainer.groups
+    return trainer.train_step(batches_for(trainer.step, g.dp.rank, g.dp.size))["loss"]
+
+
+def save_then_step(layout: Layout, root: str) -> list[float]:
+    """Two steps, save, one more; the losses."""
+    from colonnade.checkpoint.training_state import save_training
+
+    trainer = _trainer(layout, "bf16")
+    assert trainer.optimizer.exp_avg_flat.dtype == torch.bfloat16
+    losses = [_step(trainer), _step(trainer)]
+    save_training(trainer, root, keep_last=1)
+    return [*losses, _step(trainer)]
+
+
+def load_and_save(layout: Layout, state: str, src: str, dst: str) -> dict[str, Any]:
+    """Load ``src`` with ``state`` moments, save to ``dst``, step once; the log lines."""
+    from colonnade.checkpoint.training_state import load_training, save_training
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger(LOGGER)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        trainer = _trainer(layout, state)
+        load_training(trainer, src)
+    finally:
+        log.removeHandler(handler)
+    save_training(trainer, dst, keep_last=1)
+    return {"logs": records, "loss": _step(trainer)}
+
+
+def _moments(root: Path) -> dict[str, torch.Tensor]:
+    """Every stored moment (exp_avg, exp_avg_sq) of the checkpoint, whole, as stored."""
+    from colonnade.checkpoint.format import CheckpointReader
+
+    reader = CheckpointReader(sorted(root.glob("step_*"))[-1])
+    out = {}
+    for name in reader.tensors:
+        if name.startswith("optim/") and name.rsplit("/", 1)[1] in ("exp_avg", "exp_avg_sq"):
+            shape = reader.full_shape(name)
+            out[name] = reader.read_box(name, ((0,) * len(shape), shape))
+    return out
+
+
+def test_bf16_states_reshard_and_cast(run_ranks: Callable[..., list[Any]],
+                                      tmp_path: Path) -> None:
+    zero1, single = Layout(dp=2, zero=True), Layout()
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    losses = run_ranks(2, save_then_step, zero1, a)[0]
+    to_fp32 = run_ranks(1, load_and_save, single, "fp32", a, b)[0]
+    back = run_ranks(2, load_and_save, zero1, "bf16", b, c)
+    ma, mb, mc = (_moments(Path(p)) for p in (a, b, c))
+    assert ma.keys() == mb.keys() == mc.keys() and len(ma) > 10
+    for name, value in ma.items():
+        assert value.dtype == mc[name].dtype == torch.bfloat16 and mb[name].dtype == torch.float32
+        assert torch.equal(mb[name], value.float()), name
+        assert torch.equal(mc[name], value), name
+    assert any(float(v.abs().max()) > 0 for v in ma.values())
+    cast = "was saved as torch.{} and is cast to torch.{}"
+    assert any(cast.format("bfloat16", "float32") in m for m in to_fp32["logs"]), to_fp32["logs"]
+    for res in back:
+        assert any(cast.format("float32", "bfloat16") in m for m in res["logs"]), res["logs"]
+        assert res["loss"] == losses[2]  # the resumed step is the uninterrupted one, bit for bit
