@@ -13,7 +13,7 @@ every variant alike; every variant sees the same batches (same seed, same sample
   bf16_master   state_dtype=bf16, master_dtype=bf16: bf16 m, v, no master (4 bytes/param)
 
 Reports, per variant: the loss after ``--steps`` steps (the last step's, and the mean of the last
-20 steps', which is less noisy), its difference from fp32 states in percent (the issue asks
+20 steps', which is less noisy), its difference from fp32 states in percent (the target is
 <= 1%), the optimizer memory per rank (``DistributedOptimizer.state_bytes()``, beside the
 formula of analysis.memory), the chunked update's fixed fp32 workspace, and the median step time
 and median optimizer-step time. Prints a table and writes JSON.
