@@ -25,6 +25,13 @@ clip_coefficient / S (:class:`colonnade.optim.adamw.FlatAdamW`: with the fused k
 gradients are multiplied by that coefficient in place first when it is not 1), masters are
 cast into the parameter buffer and (ZeRO-1) gathered.
 
+Muon (optim.name='muon', :mod:`colonnade.optim.muon`): the owned elements of the Muon matrices
+(``muon_matrices``) leave AdamW's lists and get :class:`~colonnade.optim.muon.FlatMuon`'s
+update, after AdamW's and with the same coefficient, LR and weight decay. The states are
+compact: exp_avg and exp_avg_sq [owned AdamW elements], momentum [owned Muon elements], each in
+owned-range order (:class:`_Compact` maps an interval of the owned ranges to its slice), so a
+Muon element costs one moment where an AdamW element costs two.
+
 ZeRO-2/3: the gradients are the shard views ``DataParallel.owned_grads`` (already averaged
 and complete after the sync) and the parameters ``DataParallel.owned_params``; at stage 3 these
 are the persistent parameter shard itself, so an fp32 / fp64 model's master *is* the shard and a
@@ -63,6 +70,7 @@ from colonnade.optim.muon import (
     FlatMuon,
     MuonHyper,
     MuonSlot,
+    describe_split,
     make_orthogonalizer,
     muon_matrices,
     split_matrices,
@@ -129,7 +137,8 @@ def make_scaler(precision: str, cfg: OptimConfig) -> LossScaler:
 
 
 class DistributedOptimizer:
-    """AdamW on this rank's ranges of the flat buffers (all of them unless ZeRO-1)."""
+    """AdamW (and Muon's matrices with optim.name='muon') on this rank's ranges of the flat
+    buffers (all of them unless ZeRO)."""
 
     def __init__(self, ddp: DataParallel, cfg: OptimConfig, groups: ProcessGroups,
                  total_steps: int, precision: str = "fp32") -> None:
@@ -281,6 +290,14 @@ class DistributedOptimizer:
         pairs = [(self.decayed_intervals, True), (self._plain_intervals, False)]
         self._group_intervals = [iv for iv, _ in pairs if iv]  # FlatAdamW keeps non-empty
         return [group(iv, decay) for iv, decay in pairs]
+
+    def describe(self) -> str:
+        """The optimizer and, for Muon, which of this rank's parameters each update takes:
+        'adamw for every parameter' or 'muon: M matrices in T tensors (...) use Muon, ...'."""
+        if self.muon is None:
+            return f"{self.cfg.name} for every parameter"
+        return (f"{self.cfg.name}: {describe_split(self.ddp.buffers.params)} on rank "
+                f"{self.groups.world.rank}")
 
     @property
     def loss_scale(self) -> float:

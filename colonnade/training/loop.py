@@ -265,6 +265,7 @@ def _open_run_log(cfg: Config, rt: Runtime, trainer: Trainer) -> MetricsWriter |
     print(f"colonnade: {layout} on {rt.device}, "
           f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
           f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
+    print(f"colonnade: optimizer {trainer.optimizer.describe()}")
     return writer
 
 
