@@ -8,11 +8,12 @@ The checkpoint never sees an optimizer's buffers. An optimizer exposes two metho
     this rank owns: its tp shard (``flat=None``) or a flat range ``[start, end)`` of the
     row-major flattening of its (padded) local tp shard (a ZeRO-1 rank's part of the bucket).
     ``master`` may be left out when it *is* the model parameter (fp32 / fp64 runs).
-``load_logical_state(read: StateReader) -> None``
+``load_logical_state(read: StateReader) -> list[str] | None``
     ``read(key, name, flat)`` returns the values the optimizer asks for, shaped like its local
     tp shard (``flat=None``, zero padded) or 1-D for a flat range; ``None`` when the checkpoint
     has no such state (a model-only checkpoint: masters are then re-copied from the model
-    parameters and moments start at zero).
+    parameters and moments start at zero). It may return notes for the resume's log line
+    (a state cast to another dtype).
 plus the attributes ``step_count: int`` and ``dp_sharded: bool`` (True when every dp rank owns
 a disjoint part, as with ZeRO-1/2/3; False when dp ranks hold replicas, so dp rank 0 alone
 writes; hybrid sharding's replicas of a shard: replicate index 0 writes).
@@ -27,7 +28,6 @@ flat buffers) when it does not have them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +35,6 @@ from typing import Any
 import torch
 
 from colonnade.tensor_parallel.sharding import Sharding
-
-log = logging.getLogger(__name__)
 
 STATE_NAMES: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq", "momentum")
 """Every state an optimizer may hold per element: AdamW parameters have exp_avg and
@@ -62,12 +60,12 @@ def logical_state(optimizer: Any) -> dict[str, dict[str, OptimSlice]]:
     return _flat_logical_state(optimizer)
 
 
-def load_logical_state(optimizer: Any, read: StateReader) -> None:
-    """Fill an optimizer from logical state (its own method if it has one)."""
+def load_logical_state(optimizer: Any, read: StateReader) -> list[str]:
+    """Fill an optimizer from logical state (its own method if it has one); returns notes for
+    the run's log (a state cast to another dtype, masters not kept), one per kind."""
     if hasattr(optimizer, "load_logical_state"):
-        optimizer.load_logical_state(read)
-    else:
-        _flat_load_logical_state(optimizer, read)
+        return optimizer.load_logical_state(read) or []
+    return _flat_load_logical_state(optimizer, read)
 
 
 def dp_sharded(optimizer: Any) -> bool:
@@ -111,19 +109,19 @@ def _model_values(opt: Any) -> dict[tuple[str, int, int], torch.Tensor]:
     return {(p.sharding.key, lo, hi): values for p, lo, hi, values in segments()}
 
 
-def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
+def _flat_load_logical_state(opt: Any, read: StateReader) -> list[str]:
     """Fill the owned ranges; a state stored in another dtype than the optimizer keeps it in
     (a run resumed with another optim.state_dtype / master_dtype) is cast, rounding to
-    nearest, with one log line per state name."""
+    nearest, with one note per state name (returned)."""
     model: dict[tuple[str, int, int], torch.Tensor] | None = None
-    cast: set[str] = set()
+    notes: dict[str, str] = {}
     with torch.no_grad():
         for key, lo, hi, views in opt.shard_state():
             for name in STATE_NAMES:
                 if name not in views:
                     continue
                 if name == "master" and not opt.own_masters:
-                    _note_unused_masters(opt, read, key, (lo, hi), cast)
+                    _note_unused_masters(opt, read, key, (lo, hi), notes)
                     continue
                 value = read(key, name, (lo, hi))
                 if value is None and name == "master":
@@ -131,24 +129,24 @@ def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
                     value = model[(key, lo, hi)]
                 elif value is None:
                     value = torch.zeros_like(views[name])
-                elif value.dtype != views[name].dtype and name not in cast:
-                    cast.add(name)
-                    log.info("optimizer state '%s' was saved as %s and is cast to %s "
-                             "(optim.state_dtype / master_dtype changed on resume)", name,
-                             value.dtype, views[name].dtype)
+                elif value.dtype != views[name].dtype and name not in notes:
+                    notes[name] = (f"optimizer state '{name}' was saved as {value.dtype} and is "
+                                   f"cast to {views[name].dtype} (optim.state_dtype / "
+                                   "master_dtype changed on resume)")
                 views[name].copy_(value.to(views[name].device))
+    return [n for n in notes.values() if n]
 
 
 def _note_unused_masters(opt: Any, read: StateReader, key: str, flat: tuple[int, int],
-                         noted: set[str]) -> None:
-    """Log once when a 16-bit model without its own masters (optim.master_dtype='bf16')
+                         notes: dict[str, str]) -> None:
+    """Note once when a 16-bit model without its own masters (optim.master_dtype='bf16')
     resumes from a checkpoint that has fp32 masters: the parameters it loaded (the masters
     rounded to the model dtype) are the masters from now on."""
     buffers = opt.ddp.buffers
-    if "master" in noted or buffers.param_dtype == buffers.grad_dtype:
+    if "master" in notes or buffers.param_dtype == buffers.grad_dtype:
         return
-    noted.add("master")
+    notes["master"] = ""
     if read(key, "master", flat) is not None:
-        log.info("the checkpoint's %s master weights are not kept: optim.master_dtype='bf16' "
-                 "makes the %s parameters the masters (the saved masters rounded to nearest)",
-                 buffers.grad_dtype, buffers.param_dtype)
+        notes["master"] = (f"the checkpoint's {buffers.grad_dtype} master weights are not kept: "
+                           f"optim.master_dtype='bf16' makes the {buffers.param_dtype} "
+                           "parameters the masters (the saved masters rounded to nearest)")

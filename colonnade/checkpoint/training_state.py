@@ -218,13 +218,14 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
     _finish_gathers(trainer)
     load_model(reader, trainer.chunks, trainer.groups, getattr(trainer, "ddp", None))
     step_count = int(meta["optimizer"]["step_count"]) if load_optimizer_state else 0
-    load_optimizer(reader if load_optimizer_state else None, trainer.optimizer, trainer.chunks,
-                   trainer.groups, step_count)
+    cast = load_optimizer(reader if load_optimizer_state else None, trainer.optimizer,
+                          trainer.chunks, trainer.groups, step_count)
     reader.close()
     if not load_optimizer_state:
         return meta
     meta["schedule_note"] = schedule_change(meta, trainer.optimizer, ckpt,
                                             trainer.config.checkpoint.lr_schedule)
+    meta["optim_notes"] = cast  # optimizer states cast to this run's dtypes
     trainer.step = int(meta["step"])
     trainer.elapsed_s = float(meta.get("elapsed_s") or 0.0)
     data = getattr(trainer, "data", None)
@@ -247,7 +248,8 @@ def start_from(trainer: TrainState, path: str | Path) -> str:
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
         raise hf_load_error(path)
     meta = load_training(trainer, path)
-    note = f"; {meta['schedule_note']}" if meta["schedule_note"] else ""
+    notes = [meta["schedule_note"], *meta["optim_notes"]]
+    note = "".join(f"; {n}" for n in notes if n)
     return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}{note}"
 
 
