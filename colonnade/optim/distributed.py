@@ -10,7 +10,8 @@ copy of the weights. Bytes per owned element (:meth:`DistributedOptimizer.state_
 formula of :func:`colonnade.analysis.memory.optimizer_bytes_per_element`):
     master M: 4 for a 16-bit model with fp32 masters, else 0 (the parameters are the masters:
               fp32 / fp64 models, or master_dtype='bf16' on a bf16 model);
-    m, v:     2 S, S = 4 fp32 states, 2 bf16 states, 8 for fp64 models;
+    m, v:     2 S, S = 4 fp32 states, 2 bf16 states, 8 for fp64 models (a Muon matrix's
+              element: its momentum, S);
     e.g. 12 (bf16 model, fp32 everything), 8 (fp32 model), 8 (bf16 model, bf16 states),
     4 (bf16 model, bf16 states and masters), 16 (fp64).
 The update computes in fp32 (fp64) whatever the storage (:mod:`colonnade.optim.chunked`: bf16
