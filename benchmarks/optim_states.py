@@ -113,6 +113,42 @@ def run(prepared: str, steps: int, names: list[str]) -> dict[str, Any]:
             "steps": steps, "params": params, "threads": torch.get_num_threads(), "rows": rows}
 
 
+KERNEL_CASES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "fp64": (torch.float64, torch.float64), "fp32": (torch.float32, torch.float32),
+    "fp32 master, bf16 m v": (torch.float32, torch.bfloat16),
+    "bf16 master, bf16 m v": (torch.bfloat16, torch.bfloat16)}
+"""Kernel rows: (master dtype, m / v dtype); the gradients are fp64 for fp64, else fp32."""
+
+
+def kernel_rows(numel: int, calls: int) -> list[dict[str, Any]]:
+    """Median ms of one FlatAdamW.update of ``numel`` elements (60% decayed), fused kernel
+    against the foreach form, per storage case (bf16 ones through the fp32 chunks)."""
+    from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW
+
+    hp = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    rows = []
+    for name, (master, state) in KERNEL_CASES.items():
+        times: dict[bool, float] = {}
+        for fused in (True, False):
+            compute = torch.float64 if master == torch.float64 else torch.float32
+            w = torch.randn(numel).to(master)
+            g = torch.randn(numel, dtype=compute)
+            m, v = torch.zeros(numel, dtype=state), torch.zeros(numel, dtype=state)
+            k = 3 * numel // 5
+            groups = [AdamWGroup([w[:k]], [g[:k]], [m[:k]], [v[:k]], True),
+                      AdamWGroup([w[k:]], [g[k:]], [m[k:]], [v[k:]], False)]
+            opt = FlatAdamW([w], [g], [m], [v], [w[:k]], groups, fused=fused, compute=compute)
+            samples = []
+            for step in range(1, calls + 1):
+                t0 = time.perf_counter()
+                opt.update(step, hp, grad_scale=1.0)
+                samples.append(time.perf_counter() - t0)
+            times[fused] = 1e3 * statistics.median(samples[2:])
+        rows.append({"case": name, "numel": numel, "fused_ms": times[True],
+                     "foreach_ms": times[False], "speedup": times[False] / times[True]})
+    return rows
+
+
 def table(result: dict[str, Any]) -> str:
     """The rows as a fixed-width table."""
     head = (f"{'variant':<12} {'loss@' + str(result['steps']):>9} {'d%':>7} "
@@ -126,6 +162,10 @@ def table(result: dict[str, Any]) -> str:
             f"{r['state_bytes'] / 1e6:>7.3f} {r['formula_bytes'] / 1e6:>8.3f} "
             f"{r['workspace_bytes'] / 1e6:>8.3f} {r['median_step_ms']:>8.1f} "
             f"{r['median_optimizer_ms']:>7.2f}")
+    for r in result.get("kernels", []):
+        lines.append(f"AdamW update of {r['numel']:,} elements, {r['case']:<22}: fused "
+                     f"{r['fused_ms']:7.2f} ms, foreach {r['foreach_ms']:7.2f} ms "
+                     f"({r['speedup']:.2f}x)")
     return "\n".join(lines)
 
 
@@ -135,22 +175,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prepared-dir", default=None, help="prepared corpus (default: a temp dir)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernel-elements", type=int, default=3_000_000,
+                    help="elements of the fused-vs-foreach kernel rows (0: none)")
+    ap.add_argument("--kernels-only", action="store_true", help="only the kernel rows")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "optim_states.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     names = args.variants.split(",")
     if names[0] != "fp32" or any(n not in VARIANTS for n in names):
         raise SystemExit(f"--variants: fp32 first, then any of {', '.join(VARIANTS)}")
-    with tempfile.TemporaryDirectory() as tmp:
-        prepared = args.prepared_dir or str(Path(tmp) / "stdlib-2k")
-        if not Path(prepared).exists():
-            prepare_data(load_config(str(ROOT / "configs" / "tiny-gpt2.toml"),
-                                     [f"--data.prepared_dir={prepared}"]), log=False)
-        t0 = time.perf_counter()
-        result = run(prepared, args.steps, names)
-    result["seconds"] = time.perf_counter() - t0
-    print(table(result))
+    t0 = time.perf_counter()
     out = Path(args.out)
+    if args.kernels_only:  # keep the training rows already written
+        result = json.loads(out.read_text()) if out.exists() else {"steps": 0, "rows": []}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            prepared = args.prepared_dir or str(Path(tmp) / "stdlib-2k")
+            if not Path(prepared).exists():
+                prepare_data(load_config(str(ROOT / "configs" / "tiny-gpt2.toml"),
+                                         [f"--data.prepared_dir={prepared}"]), log=False)
+            result = run(prepared, args.steps, names)
+        result["seconds"] = time.perf_counter() - t0
+    if args.kernel_elements:
+        result["kernels"] = kernel_rows(args.kernel_elements, 20)
+    print(table(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
