@@ -71,6 +71,12 @@ def zero_line(workload: Workload, layout: Layout) -> str:
     if layout.zero == 3:
         extra = (f"; reshard_after_forward={str(layout.reshard).lower()}, "
                  f"prefetch {workload.zero_prefetch}")
+    if workload.optimizer == "muon":
+        extra += (f"; optim.name=muon: the hidden matrices' optimizer "
+                  f"{state_bytes_per_param(workload, layout, muon=True)[2]:.3g}")
+    if (workload.state_dtype, workload.master_dtype) != ("fp32", "fp32"):
+        extra += (f"; optimizer states {workload.state_dtype}, masters "
+                  f"{workload.master_dtype if workload.mixed else workload.precision}")
     return (f"ZeRO stage {layout.zero}{group}: weights {wb:.3g} + grads {gb:.3g} + "
             f"optimizer {ob:.3g} = {wb + gb + ob:.3g} bytes/parameter"
             + (f" (ZeRO paper: {paper:.3g})" if paper is not None else "") + extra)
@@ -138,7 +144,9 @@ def moe_lines(config: Config, world: int) -> list[str]:
     experts = m.num_experts // layout.ep
     stage = "only" if layout.pp == 1 else ("ends" if zbv else "first")
     _, expert_params = moe_stage_params(workload, layout, stage)
-    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero, layout.expert_shard)
+    ewb, egb, eob = stage_state_bytes(workload.precision, layout.zero, layout.expert_shard,
+                                      workload.state_dtype, workload.master_dtype,
+                                      workload.optimizer == "muon")
     sharded = ("optimizer", "optimizer and gradients", "weights, gradients and optimizer")
     tokens = layout.local_tokens(workload.seq_len) / layout.tp
     mbs = layout.microbatches(workload.global_batch)

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 from colonnade.analysis.activations import ATTENTION_KERNELS
 from colonnade.analysis.moe import dense_model
-from colonnade.config.choices import CP_ATTENTIONS, MOE_DISPATCHERS, schedule_placement
+from colonnade.config.choices import (
+    CP_ATTENTIONS,
+    MOE_DISPATCHERS,
+    OPTIM_DTYPES,
+    OPTIMIZERS,
+    schedule_placement,
+)
 from colonnade.config.rules_pipeline import stage_layout
 from colonnade.config.sections import Config, ModelConfig
 from colonnade.models.counts import LayerShape
@@ -54,6 +60,14 @@ class Workload:
     moe_dispatcher: str = "all_to_all"
     """parallel.moe_dispatcher under ep > 1: 'all_to_all' or 'all_gather'
     (:mod:`colonnade.analysis.moe` gives each one's bytes)."""
+    state_dtype: str = "fp32"
+    """optim.state_dtype: storage of the optimizer's moments ('fp32' or 'bf16'; fp64 models
+    keep fp64 ones)."""
+    master_dtype: str = "fp32"
+    """optim.master_dtype: a bf16 model's master weights ('fp32' copy, or 'bf16': none)."""
+    optimizer: str = "adamw"
+    """optim.name: 'adamw', or 'muon' (one momentum for each hidden matrix's element instead
+    of Adam's two moments: :func:`colonnade.analysis.memory.layer_muon_params`)."""
 
     def __post_init__(self) -> None:
         if self.grad_reduce_dtype not in REDUCE_BYTES:
@@ -70,6 +84,13 @@ class Workload:
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"moe_dispatcher='{self.moe_dispatcher}' must be one of "
                              f"{', '.join(MOE_DISPATCHERS)}.")
+        for name, value in (("state_dtype", self.state_dtype),
+                            ("master_dtype", self.master_dtype)):
+            if value not in OPTIM_DTYPES:
+                raise ValueError(f"{name}='{value}' must be one of {', '.join(OPTIM_DTYPES)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer='{self.optimizer}' must be one of "
+                             f"{', '.join(OPTIMIZERS)}.")
         if self.seq_len < 1 or self.global_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and global_batch={self.global_batch} must "
                              "be >= 1.")
@@ -117,7 +138,8 @@ class Workload:
                    overlap_param_gather=par.overlap_param_gather, overlap_p2p=par.overlap_p2p,
                    bucket_size=par.bucket_size, zero_prefetch=par.zero_prefetch,
                    grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap,
-                   moe_dispatcher=par.moe_dispatcher)
+                   moe_dispatcher=par.moe_dispatcher, state_dtype=cfg.optim.state_dtype,
+                   master_dtype=cfg.optim.master_dtype, optimizer=cfg.optim.name)
 
 
 @dataclass(frozen=True, kw_only=True)

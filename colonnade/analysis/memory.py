@@ -8,6 +8,13 @@ Model states, derived from what Colonnade keeps per parameter held by the device
                   fp64 models: G = E); the ZeRO paper counts fp16 gradients (2) instead.
     optimizer O:  Adam's fp32 master, m and v: 12 for 16-bit models; an fp32/fp64 model's
                   parameters are their own masters, so m and v only: 2E (8 for fp32).
+                  Precision-aware states (:func:`optimizer_bytes_per_element`): m and v of
+                  ``optim.state_dtype`` (2 bytes each in bf16), and no master with
+                  ``optim.master_dtype='bf16'`` on a bf16 model: O = M + 2 S, e.g. bf16 states
+                  with fp32 masters 8, bf16 states and masters 4. With optim.name='muon'
+                  the hidden matrices' elements keep one momentum instead of m and v: M + S
+                  (:func:`layer_muon_params`: attention and dense MLP matrices of each layer,
+                  the routed experts; the tests tie it to optim.muon.muon_matrices).
 Per stage, bytes per parameter (:func:`model_state_bytes`):
     stage 0 (all-reduce)       W + G + O                  bf16 18,     fp32 16
     stage 1 (optimizer states) W + G + O/S                bf16 6 + 12/S (Megatron's; the
@@ -126,21 +133,35 @@ overlap: GradShards' 2 outstanding reduce-scatters and the one being launched, a
 oldest is waited and freed; one more bucket may be filling meanwhile (its input only)."""
 
 
-def element_state_bytes(precision: str) -> tuple[float, float, float]:
+def optimizer_bytes_per_element(precision: str, state_dtype: str = "fp32",
+                                master_dtype: str = "fp32", muon: bool = False) -> float:
+    """O, the optimizer's bytes per owned element (``DistributedOptimizer.state_bytes`` /
+    owned elements): M + 2 S (AdamW's m and v; ``muon``: M + S, one momentum) with M = 4 for
+    a 16-bit model with fp32 masters (else 0: the parameters are the masters) and S = bytes of
+    ``state_dtype`` (8 for fp64 models)."""
+    master = 4.0 if precision in ("bf16", "fp16") and master_dtype == "fp32" else 0.0
+    state = 8.0 if precision == "fp64" else float(ELEMENT_BYTES[state_dtype])
+    return master + (1 if muon else 2) * state
+
+
+def element_state_bytes(precision: str, state_dtype: str = "fp32", master_dtype: str = "fp32",
+                        muon: bool = False) -> tuple[float, float, float]:
     """Unsharded (weight W, gradient G, optimizer O) bytes per parameter for a precision:
-    16-bit 2, 4, 12 (fp32 main grads; fp32 master, m, v); fp32/fp64 E, E, 2E (m, v)."""
+    16-bit 2, 4, 12 (fp32 main grads; fp32 master, m, v); fp32/fp64 E, E, 2E (m, v); O from
+    :func:`optimizer_bytes_per_element` (bf16 states / masters, a Muon matrix's element)."""
     e = float(ELEMENT_BYTES[precision])
-    if precision in ("bf16", "fp16"):
-        return e, 4.0, 12.0
-    return e, e, 2 * e
+    o = optimizer_bytes_per_element(precision, state_dtype, master_dtype, muon)
+    return e, (4.0 if precision in ("bf16", "fp16") else e), o
 
 
-def stage_state_bytes(precision: str, stage: int, shard: int) -> tuple[float, float, float]:
+def stage_state_bytes(precision: str, stage: int, shard: int, state_dtype: str = "fp32",
+                      master_dtype: str = "fp32", muon: bool = False
+                      ) -> tuple[float, float, float]:
     """(W, G, O) bytes per parameter at ZeRO ``stage`` sharded over ``shard`` ranks:
     stage >= 1 divides O, >= 2 also G, 3 also W by ``shard``."""
     if stage not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage {stage} is unknown; use 0, 1, 2 or 3.")
-    wb, gb, ob = element_state_bytes(precision)
+    wb, gb, ob = element_state_bytes(precision, state_dtype, master_dtype, muon)
     return (wb / shard if stage >= 3 else wb, gb / shard if stage >= 2 else gb,
             ob / shard if stage >= 1 else ob)
 
@@ -150,9 +171,34 @@ def model_state_bytes(params: float, shard: int, stage: int, precision: str = "b
     return float(params) * sum(stage_state_bytes(precision, stage, shard))
 
 
-def state_bytes_per_param(w: Workload, layout: Layout) -> tuple[float, float, float]:
-    """(weight, gradient, optimizer-state) bytes per parameter held on one device."""
-    return stage_state_bytes(w.precision, layout.zero, layout.shard)
+def state_bytes_per_param(w: Workload, layout: Layout, muon: bool = False
+                          ) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer-state) bytes per parameter held on one device (``muon``:
+    of a Muon matrix's element, when ``w.optimizer`` is 'muon')."""
+    return stage_state_bytes(w.precision, layout.zero, layout.shard, w.state_dtype,
+                             w.master_dtype, muon and w.optimizer == "muon")
+
+
+def layer_muon_params(m: LayerShape, tp: int, dense_mlp: bool = True) -> float:
+    """Elements of one layer's Muon matrices (optim.muon.muon_matrices) a tp rank holds:
+    attention's q, k, v, o (MLA: its projections, the down projections whole on every rank)
+    and, with ``dense_mlp``, the MLP's matrices (an MoE layer's routed experts are counted by
+    :func:`_with_moe`); norms and biases are AdamW's."""
+    h = m.hidden
+    mlp = m.mlp_matrices * h * m.ffn / tp if dense_mlp else 0.0
+    if m.mla is not None:
+        return mlp + sum(m.mla.local_matrices(h, m.heads, tp))
+    return mlp + (2 * h * m.q_hidden + 2 * h * m.kv_hidden) / tp
+
+
+def stage_optimizer_bytes(w: Workload, layout: Layout, stage: str, params: float) -> float:
+    """Optimizer-state bytes of ``params`` parameters of ``stage``: O each, and with Muon its
+    layers' hidden matrices at the Muon O (one momentum); MTP modules are counted as AdamW."""
+    ob = state_bytes_per_param(w, layout)[2]
+    if w.optimizer != "muon":
+        return params * ob
+    muon = layer_muon_params(w.shape, layout.tp) * stage_layers(w.shape.layers, layout, stage)
+    return (params - muon) * ob + muon * state_bytes_per_param(w, layout, muon=True)[2]
 
 
 def largest_param(m: LayerShape, layout: Layout, stage: str) -> float:
@@ -345,7 +391,7 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     """Memory of one device of pipeline ``stage`` ('first', 'last', 'only', ZB-V's 'ends'; a
     middle stage holds no more than these)."""
     m = w.shape
-    wb, gb, ob = state_bytes_per_param(w, layout)
+    wb, gb, _ = state_bytes_per_param(w, layout)
     n = stage_params(m, layout, stage)
     micro, e, t = layout.micro_batch, w.elem, layout.tp
     s = w.seq_len / layout.cp  # rows of each sample on this cp rank
@@ -368,7 +414,8 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
                                    + head_bytes(w, layout, mbs))
     buffers = (2 * e * sbh if layout.pp > 1 else 0.0) + (e * sbh if layout.sp else 0.0)
     grad_buckets, gathered = zero_buffer_bytes(w, layout, stage, n)
-    mem = Memory(stage=stage, params=n * wb, grads=n * gb, optimizer=n * ob, activations=act,
+    mem = Memory(stage=stage, params=n * wb, grads=n * gb,
+                 optimizer=stage_optimizer_bytes(w, layout, stage, n), activations=act,
                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered,
                  cp_buffers=cp_buffer_bytes(shape))
     return mem if not w.model.moe else _with_moe(mem, w, layout, flight, n)
@@ -397,25 +444,33 @@ def moe_layer_activation_delta(w: Workload, layout: Layout) -> float:
 def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float, n: float) -> Memory:
     """``mem`` of a dense stage of ``n`` parameters corrected for its MoE layers: parameters
     and states (the routed experts' sharded over their own shard group, edp or its hybrid
-    groups: optimizer states from stage 1, gradients from 2, parameters at 3), the stage-2/3
+    groups: optimizer states from stage 1, gradients from 2, parameters at 3; with Muon the
+    routed experts at Muon's O, router and shared experts at AdamW's), the stage-2/3
     buffers over all ``n + delta + experts`` parameters (a layer's E/ep routed experts are one
     module a ZeRO-3 gather serves), activations."""
     delta, experts = moe_stage_params(w, layout, mem.stage)
     wb, gb, ob = state_bytes_per_param(w, layout)
-    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero, layout.expert_shard)
+    muon = w.optimizer == "muon"
+    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero, layout.expert_shard,
+                                      w.state_dtype, w.master_dtype, muon)
     x = MoEShape.of(w.model)
     act = mem.activations
+    layers = stage_moe_count(w, layout, mem.stage)
+    if layers is None:
+        layers = x.stage_moe_layers(layout.pp, mem.stage)
     if layout.recompute != "full":
-        layers = stage_moe_count(w, layout, mem.stage)
-        if layers is None:
-            layers = x.stage_moe_layers(layout.pp, mem.stage)
         act += flight * layers * moe_layer_activation_delta(w, layout)
+    optimizer = mem.optimizer + delta * ob + experts * eob
+    if muon:  # each MoE layer's dense MLP was counted at Muon's O; delta removes it at ob
+        dense_mlp = (layer_muon_params(w.shape, layout.tp)
+                     - layer_muon_params(w.shape, layout.tp, dense_mlp=False))
+        optimizer += layers * dense_mlp * (ob - state_bytes_per_param(w, layout, True)[2])
     grad_buckets, gathered = zero_buffer_bytes(w, layout, mem.stage, n + delta + experts,
                                                x.experts // layout.ep * x.expert_params)
     return dataclasses.replace(
         mem, params=mem.params + delta * wb + experts * ewb,
         grads=mem.grads + delta * gb + experts * egb,
-        optimizer=mem.optimizer + delta * ob + experts * eob, activations=act,
+        optimizer=optimizer, activations=act,
         grad_buckets=grad_buckets, gathered=gathered)
 
 

@@ -11,11 +11,12 @@ The checkpoint never sees an optimizer's buffers. An optimizer exposes two metho
     ``exp_avg_sq``; a Muon matrix: ``master``, ``momentum``), so a checkpoint stores
     ``optim/<key>/<name>`` for exactly those and a loader asks for its own (a state the
     checkpoint lacks starts at zero).
-``load_logical_state(read: StateReader) -> None``
+``load_logical_state(read: StateReader) -> list[str] | None``
     ``read(key, name, flat)`` returns the values the optimizer asks for, shaped like its local
     tp shard (``flat=None``, zero padded) or 1-D for a flat range; ``None`` when the checkpoint
     has no such state (a model-only checkpoint: masters are then re-copied from the model
-    parameters and moments start at zero).
+    parameters and moments start at zero). It may return notes for the resume's log line
+    (a state cast to another dtype).
 plus the attributes ``step_count: int`` and ``dp_sharded: bool`` (True when every dp rank owns
 a disjoint part, as with ZeRO-1/2/3; False when dp ranks hold replicas, so dp rank 0 alone
 writes; hybrid sharding's replicas of a shard: replicate index 0 writes).
@@ -62,12 +63,12 @@ def logical_state(optimizer: Any) -> dict[str, dict[str, OptimSlice]]:
     return _flat_logical_state(optimizer)
 
 
-def load_logical_state(optimizer: Any, read: StateReader) -> None:
-    """Fill an optimizer from logical state (its own method if it has one)."""
+def load_logical_state(optimizer: Any, read: StateReader) -> list[str]:
+    """Fill an optimizer from logical state (its own method if it has one); returns notes for
+    the run's log (a state cast to another dtype, masters not kept), one per kind."""
     if hasattr(optimizer, "load_logical_state"):
-        optimizer.load_logical_state(read)
-    else:
-        _flat_load_logical_state(optimizer, read)
+        return optimizer.load_logical_state(read) or []
+    return _flat_load_logical_state(optimizer, read)
 
 
 def state_names(optimizer: Any) -> dict[str, list[str]]:
@@ -117,12 +118,17 @@ def _model_values(opt: Any) -> dict[tuple[str, int, int], torch.Tensor]:
     return {(p.sharding.key, lo, hi): values for p, lo, hi, values in segments()}
 
 
-def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
+def _flat_load_logical_state(opt: Any, read: StateReader) -> list[str]:
+    """Fill the owned ranges; a state stored in another dtype than the optimizer keeps it in
+    (a run resumed with another optim.state_dtype / master_dtype) is cast, rounding to
+    nearest, with one note per state name (returned)."""
     model: dict[tuple[str, int, int], torch.Tensor] | None = None
+    notes: dict[str, str] = {}
     with torch.no_grad():
         for key, lo, hi, views in opt.shard_state():
             for name, view in views.items():
                 if name == MASTER and not opt.own_masters:
+                    _note_unused_masters(opt, read, key, (lo, hi), notes)
                     continue
                 value = read(key, name, (lo, hi))
                 if value is None and name == MASTER:
@@ -130,4 +136,24 @@ def _flat_load_logical_state(opt: Any, read: StateReader) -> None:
                     value = model[(key, lo, hi)]
                 elif value is None:
                     value = torch.zeros_like(view)
+                elif value.dtype != view.dtype and name not in notes:
+                    notes[name] = (f"optimizer state '{name}' was saved as {value.dtype} and is "
+                                   f"cast to {view.dtype} (optim.state_dtype / "
+                                   "master_dtype changed on resume)")
                 view.copy_(value.to(view.device))
+    return [n for n in notes.values() if n]
+
+
+def _note_unused_masters(opt: Any, read: StateReader, key: str, flat: tuple[int, int],
+                         notes: dict[str, str]) -> None:
+    """Note once when a 16-bit model without its own masters (optim.master_dtype='bf16')
+    resumes from a checkpoint that has fp32 masters: the parameters it loaded (the masters
+    rounded to the model dtype) are the masters from now on."""
+    buffers = opt.ddp.buffers
+    if "master" in notes or buffers.param_dtype == buffers.grad_dtype:
+        return
+    notes["master"] = ""
+    if read(key, "master", flat) is not None:
+        notes["master"] = (f"the checkpoint's {buffers.grad_dtype} master weights are not kept: "
+                           f"optim.master_dtype='bf16' makes the {buffers.param_dtype} "
+                           "parameters the masters (the saved masters rounded to nearest)")

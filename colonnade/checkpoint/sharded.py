@@ -250,9 +250,10 @@ def load_model(reader: CheckpointReader, chunks: list[nn.Module], groups: Proces
 
 
 def load_optimizer(reader: CheckpointReader | None, optimizer: Any, chunks: list[nn.Module],
-                   groups: ProcessGroups, step_count: int) -> None:
+                   groups: ProcessGroups, step_count: int) -> list[str]:
     """Fill the optimizer from the checkpoint; ``reader=None`` (or missing state) re-syncs
-    masters from the model parameters and zeroes the moments."""
+    masters from the model parameters and zeroes the moments. Returns the loader's notes
+    (states cast to another dtype: :func:`load_logical_state`)."""
     shardings = {p.sharding.key: p.sharding for p in unique_params(chunks)}  # type: ignore[attr-defined]
     optimizer.step_count = step_count
 
@@ -263,4 +264,4 @@ def load_optimizer(reader: CheckpointReader | None, optimizer: Any, chunks: list
         s = shardings[key]
         return read_local(reader, name, s, rank_coords(groups, sharding=s), flat=flat)
 
-    load_logical_state(optimizer, read)
+    return load_logical_state(optimizer, read)

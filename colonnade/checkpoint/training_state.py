@@ -281,8 +281,8 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
     load_model(reader, trainer.chunks, trainer.groups, getattr(trainer, "ddp", None))
     step_count = int(meta["optimizer"]["step_count"]) if load_optimizer_state else 0
     fresh = not load_optimizer_state or bool(meta["optimizer_note"])
-    load_optimizer(None if fresh else reader, trainer.optimizer, trainer.chunks,
-                   trainer.groups, step_count)
+    cast = load_optimizer(None if fresh else reader, trainer.optimizer, trainer.chunks,
+                          trainer.groups, step_count)
     trainer.optimizer.state_start = (step_count if fresh else
                                      int(meta["optimizer"].get("state_start") or 0))
     reader.close()
@@ -290,6 +290,7 @@ def load_training(trainer: TrainState, path: str | Path, *, load_optimizer_state
         return meta
     meta["schedule_note"] = schedule_change(meta, trainer.optimizer, ckpt,
                                             trainer.config.checkpoint.lr_schedule)
+    meta["optim_notes"] = cast  # optimizer states cast to this run's dtypes
     trainer.step = int(meta["step"])
     trainer.elapsed_s = float(meta.get("elapsed_s") or 0.0)
     data = getattr(trainer, "data", None)
@@ -312,7 +313,8 @@ def start_from(trainer: TrainState, path: str | Path) -> str:
     if is_hf_dir(path) and not (Path(path) / "latest").exists():
         raise hf_load_error(path)
     meta = load_training(trainer, path)
-    note = "".join(f"; {meta[k]}" for k in ("optimizer_note", "schedule_note") if meta[k])
+    notes = [meta["optimizer_note"], meta["schedule_note"], *meta["optim_notes"]]
+    note = "".join(f"; {n}" for n in notes if n)
     return f"resumed from {resolve_checkpoint(path)} at step {meta['step']}{note}"
 
 

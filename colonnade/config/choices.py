@@ -55,6 +55,9 @@ DATA_FORMATS: tuple[str, ...] = ("text", "sft")
 """data.format: pretraining text, or prompt/response records with a loss mask (data/sft.py)."""
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 """parallel.grad_reduce_dtype: dtype of the ZeRO-2/3 gradient reduce-scatter."""
+OPTIM_DTYPES: tuple[str, ...] = GRAD_REDUCE_DTYPES
+"""optim.state_dtype (Adam's moments, Muon's momentum) and optim.master_dtype (a bf16 model's
+master weights): their storage, the same two dtypes as the gradient reduce (colonnade.optim)."""
 CP_ATTENTIONS: tuple[str, ...] = ("ring", "all_to_all", "hierarchical")
 """parallel.cp_attention: how attention spans the cp ranks (colonnade.context_parallel)."""
 MOE_ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")

@@ -281,6 +281,15 @@ class OptimConfig:
     """Adam beta2."""
     eps: float = 1e-8
     """Adam epsilon."""
+    state_dtype: str = "fp32"
+    """Storage of the optimizer states (Adam's exp_avg and exp_avg_sq, Muon's momentum):
+    'fp32', or 'bf16' (half the bytes; the update still computes in fp32 on bounded chunks and
+    rounds to nearest on the way back; Megatron's --use-precision-aware-optimizer). fp64 runs
+    keep fp64 states (bf16 is refused there)."""
+    master_dtype: str = "fp32"
+    """Master weights of a bf16 model: 'fp32' (a separate fp32 copy the update works on) or
+    'bf16' (no copy: the bf16 parameters are updated in place, computing in fp32 on bounded
+    chunks). fp32 / fp64 models are their own masters ('bf16' is refused for them)."""
     clip_grad: float = 1.0
     """Global gradient-norm clipping threshold (0 disables)."""
     muon_momentum: float = 0.95

@@ -32,6 +32,7 @@ from colonnade.config.choices import (
     MUON_SCALES,
     NAN_POLICIES,
     ON_EXISTING,
+    OPTIM_DTYPES,
     OPTIMIZER_SWITCHES,
     OPTIMIZERS,
     PRECISIONS,
@@ -155,6 +156,8 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("training.device", c.training.device, DEVICES),
         ("optim.decay", c.optim.decay, LR_DECAYS),
         ("optim.decay_shape", c.optim.decay_shape, WSD_SHAPES),
+        ("optim.state_dtype", c.optim.state_dtype, OPTIM_DTYPES),
+        ("optim.master_dtype", c.optim.master_dtype, OPTIM_DTYPES),
         ("optim.name", c.optim.name, OPTIMIZERS),
         ("optim.muon_scale", c.optim.muon_scale, MUON_SCALES),
         ("parallel.backend", c.parallel.backend, BACKENDS),
@@ -388,6 +391,7 @@ def _optim(c: Config, _: int | None) -> list[str]:
     if o.muon_ns_steps < 1:
         out.append(f"optim.muon_ns_steps={o.muon_ns_steps} must be >= 1 (Newton-Schulz "
                    "iterations), e.g. 5.")
+    out.extend(_optim_dtypes(o.state_dtype, o.master_dtype, c.training.precision))
     if not 0 < o.decay_fraction <= 1:
         out.append(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (the share of "
                    "training.steps spent in the final decay of decay='wsd'), e.g. 0.2.")
@@ -397,6 +401,21 @@ def _optim(c: Config, _: int | None) -> list[str]:
                    f"{o.wsd_decay_steps(c.training.steps)} (optim.decay_fraction="
                    f"{o.decay_fraction} x training.steps={c.training.steps}) exceed "
                    "training.steps; shorten the warmup or lower decay_fraction.")
+    return out
+
+
+def _optim_dtypes(state: str, master: str, precision: str) -> list[str]:
+    """optim.state_dtype / master_dtype against training.precision: bf16 masters only for a
+    bf16 model (an fp32 / fp64 model is its own master), bf16 states not for fp64 runs."""
+    out = []
+    if master == "bf16" and precision != "bf16":
+        out.append(f"optim.master_dtype='bf16' needs training.precision='bf16' (got "
+                   f"'{precision}': its parameters are their own {precision} masters); set "
+                   "optim.master_dtype='fp32' or training.precision='bf16'.")
+    if state == "bf16" and precision == "fp64":
+        out.append("optim.state_dtype='bf16' with training.precision='fp64' would round the "
+                   "exactness runs' states; set optim.state_dtype='fp32' (fp64 runs keep fp64 "
+                   "states) or another precision.")
     return out
 
 

@@ -9,14 +9,24 @@ unscale-and-clip coefficient):
 the update of ``torch.optim.AdamW``; each list entry is one flat range of the master weights
 (a whole buffer, one ZeRO-1 shard of one bucket, or a piece of one: see :class:`FlatAdamW`).
 
-Two kernels compute it, chosen in one place (:func:`fused_supported`):
+Two kernels compute it, chosen once per optimizer (:func:`fused_supported`, probed on the
+compute dtype: the gradients', fp32, or fp64 for fp64 runs):
   * ``torch._fused_adamw_``: one pass over w, g, m, v (the kernel of ``torch.optim.AdamW(
-    fused=True)``), when it supports the device and dtype (fp32 and fp64 on CPU; CUDA);
-  * :func:`adamw_update`: the ``torch._foreach_*`` form, everywhere else.
-Both agree with ``torch.optim.AdamW`` to the last bit or two (float64 relative error < 1e-15).
+    fused=True)``), on CPU for fp32 and fp64 and on CUDA; two calls per step (decayed and
+    non-decayed pieces: the kernel takes one weight decay per call);
+  * :func:`adamw_update`: the ``torch._foreach_*`` form, which remains only where the kernel
+    is missing for the device and compute dtype (the probe fails: e.g. a device or a torch
+    build without it; CPU has no bf16 kernel, but bf16 storage never reaches a kernel, see
+    below) or when a caller asks for it (``fused=False``, tests).
+Both agree with ``torch.optim.AdamW`` to the last bit or two (float64 relative error < 1e-15;
+tests/optim/test_adamw.py bounds fused against foreach per dtype).
 With c != 1 the fused path first multiplies the gradients in place by c in their own dtype (as
 ``torch.nn.utils.clip_grad_norm_`` does): the kernel's ``grad_scale`` is a float32 tensor, which
-would round c for fp64 runs.
+would round c for fp64 runs, so it is never passed, and fp64 parity stays exact.
+Precision-aware states (``optim.state_dtype`` / ``master_dtype`` = 'bf16'): masters or moments
+stored in bf16 are upcast chunk by chunk (2^20 elements) into fp32 workspaces, the same kernel
+runs on them, and the results are rounded to nearest back into bf16
+(:mod:`colonnade.optim.chunked`), so the update always computes in fp32.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from colonnade.optim.chunked import ChunkedCompute
 
 
 @dataclass(frozen=True)
@@ -115,21 +127,33 @@ class FlatAdamW:
 
     ``params[i]`` etc. are whole ranges (the foreach path's lists); ``groups`` split the same
     memory into decayed and non-decayed pieces for the fused kernel, which takes one weight
-    decay per call.
+    decay per call. ``compute`` is the dtype the update computes in (the gradients': fp32, or
+    fp64 for fp64 runs); masters or moments stored in another dtype (bf16: ``optim.
+    master_dtype`` / ``state_dtype``) are updated through :class:`~colonnade.optim.chunked.
+    ChunkedCompute` (fp32 chunks of 2^20 elements, rounded back to nearest).
     """
 
     def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                  exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                  decayed: list[torch.Tensor], groups: list[AdamWGroup],
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, compute: torch.dtype | None = None) -> None:
         self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = params, grads, exp_avgs, \
             exp_avg_sqs
         self.decayed, self.groups = decayed, [g for g in groups if g.params]
+        device = params[0].device if params else torch.device("cpu")
+        if compute is None:
+            compute = grads[0].dtype if grads else torch.float32
         if fused is None:
-            fused = bool(params) and fused_supported(params[0].device.type, params[0].dtype)
+            fused = bool(params) and fused_supported(device.type, compute)
         self.fused = fused
         """Whether :meth:`update` calls ``torch._fused_adamw_`` (else the foreach form)."""
-        device = params[0].device if params else torch.device("cpu")
+        stored = [t[0].dtype if t else compute for t in (params, exp_avgs, exp_avg_sqs)]
+        self.chunked: ChunkedCompute | None = None
+        """The fp32 chunk runner when masters or moments are stored narrower than ``compute``."""
+        if any(dt != compute for dt in stored):
+            sizes = [[v.numel() for v in g.params] for g in self.groups]
+            self.chunked = ChunkedCompute(sizes, [stored[0], compute, stored[1], stored[2]],
+                                          compute, device)
         self._step = torch.zeros((), dtype=torch.float32, device=device)  # read by the kernel
 
     @torch.no_grad()
@@ -142,15 +166,32 @@ class FlatAdamW:
         """
         if not self.params:
             return
-        if not self.fused:
+        if self.fused and grad_scale != 1.0:
+            torch._foreach_mul_(self.grads, grad_scale)
+            grad_scale = 1.0
+        self._step.fill_(float(step))
+        if self.chunked is not None:
+            def fn(g: int, v: list[list[torch.Tensor]]) -> None:
+                self._kernel(v[0], v[1], v[2], v[3], self.groups[g].decay, step, hp, grad_scale)
+            self.chunked.run([[g.params, g.grads, g.exp_avgs, g.exp_avg_sqs]
+                              for g in self.groups], (0, 2, 3), fn)
+        elif not self.fused:
             adamw_update(self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.decayed,
                          step, hp, grad_scale=grad_scale)
-            return
-        if grad_scale != 1.0:
-            torch._foreach_mul_(self.grads, grad_scale)
-        self._step.fill_(float(step))
-        for g in self.groups:
-            torch._fused_adamw_(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, [],
-                                [self._step] * len(g.params), lr=hp.lr, beta1=hp.beta1,
-                                beta2=hp.beta2, weight_decay=hp.weight_decay if g.decay else 0.0,
+        else:
+            for g in self.groups:
+                self._kernel(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.decay, step, hp, 1.0)
+
+    def _kernel(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], decay: bool,
+                step: int, hp: AdamWHyper, grad_scale: float) -> None:
+        """One kernel call on aligned views sharing one weight decay (``grad_scale`` is 1 on
+        the fused path: the gradients were pre-multiplied)."""
+        if self.fused:
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [],
+                                [self._step] * len(params), lr=hp.lr, beta1=hp.beta1,
+                                beta2=hp.beta2, weight_decay=hp.weight_decay if decay else 0.0,
                                 eps=hp.eps, amsgrad=False, maximize=False)
+        else:
+            adamw_update(params, grads, exp_avgs, exp_avg_sqs, params if decay else [], step,
+                         hp, grad_scale=grad_scale)

@@ -4,10 +4,20 @@ The optimizer works on *ranges* of the flat buffers of a :class:`DataParallel`:
   * DDP:    one range, the whole buffer; every dp rank updates every parameter.
   * ZeRO-1: this dp rank's range of each bucket (1/dp of it); after the update the ranges are
             all-gathered back into the parameter buffer (:meth:`DataParallel.start_param_gather`).
-For each range it keeps fp32 Adam moments m, v and, when the model is bf16/fp16, an fp32 master
-copy of the weights: 12 bytes per owned element (4 master + 4 m + 4 v); fp32/fp64 models update
-the parameter buffer in place (8 or 16 bytes of moments). With ZeRO-1 the owned elements are
-(params + padding) / dp, padding < buckets x dp x ALIGN (see :mod:`colonnade.data_parallel.buffer`).
+For each range it keeps Adam moments m, v in ``optim.state_dtype`` (fp32, or bf16; fp64 for
+fp64 models) and, when the model is bf16/fp16 and ``optim.master_dtype`` is fp32, an fp32 master
+copy of the weights. Bytes per owned element (:meth:`DistributedOptimizer.state_bytes`, the
+formula of :func:`colonnade.analysis.memory.optimizer_bytes_per_element`):
+    master M: 4 for a 16-bit model with fp32 masters, else 0 (the parameters are the masters:
+              fp32 / fp64 models, or master_dtype='bf16' on a bf16 model);
+    m, v:     2 S, S = 4 fp32 states, 2 bf16 states, 8 for fp64 models (a Muon matrix's
+              element: its momentum, S);
+    e.g. 12 (bf16 model, fp32 everything), 8 (fp32 model), 8 (bf16 model, bf16 states),
+    4 (bf16 model, bf16 states and masters), 16 (fp64).
+The update computes in fp32 (fp64) whatever the storage (:mod:`colonnade.optim.chunked`: bf16
+operands are upcast 2^20 elements at a time into fixed fp32 workspaces, at most 12 MiB, and
+rounded to nearest back). With ZeRO-1 the owned elements are (params + padding) / dp, padding <
+buckets x dp x ALIGN (see :mod:`colonnade.data_parallel.buffer`).
 
 Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), unscaled by the
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
@@ -142,8 +152,10 @@ class DistributedOptimizer:
         """q/k logit clipping after each update (optim.qk_clip_threshold > 0), else None."""
         buffers = ddp.buffers
         self.ranges = ddp.owned_ranges()
-        dtype = buffers.grad_dtype  # fp32 masters and moments (fp64 for fp64 models)
-        self.own_masters = buffers.param_dtype != dtype
+        dtype = buffers.grad_dtype  # the compute dtype: fp32 (fp64 for fp64 models)
+        self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else dtype
+        """Storage of m and v (optim.state_dtype; fp64 runs keep fp64, the validator says)."""
+        self.own_masters = buffers.param_dtype != dtype and cfg.master_dtype != "bf16"
         numel = sum(hi - lo for lo, hi in self.ranges)
         self.device = device = buffers.device
         self.params = ddp.owned_params()
@@ -174,16 +186,17 @@ class DistributedOptimizer:
         self._index_segments(tp_coords(groups.tp.rank, groups.tp.size), expert_coords)
         self.adamw_index = _Compact(self.adamw_intervals)
         self.muon_index = _Compact(self.muon_intervals)
-        self.exp_avg_flat = torch.zeros(self.adamw_index.numel, dtype=dtype,
+        self.exp_avg_flat = torch.zeros(self.adamw_index.numel, dtype=self.state_dtype,
                                         device=device)  # [owned AdamW elements]
         self.exp_avg_sq_flat = torch.zeros_like(self.exp_avg_flat)  # [owned AdamW elements]
-        self.momentum_flat = torch.zeros(self.muon_index.numel, dtype=dtype,
+        self.momentum_flat = torch.zeros(self.muon_index.numel, dtype=self.state_dtype,
                                          device=device)  # [owned Muon elements]
         self.exp_avgs = self.adamw_index.views(self.exp_avg_flat)
         self.exp_avg_sqs = self.adamw_index.views(self.exp_avg_sq_flat)
         self.adamw = FlatAdamW(_cut(self.masters, self.adamw_intervals),
                                _cut(self.grads, self.adamw_intervals), self.exp_avgs,
-                               self.exp_avg_sqs, self.decayed, self._decay_groups())
+                               self.exp_avg_sqs, self.decayed, self._decay_groups(),
+                               compute=dtype)
         self.muon: FlatMuon | None = None
         """The Muon update of the Muon elements (None for optim.name='adamw')."""
         if self.muon_hyper is not None:
@@ -359,7 +372,8 @@ class DistributedOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: moments (AdamW's two per AdamW element,
-        Muon's momentum per Muon element) plus master copies (when separate)."""
+        Muon's momentum per Muon element) plus master copies (when separate); the chunked
+        update's fixed workspace (``adamw.chunked``) is not state."""
         tensors = [self.exp_avg_flat, self.exp_avg_sq_flat, self.momentum_flat]
         if self.master_flat is not None:
             tensors.append(self.master_flat)

@@ -33,6 +33,7 @@ import torch
 from colonnade.config.sections import OptimConfig
 from colonnade.data_parallel.buffer import is_expert_param, param_key
 from colonnade.data_parallel.ddp import DataParallel
+from colonnade.optim.chunked import ChunkedCompute
 from colonnade.optim.muon_exchange import DistributedOrthogonalizer
 from colonnade.parallel.groups import ProcessGroups
 
@@ -233,33 +234,51 @@ class FlatMuon:
         self.slots, self.masters, self.grads, self.momenta = slots, masters, grads, momenta
         self.orthogonalizer, self.hyper = orthogonalizer, hyper
         self.fn = hyper.matrix_fn()
+        device = masters[0].device if masters else torch.device("cpu")
+        self.compute = grads[0].dtype if grads else torch.float32
+        """U and the arithmetic: the gradients' dtype (fp32; fp64 runs fp64)."""
+        sizes = [[m.numel() for m in momenta]]
+        stored = [momenta[0].dtype, masters[0].dtype] if slots else [self.compute] * 2
+        # bf16 momentum (optim.state_dtype) or masters (optim.master_dtype): fp32 chunks
+        # (colonnade.optim.chunked); operands already in the compute dtype are used in place
+        self._momentum_chunks = ChunkedCompute(sizes, [stored[0], self.compute, self.compute],
+                                               self.compute, device)  # M, g, U
+        self._apply_chunks = ChunkedCompute(sizes, [stored[1], self.compute], self.compute,
+                                            device)  # W, U
 
     @torch.no_grad()
     def update(self, lr: float, weight_decay: float, grad_scale: float = 1.0) -> None:
         """One step with gradients g = ``grad_scale`` G (G as stored, left unchanged)."""
-        mu = self.hyper.momentum
+        mu, nesterov = self.hyper.momentum, self.hyper.nesterov
         sizes = [m.numel() for m in self.momenta]
-        dtype = self.masters[0].dtype if self.masters else torch.float32
         device = self.masters[0].device if self.masters else torch.device("cpu")
-        u_flat = torch.empty(sum(sizes), dtype=dtype, device=device)  # [owned Muon elements]
+        u_flat = torch.empty(sum(sizes), dtype=self.compute,
+                             device=device)  # [owned Muon elements]
         us = list(u_flat.split(sizes))
-        if self.slots:
-            torch._foreach_mul_(self.momenta, mu)
-            torch._foreach_add_(self.momenta, self.grads, alpha=grad_scale)  # M <- mu M + g
-            if self.hyper.nesterov:  # U = g + mu M
-                torch._foreach_copy_(us, self.grads)
+
+        def momentum(_: int, v: list[list[torch.Tensor]]) -> None:
+            m, g, u = v
+            torch._foreach_mul_(m, mu)
+            torch._foreach_add_(m, g, alpha=grad_scale)  # M <- mu M + g
+            if nesterov:  # U = g + mu M
+                torch._foreach_copy_(u, g)
                 if grad_scale != 1.0:
-                    torch._foreach_mul_(us, grad_scale)
-                torch._foreach_add_(us, self.momenta, alpha=mu)
+                    torch._foreach_mul_(u, grad_scale)
+                torch._foreach_add_(u, m, alpha=mu)
             else:
-                torch._foreach_copy_(us, self.momenta)
+                torch._foreach_copy_(u, m)
+
+        def apply(_: int, v: list[list[torch.Tensor]]) -> None:
+            w, u = v
+            if weight_decay:
+                torch._foreach_mul_(w, 1.0 - lr * weight_decay)
+            torch._foreach_add_(w, u, alpha=-lr)
+
+        self._momentum_chunks.run([[self.momenta, self.grads, us]], (0,), momentum)
         pieces = [MuonPiece(s.param, s.index, s.lo, s.hi, u)
                   for s, u in zip(self.slots, us, strict=True)]
         self.orthogonalizer.apply(pieces, self.fn)  # U <- s(A, B) NS(U), piece by piece
-        if self.slots:
-            if weight_decay:
-                torch._foreach_mul_(self.masters, 1.0 - lr * weight_decay)
-            torch._foreach_add_(self.masters, us, alpha=-lr)
+        self._apply_chunks.run([[self.masters, us]], (0,), apply)
 
 
 def describe_split(params: list[torch.nn.Parameter]) -> str:
