@@ -15,9 +15,10 @@ formula of :func:`colonnade.analysis.memory.optimizer_bytes_per_element`):
     e.g. 12 (bf16 model, fp32 everything), 8 (fp32 model), 8 (bf16 model, bf16 states),
     4 (bf16 model, bf16 states and masters), 16 (fp64).
 The update computes in fp32 (fp64) whatever the storage (:mod:`colonnade.optim.chunked`: bf16
-operands are upcast 2^20 elements at a time into fixed fp32 workspaces, at most 12 MiB, and
-rounded to nearest back). With ZeRO-1 the owned elements are (params + padding) / dp, padding <
-buckets x dp x ALIGN (see :mod:`colonnade.data_parallel.buffer`).
+operands are upcast 2^20 elements at a time into fixed fp32 workspaces, at most 12 MiB for
+AdamW and 8 MiB for Muon (momentum, masters), and rounded to nearest back). With ZeRO-1 the
+owned elements are (params + padding) / dp, padding < buckets x dp x ALIGN (see
+:mod:`colonnade.data_parallel.buffer`).
 
 Step: global norm of the (scaled) main gradients (:mod:`colonnade.optim.clip`), unscaled by the
 loss scale S; inf/NaN anywhere (fp16: any rank of the world) skips the step and backs S off;
