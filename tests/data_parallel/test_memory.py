@@ -65,15 +65,14 @@ def _muon_owned(ddp: DataParallel) -> int:
                          ids=["-".join(s[:3]) for s in STATES])
 def test_state_bytes_follow_the_formula(precision: str, state: str, master: str,
                                         per_element: int, name: str) -> None:
-    """Measured state_bytes() of one process and of each rank of dp2 ZeRO-1 (two buckets;
-    Muon: dp2 without ZeRO) equal the formula of analysis.memory (optimizer_bytes_per_element:
+    """Measured state_bytes() of one process and of each rank of dp2 ZeRO-1 (two buckets)
+    equal the formula of analysis.memory (optimizer_bytes_per_element:
     master 4 or 0, plus 2 x state bytes per AdamW element, padding included, 1 x per
     Muon-matrix element) summed over the owned elements; with AdamW that is the planner's
     ZeRO-1 O/S per parameter, up to the padding; the tensors have the configured dtypes."""
     assert optimizer_bytes_per_element(precision, state, master) == per_element
     muon_o = optimizer_bytes_per_element(precision, state, master, muon=True)
-    # Muon under ZeRO needs the distributed orthogonalizer's groups (h38a2); DDP here
-    layouts = ((1, 0, False), (2, 0, name == "adamw"), (2, 1, name == "adamw"))
+    layouts = ((1, 0, False), (2, 0, True), (2, 1, True))
     for dp, rank, zero in layouts:
         ddp, opt, params = _build(dp, rank, zero, 5000, precision, state, master, name)
         owned = sum(hi - lo for lo, hi in ddp.owned_ranges())

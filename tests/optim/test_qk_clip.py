@@ -50,14 +50,16 @@ WINDOW = 12
 """Sliding window of the second layer (the first attends causally)."""
 
 
-def qk_config(parallel: ParallelConfig, microbatches: int = 2, tau: float = TAU) -> Config:
-    """A llama with GQA and q/k biases, float64, 2 steps, clipping at ``tau``."""
+def qk_config(parallel: ParallelConfig, microbatches: int = 2, tau: float = TAU,
+              optimizer: str = "adamw") -> Config:
+    """A llama with GQA and q/k biases, float64, 2 steps, clipping at ``tau`` after
+    ``optimizer``'s update ('muon': MuonClip)."""
     model = dataclasses.replace(tiny_model("llama", layers=2, hidden=32, heads=4, kv_heads=2,
                                            bias=True, init_std=0.2), rope_theta=100.0,
                                 sliding_window=WINDOW, sliding_window_layers=(1,))
     training = TrainingConfig(steps=2, seq_len=16, micro_batch_size=2, microbatches=microbatches,
                               precision="fp64", seed=5, eval_interval=0, device="cpu")
-    optim = OptimConfig(lr=LR, min_lr=1e-3, warmup_steps=0, decay="constant",
+    optim = OptimConfig(name=optimizer, lr=LR, min_lr=1e-3, warmup_steps=0, decay="constant",
                         qk_clip_threshold=tau, qk_clip_alpha=ALPHA)
     data = DataConfig(reset_attention_mask=True)
     return Config(model=model, parallel=parallel, training=training, optim=optim, data=data)
@@ -173,19 +175,21 @@ def test_single_process_matches_hand_clipping(run_ranks: Any) -> None:
 
 
 LAYOUTS = {
-    "tp2": (ParallelConfig(tp=2), 2, 2),
-    "dp2-zero1": (ParallelConfig(zero_stage=1), 1, 2),
-    "dp2-zero3": (ParallelConfig(zero_stage=3), 1, 2),
-    "tp2sp-pp2": (ParallelConfig(tp=2, sp=True, pp=2), 2, 4),
+    "tp2-muonclip": (ParallelConfig(tp=2), 2, 2, "muon"),
+    "dp2-zero1-muonclip": (ParallelConfig(zero_stage=1), 1, 2, "muon"),
+    "dp2-zero3": (ParallelConfig(zero_stage=3), 1, 2, "adamw"),
+    "tp2sp-pp2": (ParallelConfig(tp=2, sp=True, pp=2), 2, 4, "adamw"),
 }
-"""name -> (parallel, micro-batches per dp rank, world): every reference is the
-single-process run above (2 micro-batches of the same global batch)."""
+"""name -> (parallel, micro-batches per dp rank, world, optimizer): every reference is the
+single-process run of the same optimizer (2 micro-batches of the same global batch); the
+Muon layouts are MuonClip with the distributed Muon exchange (tp and ZeRO split matrices)."""
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_single_process(rank_pools: RankPools, name: str) -> None:
-    parallel, micro, world = LAYOUTS[name]
-    verdict = judge(Case(0, 0, qk_config(parallel, micro), world, EOD), rank_pools, hf=False)
+    parallel, micro, world, optimizer = LAYOUTS[name]
+    config = qk_config(parallel, micro, optimizer=optimizer)
+    verdict = judge(Case(0, 0, config, world, EOD), rank_pools, hf=False)
     assert verdict.verdict == "match", (verdict.verdict, verdict.worst, verdict.detail)
     assert verdict.errors["params"] <= TOL and verdict.errors["grads"] <= TOL, verdict.errors
 
