@@ -24,6 +24,7 @@ from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.fuzz.compare import TOL as TOL  # re-exported: the tests import it from here
 from colonnade.fuzz.compare import rel_err
 from colonnade.fuzz.hf_twin import reference_update as reference_update  # re-exported
+from colonnade.optim.adamw import decays
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
@@ -171,12 +172,13 @@ def train_step(chunks: list[Any], ddp: Any, opt: Any, groups: ProcessGroups, con
 
 
 def reference_adamw(params: list[torch.nn.Parameter], config: Config) -> torch.optim.AdamW:
-    """torch.optim.AdamW over ``params`` with Colonnade's decay rule (matrices decay,
-    vectors such as norms and biases do not) and the config's optim settings."""
+    """torch.optim.AdamW over ``params`` with Colonnade's decay rule
+    (:func:`~colonnade.optim.adamw.decays`: matrices decay, vectors such as norms and biases,
+    experts' stacked biases included, do not) and the config's optim settings."""
     o = config.optim
     return torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+        [{"params": [p for p in params if decays(p)], "weight_decay": o.weight_decay},
+         {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 

@@ -83,11 +83,16 @@ def hf_twin(config: Config, initial: dict[str, torch.Tensor],
     # train() before the float64 patches, never after: transformers' train() re-installs
     # its own RMSNorm forward (a float32 island, ~1e-7) over an instance's patched one
     model = float64_twin(loaded.train(), config.model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # Colonnade's decay rule (optim.adamw.decays) on transformers' names: gpt-oss's stacked
+    # expert biases [E, f] are 2-D but biases
+    decayed = [p for n, p in named if p.ndim > 1 and not n.endswith("bias")]
+    plain = [p for n, p in named if p.ndim <= 1 or n.endswith("bias")]
+    params = [p for _, p in named]
     o = config.optim
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
+        [{"params": decayed, "weight_decay": o.weight_decay},
+         {"params": plain, "weight_decay": 0.0}],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     vocab = config.model.vocab
     losses, grads = [], []

@@ -37,7 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
+from colonnade.data_parallel.buffer import is_expert_param
 from colonnade.optim.chunked import ChunkedCompute
+
+
+def decays(param: torch.nn.Parameter) -> bool:
+    """Whether weight decay applies to ``param``: a matrix (2-D, or a stack of routed experts'
+    matrices [E, a, b]), not a vector (norms, biases, sinks, a stack of experts' biases
+    [E, f]), as Megatron-Core and ``transformers``' trainers split them."""
+    return param.ndim - (1 if is_expert_param(param) else 0) > 1
 
 
 @dataclass(frozen=True)

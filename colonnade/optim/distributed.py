@@ -67,7 +67,7 @@ import torch.distributed as dist
 from colonnade.config.sections import OptimConfig
 from colonnade.data_parallel.buffer import is_expert_param, param_key
 from colonnade.data_parallel.ddp import DataParallel
-from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW
+from colonnade.optim.adamw import AdamWGroup, AdamWHyper, FlatAdamW, decays
 from colonnade.optim.clip import clip_coefficient, global_sq, owns_grad
 from colonnade.optim.lr import lr_at
 from colonnade.optim.muon import (
@@ -248,7 +248,7 @@ class DistributedOptimizer:
                 if self.muon_hyper is not None and muon_matrices(p) is not None:
                     self._add_muon_slots(p, i, a - lo, b - lo)
                 else:
-                    (decayed if p.ndim > 1 else plain).append(interval)
+                    (decayed if decays(p) else plain).append(interval)
                 if is_expert_param(p):
                     (expert if owns_grad(p, expert_coords) else rest).append(interval)
                 else:

@@ -29,6 +29,7 @@ from colonnade.fuzz.compare import rel_err
 from colonnade.fuzz.run import global_batch, judge, rank_batches, rank_case
 from colonnade.fuzz.space import Case
 from colonnade.models.build import build_reference
+from colonnade.optim.adamw import decays
 from colonnade.optim.clip import clip_coefficient
 from colonnade.optim.lr import lr_at
 from colonnade.optim.muon import MuonMatrices, muon_matrices, split_matrices
@@ -85,10 +86,11 @@ def plain_run(config: Config, initial: dict[str, torch.Tensor]) -> dict[str, tor
         for p in named.values():
             p.copy_(initial[p.sharding.key])  # type: ignore[attr-defined]
     muon = {n: p for n, p in named.items() if plain_muon_split(n, p) is not None}
-    rest = [p for n, p in named.items() if n not in muon]
+    rest = {n: p for n, p in named.items() if n not in muon}
+    decay = {n for n, p in rest.items() if p.dim() > 1 and "bias" not in n}  # experts' [E, f]
     adamw = torch.optim.AdamW(
-        [{"params": [p for p in rest if p.dim() > 1], "weight_decay": o.weight_decay},
-         {"params": [p for p in rest if p.dim() <= 1], "weight_decay": 0.0}],
+        [{"params": [p for n, p in rest.items() if n in decay], "weight_decay": o.weight_decay},
+         {"params": [p for n, p in rest.items() if n not in decay], "weight_decay": 0.0}],
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     momentum = {n: torch.zeros_like(p) for n, p in muon.items()}
     for step in range(STEPS):
@@ -99,7 +101,7 @@ def plain_run(config: Config, initial: dict[str, torch.Tensor]) -> dict[str, tor
         norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in named.values()))
         coef = clip_coefficient(float(norm), o.clip_grad)
         lr = lr_at(step, STEPS, o)
-        for p in rest:
+        for p in rest.values():
             p.grad.mul_(coef)
         for group in adamw.param_groups:
             group["lr"] = lr
@@ -239,7 +241,8 @@ TABLE_MODELS: list[dict[str, Any]] = [
 
 def update_table() -> str:
     """The README's table: each parameter name (``N`` a layer or MTP index) under the update
-    optim.name='muon' gives it (:func:`muon_matrices`; AdamW decays what has 2+ dims)."""
+    optim.name='muon' gives it (:func:`muon_matrices`; AdamW decays what
+    :func:`~colonnade.optim.adamw.decays`)."""
     rows: dict[str, list[str]] = {"Muon": [], "Muon, one matrix per expert": [],
                                   "AdamW with weight decay": [], "AdamW, no weight decay": []}
     for fields in TABLE_MODELS:
@@ -249,7 +252,7 @@ def update_table() -> str:
         for p in model.parameters():
             found = muon_matrices(p)
             kind = (("Muon, one matrix per expert" if found.stacked else "Muon") if found
-                    else "AdamW with weight decay" if p.ndim > 1 else "AdamW, no weight decay")
+                    else "AdamW with weight decay" if decays(p) else "AdamW, no weight decay")
             rows[kind].append(re.sub(r"\.\d+\.", ".N.", p.sharding.key))  # type: ignore[attr-defined]
     lines = ["| Update | Parameters (`N`: a layer) |", "|---|---|"]
     lines += [f"| {kind} | {', '.join(f'`{k}`' for k in dict.fromkeys(keys))} |"
