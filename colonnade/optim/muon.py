@@ -144,9 +144,11 @@ class Orthogonalizer(Protocol):
         ...
 
 
-def local_matrix(piece: MuonPiece) -> torch.Tensor:
-    """The local matrix the piece belongs to (the parameter, or one expert of it)."""
-    return piece.param if piece.index is None else piece.param[piece.index]
+def local_shape(piece: MuonPiece) -> torch.Size:
+    """Shape of the local matrix the piece belongs to (the parameter, or one expert of it),
+    read from the parameter's shape, never its storage (a ZeRO-3 parameter's storage is freed
+    between gathers, even when its shard group has one rank)."""
+    return piece.param.shape if piece.index is None else piece.param.shape[1:]
 
 
 class LocalOrthogonalizer:
@@ -154,12 +156,12 @@ class LocalOrthogonalizer:
 
     def apply(self, pieces: list[MuonPiece], fn: MatrixFn) -> None:
         for piece in pieces:
-            matrix = local_matrix(piece)
-            if (piece.lo, piece.hi) != (0, matrix.numel()):
+            shape = local_shape(piece)
+            if (piece.lo, piece.hi) != (0, shape.numel()):
                 raise AssertionError(f"{param_key(piece.param)}: piece [{piece.lo}, "
-                                     f"{piece.hi}) of a {tuple(matrix.shape)} matrix is not "
+                                     f"{piece.hi}) of a {tuple(shape)} matrix is not "
                                      "whole; the layout needs the distributed orthogonalizer")
-            full = piece.values.view(matrix.shape)  # [A, B]
+            full = piece.values.view(shape)  # [A, B]
             piece.values.copy_(fn(full, param_key(piece.param)).reshape(-1))
 
 
