@@ -24,7 +24,6 @@ matrix gathers it, orthogonalises it and scatters the result) when tp or ZeRO sp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +33,7 @@ from colonnade.config.sections import OptimConfig
 from colonnade.data_parallel.buffer import is_expert_param, param_key
 from colonnade.data_parallel.ddp import DataParallel
 from colonnade.optim.chunked import ChunkedCompute
-from colonnade.optim.muon_exchange import DistributedOrthogonalizer
+from colonnade.optim.muon_exchange import DistributedOrthogonalizer, MatrixFn, MuonPiece
 from colonnade.parallel.groups import ProcessGroups
 
 NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -113,27 +112,6 @@ def newton_schulz(u: torch.Tensor, steps: int = 5) -> torch.Tensor:
         p = x @ x.T  # [min, min]
         x = a * x + (b * p + c * (p @ p)) @ x
     return (x.T if tall else x).to(u.dtype)
-
-
-@dataclass
-class MuonPiece:
-    """Elements [lo, hi) of one local Muon matrix that this rank holds."""
-
-    param: torch.nn.Parameter
-    """The local (tp-shard) parameter."""
-    index: int | None
-    """Expert index into a stacked [E_local, ...] weight, else None."""
-    lo: int
-    """Start of the piece in the flattened local matrix."""
-    hi: int
-    """End (exclusive) of the piece in the flattened local matrix."""
-    values: torch.Tensor
-    """1-D view [hi - lo] of U; overwritten in place with s(A, B) NS(U)."""
-
-
-MatrixFn = Callable[[torch.Tensor, str], torch.Tensor]
-"""``fn(full, key)``: s(A, B) NS(full) for a logical matrix [A, B] named ``key`` (the
-parameter's sharding key, the same for every expert of a stack)."""
 
 
 class Orthogonalizer(Protocol):

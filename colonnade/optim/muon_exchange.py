@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -73,19 +73,27 @@ if TYPE_CHECKING:
     from colonnade.parallel.groups import ProcessGroups
 
 
-class MuonPiece(Protocol):
-    """What the exchange reads of :class:`colonnade.optim.muon.MuonPiece` (muon.py imports
-    this module, so the fields are named here rather than imported)."""
+@dataclass
+class MuonPiece:
+    """Elements [lo, hi) of one local Muon matrix that this rank holds (what an
+    :class:`~colonnade.optim.muon.Orthogonalizer` takes; defined here, below muon.py, so the
+    exchange and the local path share one type)."""
 
     param: torch.nn.Parameter
+    """The local (tp-shard) parameter."""
     index: int | None
+    """Expert index into a stacked [E_local, ...] weight, else None."""
     lo: int
+    """Start of the piece in the flattened local matrix."""
     hi: int
+    """End (exclusive) of the piece in the flattened local matrix."""
     values: torch.Tensor
+    """1-D view [hi - lo] of U; overwritten in place with s(A, B) NS(U)."""
 
 
 MatrixFn = Callable[[torch.Tensor, str], torch.Tensor]
-"""``fn(full [A, B], key) -> s(A, B) NS(full) [A, B]`` (:data:`colonnade.optim.muon.MatrixFn`)."""
+"""``fn(full, key)``: s(A, B) NS(full) for a logical matrix [A, B] named ``key`` (the
+parameter's sharding key, the same for every expert of a stack)."""
 
 MatrixId = tuple[str, int | None]
 """(parameter key, local expert index or None): one matrix, the same on every rank of a block."""
