@@ -69,6 +69,27 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability with float8 tensor cores (Ada sm89, Hopper sm90, Blackwell)."""
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (asked once per device)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """Whether ``device`` runs float8 GEMMs (``torch._scaled_mm``) on tensor cores: a CUDA
+    device of compute capability >= 8.9. False on CPU (where ``_scaled_mm`` exists but is a
+    reference loop, slower than the emulation's matmul) and on older GPUs."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= FP8_MIN_CAPABILITY
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Allocated / peak memory in GiB (GPU) or the process's max RSS in GiB (CPU)."""
     if device.type == "cuda":

@@ -66,6 +66,8 @@ MOE_AUX_LOSS_TYPES: tuple[str, ...] = ("seq", "global")
 """model.moe_aux_loss_type: the tokens the load-balancing loss counts over."""
 MOE_DISPATCHERS: tuple[str, ...] = ("all_to_all", "all_gather")
 """parallel.moe_dispatcher: how tokens reach their experts' ranks (colonnade.moe)."""
+FP8_RECIPES: tuple[str, ...] = ("off", "tensorwise", "rowwise")
+"""training.fp8: float8 GEMMs of the linear layers (colonnade.tensor_parallel.float8)."""
 
 
 def schedule_placement(schedule: str) -> str:

@@ -377,6 +377,18 @@ class TrainingConfig:
     in-flight micro-batches) is checked against it, and a run that would exceed it is
     refused naming what would fit (context parallelism, recomputation, a smaller
     micro-batch)."""
+    fp8: str = "off"
+    """Float8 training of the linear layers (torchao's recipes): 'off', 'tensorwise' (one
+    dynamic scale per tensor; activations and weights e4m3, gradients e5m2) or 'rowwise'
+    (e4m3 with a power-of-two scale per row of the activation / gradient and per channel of
+    the weight). Every GEMM of the column- and row-parallel linears and the routed experts
+    (forward and both gradient GEMMs) reads float8 operands and accumulates and outputs in
+    the model's dtype; the output head stays in it. Masters, gradients, optimizer states and
+    checkpoints never hold float8. Scales are those of the whole (unsplit) tensor: under tp
+    each GEMM adds one all-reduce (MAX) of its amaxes. Runs on float8 tensor cores
+    (torch._scaled_mm) on CUDA sm89+, refused on older GPUs; emulated (quantise,
+    dequantise, matmul) on CPU and for fp64 (the exactness tests). Not with
+    parallel.tp_comm_chunks > 1."""
     compile: bool = False
     """torch.compile each transformer layer (TorchInductor, dynamic=False; torchtitan's
     recipe): one graph shared by every layer, fused kernels, the results of eager mode up to

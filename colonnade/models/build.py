@@ -49,6 +49,7 @@ def make_context(config: Config, groups: ProcessGroups, device: torch.device | N
                            cp_a2a=groups.cp_a2a, cp_ring=groups.cp_ring,
                            ep=groups.ep, expert_tp=groups.expert_tp,
                            moe_dispatcher=par.moe_dispatcher, moe=moe,
+                           fp8=config.training.fp8,
                            param_device=torch.device("meta") if meta_params else None)
 
 

@@ -148,7 +148,8 @@ class ModelChunk(nn.Module):
             pad = padded_vocab(cfg.vocab, ctx.tp) - cfg.vocab
             self.head = ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab, ctx, "head", bias=False, std=cfg.init_std,
-                padded_rows=pad, tied_to="embedding.word.weight" if cfg.tie_embeddings else None)
+                padded_rows=pad, tied_to="embedding.word.weight" if cfg.tie_embeddings else None,
+                fp8=False)
             tie_weights(self)  # the embedding's Parameter here, else a tied copy (pp > 1)
         self.mtp = (nn.ModuleList([MTPModule(cfg, ctx, k) for k in range(cfg.mtp_layers)])
                     if last and cfg.mtp_layers > 0 else None)

@@ -54,6 +54,7 @@ from colonnade.models.norms import RMSNorm
 from colonnade.models.rope import yarn_mscale
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.context import ParallelContext
+from colonnade.tensor_parallel.float8 import linear
 from colonnade.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from colonnade.tensor_parallel.sharding import Sharding, output_std
 
@@ -92,10 +93,12 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = ctx.param(Sharding(f"{key}.weight", (out_features, in_features),
                                          tp_partial_grad=True), std)
+        self.fp8 = ctx.float8(None, "none")
+        """Float8 GEMMs (nothing split: the input is the full sequence), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [.., in] -> [.., out]."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None, self.fp8)
 
 
 class MLAttention(Attention):
@@ -165,12 +168,14 @@ class MLAttention(Attention):
         [.., 1, d_r] (before rope), v [.., a/tp, d_v]."""
         if self.q_a is not None:
             assert self.q_a_norm is not None and self.q_b is not None
-            q = F.linear(self.q_a_norm(self.q_a(x)), self.q_b.weight)  # [.., a/tp d]
+            q = linear(self.q_a_norm(self.q_a(x)), self.q_b.weight, None,
+                       self.q_b.fp8)  # [.., a/tp d]
         else:
             assert self.q is not None
-            q = F.linear(x, self.q.weight)  # [.., a/tp d]
+            q = linear(x, self.q.weight, None, self.q.fp8)  # [.., a/tp d]
         latent, k_rope = self.kv_a(x).split([self.rank, self.d_rope], dim=-1)  # [.., r], [.., d_r]
-        kv = F.linear(self.kv_a_norm(latent), self.kv_b.weight)  # [.., a/tp (d_n + d_v)]
+        kv = linear(self.kv_a_norm(latent), self.kv_b.weight, None,
+                    self.kv_b.fp8)  # [.., a/tp (d_n + d_v)]
         kv = kv.view(*lead, self.heads, self.d_nope + self.d_v)
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
         return q.view(*lead, self.heads, self.d_qk), k_nope, k_rope.unsqueeze(-2), v

@@ -103,7 +103,7 @@ class MTPModule(nn.Module):
         self.embed = VocabParallelEmbedding(cfg.vocab, h, ctx, f"{key}.embed", std=cfg.init_std)
         pad = padded_vocab(cfg.vocab, ctx.tp) - cfg.vocab
         self.head = ColumnParallelLinear(h, cfg.vocab, ctx, f"{key}.head", bias=False,
-                                         std=cfg.init_std, padded_rows=pad)
+                                         std=cfg.init_std, padded_rows=pad, fp8=False)
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None,

@@ -130,6 +130,10 @@ class GroupedExperts(nn.Module):
                              f"parallel.expert_tp={ctx.etp_size}")
         self.etp = ctx.expert_tp
         """The expert tp group (None or one rank: whole experts)."""
+        self.fp8_in = ctx.float8(self.etp, "n")
+        """Float8 GEMMs of gate / up (f split over expert tp), or None."""
+        self.fp8_out = ctx.float8(self.etp, "k")
+        """Float8 GEMMs of down (f split over expert tp), or None."""
         self.gated = is_gated(cfg) if gated is None else gated
         self.num_local = e // ctx.ep_size
         self.first = ctx.ep_rank * self.num_local
@@ -160,17 +164,17 @@ class GroupedExperts(nn.Module):
         reduce-scattered back; :mod:`colonnade.moe.expert_tp`)."""
         sizes = host_counts(counts)
         x, group_sizes, exchange = gather_rows(tokens, sizes, self.etp)  # [t_g, h]
-        up = grouped_mm(x, self.up, group_sizes)  # [t_g, f/etp]
+        up = grouped_mm(x, self.up, group_sizes, self.fp8_in)  # [t_g, f/etp]
         if self.up_bias is not None:
             up = up + _rows(self.up_bias, group_sizes, x.shape[0])
         if self.gate is not None:
-            gate = grouped_mm(x, self.gate, group_sizes)  # [t_g, f/etp]
+            gate = grouped_mm(x, self.gate, group_sizes, self.fp8_in)  # [t_g, f/etp]
             if self.gate_bias is not None:
                 gate = gate + _rows(self.gate_bias, group_sizes, x.shape[0])
             hidden = self.activation(gate, up)  # [t_g, f/etp]
         else:
             hidden = gelu_tanh(up)  # [t_g, f/etp]
-        out = scatter_partial_rows(grouped_mm(hidden, self.down, group_sizes),
+        out = scatter_partial_rows(grouped_mm(hidden, self.down, group_sizes, self.fp8_out),
                                    exchange)  # [t_e, h]
         if self.down_bias is not None:
             out = out + _rows(self.down_bias, sizes, tokens.shape[0])

@@ -17,7 +17,9 @@ Two implementations, chosen here and nowhere else:
   of older builds take it.
 
 Both compute the same products of the same rows; gradients flow to ``x`` and ``w`` through
-autograd in either case.
+autograd in either case. Under ``training.fp8`` the product is
+:func:`~colonnade.tensor_parallel.float8.float8_grouped_mm` instead (float8 operands scaled
+per expert, or per row and channel).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import functools
 from collections.abc import Sequence
 
 import torch
+
+from colonnade.tensor_parallel.float8 import Float8GEMM, float8_grouped_mm
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -106,11 +110,14 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor,
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor,
-               counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | Sequence[int],
+               fp8: Float8GEMM | None = None) -> torch.Tensor:
     """x [t_e, in] (rows sorted by local expert), w [E_local, out, in], counts [E_local]
     (a tensor or host ints, summing to t_e) -> y [t_e, out], ``y_e = x_e w_e^T`` per expert's
-    row range; ``torch._grouped_mm`` where :func:`use_kernel` allows, else the loop."""
+    row range; in float8 with ``fp8``, else ``torch._grouped_mm`` where :func:`use_kernel`
+    allows, else the loop."""
+    if fp8 is not None:
+        return float8_grouped_mm(x, w, host_counts(counts), fp8)
     if use_kernel(x, w):
         tensor = counts if isinstance(counts, torch.Tensor) else torch.tensor(list(counts))
         return _kernel(x, w, tensor)

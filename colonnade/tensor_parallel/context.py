@@ -10,6 +10,7 @@ from torch import nn
 
 from colonnade.parallel.comm import CommGroup
 from colonnade.parallel.rng import RNGTracker
+from colonnade.tensor_parallel.float8 import Float8GEMM
 from colonnade.tensor_parallel.sharding import Sharding, make_param, tp_coords
 
 
@@ -69,6 +70,9 @@ class ParallelContext:
     moe_dispatcher: str = "all_to_all"
     """How mixture-of-experts layers move tokens to their experts' ep ranks: 'all_to_all' or
     'all_gather' (``parallel.moe_dispatcher``)."""
+    fp8: str = "off"
+    """Float8 GEMMs in the linear layers: 'off', 'tensorwise' or 'rowwise'
+    (``training.fp8``, :mod:`colonnade.tensor_parallel.float8`)."""
     moe: Any = None
     """The mutable mixture-of-experts state of this rank (a
     :class:`colonnade.moe.state.MoEState`: the aux-loss gradient scale the training step sets,
@@ -125,6 +129,13 @@ class ParallelContext:
         messages, dropout masks (drawn in the [s, b, h] order, so every layout draws the
         same mask) and mixture-of-experts token order (kept in [s, b] order) follow it."""
         return is_batch_first(self.sp, self.cp_size)
+
+    def float8(self, group: CommGroup | None, split: str) -> Float8GEMM | None:
+        """How a linear whose ``split`` dim ('n' output, 'k' input, 'none') is split over
+        ``group`` runs its GEMMs in float8; None while ``fp8`` is 'off'."""
+        if self.fp8 == "off":
+            return None
+        return Float8GEMM(self.fp8, group, split)
 
     def param(self, sharding: Sharding, std: float, kind: str = "normal") -> nn.Parameter:
         """A parameter holding this rank's shard (its coordinates on the axes that split

@@ -27,6 +27,7 @@ from torch import nn
 
 from colonnade.tensor_parallel import mappings as mp
 from colonnade.tensor_parallel.context import ParallelContext
+from colonnade.tensor_parallel.float8 import linear
 from colonnade.tensor_parallel.sharding import Sharding, tp_coords
 
 log = logging.getLogger(__name__)
@@ -42,17 +43,20 @@ def column_parallel(x: torch.Tensor, layers: list[ColumnParallelLinear]) -> list
     their forward: a module calling this for its children lists them in ``direct_children``
     (ZeRO-1 then waits for their parameter all-gather before that module's forward).
     x [s, b, h] (or [s/tp, b, h] under sp) -> one [s, b, o_k/tp] per layer.
+    Under ``training.fp8`` each GEMM runs in float8 (the validator refuses fp8 with
+    ``tp_comm_chunks > 1``, whose chunked path is not float8).
     """
     ctx = layers[0].ctx
     weights = [layer.weight for layer in layers]
     biases = [layer.bias for layer in layers]
-    if ctx.tp > 1 and ctx.sp and ctx.comm_chunks > 1:
+    if ctx.tp > 1 and ctx.sp and ctx.comm_chunks > 1 and layers[0].fp8 is None:
         from colonnade.tensor_parallel.partition import gathered_linears
 
         return list(gathered_linears(x, weights, biases, ctx.group, ctx.comm_chunks))
     if ctx.tp > 1:
         x = mp.gather_seq(x, ctx.group) if ctx.sp else mp.copy_to_tp(x, ctx.group)  # [s, b, h]
-    return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]  # [s, b, o_k/tp]
+    return [linear(x, layer.weight, layer.bias, layer.fp8)
+            for layer in layers]  # [s, b, o_k/tp]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -61,6 +65,9 @@ class ColumnParallelLinear(nn.Module):
     Input [s, b, in] (or [s/tp, b, in] under sp); output [s, b, out/tp], or [s, b, out] with
     ``gather_output``.
 
+    ``fp8``: the GEMMs follow ``training.fp8`` (False: always in the model's dtype, as the
+    output heads are, torchtitan's default).
+
     ``tied_to`` names another parameter (the word embedding, for a tied output head) whose
     values this weight shares: the layer makes no weight of its own until
     :func:`tie_weights` resolves the tie over the modules of a rank.
@@ -68,9 +75,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, key: str, *,
                  bias: bool, std: float, gather_output: bool = False, padded_rows: int = 0,
-                 tied_to: str | None = None) -> None:
+                 tied_to: str | None = None, fp8: bool = True) -> None:
         super().__init__()
         self.ctx, self.gather_output, self.tied_to = ctx, gather_output, tied_to
+        self.fp8 = ctx.float8(ctx.group, "n") if fp8 else None
+        """Float8 GEMMs (output features split over tp), or None."""
         spec = Sharding(tied_to or f"{key}.weight", (out_features, in_features), dim=0,
                         padded_rows=padded_rows)
         self.pending_tie: tuple[Sharding, float] | None = None
@@ -151,6 +160,8 @@ class RowParallelLinear(nn.Module):
                  bias: bool, std: float, input_is_parallel: bool = True) -> None:
         super().__init__()
         self.ctx, self.input_is_parallel = ctx, input_is_parallel
+        self.fp8 = ctx.float8(ctx.group, "k")
+        """Float8 GEMMs (input features split over tp), or None."""
         self.weight = ctx.param(Sharding(f"{key}.weight", (out_features, in_features), dim=1), std)
         self.bias = (ctx.param(Sharding(f"{key}.bias", (out_features,), sp_partial_grad=ctx.sp),
                                0.0, "zeros") if bias else None)
@@ -164,18 +175,19 @@ class RowParallelLinear(nn.Module):
         """
         ctx = self.ctx
         if ctx.tp == 1:
-            return F.linear(x, self.weight, self.bias)  # [s, b, o]
+            return linear(x, self.weight, self.bias, self.fp8)  # [s, b, o]
         if not self.input_is_parallel:
             x = mp.split_last(x, ctx.group)  # [s, b, in/tp]
         if ctx.sp:
-            if ctx.comm_chunks > 1:
+            if ctx.comm_chunks > 1 and self.fp8 is None:
                 from colonnade.tensor_parallel.partition import linear_reduce_scatter
 
                 y = linear_reduce_scatter(x, self.weight, ctx.group, ctx.comm_chunks)
             else:
-                y = mp.reduce_scatter_seq(F.linear(x, self.weight), ctx.group)  # [s/tp, b, o]
+                y = mp.reduce_scatter_seq(linear(x, self.weight, None, self.fp8),
+                                          ctx.group)  # [s/tp, b, o]
         else:
-            y = mp.reduce_from_tp(F.linear(x, self.weight), ctx.group)  # [s, b, o]
+            y = mp.reduce_from_tp(linear(x, self.weight, None, self.fp8), ctx.group)  # [s, b, o]
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -26,7 +26,7 @@ from colonnade.data import (
     prepare,
 )
 from colonnade.data.prepare import REUSE_LINE
-from colonnade.device import apply_tf32, backend_for, pick_device
+from colonnade.device import apply_tf32, backend_for, fp8_gemm_supported, pick_device
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.training.preflight import (
@@ -68,6 +68,7 @@ def init_runtime(config: Config) -> Runtime:
     config = validate(resolve(config, world), world)
     device = pick_device(config.training.device, local_rank)
     apply_tf32(device, config.training.tf32)  # fp32 matmuls on TF32 tensor cores (CUDA)
+    check_fp8_device(config, device)
     if world > 1 and not dist.is_initialized():
         backend = backend_for(device, config.parallel.backend)
         dist.init_process_group(backend, rank=rank, world_size=world,
@@ -76,6 +77,19 @@ def init_runtime(config: Config) -> Runtime:
     set_cpu_threads(config.training.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                     say=local_rank == 0)
     return Runtime(config, device, build_groups(config, world))
+
+
+def check_fp8_device(config: Config, device: torch.device) -> None:
+    """Refuse ``training.fp8`` on a GPU without float8 tensor cores (below sm89), before any
+    group is made: the emulation would run there, slower than the model's own dtype, without
+    a word. CPUs (the emulation is the point) and fp64 runs (exactness tests) pass."""
+    fp8 = config.training.fp8
+    if (fp8 != "off" and device.type == "cuda" and config.training.precision != "fp64"
+            and not fp8_gemm_supported(device)):
+        raise RuntimeError(f"training.fp8='{fp8}' needs float8 tensor cores (CUDA compute "
+                           f"capability >= 8.9: Ada, Hopper, Blackwell); {device} has none, "
+                           "and emulating float8 there is slower than bf16. Set "
+                           "training.fp8='off'.")
 
 
 def build_groups(config: Config, world: int) -> ProcessGroups:
