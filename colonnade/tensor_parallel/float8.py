@@ -117,6 +117,8 @@ def rows_amax(t: torch.Tensor, sizes: list[int], region: str) -> torch.Tensor:
     a = t.detach().abs()
     if region == "row":
         return a.amax(dim=1) if t.shape[0] else a.new_zeros(0)  # [m]
+    if len(sizes) == 1 and t.shape[0]:  # one group (a dense linear): no split
+        return a.amax().view(1) if region == "tensor" else a.amax(dim=0, keepdim=True)
     parts = a.split(sizes)
     if region == "tensor":
         return torch.stack([p.amax() if p.numel() else a.new_zeros(()) for p in parts])  # [G]
@@ -151,10 +153,12 @@ def _reduce(cfg: Float8GEMM, amaxes: list[tuple[torch.Tensor, str, str]]) -> lis
 
 
 def _rows_scale(scale: torch.Tensor, sizes: list[int], region: str, m: int) -> torch.Tensor:
-    """A rows operand's scales as [m, 1]: 'tensor' [G] repeated over each group's rows,
-    'row' [m] as it is."""
+    """A rows operand's scales as [m, 1]: 'tensor' [G] repeated over each group's rows
+    ([1, 1], broadcast, for one group), 'row' [m] as it is."""
     if region == "row":
         return scale.unsqueeze(1)  # [m, 1]
+    if len(sizes) == 1:
+        return scale.view(1, 1)
     counts = torch.tensor(sizes, device=scale.device)
     return scale.unsqueeze(1).repeat_interleave(counts, dim=0, output_size=m)  # [m, 1]
 
@@ -185,6 +189,8 @@ def _grouped(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     """Per group e: rows e of float8 a [m, c] (scales sa [m, 1]) times b[e]^T (float8 b
     [G, o, c], scales sb [G, o, 1] or [G, 1, 1]) -> [m, o] in ``out_dtype``."""
     o = b.shape[1]
+    if len(sizes) == 1:  # one group (a dense linear); sa may be [1, 1], broadcast
+        return _mm(a, sa, b[0], sb[0].expand(o, 1), out_dtype, rowwise)
     parts = [_mm(a_e, s_e, b[e], sb[e].expand(o, 1), out_dtype, rowwise)
              for e, (a_e, s_e) in enumerate(zip(a.split(sizes), sa.split(sizes), strict=True))]
     return torch.cat(parts) if parts else torch.zeros((0, o), dtype=out_dtype, device=a.device)

@@ -228,3 +228,44 @@ def test_tp_parity(run_ranks: Callable[..., list[Any]], recipe: str, sp: bool,
         assert rel_err(got, want) <= TOL, (got, want)
         assert_close_rel(res["grads"], ref["grads"], "step-0 gradient")
         assert_close_rel(res["params"], ref["params"], "parameter after 3 steps")
+
+
+# ----------------------------------------------------------------------------- 100 steps
+
+
+def pattern_steps(steps: int, micro: int, seq: int, vocab: int) -> list[list[Any]]:
+    """Learnable data: each row an arithmetic sequence mod vocab (random start, stride 1-3),
+    so the loss falls far below ln(vocab) within 100 steps."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (micro, 1), generator=gen)
+        stride = torch.randint(1, 4, (micro, 1), generator=gen)
+        ids = (start + stride * torch.arange(seq + 1)) % vocab  # [b, s + 1]
+        out.append([(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())])
+    return out
+
+
+def test_loss_of_100_steps_within_bound() -> None:
+    """fp32 gpt2 (h 32, 2 layers, seq 16, micro-batch 4), AdamW lr 3e-3, 100 steps: the loss
+    falls from 4.68 to about 2.4 either way; measured, the float8 runs' per-step losses stay
+    within 0.25% (tensorwise) and 0.4% (rowwise) of the run without float8, the mean of the
+    last 10 within 0.15%. Asserted: every step within 1%, the last 10 within 0.5%."""
+    torch.set_num_threads(1)
+    losses = {}
+    for recipe in ("off", *RECIPES):
+        c = tiny_config("gpt2", 1, False, steps=100, micro=4, microbatches=1)
+        c = dataclasses.replace(
+            c, training=dataclasses.replace(c.training, fp8=recipe, precision="fp32"),
+            optim=dataclasses.replace(c.optim, lr=3e-3, min_lr=3e-4, warmup_steps=5))
+        model = build_reference(c, torch.float32)
+        data = pattern_steps(100, 4, c.training.seq_len, c.model.vocab_size)
+        out = run_training([model], ProcessGroups.single(), c, data)
+        losses[recipe] = torch.tensor(out["losses"], dtype=torch.float64).flatten()  # [100]
+    off = losses["off"]
+    assert off[-10:].mean() < 0.6 * off[0], off  # it learns
+    for recipe in RECIPES:
+        step_err = ((losses[recipe] - off).abs() / off).max().item()
+        tail = abs(losses[recipe][-10:].mean() / off[-10:].mean() - 1).item()
+        print(f"{recipe}: worst step {step_err:.2e}, last-10 mean {tail:.2e}")
+        assert 0 < step_err < 1e-2 and tail < 5e-3, (recipe, step_err, tail)
