@@ -162,40 +162,56 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | No
     return None
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | None = None) -> torch.Tensor:
     """An uninitialised page-locked host tensor (the target of asynchronous device-to-host
-    copies); ordinary host memory where no GPU is visible."""
+    copies); ordinary host memory where no GPU is visible. ``device``: the GPU whose context
+    pins it, set for the calling thread (a background thread has no current device; left
+    unset, CUDA would make a context on GPU 0, as the DataLoader's pinning thread avoids)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # per host thread
     return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
-def copy_to_host_async(pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                       device: torch.device) -> torch.cuda.Event | None:
-    """Copy each (host ``dst``, ``src`` on ``device``) without blocking the host.
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the training thread queues its kernels on."""
+    return torch.cuda.current_stream(device)
 
-    GPU: the copies run non-blocking on a side stream that first waits for the work queued so
-    far; the returned event marks their end, and the current stream waits for it before its
-    later work (so a later in-place update cannot race the copy) while the host does not.
-    CPU: plain copies, returns None.
-    """
-    if device.type != "cuda":
-        for dst, src in pairs:
-            dst.copy_(src)
-        return None
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(side)
+
+def new_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream on ``device`` (device-to-host copies that overlap the training stream)."""
+    return torch.cuda.Stream(device)
+
+
+def stream_wait_stream(waiter: torch.cuda.Stream, waited: torch.cuda.Stream) -> None:
+    """Device-side order: work queued on ``waiter`` from now on starts after the work queued
+    on ``waited`` so far. The host does not wait."""
+    waiter.wait_stream(waited)
+
+
+def copy_on_stream(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Queue ``dst.copy_(src)`` (host ``dst``, pinned: truly asynchronous) on ``stream``; the
+    caching allocator is told that ``src`` is in use there, so freeing it cannot hand its
+    memory to another tensor before the copy has read it."""
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    src.record_stream(stream)
+
+
+def record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event completing when the GPU has run the work queued on ``stream`` so far."""
     event = torch.cuda.Event()
-    event.record(side)
-    current.wait_event(event)
+    event.record(stream)
     return event
 
 
+def stream_wait_event(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    """Device-side order: work queued on ``stream`` from now on waits for ``event``."""
+    stream.wait_event(event)
+
+
 def wait_event(event: torch.cuda.Event | None) -> None:
-    """Block the calling thread until ``event`` (from :func:`copy_to_host_async`) completes."""
+    """Block the calling thread until ``event`` completes (None: nothing to wait for)."""
     if event is not None:
         event.synchronize()
 

@@ -44,7 +44,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,13 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def prepare_tmp(root: Path, step: int) -> Path:
-    """(rank 0) Create an empty ``step_XXXXXXXX.tmp`` directory, removing stale ones."""
+def prepare_tmp(root: Path, step: int, in_flight: Collection[str] = ()) -> Path:
+    """(rank 0) Create an empty ``step_XXXXXXXX.tmp`` directory, removing stale ones (but not
+    the ``in_flight`` names: asynchronous saves still being written)."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("*.tmp"):
+        if stale.name in in_flight:
+            continue
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         else:

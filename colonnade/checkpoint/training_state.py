@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,15 +74,36 @@ class PendingSave:
     path: Path
     thread: threading.Thread | None = None
     errors: list[BaseException] = field(default_factory=list)
+    before: PendingSave | None = None
+    """The asynchronous save still in flight when this one was staged: this one's writer
+    waits for it before committing (commits stay in step order), takes over its errors and
+    drops it."""
+    stall_s: float = 0.0
+    """Seconds the training thread spent inside :func:`save_training` for this save."""
+
+    def done(self) -> bool:
+        """Whether its writer (if any) has finished (never blocks)."""
+        return self.thread is None or not self.thread.is_alive()
 
     def wait(self) -> Path:
-        """Block until this rank's part (and, on rank 0, the commit) is done."""
+        """Block until this rank's part (and, on rank 0, the commit) is done, and the saves
+        in flight before it; re-raises the first error of any of them."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        self.join_before()
         if self.errors:
             raise self.errors[0]
         return self.path
+
+    def join_before(self) -> None:
+        """Wait for :attr:`before`, keep its errors, drop it."""
+        before, self.before = self.before, None
+        if before is not None:
+            try:
+                before.wait()
+            except BaseException as err:  # an earlier save failed: reported by this one
+                self.errors.append(err)
 
 
 def _scaler(trainer: TrainState) -> Any:
@@ -173,13 +195,48 @@ def zero_stage_of(meta: dict[str, Any]) -> int:
 
 
 def stager_of(trainer: TrainState) -> HostStager:
-    """The trainer's :class:`HostStager` (made at its first async save; its pinned buffers are
-    reused by every later save), kept as ``trainer.checkpoint_stager``."""
+    """The trainer's :class:`HostStager` (made by :func:`reserve_async_save` or at the first
+    async save; its two host buffer sets are reused by every later save), kept as
+    ``trainer.checkpoint_stager``."""
     stager = getattr(trainer, "checkpoint_stager", None)
     if stager is None:
-        stager = HostStager()
+        log = trainer.groups.world.rank == 0
+        stager = HostStager(note=(lambda line: print(f"colonnade: {line}", flush=True))
+                            if log else None)
         trainer.checkpoint_stager = stager
     return stager
+
+
+def reserve_async_save(trainer: TrainState) -> None:
+    """At start-up of a run that saves asynchronously: allocate the host (pinned) buffers of
+    both sets in a background thread, so no save allocates them on the training thread."""
+    ddp = getattr(trainer, "ddp", None)
+    entries = (model_entries(trainer.chunks, trainer.groups, ddp)
+               + optim_entries(trainer.optimizer, trainer.groups))
+    stager = stager_of(trainer)
+    stager.reserve([stager.spec(e.tensor) for e in entries])
+
+
+def _settle(stager: HostStager) -> list[PendingSave]:
+    """The stager's saves still in flight; a finished one's error is raised here (training
+    thread), as waiting for it would."""
+    live = []
+    for pending in stager.in_flight:
+        if pending.done():
+            pending.wait()
+        else:
+            live.append(pending)
+    stager.in_flight = live
+    return live
+
+
+def _files(trainer: TrainState, tokenizer: str | Path | None) -> dict[str, bytes]:
+    """The small files a checkpoint carries: config.toml and the tokenizer's files."""
+    files = {"config.toml": config_to_toml(trainer.config).encode()}
+    if tokenizer is not None and Path(tokenizer).exists():  # with its config, chat template
+        files.update(tokenizer_files(Path(tokenizer).parent))
+        files["tokenizer.json"] = Path(tokenizer).read_bytes()
+    return files
 
 
 def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
@@ -189,17 +246,22 @@ def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
 
     Only ranks that own pieces write (dp replicas write nothing); one all-gather of a flag
     tells rank 0 who does. Synchronous: returns once committed. Asynchronous: the training
-    thread only stages host copies (:mod:`.staging`: pinned buffers, non-blocking copies on a
-    side stream) and returns; a thread waits for the copies and writes (rank 0's thread also
-    commits, polling for the writers' index fragments, so the thread runs no collective) and
-    the caller must :meth:`PendingSave.wait` before the next save and before exiting.
+    thread only stages host copies (:mod:`.staging`: two reused buffer sets, non-blocking
+    copies on a side stream) and returns; a thread waits for the copies and writes (rank 0's
+    thread also commits, polling for the writers' index fragments, so the thread runs no
+    collective, and after the save before it: commits stay in step order). A save may start
+    while the previous one is being written; the caller must :meth:`PendingSave.wait` on the
+    last one before exiting (it waits for the earlier ones too).
     """
+    t0 = time.perf_counter()
     root = Path(root)
     groups = trainer.groups
     _finish_gathers(trainer)
     rank, step = groups.world.rank, int(trainer.step)
+    stager = stager_of(trainer) if async_save else None
+    in_flight = _settle(stager) if stager is not None else []
     if rank == 0:
-        prepare_tmp(root, step)
+        prepare_tmp(root, step, {p.path.name + ".tmp" for p in in_flight})
     tmp = root / (step_dirname(step) + ".tmp")
     ddp = getattr(trainer, "ddp", None)  # ZeRO-3: the model pieces are its shard's ranges
     entries = (model_entries(trainer.chunks, groups, ddp)
@@ -214,31 +276,37 @@ def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
         for _, names in told:
             for key, got in names.items():
                 states[key] = sorted(set(states.get(key, [])) | set(got))
-    files = {"config.toml": config_to_toml(trainer.config).encode()}
-    if tokenizer is not None and Path(tokenizer).exists():  # with its config, chat template
-        files.update(tokenizer_files(Path(tokenizer).parent))
-        files["tokenizer.json"] = Path(tokenizer).read_bytes()
-    pending = PendingSave(root / step_dirname(step))
+    pending = PendingSave(root / step_dirname(step), before=in_flight[-1] if in_flight else None)
     hook = on_phase or (lambda _p: None)
-    stager = stager_of(trainer) if async_save else None
-    staged = (stager.stage(entries) if stager is not None
+    staged = (stager.stage(entries, step) if stager is not None
               else Staged([replace(e, tensor=e.tensor.cpu()) for e in entries]))
 
     def write() -> None:
         try:
-            mine = stager.ready(staged) if stager is not None else staged.entries
-            write_rank_shard(tmp, rank, mine)
+            try:
+                mine = stager.ready(staged) if stager is not None else staged.entries
+                write_rank_shard(tmp, rank, mine)
+            finally:
+                if stager is not None:
+                    stager.release(staged)
             hook("shard_written")
+            pending.join_before()
             if rank == 0:
+                files = _files(trainer, tokenizer)
                 wait_for_fragments(tmp, writers, timeout_s)
                 commit(root, tmp, step, writers, meta, files, keep_last, on_phase)
+                if stager is not None:
+                    stager.note(f"saved checkpoint {pending.path} asynchronously: training "
+                                f"stalled {pending.stall_s:.3f} s, written in "
+                                f"{time.perf_counter() - t0:.2f} s")
         except BaseException as err:  # surfaced by wait()
             pending.errors.append(err)
 
     if stager is not None:
         pending.thread = threading.Thread(target=write, name="colonnade-ckpt", daemon=False)
+        stager.in_flight.append(pending)
+        pending.stall_s = time.perf_counter() - t0
         pending.thread.start()
-        stager.writing(pending.thread)
         return pending
     write()
     groups.world.barrier()

@@ -7,7 +7,12 @@ import time
 from typing import Any
 
 from colonnade.checkpoint.finetune import check_tokenizers, init_weights
-from colonnade.checkpoint.training_state import PendingSave, save_training, start_from
+from colonnade.checkpoint.training_state import (
+    PendingSave,
+    reserve_async_save,
+    save_training,
+    start_from,
+)
 from colonnade.config.choices import tied_across_stages
 from colonnade.config.load import config_to_toml
 from colonnade.config.sections import Config
@@ -160,6 +165,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     if not begin_run(cfg, trainer.step, rt.groups):  # a re-run of a finished run
         return {"history": [], "valid": [], "rank": rt.groups.rank, "finished": True}
     pending: PendingSave | None = None
+    if ck.save and ck.interval and ck.async_save:
+        reserve_async_save(trainer)  # host buffers allocated off the training thread
     writer = _open_run_log(cfg, rt, trainer)
     tokens_per_step = int(tr.global_batch_size or 1) * tr.seq_len
     peak = peak_tflops(rt.device, param_dtype(tr.precision), log_cfg.peak_tflops)
@@ -192,8 +199,7 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
             step = trainer.step
             if (ck.save and ck.interval and step % ck.interval == 0 and step < tr.steps
                     and not stop):
-                if pending is not None:
-                    pending.wait()
+                # async: it may start while the previous one is still being written
                 pending = save_training(trainer, ck.save, keep_last=ck.keep_last,
                                         async_save=ck.async_save, tokenizer=data.tokenizer)
             evaluate = not stop and tr.eval_interval and (step % tr.eval_interval == 0

@@ -1,5 +1,6 @@
-"""Async checkpoint staging: the training thread only starts host copies (pinned buffers,
-non-blocking copies, an event), the writer waits on the event, buffers are reused."""
+"""Async checkpoint staging: the training thread only starts host copies (two reused sets of
+pinned buffers, copies on a side stream in the right order), the writer waits on the event,
+saves overlap."""
 
 from __future__ import annotations
 
@@ -17,93 +18,93 @@ from colonnade.checkpoint.sharded import model_entries, optim_entries
 from colonnade.checkpoint.staging import HostStager
 from colonnade.checkpoint.training_state import load_training, save_training
 from tests.checkpoint.harness import Layout, make_trainer, train_steps
+from tests.checkpoint.streams import FakeGpu
 
 pytestmark = pytest.mark.timing  # races the OS (see conftest); `make flake-hunt`
-
-
-class FakeGpu:
-    """Device ops that treat every tensor as device memory. A copy is asynchronous: its source
-    values are fixed when it is queued (stream order) but land in the host buffer only when
-    someone waits on its event, so a writer that does not wait writes garbage."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str]] = []
-        self.pinned = 0
-        self._queued: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def _note(self, what: str) -> None:
-        self.log.append((what, threading.current_thread().name))
-
-    def on_host(self, t: torch.Tensor) -> bool:
-        return False
-
-    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        self.pinned += 1
-        return torch.full(shape, float("nan"), dtype=dtype)
-
-    def copy_to_host_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                           device: torch.device) -> int:
-        self._note("copy")
-        event = len(self._queued)
-        self._queued[event] = [(dst, src.clone()) for dst, src in pairs]
-        return event
-
-    def wait_event(self, event: int) -> None:
-        self._note("wait")
-        for dst, values in self._queued.pop(event):
-            dst.copy_(values)
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
     return {p.sharding.key: p.detach().clone() for p in trainer.chunks[0].parameters()}
 
 
-def test_async_save_stages_and_writer_waits(tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+ORDER = ["stream_wait_stream", "copy", "record_event", "stream_wait_event", "wait_event"]
+
+
+@pytest.mark.parametrize("prefer", ["current", "side"])
+@pytest.mark.parametrize("drop", ["", "stream_wait_stream", "stream_wait_event"])
+def test_stream_order(prefer: str, drop: str) -> None:
+    """The copy reads the values after the last step's queued update (the side stream waits
+    for the current one) and before the next step's (the current stream waits for the copy's
+    event); dropping either wait gives wrong values under the stream order that exposes it."""
+    gpu = FakeGpu(prefer=prefer, drop=(drop,))
+    x = torch.zeros(4)
+    gpu.launch(lambda: x.add_(1))  # the last step's update: queued, not yet run
+    stager = HostStager(gpu)
+    staged = stager.stage([Entry("model/x", x, Piece((0,), (4,)), (4,))], step=1)
+    assert gpu.log == [(o, "MainThread") for o in ORDER[:4]]  # the host never waited
+    gpu.launch(lambda: x.mul_(10))  # the next step's in-place update
+    (entry,) = stager.ready(staged)
+    exposed = {"stream_wait_stream": "side", "stream_wait_event": "current"}.get(drop)
+    want = torch.full((4,), 10.0 if exposed == prefer == "current" else
+                      0.0 if exposed == prefer == "side" else 1.0)
+    assert torch.equal(entry.tensor, want), (entry.tensor, want)
+    assert gpu.log[-1] == ("wait_event", "MainThread")
+
+
+def test_async_saves_overlap_and_keep_the_values(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three async saves, each followed by a step that changes every parameter: the first
+    save's writer is held, the second stages without waiting (two buffer sets), the third
+    waits for a free set and says so; each checkpoint holds the values at its step, commits
+    stay in step order, and the buffers are allocated once per set."""
     trainer = make_trainer(Layout(), precision="fp32")
     train_steps(trainer, 1)
-    fake = FakeGpu()
-    trainer.checkpoint_stager = HostStager(fake)
-    go = threading.Event()
+    gpu = FakeGpu(host_runs_current=True)
+    go, notes = threading.Event(), []
+    trainer.checkpoint_stager = HostStager(gpu, note=lambda line: (notes.append(line), go.set()))
     real_write = training_state.write_rank_shard
 
-    def blocked_write(*args: Any) -> Any:
-        assert go.wait(60)
-        fake._note("write")
+    def held_write(*args: Any) -> Any:
+        assert go.wait(60)  # released when the third save says it waits
         return real_write(*args)
 
-    monkeypatch.setattr(training_state, "write_rank_shard", blocked_write)
-    at_save = _params(trainer)
-    pending = save_training(trainer, tmp_path / "a", async_save=True)
-    # the training thread is back while the writer has not written anything
-    assert pending.thread is not None and pending.thread.is_alive()
-    assert not (tmp_path / "a" / "latest").exists()
-    assert fake.log[0] == ("copy", "MainThread") and ("write", "colonnade-ckpt") not in fake.log
-    train_steps(trainer, 1)  # the weights change right after the save returned
-    assert any(not torch.equal(at_save[k], v) for k, v in _params(trainer).items())
-    go.set()
-    pending.wait()
-    assert fake.log == [("copy", "MainThread"), ("wait", "colonnade-ckpt"),
-                        ("write", "colonnade-ckpt")]
-    pinned = fake.pinned
-    assert pinned == (len(model_entries(trainer.chunks, trainer.groups))
-                      + len(optim_entries(trainer.optimizer, trainer.groups)))  # one each
-    other = make_trainer(Layout(), precision="fp32")
-    load_training(other, tmp_path / "a")
-    for k, v in _params(other).items():
-        assert torch.equal(v, at_save[k]), k  # the values at the save point
-    save_training(trainer, tmp_path / "a", async_save=True).wait()
-    assert fake.pinned == pinned  # the pinned buffers are reused by the next save
+    monkeypatch.setattr(training_state, "write_rank_shard", held_write)
+    at_save, pendings = {}, []
+    for _ in range(3):
+        at_save[trainer.step] = _params(trainer)
+        pendings.append(save_training(trainer, tmp_path / "a", async_save=True))
+        if len(pendings) == 2:  # staged while the first is still being written
+            assert not any(p.done() for p in pendings) and not notes
+        train_steps(trainer, 1)  # the weights change right after the save returned
+    assert sum("waits for the save at step" in n for n in notes) == 1, notes
+    pendings[-1].wait()
+    assert all(p.done() and not p.errors for p in pendings)
+    assert gpu.log.count(("wait_event", "colonnade-ckpt")) == 3  # the writers wait, not training
+    entries = (len(model_entries(trainer.chunks, trainer.groups))
+               + len(optim_entries(trainer.optimizer, trainer.groups)))
+    assert gpu.pinned == 2 * entries  # two sets, each allocated once
+    assert (tmp_path / "a" / "latest").read_text().strip().endswith(str(max(at_save)))
+    for step, want in at_save.items():
+        other = make_trainer(Layout(), precision="fp32")
+        load_training(other, tmp_path / "a" / f"step_{step:08d}")
+        assert other.step == step
+        for k, v in _params(other).items():
+            assert torch.equal(v, want[k]), (step, k)  # the values at the save point
 
 
-def test_host_tensors_are_cloned() -> None:
-    """On CPU the stage is a plain clone: later in-place changes do not reach it."""
+def test_host_tensors_are_copied_into_reserved_buffers() -> None:
+    """On CPU the stage is a copy into buffers reserved ahead (two sets): later in-place
+    changes do not reach it, and no save allocates."""
     src = torch.arange(6.0)
+    entry = Entry("model/x", src, Piece((0,), (6,)), (6,))
     stager = HostStager()
-    staged = stager.stage([Entry("model/x", src, Piece((0,), (6,)), (6,))])
+    stager.reserve([stager.spec(src)]).join()
+    assert stager.allocated == 2
+    staged = stager.stage([entry], step=1)
     src.add_(100)
-    (entry,) = stager.ready(staged)
-    assert torch.equal(entry.tensor, torch.arange(6.0)) and stager.allocated == 0
+    (got,) = stager.ready(staged)
+    assert torch.equal(got.tensor, torch.arange(6.0)) and stager.allocated == 2
+    stager.release(staged)
 
 
 @pytest.mark.gpu
