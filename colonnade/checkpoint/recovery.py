@@ -92,7 +92,8 @@ def newest_common_step(listings: list[Listing], partners: list[int]
         if not why:
             why = "; ".join(f"rank {r}'s snapshot of step {step} and its copy on rank "
                             f"{partners[r]} are both gone" for r in lost)
-    return None, [], why or "no memory snapshot of this run is held"
+    return None, [], why or ("no memory snapshot of this run and layout is held (a snapshot "
+                             "restores only into the run and layout that took it)")
 
 
 def recover(trainer: TrainState, snapshots: MemorySnapshots, disk: Path | None) -> Recovery:
