@@ -388,6 +388,12 @@ def _io(c: Config, _: int | None) -> list[str]:
     if c.checkpoint.save is not None and not c.checkpoint.save.strip():
         out.append("checkpoint.save is empty; give a directory, 'auto' (the default: "
                    "<logging.dir>/checkpoints) or 'none' to save nothing.")
+    if c.checkpoint.memory_interval < 0:
+        out.append(f"checkpoint.memory_interval={c.checkpoint.memory_interval} must be >= 0 "
+                   "(0: no memory snapshots; 1: a snapshot every step).")
+    if not c.checkpoint.memory_dir.strip():
+        out.append("checkpoint.memory_dir is empty; give a node-local directory (tmpfs) or "
+                   "'auto' (/dev/shm/colonnade/...).")
     return out
 
 
