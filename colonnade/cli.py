@@ -55,6 +55,9 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="this node's index (static rdzv; default: 0)")
     g.add_argument("--rdzv-endpoint", default="127.0.0.1:29511",
                    help="host:port of rank 0 (default: 127.0.0.1:29511)")
+    g.add_argument("--rdzv-id", default="colonnade",
+                   help="the job's rendezvous id, the same on every node (multi-node; Slurm: "
+                        "$SLURM_JOB_ID; default: colonnade)")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="restart the whole job this many times after a failure (default: 0)")
 

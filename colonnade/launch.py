@@ -214,7 +214,8 @@ def launch_config(args: argparse.Namespace) -> Any:
 
     if args.nnodes > 1:
         rdzv = {"rdzv_backend": "static", "rdzv_endpoint": args.rdzv_endpoint,
-                "rdzv_configs": {"rank": args.node_rank}, "run_id": "colonnade"}
+                "rdzv_configs": {"rank": args.node_rank},
+                "run_id": args.rdzv_id}
     else:  # like torchrun --standalone: a private rendezvous on a free port
         rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0",
                 "run_id": f"colonnade-{uuid.uuid4().hex[:8]}"}

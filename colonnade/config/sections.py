@@ -487,6 +487,19 @@ class LoggingConfig:
     `wandb login`; refused before launch when not installed); None: no W&B."""
     wandb_run_name: str | None = None
     """Name of the W&B run (None: W&B picks one); used only with logging.wandb_project."""
+    straggler_interval: int = 0
+    """Steps per straggler-detection window (0: off): every rank's step time split into data
+    wait, compute, time blocked in collectives and optimizer is gathered every this many steps
+    (a multiple of logging.log_interval, so it adds no sync), and a rank whose own work exceeds
+    its pipeline-stage peers' median by logging.straggler_threshold while waiting the least is
+    named, with the slow part, in the log and in metrics.jsonl ('stragglers')."""
+    straggler_threshold: float = 1.2
+    """A rank is slow in a window when its own work (data + compute + optimizer) is at least
+    this many times its peers' median (1.2: 20% slower) and it waits in collectives no longer
+    than they do."""
+    straggler_windows: int = 3
+    """Consecutive slow windows before a rank is named (and again every this many while it
+    stays slow)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,7 @@ from colonnade.config.rules_optim import optim_rules
 from colonnade.config.rules_pipeline import pipeline_rules
 from colonnade.config.rules_qk_clip import qk_clip_rules
 from colonnade.config.rules_rope import rope_rules
+from colonnade.config.rules_straggler import straggler_problems
 from colonnade.config.rules_window import window_rules
 from colonnade.config.sections import Config, DataConfig
 
@@ -495,7 +496,7 @@ def _files_and_loop(c: Config, _: int | None) -> list[str]:
                    "--data.valid_fraction=0.02 to evaluate.")
     if c.logging.log_interval < 1:
         out.append(f"logging.log_interval={c.logging.log_interval} must be >= 1.")
-    return out
+    return out + straggler_problems(c.logging)
 
 
 CXX_NAMES: tuple[str, ...] = ("g++", "c++", "clang++")

@@ -193,6 +193,8 @@ class Timing:
     waited: Mark
     ended: Mark
     work: Any
+    phase: str = ""
+    """The step phase (:attr:`CommStats.phase`) the caller's wait returned in."""
 
     def complete(self) -> bool:
         """Its end mark was reached and the backend says the work is done."""
@@ -219,6 +221,11 @@ class CommStats:
     """Operations posted so far (sequence numbers)."""
     unsettled: list[Timing] = field(default_factory=list)
     """Waited operations of a stream-ordered backend not yet seen complete (NCCL)."""
+    phase: str = ""
+    """The part of the training step the rank is in (set by the straggler detector's step
+    timer, :mod:`colonnade.reliability.straggler`); exposed time is also summed per phase."""
+    waited_by_phase: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Exposed (waited) seconds per :attr:`phase` in which the caller's wait returned."""
     _lock: Any = field(default_factory=threading.RLock, repr=False)
 
     def begin(self, group: GroupName, op: str, payload: int, waited: bool = False) -> int:
@@ -255,6 +262,7 @@ class CommStats:
     def complete(self, timing: Timing, host_blocking: bool) -> None:
         """The caller's wait for an operation returned: on a host-blocking backend it is done
         now; otherwise it is settled once its end mark and its work are complete."""
+        timing.phase = self.phase
         if host_blocking:
             self._account(timing)
             return
@@ -266,7 +274,9 @@ class CommStats:
 
     def _account(self, t: Timing) -> None:
         with self._lock:
-            t.entry.waited_s += t.ended.seconds_since(t.waited)
+            waited = t.ended.seconds_since(t.waited)
+            t.entry.waited_s += waited
+            self.waited_by_phase[t.phase] += waited
             t.entry.in_flight_s += t.ended.seconds_since(t.posted)
             self.finish(t.seq)
 
@@ -325,6 +335,7 @@ class CommStats:
         """Forget everything counted so far."""
         self.settle()
         self.ops.clear()
+        self.waited_by_phase.clear()
 
     def total(self, prefix: str = "", what: str = "wire_bytes") -> float:
         """Sum of one counter over keys starting with ``prefix`` (e.g. 'tp/' or 'dp/all_reduce');

@@ -34,6 +34,7 @@ from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankInfo, RankMonitor
 from colonnade.reliability.nan import check_step
+from colonnade.reliability.straggler import StepTimer, StragglerWatch
 from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
@@ -78,6 +79,8 @@ class Trainer:
         """The loop's clock while :func:`train` runs (None before)."""
         self.resumed_elapsed_s = 0.0
         """Seconds of training the resumed checkpoint recorded (0 for a fresh start)."""
+        self.timer: StepTimer | None = None
+        """Marks the parts of each step for straggler detection (None: off)."""
 
     @property
     def elapsed_s(self) -> float:
@@ -106,7 +109,11 @@ class Trainer:
         reduce_sp_and_tied(self.chunks, self.groups, tied_across_stages(
                                self.config.model.tie_embeddings, self.config.parallel.schedule),
                            self.ddp)
+        if self.timer is not None:
+            self.timer.phase("optimizer")
         info = self.optimizer.step()
+        if self.timer is not None:
+            self.timer.end()
         moe = end_moe_step(self.chunks, self.config, self.groups, self.rt.device)
         self.step += 1
         if self.step >= self.config.training.steps:
@@ -123,10 +130,14 @@ class Trainer:
         """This rank's micro-batches of the next step."""
         assert self.data is not None
         device = self.rt.device
+        if self.timer is not None:
+            self.timer.start()
         out = []
         for indices in self.data.sampler.next_step():
             tokens, labels = collate(self.data.train, indices)
             out.append((tokens.to(device), labels.to(device)))
+        if self.timer is not None:
+            self.timer.phase("compute")
         return out
 
     def evaluate(self) -> float:
@@ -161,6 +172,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     cfg = rt.config
     trainer = Trainer(rt, data)
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
+    watch = _straggler_watch(rt)
+    trainer.timer = watch.timer if watch is not None else None
     check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
     info = monitor.info if monitor is not None else RankInfo.from_env()
     snapshots = open_snapshots(trainer, info)
@@ -216,6 +229,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                 # async: it may start while the previous one is still being written
                 pending = save_training(trainer, ck.save, keep_last=ck.keep_last,
                                         async_save=ck.async_save, tokenizer=data.tokenizer)
+            found = (watch.check() if watch is not None and step % log_cfg.straggler_interval == 0
+                     else [])  # a log step (validated): the loop synchronises there anyway
             evaluate = not stop and tr.eval_interval and (step % tr.eval_interval == 0
                                                           or step == tr.steps)
             if evaluate:
@@ -228,10 +243,14 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                 if evaluate:
                     rec["valid_loss"] = valid_losses[-1][1]
                     rec["valid_ppl"] = perplexity(rec["valid_loss"])
+                if found:
+                    rec["stragglers"] = [dataclasses.asdict(s) for s in found]
                 history.append(rec)
                 if writer is not None:
                     writer.write(rec)
                     print(format_line(rec), flush=True)
+                    for s in found:
+                        print(f"colonnade: {s.describe()}", flush=True)
                 window_start, window_steps = time.perf_counter(), 0
             if stop:
                 break
@@ -273,6 +292,15 @@ def open_snapshots(trainer: Trainer, info: RankInfo) -> MemorySnapshots | None:
               + (f"; removed {cleared} snapshot file(s) of an earlier job" if cleared else ""),
               flush=True)
     return snaps
+def _straggler_watch(rt: Runtime) -> StragglerWatch | None:
+    """The straggler detector (logging.straggler_interval > 0, more than one rank); peers are
+    the ranks of one pipeline stage."""
+    log_cfg = rt.config.logging
+    if not log_cfg.straggler_interval or rt.groups.world.size < 2:
+        return None
+    stages = rt.groups.dims.group_ranks(("dp", "cp", "tp"))
+    return StragglerWatch(rt.groups.world, stages, log_cfg.straggler_threshold,
+                          log_cfg.straggler_windows, rt.device)
 
 
 def _first_eval(trainer: Trainer, writer: MetricsWriter | None, clock: RunClock

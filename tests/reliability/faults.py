@@ -7,7 +7,9 @@ attempt:
   'nan'    the gradient of parameter ``param`` becomes NaN on that step;
   'raise'  the rank raises RuntimeError at the start of the step;
   'stop'   the rank freezes itself with SIGSTOP at the start of the step (every thread stops,
-           its monitor too: a hang that no in-rank watchdog can report).
+           its monitor too: a hang that no in-rank watchdog can report);
+  'slow'   the rank sleeps :data:`SLOW_S` seconds at the start of this step and of every later
+           one (after its batches are fetched: its compute looks slow; a straggler).
 
 Run a job with a fault (same arguments as ``colonnade train``)::
 
@@ -29,6 +31,9 @@ from typing import Any
 import torch
 
 from colonnade.config.sections import Config
+
+SLOW_S = 0.1
+"""Seconds a 'slow' rank sleeps per step (a tiny model's step on 2 cores takes ~20-50 ms)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ def install(fault: Fault) -> None:
         hit = (self.groups.rank == fault.rank and self.step + 1 == fault.step
                and attempt == fault.attempt)
         handles = []
+        if (fault.kind == "slow" and self.groups.rank == fault.rank and self.step + 1 >= fault.step
+                and attempt == fault.attempt):
+            time.sleep(SLOW_S)
         if hit and fault.kind == "hang":
             time.sleep(3600)
         if hit and fault.kind == "stop":
