@@ -141,6 +141,16 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | No
     return None
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host: on CUDA it is page-locked first
+    and copied non-blocking (a pageable ``.to(device)`` synchronises the stream: a host stall
+    per batch tensor); PyTorch's pinned-memory cache keeps the page-locked copy until the
+    transfer that reads it has completed. Elsewhere a plain ``.to``."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised page-locked host tensor (the target of asynchronous device-to-host
     copies); ordinary host memory where no GPU is visible."""

@@ -14,7 +14,13 @@ from colonnade.config.sections import Config
 from colonnade.data import collate
 from colonnade.data_parallel import build_data_parallel
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
-from colonnade.device import keep_host_pages, memory_stats, peak_tflops, synchronize
+from colonnade.device import (
+    keep_host_pages,
+    memory_stats,
+    peak_tflops,
+    synchronize,
+    to_device,
+)
 from colonnade.models.build import build_chunks, param_dtype
 from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
@@ -37,12 +43,12 @@ from colonnade.training.moe import begin_moe_step, end_moe_step, install_moe_sta
 from colonnade.training.progress import progress_bar
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
-    forward_backward,
     forward_only,
     install_doc_reset,
     mean_loss,
     set_train_mode,
     start_mean_loss,
+    step_losses,
 )
 from colonnade.training.vocab import with_data_vocab
 
@@ -91,18 +97,18 @@ class Trainer:
                         loss_scale=self.optimizer.loss_scale,
                         grad_sync=self.ddp.grad_sync_hook(len(batches)),
                         options=self.executor_options())
-        losses = forward_backward(self.chunks, batches, plan)
-        loss = start_mean_loss(losses, self.groups, self.rt.device, batches, signum)  # by the end
+        losses = step_losses(self.chunks, batches, plan)  # [m] on the device
+        loss = start_mean_loss(losses, self.groups, self.rt.device, batches, signum)  # in flight
         self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, tied_across_stages(
                                self.config.model.tie_embeddings, self.config.parallel.schedule),
                            self.ddp)
-        info = self.optimizer.step()
+        info = self.optimizer.step(riders=loss.ready())  # the step's one host read
+        mean, stop = loss.result(self.optimizer.rider_values)
         moe = end_moe_step(self.chunks, self.config, self.groups, self.rt.device)
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        mean, stop = loss()
         return {"loss": mean, **info, **moe, "stop_signal": float(stop)}
 
     def executor_options(self) -> ExecOptions:
@@ -117,7 +123,7 @@ class Trainer:
         out = []
         for indices in self.data.sampler.next_step():
             tokens, labels = collate(self.data.train, indices)
-            out.append((tokens.to(device), labels.to(device)))
+            out.append((to_device(tokens, device), to_device(labels, device)))
         return out
 
     def evaluate(self) -> float:
