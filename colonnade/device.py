@@ -42,6 +42,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def begin_graph_step(device: torch.device) -> None:
+    """``training.cuda_graphs``: tell torch.compile's CUDA graph trees that a new training step
+    begins, so the static outputs of the last step's replays may be overwritten (a no-op off
+    CUDA, where nothing is captured)."""
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 class DeviceEvent:
     """A timing event recorded on the current CUDA stream when made: it completes when the GPU
     has run everything queued on that stream before it. :mod:`colonnade.parallel.comm` times

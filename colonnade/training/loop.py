@@ -15,6 +15,7 @@ from colonnade.data import collate
 from colonnade.data_parallel import build_data_parallel
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
 from colonnade.device import (
+    begin_graph_step,
     keep_host_pages,
     memory_stats,
     peak_tflops,
@@ -91,6 +92,8 @@ class Trainer:
         ``stop_signal`` among them is the largest stop signal any rank passed as ``signum``
         (0: none), agreed on by the loss all-reduce (:func:`start_mean_loss`)."""
         set_train_mode(self.chunks, True)
+        if self.config.training.cuda_graphs:
+            begin_graph_step(self.rt.device)
         self.optimizer.zero_grad()
         begin_moe_step(self.chunks, self.groups, self.optimizer.loss_scale, len(batches))
         plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
