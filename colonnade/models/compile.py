@@ -128,6 +128,19 @@ def compile_layers(chunks: Sequence[ModelChunk], backend: str = BACKEND,
     return count
 
 
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+"""torch._dynamo's timers of a frame's compilation (trace + AOT + inductor of the forward and
+the joint graph) and of the lazy compilation of a compiled backward at its first call."""
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (forward frames and their backwards;
+    dynamo's own cumulative timers, so a recompilation adds to it)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(key, ())) for key in COMPILE_TIMERS))
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module``'s forward is compiled (:func:`compile_layers`): its descendants'
     forward hooks would run inside the compiled graph."""

@@ -23,6 +23,7 @@ from colonnade.device import (
     to_device,
 )
 from colonnade.models.build import build_chunks, param_dtype
+from colonnade.models.compile import compile_seconds, wants_compile
 from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
@@ -180,6 +181,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     valid_losses = _earlier_valid(writer)  # the whole run's: the earlier segments' first
     window_start, window_steps = time.perf_counter(), 0
+    compiling, compiled_logged = wants_compile(tr), 0.0
+    compile_base = compile_seconds()  # this run's compilations only, not earlier ones in-process
     clock = RunClock(trainer.step, tr.steps, tokens_per_step, trainer.elapsed_s)
     trainer.clock = clock  # what a save records as the run's elapsed time
     stopper, stop = StopRequest(monitor is None).install(), 0  # Ctrl-C / SIGTERM: save, stop
@@ -209,11 +212,15 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                                                           or step == tr.steps)
             if evaluate:
                 valid_losses.append((step, trainer.evaluate()))
-            if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop:
+            compiled = compile_seconds() - compile_base if compiling else 0.0  # host: no sync
+            if (step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop
+                    or compiled > compiled_logged):  # a (re)compilation is logged at once
                 synchronize(rt.device)
                 dt = (time.perf_counter() - window_start) / max(1, window_steps)
                 rec = {"step": step, **metrics, **throughput.fields(dt),
                        **memory_stats(rt.device), **clock.fields(step)}
+                if compiled > compiled_logged:  # seconds compiling so far, in this process
+                    rec["compile_s"] = compiled_logged = compiled
                 if evaluate:
                     rec["valid_loss"] = valid_losses[-1][1]
                     rec["valid_ppl"] = perplexity(rec["valid_loss"])

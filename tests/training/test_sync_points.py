@@ -25,8 +25,10 @@ the routing statistics are read once per step (``end_moe_step``).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,12 +36,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from colonnade import device as device_module
+from colonnade.config.load import load_config
 from colonnade.config.sections import Config, ParallelConfig, TrainingConfig
+from colonnade.models import build
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
+from colonnade.training import loop
 from colonnade.training.loop import Trainer
 from colonnade.training.setup import Runtime
 from tests.parity import random_steps, rank_groups, resolved, tiny_model
+from tests.reliability.conftest import corpus  # noqa: F401  (the prepared tiny corpus)
+from tests.reliability.jobs import tiny_args
 
 STEPS = 3
 """Trainer steps counted."""
@@ -153,3 +160,33 @@ def test_moe_step_reads_what_is_counted() -> None:
     want = {"bincount": 2 * 4, "tolist": 4 + 1, "cpu": 1, "__float__": 26}
     assert res["per_step"][1:] == [want] * (STEPS - 1), res["per_step"]
     assert res["per_step"][0] == {**want, "item": 1}, res["per_step"][0]
+
+
+def test_loop_logs_compile_time_once(corpus: tuple[Path, Path], tmp_path: Path,  # noqa: F811
+                                     monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``train`` with training.compile: the first step's line and record say how long this
+    run compiled (dynamo's timers, faked here: no real compilation on two shared cores; the
+    compile tests compile for real), later lines only after a recompilation; the device is
+    waited on once per logged record (log_interval 2 over 4 steps, plus step 1: 3 waits)."""
+    timer = {"s": 5.0}  # seconds compiled before this run (earlier runs in the process)
+    monkeypatch.setattr(loop, "compile_seconds", lambda: timer["s"])
+    monkeypatch.setattr(build, "compile_layers", lambda chunks, mode=None: len(chunks))
+    inner = Trainer.train_step
+
+    def stepping(self: Trainer, batches: list[Any], signum: int = 0) -> dict[str, float]:
+        timer["s"] += 2.5 if self.step == 0 else 0.0  # the first step compiles
+        return inner(self, batches, signum)
+
+    monkeypatch.setattr(Trainer, "train_step", stepping)
+    waits: list[int] = []
+    monkeypatch.setattr(loop, "synchronize", lambda device: waits.append(1))
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_args(*corpus, run, training__steps=4, training__compile="true",
+                                      logging__log_interval=2))
+    loop.train(cfg)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4] and len(waits) == 3
+    assert records[0]["compile_s"] == 2.5 and all("compile_s" not in r for r in records[1:])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    assert "compiled in 2.5 s" in lines[0] and all("compiled" not in ln for ln in lines[1:])
