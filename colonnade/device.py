@@ -42,6 +42,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def begin_graph_step(device: torch.device) -> None:
+    """``training.cuda_graphs``: tell torch.compile's CUDA graph trees that a new training step
+    begins, so the static outputs of the last step's replays may be overwritten (a no-op off
+    CUDA, where nothing is captured)."""
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 class DeviceEvent:
     """A timing event recorded on the current CUDA stream when made: it completes when the GPU
     has run everything queued on that stream before it. :mod:`colonnade.parallel.comm` times
@@ -160,6 +168,16 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | No
                 return half
             return tf32_peak if (tf32_enabled() if tf32 is None else tf32) else fp32_peak
     return None
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host: on CUDA it is page-locked first
+    and copied non-blocking (a pageable ``.to(device)`` synchronises the stream: a host stall
+    per batch tensor); PyTorch's pinned-memory cache keeps the page-locked copy until the
+    transfer that reads it has completed. Elsewhere a plain ``.to``."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype,

@@ -396,6 +396,16 @@ class TrainingConfig:
     compilation (tens of seconds; cached on disk for the next run); needs a C++ compiler;
     not with parallel.schedule='zb_h1' or 'zbv'. Embedding, head, loss, collectives and
     dropout draws stay eager (see colonnade.models.compile)."""
+    cuda_graphs: bool = False
+    """Capture each transformer layer's forward and backward in CUDA graphs (torch.compile
+    mode='reduce-overhead' per layer: TorchInductor's CUDA graph trees, replayed every
+    micro-batch), so a small model's step is no longer bound by kernel launches on the host.
+    Compiles the layers whether or not training.compile is set. Needs a CUDA device and
+    static shapes with no host read inside a layer: refused with training.device='cpu' or no
+    GPU, a MoE model (token-dependent shapes), parallel.cp > 1, tp > 1 or pp > 1 (collectives
+    and in-flight micro-batches between graphs), dropout > 0 (the eager dropout generator),
+    training.recompute other than 'none', and ZeRO-3 (parameters re-gathered into new
+    memory). Results equal those of training.compile (see colonnade.models.compile)."""
 
 
 @dataclass(frozen=True, kw_only=True)

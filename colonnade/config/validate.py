@@ -51,6 +51,7 @@ from colonnade.config.load import ConfigError
 from colonnade.config.rules_cp import hierarchical_rules
 from colonnade.config.rules_deepseek import deepseek_rules
 from colonnade.config.rules_fp8 import fp8_rules
+from colonnade.config.rules_graphs import cuda_graph_rules
 from colonnade.config.rules_moe import moe_rules
 from colonnade.config.rules_optim import optim_rules
 from colonnade.config.rules_pipeline import pipeline_rules
@@ -561,7 +562,8 @@ def _zero(c: Config, _: int | None) -> list[str]:
 RULES: tuple[Rule, ...] = (_positive, _choices, _model_shape, _degrees, _context, _pipeline,
                            _batch, optim_rules, _io, _reliability, _files_and_loop, _compile, _zero,
                            moe_rules, window_rules, rope_rules, deepseek_rules,
-                           hierarchical_rules, pipeline_rules, qk_clip_rules, fp8_rules)
+                           hierarchical_rules, pipeline_rules, qk_clip_rules, fp8_rules,
+                           cuda_graph_rules)
 
 
 def rule_name(rule: Rule) -> str:

@@ -175,10 +175,10 @@ def rank_case(config: Config, world: int, eod: int | None, data: Config) -> dict
     grads: list[dict[str, torch.Tensor]] = []
     step_fn = trainer.optimizer.step
 
-    def step_and_gather() -> dict[str, float]:
+    def step_and_gather(riders: torch.Tensor | None = None) -> dict[str, float]:
         gathered = full_grads(trainer)
         grads.append(gathered if keep else {})
-        return step_fn()
+        return step_fn(riders)
 
     trainer.optimizer.step = step_and_gather
     losses, norms = [], []

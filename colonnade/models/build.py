@@ -7,7 +7,7 @@ import torch
 from colonnade.config.choices import PRECISIONS, schedule_placement
 from colonnade.config.rules_pipeline import stage_layout
 from colonnade.config.sections import Config
-from colonnade.models.compile import compile_layers
+from colonnade.models.compile import compile_layers, compile_mode, wants_compile
 from colonnade.models.gpt import ModelChunk
 from colonnade.models.recompute import RecomputePlan
 from colonnade.models.recompute import install as install_recompute
@@ -101,8 +101,8 @@ def build_chunks(config: Config, groups: ProcessGroups, device: torch.device | N
         chunks.append(chunk)
     share_tied_across(chunks)  # the "v" placement: embedding and head on one rank
     install_recompute(chunks, RecomputePlan.from_config(config.training))
-    if config.training.compile:
-        compile_layers(chunks)
+    if wants_compile(config.training):  # training.compile or training.cuda_graphs
+        compile_layers(chunks, mode=compile_mode(config.training))
     return chunks
 
 
@@ -121,6 +121,6 @@ def build_reference(config: Config, dtype: torch.dtype | None = None,
         config, parallel=dataclasses.replace(config.parallel, tp=1, pp=1, vp=1, dp=1, sp=False,
                                              tp_comm_chunks=1, pipeline_layout=None,
                                              schedule="1f1b"),
-        training=dataclasses.replace(config.training, compile=False))
+        training=dataclasses.replace(config.training, compile=False, cuda_graphs=False))
     (chunk,) = build_chunks(single, ProcessGroups.single(), device, dtype, spec)
     return chunk

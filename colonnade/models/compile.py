@@ -53,15 +53,28 @@ computes every gradient of the layer at once and frees its saved buffers.
 
 Generation (KV caches) and the models of export and analysis, made by
 :func:`~colonnade.models.build.build_reference`, are never compiled.
+
+CUDA graphs (``training.cuda_graphs``): the same per-layer compilation in torch.compile's
+``mode="reduce-overhead"`` (:func:`compile_mode`), whose CUDA graph trees record each
+layer's compiled forward and backward once and replay them; the trainer marks every step's
+start (:func:`colonnade.device.begin_graph_step`) so the graphs' static outputs of the last
+step may be overwritten. Where it cannot work (a host read or a token-dependent shape inside
+a layer, collectives between captured layers, dropout's eager generator, recompute, ZeRO-3's
+moving parameters) the validator refuses it (:mod:`colonnade.config.rules_graphs`); on the
+dense path the layer has no graph break (tests/models/test_compile.py), hence no host read.
+The compiler is passed in (:class:`LayerCompiler`), so a test checks on a CPU what each
+layer is compiled with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from colonnade.config.sections import TrainingConfig
 from colonnade.models.gpt import ModelChunk
 
 MARK = "compiled_forward"
@@ -70,8 +83,33 @@ BACKEND = "inductor"
 """The torch.compile backend (TorchInductor: C++/OpenMP kernels on CPU, Triton on GPUs)."""
 
 
-def compile_layers(chunks: Sequence[ModelChunk], backend: str = BACKEND) -> int:
+GRAPH_MODE = "reduce-overhead"
+"""torch.compile's mode that records and replays CUDA graphs (``training.cuda_graphs``)."""
+
+
+class LayerCompiler(Protocol):
+    """What compiles a layer's forward: ``torch.compile``'s signature (a test passes a fake)."""
+
+    def __call__(self, fn: Callable[..., Any], *, backend: str, mode: str | None,
+                 dynamic: bool, fullgraph: bool) -> Callable[..., Any]: ...
+
+
+def compile_mode(training: TrainingConfig) -> str | None:
+    """The torch.compile mode of the layers: :data:`GRAPH_MODE` with ``training.cuda_graphs``,
+    None (inductor's default, no CUDA graphs) with ``training.compile`` alone."""
+    return GRAPH_MODE if training.cuda_graphs else None
+
+
+def wants_compile(training: TrainingConfig) -> bool:
+    """Whether the layers are compiled: ``training.compile`` or ``training.cuda_graphs``."""
+    return training.compile or training.cuda_graphs
+
+
+def compile_layers(chunks: Sequence[ModelChunk], backend: str = BACKEND,
+                   mode: str | None = None,
+                   compiler: LayerCompiler = torch.compile) -> int:  # type: ignore[assignment]
     """Compile the forward of every transformer layer of ``chunks`` in place; returns how many.
+    ``mode``: torch.compile's (None: default; :data:`GRAPH_MODE`: CUDA graphs).
 
     The layer's ``forward`` (not its ``__call__``) is replaced by its compiled version, so the
     layer's own forward hooks stay eager: ZeRO-1 puts its parameter wait there, one hook per
@@ -83,11 +121,24 @@ def compile_layers(chunks: Sequence[ModelChunk], backend: str = BACKEND) -> int:
     for chunk in chunks:
         for layer in chunk.layers.values():
             if not is_compiled(layer):
-                layer.forward = torch.compile(  # type: ignore[method-assign]
-                    layer.forward, backend=backend, dynamic=False, fullgraph=False)
+                layer.forward = compiler(  # type: ignore[method-assign]
+                    layer.forward, backend=backend, mode=mode, dynamic=False, fullgraph=False)
                 setattr(layer, MARK, True)
             count += 1
     return count
+
+
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+"""torch._dynamo's timers of a frame's compilation (trace + AOT + inductor of the forward and
+the joint graph) and of the lazy compilation of a compiled backward at its first call."""
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (forward frames and their backwards;
+    dynamo's own cumulative timers, so a recompilation adds to it)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(key, ())) for key in COMPILE_TIMERS))
 
 
 def is_compiled(module: nn.Module) -> bool:

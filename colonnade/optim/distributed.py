@@ -222,6 +222,8 @@ class DistributedOptimizer:
             self.expert_norm_groups = [groups.ep, *etp, groups.pp] + (
                 [expert_shard] if ddp.sharded else [])
         self.step_count = 0
+        self.rider_values: list[float] = []
+        """Host values of the last :meth:`step`'s ``riders`` (read with the gradient norm)."""
         self.state_start = 0
         """``step_count`` when the state started from zero (a resume that switched optimizer,
         ``checkpoint.optimizer_switch='reset'``); AdamW's bias correction counts from it."""
@@ -325,33 +327,47 @@ class DistributedOptimizer:
         norms = torch.stack(torch._foreach_norm(views))  # [len(views)]: one norm per view
         return norms.to(torch.float64).pow(2).sum()
 
-    def grad_norm(self) -> tuple[float, bool]:
-        """(global L2 norm of the unscaled gradients, whether any rank saw inf/NaN).
+    def grad_norm(self, riders: torch.Tensor | None = None) -> tuple[float, bool, list[float]]:
+        """(global L2 norm of the unscaled gradients, whether any rank saw inf/NaN, the host
+        values of ``riders``), with ONE device-to-host read for all of them.
 
         Each rank sums squares over the gradient entries it owns (tp-replicated parameters on
         tp rank 0, the tied head never, ZeRO-1 shards disjoint across dp) and the sums are
         all-reduced over tp, pp (and dp with ZeRO-1); an MoE model adds the expert sum
         (all-reduced over ep, pp and, with ZeRO-1, expert-dp: see the module docstring).
+        With fp16's dynamic scaler every rank's verdict (its global norm or its uncounted
+        gradients non-finite) is MAX-reduced over the world on the device first. ``riders``
+        (a float64 [r] device tensor, e.g. the step's loss reduction) ride on the same read.
+
+        This read is the step's one host synchronisation: the update is skipped (and fp16's
+        scale backed off) on the host's decision, and clipping's coefficient is a host float.
         """
         total = global_sq(self._sum_sq(self.counted), self.norm_groups)
         if self.experts:
             total = total + global_sq(self._sum_sq(self.expert_counted),
                                       self.expert_norm_groups)
-        norm = float(total.sqrt()) / self.scaler.scale
-        if isinstance(self.scaler, DynamicLossScaler):
-            local_bad = not math.isfinite(norm) or not math.isfinite(
-                float(self._sum_sq(self.uncounted)))
-            flag = torch.tensor([1.0 if local_bad else 0.0], dtype=torch.float64,
-                                device=self.device)
+        parts = [total.sqrt().reshape(1)]  # [1] float64
+        dynamic = isinstance(self.scaler, DynamicLossScaler)
+        if dynamic:
+            bad = ~torch.isfinite(total) | ~torch.isfinite(self._sum_sq(self.uncounted))
+            flag = bad.to(torch.float64).reshape(1)  # [1]
             self.groups.world.all_reduce(flag, op=dist.ReduceOp.MAX, name="found_inf")
-            return norm, bool(flag[0] > 0)
-        return norm, not math.isfinite(norm)
+            parts.append(flag)
+        if riders is not None:
+            parts.append(riders.to(torch.float64).reshape(-1))
+        host = torch.cat(parts).tolist()  # the one read
+        norm = host[0] / self.scaler.scale
+        if dynamic:
+            return norm, host[1] > 0, host[2:]
+        return norm, not math.isfinite(norm), host[1:]
 
-    def step(self) -> dict[str, float]:
-        """One update (or a skipped one); returns grad_norm, lr, loss_scale, skipped."""
+    def step(self, riders: torch.Tensor | None = None) -> dict[str, float]:
+        """One update (or a skipped one); returns grad_norm, lr, loss_scale, skipped. The host
+        values of ``riders`` (float64 [r] on the device) are read with the gradient norm (one
+        read) and left in :attr:`rider_values`."""
         if self.ddp.direct_grads:
             self._take_step_grads()
-        norm, found_inf = self.grad_norm()
+        norm, found_inf, self.rider_values = self.grad_norm(riders)
         lr = lr_at(self.step_count, self.total_steps, self.cfg)
         scale = self.loss_scale
         info = {"grad_norm": norm, "lr": lr, "loss_scale": scale, "skipped": float(found_inf)}

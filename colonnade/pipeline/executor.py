@@ -62,9 +62,10 @@ from colonnade.pipeline.plan import (
     Batch,
     ExecOptions,
     StepPlan,
-    host_losses,
     micro_batch_mean,
+    scaled_loss,
     set_rng_context,
+    stack_losses,
     with_tokens,
 )
 from colonnade.pipeline.schedules import (
@@ -95,9 +96,10 @@ class ActionTime:
 class ExecResult:
     """What one step of the executor did on this stage."""
 
-    losses: list[float]
-    """Per-micro-batch losses in micro-batch order on the stage holding the last virtual stage
-    (pp - 1, or 0 under zbv); empty elsewhere."""
+    loss_values: torch.Tensor
+    """Per-micro-batch losses [m] in micro-batch order, on the device, on the stage holding the
+    last virtual stage (pp - 1, or 0 under zbv); [0] elsewhere. Never read on the host here
+    (:attr:`losses` reads them)."""
     start: float
     end: float
     timeline: list[ActionTime] = field(default_factory=list)
@@ -111,6 +113,12 @@ class ExecResult:
     peak_output_bytes: int = 0
     """Most bytes held by stashed chunk outputs, seen before each F (only when recording);
     with output deallocation only the unsent ones and the scalar losses remain."""
+
+    @property
+    def losses(self) -> list[float]:
+        """:attr:`loss_values` as host floats (one device-to-host copy; tests and tools: the
+        training step reads them with its other values instead)."""
+        return self.loss_values.tolist()
 
     @property
     def busy(self) -> float:
@@ -255,7 +263,7 @@ class StageExecutor:
         self.pending_w: dict[Item, PendingWeightGrad] = {}
         self.accumulators: dict[int, dict[Any, torch.nn.Parameter]] = {}  # chunk -> grad nodes
         self.losses: dict[int, torch.Tensor] = {}  # detached 0-d, copied to host at the end
-        self.result = ExecResult([], 0.0, 0.0)
+        self.result = ExecResult(torch.zeros(0, dtype=torch.float64), 0.0, 0.0)
 
     def _virtual(self, chunk: int) -> int:
         return virtual_stage(self.stage, chunk, self.pp, self.steps.placement)
@@ -288,7 +296,8 @@ class StageExecutor:
         if self.stash or self.pending_w or self.outbox or self.inbox:
             raise RuntimeError(f"stage {self.stage}: schedule left work undone: stashes "
                                f"{sorted(self.stash)}, pending W {sorted(self.pending_w)}")
-        self.result.losses = host_losses([self.losses[k] for k in sorted(self.losses)])
+        self.result.loss_values = stack_losses([self.losses[k] for k in sorted(self.losses)],
+                                               self.device)
         return self.result
 
     def _accumulate(self) -> ExecResult:
@@ -302,13 +311,13 @@ class StageExecutor:
             set_rng_context(self.chunks, self.plan, k, self.m)
             loss = chunk(tokens, labels, reduction="sum", tokens=tokens)
             losses.append(micro_batch_mean(loss.detach(), local_labels(labels, chunk.ctx)))
-            y = loss * self.multiplier
+            y = scaled_loss(loss, self.multiplier)
             if sync is not None:
                 sync(k)
             torch.autograd.backward(y)
         self.result.peak_stashed = 1 if self.batches else 0
         self.result.end = time.perf_counter()
-        self.result.losses = host_losses(losses)
+        self.result.loss_values = stack_losses(losses, self.device)
         return self.result
 
     def _sync(self) -> None:
@@ -385,7 +394,7 @@ class StageExecutor:
         if chunk.last:
             loss = chunk(inputs, labels, reduction="sum", tokens=tokens)
             self.losses[k] = micro_batch_mean(loss.detach(), local_labels(labels, chunk.ctx))
-            y = loss * self.multiplier if self.train else loss
+            y = scaled_loss(loss, self.multiplier) if self.train else loss
         else:
             y = chunk(inputs, tokens=tokens)  # tokens: document boundaries (doc_reset)
             self.outbox[(Kind.F, (k, c))] = y

@@ -68,30 +68,37 @@ class StepPlan:
     """Called before the backward of micro-batch k; the DP wrapper enables sync on the last."""
     options: ExecOptions = field(default_factory=ExecOptions)
     """Pipeline executor switches (p2p overlap, output deallocation, in-order p2p, recording)."""
-    tokens: int | None = None
+    tokens: int | torch.Tensor | None = None
     """Valid tokens (labels not IGNORE_INDEX) of the whole global batch, all dp ranks: the loss
-    divisor N. None: counted from the batches by :func:`with_tokens` (one all-reduce over dp)."""
+    divisor N, a host int or a 0-d int64 device tensor (what :func:`with_tokens` counts, never
+    read on the host). None: counted from the batches by :func:`with_tokens` (one all-reduce
+    over dp)."""
 
-    def loss_multiplier(self) -> float:
+    def loss_multiplier(self) -> float | torch.Tensor:
         """Factor on a micro-batch's summed loss before backward: loss_scale * dp / N (the dp
         reduction averages over its group, dp x cp, so the reduced gradient is that of
-        sum CE / N)."""
+        sum CE / N). A 0-d float64 device tensor when N is one (no host read): the same IEEE
+        division as the host float, (loss_scale * dp) / max(N, 1)."""
         if self.tokens is None:
             raise ValueError("StepPlan.tokens is unset; call with_tokens(plan, batches) first")
-        return self.loss_scale * self.groups.dp_cp.size / max(self.tokens, 1)
+        numerator = self.loss_scale * self.groups.dp_cp.size
+        if isinstance(self.tokens, torch.Tensor):
+            return numerator / self.tokens.clamp(min=1).to(torch.float64)
+        return numerator / max(self.tokens, 1)
 
 
-def count_tokens(batches: list[Batch], groups: ProcessGroups) -> int:
-    """Valid tokens of the global batch: this rank's micro-batches (its cp rows of their
-    labels), all-reduced over dp x cp (the group that reduces gradients, so the count and the
-    averaging agree; not entered when that group is one rank)."""
+def count_tokens(batches: list[Batch], groups: ProcessGroups) -> torch.Tensor:
+    """Valid tokens of the global batch, a 0-d int64 tensor on the labels' device (no host
+    read): this rank's micro-batches (its cp rows of their labels), all-reduced over dp x cp
+    (the group that reduces gradients, so the count and the averaging agree; not entered when
+    that group is one rank)."""
     if not batches:
         raise ValueError("a step needs at least one micro-batch")
     labels = [local_labels(lab, groups) for _, lab in batches]
     local = torch.stack([valid_tokens(lab) for lab in labels]).sum().reshape(1)  # [1] int64
     if groups.dp_cp.size > 1:
         groups.dp_cp.all_reduce(local, name="loss_tokens")  # the gradient reduction's group
-    return int(local.item())
+    return local[0]
 
 
 def with_tokens(plan: StepPlan, batches: list[Batch]) -> StepPlan:
@@ -113,7 +120,21 @@ def micro_batch_mean(loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return loss_sum / valid_tokens(labels).clamp(min=1)
 
 
-def host_losses(losses: list[torch.Tensor]) -> list[float]:
-    """Per-micro-batch 0-d loss tensors as floats with one device-to-host copy for the step
-    (a ``float(loss)`` per micro-batch would stall a GPU's queue m times)."""
-    return torch.stack(losses).tolist() if losses else []
+def scaled_loss(loss: torch.Tensor, multiplier: float | torch.Tensor) -> torch.Tensor:
+    """``loss * multiplier``, the backward's start; a device multiplier (float64) is cast to
+    the loss's dtype (fp32 for a 16-bit loss, the precision a host float is applied in), so
+    the gradient is the same as with the host float."""
+    if isinstance(multiplier, torch.Tensor):
+        wide = loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32
+        multiplier = multiplier.to(wide)
+    return loss * multiplier
+
+
+def stack_losses(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per-micro-batch 0-d loss tensors as one [m] device tensor (float64 [0] when there is
+    none), not read on the host: the step reads it once with its other values
+    (:func:`colonnade.training.step.start_mean_loss`), a ``float(loss)`` per micro-batch would
+    stall a GPU's queue m times."""
+    if not losses:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack(losses)

@@ -23,8 +23,16 @@ from colonnade.config.sections import Config
 from colonnade.data import collate
 from colonnade.data_parallel import build_data_parallel
 from colonnade.data_parallel.finalize import reduce_sp_and_tied
-from colonnade.device import keep_host_pages, memory_stats, peak_tflops, synchronize
+from colonnade.device import (
+    begin_graph_step,
+    keep_host_pages,
+    memory_stats,
+    peak_tflops,
+    synchronize,
+    to_device,
+)
 from colonnade.models.build import build_chunks, param_dtype
+from colonnade.models.compile import compile_seconds, wants_compile
 from colonnade.models.counts import flops_per_token
 from colonnade.models.gpt import ModelChunk
 from colonnade.optim.distributed import DistributedOptimizer
@@ -47,12 +55,12 @@ from colonnade.training.moe import begin_moe_step, end_moe_step, install_moe_sta
 from colonnade.training.progress import progress_bar
 from colonnade.training.setup import Data, Runtime, build_data, init_runtime
 from colonnade.training.step import (
-    forward_backward,
     forward_only,
     install_doc_reset,
     mean_loss,
     set_train_mode,
     start_mean_loss,
+    step_losses,
 )
 from colonnade.training.vocab import with_data_vocab
 
@@ -97,28 +105,30 @@ class Trainer:
         ``stop_signal`` among them is the largest stop signal any rank passed as ``signum``
         (0: none), agreed on by the loss all-reduce (:func:`start_mean_loss`)."""
         set_train_mode(self.chunks, True)
+        if self.config.training.cuda_graphs:
+            begin_graph_step(self.rt.device)
         self.optimizer.zero_grad()
         begin_moe_step(self.chunks, self.groups, self.optimizer.loss_scale, len(batches))
         plan = StepPlan(self.groups, self.step, self.config.parallel.schedule,
                         loss_scale=self.optimizer.loss_scale,
                         grad_sync=self.ddp.grad_sync_hook(len(batches)),
                         options=self.executor_options())
-        losses = forward_backward(self.chunks, batches, plan)
-        loss = start_mean_loss(losses, self.groups, self.rt.device, batches, signum)  # by the end
+        losses = step_losses(self.chunks, batches, plan)  # [m] on the device
+        loss = start_mean_loss(losses, self.groups, self.rt.device, batches, signum)  # in flight
         self.ddp.finish_grad_sync()
         reduce_sp_and_tied(self.chunks, self.groups, tied_across_stages(
                                self.config.model.tie_embeddings, self.config.parallel.schedule),
                            self.ddp)
         if self.timer is not None:
             self.timer.phase("optimizer")
-        info = self.optimizer.step()
+        info = self.optimizer.step(riders=loss.ready())  # the step's one host read
+        mean, stop = loss.result(self.optimizer.rider_values)
         if self.timer is not None:
             self.timer.end()
         moe = end_moe_step(self.chunks, self.config, self.groups, self.rt.device)
         self.step += 1
         if self.step >= self.config.training.steps:
             self.ddp.finish_param_gather()  # final weights complete for export / checkpoint
-        mean, stop = loss()
         return {"loss": mean, **info, **moe, "stop_signal": float(stop)}
 
     def executor_options(self) -> ExecOptions:
@@ -135,7 +145,7 @@ class Trainer:
         out = []
         for indices in self.data.sampler.next_step():
             tokens, labels = collate(self.data.train, indices)
-            out.append((tokens.to(device), labels.to(device)))
+            out.append((to_device(tokens, device), to_device(labels, device)))
         if self.timer is not None:
             self.timer.phase("compute")
         return out
@@ -203,6 +213,8 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     valid_losses = _earlier_valid(writer)  # the whole run's: the earlier segments' first
     window_start, window_steps = time.perf_counter(), 0
+    compiling, compiled_logged = wants_compile(tr), 0.0
+    compile_base = compile_seconds()  # this run's compilations only, not earlier ones in-process
     clock = RunClock(trainer.step, tr.steps, tokens_per_step, trainer.elapsed_s)
     trainer.clock = clock  # what a save records as the run's elapsed time
     stopper, stop = StopRequest(monitor is None).install(), 0  # Ctrl-C / SIGTERM: save, stop
@@ -235,11 +247,15 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
                                                           or step == tr.steps)
             if evaluate:
                 valid_losses.append((step, trainer.evaluate()))
-            if step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop:
+            compiled = compile_seconds() - compile_base if compiling else 0.0  # host: no sync
+            if (step % log_cfg.log_interval == 0 or step == tr.steps or evaluate or stop
+                    or compiled > compiled_logged):  # a (re)compilation is logged at once
                 synchronize(rt.device)
                 dt = (time.perf_counter() - window_start) / max(1, window_steps)
                 rec = {"step": step, **metrics, **throughput.fields(dt),
                        **memory_stats(rt.device), **clock.fields(step)}
+                if compiled > compiled_logged:  # seconds compiling so far, in this process
+                    rec["compile_s"] = compiled_logged = compiled
                 if evaluate:
                     rec["valid_loss"] = valid_losses[-1][1]
                     rec["valid_ppl"] = perplexity(rec["valid_loss"])

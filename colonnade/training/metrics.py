@@ -210,6 +210,8 @@ def format_line(rec: dict[str, Any]) -> str:
                   f"{rec['tflops_per_device']:.3f} TFLOP/s/dev", mfu]
     if "qk_clipped" in rec:
         parts.append(f"qk_clipped {rec['qk_clipped']:.0f}")
+    if "compile_s" in rec:
+        parts.append(f"compiled in {rec['compile_s']:.1f} s")
     parts += format_moe(rec)
     if "mem_peak_gib" in rec:
         parts.append(f"mem {rec['mem_peak_gib']:.2f} GiB")

@@ -35,7 +35,14 @@ from colonnade.config.sections import Config, OptimConfig, ParallelConfig, Train
 from colonnade.config.validate import cxx_compiler, problems, validate
 from colonnade.data_parallel import DataParallel, build_data_parallel
 from colonnade.models.build import build_chunks, build_reference, param_dtype
-from colonnade.models.compile import compiled_layers, is_compiled
+from colonnade.models.compile import (
+    GRAPH_MODE,
+    compile_layers,
+    compile_mode,
+    compiled_layers,
+    is_compiled,
+    wants_compile,
+)
 from colonnade.models.layer import TransformerLayer
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.groups import ProcessGroups
@@ -328,3 +335,63 @@ def test_compile_with_the_zero_bubble_schedule_is_rejected() -> None:
     (found,) = problems(with_compile(zb, True))
     assert "training.compile=true does not go with parallel.schedule='zb_h1'" in found
     assert "'1f1b'" in found and "training.compile=false" in found
+
+
+def graphs_config(**fields: Any) -> Config:
+    """:func:`make_config` (dropout 0) with training.cuda_graphs on a CUDA device, and
+    ``fields`` as 'section.field' -> value."""
+    config = make_config(dropout=0.0)
+    config = dataclasses.replace(config, training=dataclasses.replace(
+        config.training, cuda_graphs=True, device="cuda"))
+    for key, value in fields.items():
+        section, name = key.split("__")
+        config = dataclasses.replace(config, **{section: dataclasses.replace(
+            getattr(config, section), **{name: value})})
+    return config
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"training__device": "cpu"}, "training.device='cpu'"),
+    ({"model__num_experts": 4, "model__moe_ffn_hidden_size": 32}, "model.num_experts=4"),
+    ({"parallel__cp": 2}, "parallel.cp=2"),
+    ({"parallel__tp": 2}, "parallel.tp=2"),
+    ({"parallel__pp": 2}, "parallel.pp=2"),
+    ({"model__hidden_dropout": 0.1}, "model.hidden_dropout=0.1"),
+    ({"model__attention_dropout": 0.1}, "model.attention_dropout=0.1"),
+    ({"training__recompute": "full"}, "training.recompute='none' (it is 'full')"),
+    ({"parallel__zero_stage": 3, "parallel__dp": 2}, "ZeRO stage 3"),
+])
+def test_cuda_graphs_refusals(fields: dict[str, Any], named: str) -> None:
+    """Each case where capture cannot work is refused, naming the field and both fixes."""
+    assert problems(graphs_config()) == []  # a dense tp = 1 layout on a CUDA device
+    found = [p for p in problems(graphs_config(**fields)) if "cuda_graphs" in p]
+    assert len(found) == 1, found
+    assert named in found[0] and "training.cuda_graphs=false" in found[0]
+
+
+def test_cuda_graphs_path_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """cuda_graphs compiles every layer in mode 'reduce-overhead' (CUDA graph trees), compile
+    alone in the default mode; the compiler is a fake here (no GPU to capture on). The CLI
+    refuses it on a machine without a GPU before anything starts."""
+    seen: list[tuple[str | None, bool, bool]] = []
+
+    def fake(fn: Any, *, backend: str, mode: str | None, dynamic: bool,
+             fullgraph: bool) -> Any:
+        seen.append((mode, dynamic, fullgraph))
+        return fn
+
+    config = graphs_config()
+    assert wants_compile(config.training) and not config.training.compile
+    assert compile_mode(config.training) == GRAPH_MODE == "reduce-overhead"
+    assert compile_mode(with_compile(config, True).training) == GRAPH_MODE
+    plain = dataclasses.replace(config, training=dataclasses.replace(
+        config.training, cuda_graphs=False, compile=True))
+    assert compile_mode(plain.training) is None and wants_compile(plain.training)
+    (chunk,) = build_chunks(with_compile(plain, False), ProcessGroups.single())
+    assert compile_layers([chunk], mode=compile_mode(config.training), compiler=fake) == 2
+    assert seen == [("reduce-overhead", False, False)] * 2
+    assert compiled_layers([chunk]) == 2
+    assert main(["train", "--model.num_layers=2", "--model.hidden_size=32",
+                 "--training.cuda_graphs=true", "--training.device=cpu", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "training.cuda_graphs=true needs a CUDA device (training.device='cpu')" in err
