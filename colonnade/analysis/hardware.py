@@ -29,6 +29,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from colonnade.analysis.activations import KERNEL_PATHS
+
 GIB = 2**30
 
 
@@ -112,6 +114,14 @@ class Cluster:
     scheduling jitter, other processes); 0 on dedicated GPUs."""
     sync_skew_4: float = 0.0
     """The same for 4 ranks; :meth:`skew_fraction` interpolates in log2(ranks)."""
+    kernels: str = "cuda"
+    """Whose kernels run the layers, 'cuda' (GPUs) or 'cpu': the activation model's kernel path
+    (:data:`colonnade.analysis.activations.KERNEL_PATHS`), which the planner takes from here."""
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_PATHS:
+            raise ValueError(f"cluster '{self.name}': kernels='{self.kernels}' must be one of "
+                             f"{', '.join(KERNEL_PATHS)}.")
 
     def head(self) -> Cluster:
         """The cluster as the output layer and cross entropy see it (``head_efficiency``)."""
@@ -236,6 +246,7 @@ PRESETS: dict[str, Cluster] = {
         intra_node_gbps=2.0, inter_node_gbps=2.0, intra_latency_us=100.0,
         inter_latency_us=100.0, efficiency=1.0, reserved_gib=0.5,
         compute_units=os.cpu_count() or 1, step_overhead_s=0.005, op_overhead_us=10.0,
+        kernels="cpu",
     ),
 }
 ALIASES = {"dgx-a100": "a100-80gb", "a100": "a100-80gb", "dgx-h100": "h100-sxm",
