@@ -9,8 +9,12 @@ and why it is faster; then the ZeRO example; then H100: the GEMM efficiency curv
 and the predicted tokens/s per GPU of published H100 BF16 runs (llm-foundry's MPT table,
 https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md), the
 rows the curve was fitted on and the held-out ones, before (the A100's one constant, the old
-H100 preset) and after (the fitted curve).  --fit re-runs the fits (A100 efficiency, a knee
-scan on Table 1, the H100 curve).
+H100 preset) and after (the fitted curve); then the held-out report
+(:mod:`colonnade.analysis.holdout`): every published throughput the planner knows, per source
+and row, predicted against published with the error, the fitted-on rows marked, the held-out
+worst per device, and the memory of every published configuration against its device (with
+the measured peaks where published).  --fit re-runs the fits (A100 efficiency, a knee scan on
+Table 1, the H100 curve).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from colonnade.analysis.fit import (
     relative_errors,
 )
 from colonnade.analysis.hardware import A100_EFFICIENCY, PRESETS
+from colonnade.analysis.holdout import held_out_worst, memory_checks, throughput_checks
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import zero_paper_bytes
 from colonnade.analysis.published import HELD_OUT_H100, MPT_H100_FIT, TABLE1, ZERO_EXAMPLE
@@ -142,6 +147,39 @@ def h100_rows() -> list[dict[str, Any]]:
     return out
 
 
+def held_out() -> dict[str, Any]:
+    """Every published figure, fitted-on rows marked: throughput per source and row, the
+    held-out worst per device, and every configuration's memory against its device."""
+    checks = throughput_checks()
+    print("\nHeld-out report (colonnade.analysis.holdout; sources: colonnade/analysis/sources.py "
+          "and published.py)")
+    head = (f"{'source':<30} {'row':<28} {'device':<22} {'set':<8} {'published':>10} "
+            f"{'predicted':>10} {'error':>7}")
+    print(head)
+    print("-" * len(head))
+    for c in checks:
+        print(f"{c.source[:30]:<30} {c.label:<28} {c.device:<22} "
+              f"{'fit' if c.fitted else 'held-out':<8} {c.published:>10.0f} "
+              f"{c.predicted:>10.0f} {c.error:>+7.1%}  {c.unit}")
+    worst = held_out_worst(checks)
+    for device, err in worst.items():
+        print(f"held-out max |error| on {device}: {err:.1%}")
+    mems = memory_checks()
+    print("\nMemory per GPU of every published configuration (planner, GiB) against the usable "
+          "device memory; '-' where no peak is published")
+    for m in mems:
+        pub = f"{m.published_gib:.1f}" if m.published_gib is not None else "-"
+        err = (f"{m.predicted_gib / m.published_gib - 1:+.1%}" if m.published_gib is not None
+               else "")
+        verdict = ("fits" if m.fits else "DOES NOT FIT") + ("" if m.asserted else
+                                                             " (not asserted)")
+        print(f"{m.source[:30]:<30} {m.label:<28} {m.predicted_gib:>6.1f} / "
+              f"{m.capacity_gib:>5.1f}  published {pub:>5} {err:>7}  {verdict}")
+    return {"throughput": [dict(vars(c), error=c.error) for c in checks],
+            "held_out_worst": worst,
+            "memory": [dict(vars(m), fits=m.fits) for m in mems]}
+
+
 def refit() -> dict[str, Any]:
     """Re-run the fits: the A100 constant, a knee scan on Table 1, the H100 curve."""
     a100 = PRESETS["a100-80gb"]
@@ -175,6 +213,7 @@ def main() -> int:
     result["zero"] = zero()
     result["gemm_curve"] = gemm_curve()
     result["h100_published"] = h100_rows()
+    result["held_out"] = held_out()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

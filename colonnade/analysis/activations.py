@@ -16,12 +16,16 @@ the formulas below write h for it (a d = h unless model.head_dim is set).  Per l
 
     norms (x2)     RMSNorm (x32 * rsqrt(mean x32^2) then .to(E) * w): input A r b h (the input
                    itself when E >= 4), 1/rms A r b, normalised x E r b h.
-                   LayerNorm (F.layer_norm): input E r b h, mean and 1/std 2 E r b (the CPU
-                   kernel keeps them in the input dtype; CUDA in fp32, +4 r b bytes at E = 2).
+                   LayerNorm (F.layer_norm): input E r b h, mean and 1/std 2 K r b, by kernel
+                   path (:data:`KERNEL_PATHS`): the CPU kernel keeps them in the input dtype
+                   (K = E), the CUDA kernel in fp32 (K = 4).
     column inputs  2 E s b h: attention's q/k/v and the MLP's gate/up (or fc) each read one
                    [s, b, h] input (``column_parallel``): the replicated norm output, or under
                    sp its all-gathered copy, which F.linear keeps in full (with
                    parallel.tp_comm_chunks = 1; the chunked path is not modelled here).
+                   ``sp_regather`` (Megatron-LM's sequence parallelism, Korthikanti et al.
+                   Sec. 4.2.2: the [s/t, b, h] shard is kept and all-gathered again in
+                   backward): 2 E r b h.
     attention, split over t (heads), by kernel (:class:`ActivationShape` ``attention``):
       'flash' (colonnade's fused SDPA, attention dropout off): q E s b h/t, k and v
                    E s b h_kv/t each and the log-sum-exp A s b a/t; no s^2 scores (flash
@@ -53,9 +57,11 @@ The paper's GPT (4h GELU MLP, LayerNorm, eager attention, dropout, masks of 1 by
 E = 2: sbh (34 + 5as/h), tp: sbh (10 + 24/t + 5as/(ht)), tp+sp: sbh (34/t + 5as/(ht)),
 selective: without the 5as/h terms, full: 2 sbh (/t with sp); :func:`paper_layer_bytes`
 scales its 16-bit terms by E/2 and keeps the masks at 1 byte.  This model with the paper's
-settings ('eager') differs from it only in (i) LayerNorm statistics 4 E r b and (ii) under sp
+settings ('eager') differs from it only in (i) LayerNorm statistics 4 K r b and (ii) under sp
 the two all-gathered column inputs kept in full (+ 2 E (1 - 1/t) s b h): Megatron keeps the
-[s/t, b, h] shard and all-gathers it again in backward.  Colonnade's own gpt2 layer with
+[s/t, b, h] shard and all-gathers it again in backward, which ``sp_regather`` models (at
+t = 8 colonnade's layer keeps 7.75 sbh against the paper's 4.25 sbh under tp + sp + selective,
+1.82x: why published sp configurations are planned with it).  Colonnade's own gpt2 layer with
 attention dropout ('blockwise') keeps no s^2 term: -5 a s^2 b + 4 a s b against 'eager'.
 The llama layer adds RMSNorm's up-cast input and normalised copy (2 (A + E) s b h instead of
 2 E s b h), SwiGLU's four s b f tensors (f ~ 8h/3: ~ 10.7 E sbh vs GELU's 8 E sbh at f = 4h),
@@ -103,9 +109,24 @@ a copy of it) and RoPE's gathered cos / sin (below).  By cp attention kind:
       all_to_all   backward holds the gradients of the kernel's q, k, v and output at full s
                    with heads/cp (dq, dk, dv, dout): E s b (2 h/(t cp) + 2 d k_r).
 
-Kernel caveats: the terms are those of PyTorch's CPU flash kernel; CUDA kernels keep the same
-output and fp32 log-sum-exp (the memory-efficient kernel pads it to a multiple of 32 positions,
-plus two 8-byte RNG words) - a fraction of a percent at realistic sizes.
+Kernel paths (``ActivationShape.kernels``, chosen by the device the plan is for:
+``Cluster.kernels``).  Colonnade runs the same layer code on both; where the kernels keep
+different tensors the path has its own term:
+    'cpu'    PyTorch's CPU kernels: flash SDPA (output + fp32 log-sum-exp), LayerNorm's
+             statistics in the input dtype.  Validated to the byte against measured peak
+             memory per layer on this machine (tests/recompute/test_memory.py,
+             tests/analysis/test_cpu_terms.py).
+    'cuda'   fused SDPA (flash / cuDNN / memory-efficient: output + fp32 log-sum-exp, no
+             s x s scores; the memory-efficient kernel pads the log-sum-exp to a multiple of
+             32 positions plus two 8-byte RNG words, a fraction of a percent, not counted),
+             LayerNorm's statistics in fp32.  RMSNorm of a 16-bit input and the vocabulary
+             cross entropy run the same eager ops as on the CPU (no fused kernel is called),
+             so their terms are the CPU's.  Validated against the published formula: the
+             paper's GPT with flash attention gives sbh (34 + 5as/h) without its 5as/h term, and
+             with ``sp_regather`` sbh (34/t) under tp + sp + selective, to within the
+             LayerNorm statistics (tests/analysis/test_published_memory.py), and against the
+             H200's measured peak of GPT-3 1.3B (benchmarks/results/gpu_check_h200.json:
+             benchmarks/planner.py prints the error).
 """
 
 from __future__ import annotations
@@ -125,6 +146,10 @@ if TYPE_CHECKING:  # the planner imports this module: keep torch out of `colonna
 ATTENTION_KERNELS: tuple[str, ...] = ("flash", "blockwise", "eager")
 """How core attention runs and what it keeps for backward (see the module docstring); the
 planner's ``Workload.attention`` and ``colonnade plan --attention`` take these too."""
+
+KERNEL_PATHS: tuple[str, ...] = ("cuda", "cpu")
+"""Which device's kernels run the layers (see the module docstring): the planner takes it from
+the cluster (``Cluster.kernels``), the dry run from ``training.device``."""
 
 LLAMA_FACTS = ArchFacts(mlp_matrices=3, norm_has_bias=False, positions="rope")
 """Default facts of an :class:`ActivationShape` (RMSNorm, SwiGLU, RoPE)."""
@@ -172,6 +197,12 @@ class ActivationShape:
     mla: MLAShape | None = None
     """Multi-head latent attention's widths (its attention terms replace the others':
     :func:`_mla_terms`), or None."""
+    kernels: str = "cpu"
+    """'cpu' or 'cuda' (:data:`KERNEL_PATHS`): whose kernels run the layer (LayerNorm keeps
+    its statistics in the input dtype on the CPU, in fp32 on CUDA)."""
+    sp_regather: bool = False
+    """Under sp: the column-parallel layers keep their input's [s/t, b, h] shard and gather it
+    again in backward (Megatron-LM), instead of the gathered [s, b, h] (colonnade)."""
 
     def __post_init__(self) -> None:
         if self.cp < 1 or self.seq % self.cp or self.cp_attention not in CP_ATTENTIONS:
@@ -181,6 +212,9 @@ class ActivationShape:
         if self.attention not in ("auto", *ATTENTION_KERNELS):
             raise ValueError(f"attention='{self.attention}' must be 'auto' or one of "
                              f"{', '.join(ATTENTION_KERNELS)}.")
+        if self.kernels not in KERNEL_PATHS:
+            raise ValueError(f"kernels='{self.kernels}' must be one of "
+                             f"{', '.join(KERNEL_PATHS)}.")
 
     @property
     def kernel(self) -> str:
@@ -225,7 +259,8 @@ class ActivationShape:
     @classmethod
     def of(cls, m: LayerShape, seq: int, batch: int, *, tp: int = 1, sp: bool = False,
            elem: int = 2, attention: str = "auto", cp: int = 1,
-           cp_attention: str = "ring", cp_a2a_size: int | None = None) -> ActivationShape:
+           cp_attention: str = "ring", cp_a2a_size: int | None = None,
+           kernels: str = "cpu", sp_regather: bool = False) -> ActivationShape:
         """The shape of ``m``'s layers for micro-batch [b, s] on a tp (+sp) x cp rank."""
         return cls(seq=seq, batch=batch, hidden=m.hidden, heads=m.heads,
                    kv_heads=m.kv_hidden // m.head_dim, ffn=m.ffn, tp=tp, sp=sp,
@@ -233,7 +268,8 @@ class ActivationShape:
                    cp=cp, cp_attention=cp_attention, cp_a2a_size=cp_a2a_size, elem=elem,
                    facts=m.facts,
                    hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-                   attention=attention, mla=m.mla)
+                   attention=attention, mla=m.mla, kernels=kernels,
+                   sp_regather=sp_regather)
 
     @classmethod
     def from_model(cls, model: ModelConfig, seq: int, batch: int, *, tp: int = 1,
@@ -245,11 +281,12 @@ class ActivationShape:
 
 
 def _norm_bytes(x: ActivationShape, rows: int) -> float:
-    """Both norms of a layer: LayerNorm input + mean, 1/std; RMSNorm up-cast input, 1/rms and
-    the normalised copy."""
+    """Both norms of a layer: LayerNorm input + mean, 1/std (input dtype on the CPU, fp32 on
+    CUDA); RMSNorm up-cast input, 1/rms and the normalised copy."""
     e, b, h, acc = x.elem, x.batch, x.hidden, max(x.elem, 4)
     if x.facts.norm_has_bias:
-        return 2.0 * (e * rows * b * h + 2 * e * rows * b)
+        stats = e if x.kernels == "cpu" else 4
+        return 2.0 * (e * rows * b * h + 2 * stats * rows * b)
     return 2.0 * (acc * rows * b * h + acc * rows * b + e * rows * b * h)
 
 
@@ -300,9 +337,10 @@ def layer_terms(x: ActivationShape, recompute: str = "none") -> dict[str, float]
     rows = s // t if x.sp else s
     if recompute == "full":
         return {"block_input": float(e * rows * b * h)}
-    sbh, h_kv = float(s * b * h), x.kv_heads * x.d
+    h_kv = x.kv_heads * x.d
+    column_rows = rows if x.sp_regather else s  # the gathered [s, b, h], or Megatron's shard
     terms = {"norms": _norm_bytes(x, rows),
-             "column_inputs": 2.0 * e * sbh}  # attention's and the MLP's, [s, b, h] with sp
+             "column_inputs": 2.0 * e * column_rows * b * h}  # attention's and the MLP's
     if x.facts.head_norms:
         terms["head_norms"] = _head_norm_bytes(x)
     q, kv = e * float(s * b) * x.q_width / t, 2.0 * e * s * b * h_kv / t

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +90,18 @@ def moe_step_flops(w: Workload, recompute: str) -> float:
     return float(w.global_batch) * w.seq_len * passes * moe_flops_delta_per_token(w.model)
 
 
+def on_cluster(w: Workload, cluster: Cluster) -> Workload:
+    """``w`` with the activation model's kernel path of ``cluster``'s devices
+    (``Cluster.kernels``: the memory of a plan is that of the device it is for)."""
+    if w.kernels == cluster.kernels:
+        return w
+    return dataclasses.replace(w, kernels=cluster.kernels)
+
+
 def estimate(w: Workload, layout: Layout, cluster: Cluster) -> Estimate:
-    """Predict memory and step time of ``layout`` (assumed valid; see search.check_layout)."""
+    """Predict memory and step time of ``layout`` (assumed valid; see search.check_layout)
+    on ``cluster``'s devices (their kernel path: :func:`on_cluster`)."""
+    w = on_cluster(w, cluster)
     m = w.shape
     peak = (cluster.peak_tflops if w.mixed else cluster.peak_tflops_fp32) * 1e12
     return Estimate(

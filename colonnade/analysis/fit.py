@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from colonnade.analysis.estimate import Estimate, estimate
 from colonnade.analysis.hardware import Cluster
-from colonnade.analysis.published import MPT_H100_FIT, TABLE1, H100Row, Table1Row
+from colonnade.analysis.published import MPT_H100_FIT, TABLE1, MPTRow, Table1Row
 from colonnade.analysis.search import Constraints, plan
 
 MEGATRON_2021 = {"recompute": ("full",), "sp": (False,), "zero": (0,),
@@ -74,18 +74,18 @@ def fit_efficiency(cluster: Cluster, rows: tuple[Table1Row, ...] = TABLE1,
     return golden_min(worst, lo, hi, tol)
 
 
-def h100_error(row: H100Row, cluster: Cluster) -> float:
+def h100_error(row: MPTRow, cluster: Cluster) -> float:
     """predicted / published - 1 of the tokens/s per GPU of ``row``'s published layout."""
     est = estimate(row.workload(), row.layout(), cluster)
     return est.tokens_per_s / row.gpus / row.tokens_per_s_per_gpu - 1
 
 
-def h100_errors(cluster: Cluster, rows: tuple[H100Row, ...]) -> list[float]:
+def h100_errors(cluster: Cluster, rows: tuple[MPTRow, ...]) -> list[float]:
     """:func:`h100_error` of each row."""
     return [h100_error(r, cluster) for r in rows]
 
 
-def fit_gemm_curve(cluster: Cluster, rows: tuple[H100Row, ...] = MPT_H100_FIT,
+def fit_gemm_curve(cluster: Cluster, rows: tuple[MPTRow, ...] = MPT_H100_FIT,
                    knee_hi: float = 4.0, tol: float = 1e-3) -> tuple[float, float]:
     """(efficiency, gemm_knee_balance) minimising max |relative error| over ``rows``: the
     knee by golden section in [0, knee_hi], the efficiency fitted by golden section at each."""

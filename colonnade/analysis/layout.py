@@ -12,7 +12,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from colonnade.analysis.activations import ATTENTION_KERNELS
+from colonnade.analysis.activations import ATTENTION_KERNELS, KERNEL_PATHS
 from colonnade.analysis.moe import dense_model
 from colonnade.config.choices import (
     CP_ATTENTIONS,
@@ -68,6 +68,20 @@ class Workload:
     optimizer: str = "adamw"
     """optim.name: 'adamw', or 'muon' (one momentum for each hidden matrix's element instead
     of Adam's two moments: :func:`colonnade.analysis.memory.layer_muon_params`)."""
+    fsdp_fp32_states: bool = False
+    """FSDP mixed precision (llm-foundry's amp_bf16, torchtitan's FSDP2): fp32 sharded weights
+    that are their own masters, gathered in bf16 for compute, so a parameter's states are
+    those of an fp32 model (4 + 4 + 8 = 16 bytes) while activations stay 16-bit; how
+    published FSDP runs kept their states.  Colonnade keeps bf16 weights and an fp32 master
+    (False: 2 + 4 + 12)."""
+    kernels: str = "cuda"
+    """Whose kernels run the layers, 'cuda' or 'cpu' (:data:`~colonnade.analysis.activations.
+    KERNEL_PATHS`): the activation model's kernel path.  ``plan`` and ``estimate`` take the
+    cluster's (``Cluster.kernels``); the dry run 'cpu' with training.device='cpu'."""
+    sp_regather: bool = False
+    """Under sp, keep each column-parallel input as its [s/t, b, h] shard and all-gather it again
+    in backward (Megatron-LM, Korthikanti et al. 2022 Sec. 4.2.2): how published Megatron
+    configurations ran.  Colonnade keeps the gathered input (False)."""
 
     def __post_init__(self) -> None:
         if self.grad_reduce_dtype not in REDUCE_BYTES:
@@ -81,6 +95,9 @@ class Workload:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention='{self.attention}' must be one of "
                              f"{', '.join(ATTENTION_KERNELS)}.")
+        if self.kernels not in KERNEL_PATHS:
+            raise ValueError(f"kernels='{self.kernels}' must be one of "
+                             f"{', '.join(KERNEL_PATHS)}.")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"moe_dispatcher='{self.moe_dispatcher}' must be one of "
                              f"{', '.join(MOE_DISPATCHERS)}.")
@@ -106,6 +123,12 @@ class Workload:
     def elem(self) -> int:
         """Bytes of one activation / weight element."""
         return ELEMENT_BYTES[self.precision]
+
+    @property
+    def states_precision(self) -> str:
+        """The precision whose state bytes a parameter keeps ('fp32' under
+        ``fsdp_fp32_states``, else ``precision``)."""
+        return "fp32" if self.fsdp_fp32_states else self.precision
 
     @property
     def mixed(self) -> bool:
@@ -139,7 +162,8 @@ class Workload:
                    bucket_size=par.bucket_size, zero_prefetch=par.zero_prefetch,
                    grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap,
                    moe_dispatcher=par.moe_dispatcher, state_dtype=cfg.optim.state_dtype,
-                   master_dtype=cfg.optim.master_dtype, optimizer=cfg.optim.name)
+                   master_dtype=cfg.optim.master_dtype, optimizer=cfg.optim.name,
+                   kernels="cpu" if tr.device == "cpu" else "cuda")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -175,7 +175,7 @@ def state_bytes_per_param(w: Workload, layout: Layout, muon: bool = False
                           ) -> tuple[float, float, float]:
     """(weight, gradient, optimizer-state) bytes per parameter held on one device (``muon``:
     of a Muon matrix's element, when ``w.optimizer`` is 'muon')."""
-    return stage_state_bytes(w.precision, layout.zero, layout.shard, w.state_dtype,
+    return stage_state_bytes(w.states_precision, layout.zero, layout.shard, w.state_dtype,
                              w.master_dtype, muon and w.optimizer == "muon")
 
 
@@ -304,7 +304,8 @@ def activation_shape(w: Workload, layout: Layout) -> ActivationShape:
     return ActivationShape.of(w.shape, w.seq_len, layout.micro_batch, tp=layout.tp,
                               sp=layout.sp, elem=w.elem, attention=w.attention, cp=layout.cp,
                               cp_attention=layout.cp_attention,
-                              cp_a2a_size=layout.cp_a2a_size)
+                              cp_a2a_size=layout.cp_a2a_size, kernels=w.kernels,
+                              sp_regather=w.sp_regather)
 
 
 def in_flight(layout: Layout, microbatches: int) -> float:
@@ -451,7 +452,7 @@ def _with_moe(mem: Memory, w: Workload, layout: Layout, flight: float, n: float)
     delta, experts = moe_stage_params(w, layout, mem.stage)
     wb, gb, ob = state_bytes_per_param(w, layout)
     muon = w.optimizer == "muon"
-    ewb, egb, eob = stage_state_bytes(w.precision, layout.zero, layout.expert_shard,
+    ewb, egb, eob = stage_state_bytes(w.states_precision, layout.zero, layout.expert_shard,
                                       w.state_dtype, w.master_dtype, muon)
     x = MoEShape.of(w.model)
     act = mem.activations

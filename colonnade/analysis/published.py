@@ -9,6 +9,7 @@ workload below says so, so those rows are predicted for the system that produced
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from colonnade.analysis.layout import Layout, Workload
@@ -92,8 +93,9 @@ MPT_SHAPES: dict[str, tuple[int, int]] = {
 
 
 @dataclass(frozen=True)
-class H100Row:
-    """One measured training throughput on H100 SXM GPUs (bf16)."""
+class MPTRow:
+    """One measured training throughput of an MPT model in amp_bf16 (llm-foundry's tables: the
+    H100 80GB BF16 one and the A100 80GB one)."""
 
     model: str
     seq_len: int
@@ -109,12 +111,18 @@ class H100Row:
         model = ModelConfig(arch="gpt2", num_layers=layers, hidden_size=hidden,
                             num_heads=hidden // 128, vocab_size=50368,
                             max_seq_len=self.seq_len, tie_embeddings=True, bias=False)
-        return Workload(model=model, seq_len=self.seq_len, global_batch=self.batch)
+        return Workload(model=model, seq_len=self.seq_len, global_batch=self.batch,
+                        fsdp_fp32_states=True)
 
     def layout(self) -> Layout:
-        """All data parallel, sharded optimizer, full recompute with activation checkpointing."""
+        """All data parallel, sharded optimizer, full recompute with activation checkpointing
+        (timed: FULL_SHARD as ZeRO-1, the same bytes; memory: :meth:`memory_layout`)."""
         return Layout(dp=self.gpus, micro_batch=self.micro_batch, zero=1,
                       recompute="full" if self.checkpointing else "none")
+
+    def memory_layout(self) -> Layout:
+        """The layout as run, for its memory: FSDP FULL_SHARD is ZeRO-3."""
+        return dataclasses.replace(self.layout(), zero=3)
 
     def label(self) -> str:
         """Short name: model, sequence, GPUs, checkpointing."""
@@ -122,27 +130,46 @@ class H100Row:
                 f"{' AC' if self.checkpointing else ''}")
 
 
-MPT_H100_FIT: tuple[H100Row, ...] = (
-    H100Row("760m", 2048, 8, 24, 384, False, 63147),
-    H100Row("1b", 2048, 8, 14, 112, False, 45455),
-    H100Row("7b", 2048, 8, 6, 48, False, 10643),
-    H100Row("13b", 2048, 8, 2, 16, False, 4792),
+MPT_H100_FIT: tuple[MPTRow, ...] = (
+    MPTRow("760m", 2048, 8, 24, 384, False, 63147),
+    MPTRow("1b", 2048, 8, 14, 112, False, 45455),
+    MPTRow("7b", 2048, 8, 6, 48, False, 10643),
+    MPTRow("13b", 2048, 8, 2, 16, False, 4792),
 )
 """The rows the H100 GEMM curve is fitted on: s = 2048 on one node, no checkpointing."""
 
-HELD_OUT_H100: tuple[H100Row, ...] = (
-    H100Row("760m", 2048, 16, 24, 384, False, 68551),
-    H100Row("3b", 2048, 16, 10, 480, False, 24142),
-    H100Row("30b", 2048, 8, 3, 504, True, 2002),
-    H100Row("70b", 2048, 64, 8, 2048, True, 1039),
-    H100Row("1b", 8192, 8, 3, 96, False, 29157),
-    H100Row("3b", 4096, 8, 5, 240, False, 20964),
-    H100Row("3b", 8192, 8, 3, 144, False, 16578),
-    H100Row("7b", 4096, 8, 16, 256, True, 8611),
-    H100Row("13b", 4096, 8, 10, 240, True, 4717),
+HELD_OUT_H100: tuple[MPTRow, ...] = (
+    MPTRow("760m", 2048, 16, 24, 384, False, 68551),
+    MPTRow("3b", 2048, 16, 10, 480, False, 24142),
+    MPTRow("30b", 2048, 8, 3, 504, True, 2002),
+    MPTRow("70b", 2048, 64, 8, 2048, True, 1039),
+    MPTRow("1b", 8192, 8, 3, 96, False, 29157),
+    MPTRow("3b", 4096, 8, 5, 240, False, 20964),
+    MPTRow("3b", 8192, 8, 3, 144, False, 16578),
+    MPTRow("7b", 4096, 8, 16, 256, True, 8611),
+    MPTRow("13b", 4096, 8, 10, 240, True, 4717),
 )
 """Rows of the same table that no fit uses: other sizes (3b, 30b, 70b), two nodes and more,
 longer sequences, activation checkpointing. benchmarks/planner.py reports their errors."""
+
+# The same README (commit 061f2c7ce64e655100286584a7629e2a09f827ba), table "A100 80GB with 1600
+# Gbps node-node interconnect (RoCE)": its amp_bf16 rows on one node (the 70b rows run PURE bf16
+# weights, another system). (model, s, GPUs, micro-batch, global batch, checkpointing,
+# Throughput (T/s/GPU)) exactly as printed.
+MPT_A100: tuple[MPTRow, ...] = (
+    MPTRow("760m", 2048, 8, 24, 384, False, 32434),
+    MPTRow("1b", 2048, 8, 14, 448, False, 20513),
+    MPTRow("3b", 2048, 8, 10, 160, False, 10811),
+    MPTRow("7b", 2048, 8, 6, 96, False, 4641),
+    MPTRow("13b", 2048, 8, 2, 48, False, 2262),
+    MPTRow("30b", 2048, 8, 3, 504, True, 916),
+    MPTRow("1b", 8192, 8, 3, 96, False, 13814),
+    MPTRow("3b", 8192, 8, 3, 144, False, 7695),
+    MPTRow("7b", 8192, 8, 8, 128, True, 3206),
+    MPTRow("13b", 4096, 8, 10, 240, True, 2060),
+)
+"""llm-foundry's A100 80GB rows: a second A100 source besides Narayanan et al. Table 1, held
+out from every fit (benchmarks/planner.py, tests/analysis/test_holdout.py)."""
 
 
 def narayanan_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,

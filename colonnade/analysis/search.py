@@ -30,7 +30,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from colonnade.analysis.estimate import Estimate, estimate
+from colonnade.analysis.estimate import Estimate, estimate, on_cluster
 from colonnade.analysis.hardware import GIB, Cluster
 from colonnade.analysis.layout import ZERO_STAGES, Layout, Workload
 from colonnade.analysis.memory import memory_per_device
@@ -413,6 +413,7 @@ def plan(w: Workload, cluster: Cluster, gpus: int, cons: Constraints | None = No
     if gpus < 1:
         raise PlanError(f"--gpus={gpus} must be >= 1.")
     check_workload(w)
+    w = on_cluster(w, cluster)
     result = Plan(workload=w, cluster=cluster, gpus=gpus)
     smallest_mem, smallest = float("inf"), None
     for lay in layouts(w, gpus, cluster, cons):

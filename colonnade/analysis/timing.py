@@ -5,7 +5,8 @@ Per micro-batch, per layer, on one device (tokens T = b s, element bytes E, tp d
              eff(I) the GEMM's achieved fraction at its arithmetic intensity I
              (:mod:`colonnade.analysis.efficiency`; = eff for every GEMM without a knee),
              forward FLOPs T (2 * matrix params + 4 s h) / t (Narayanan et al.), backward
-             ``backward_ratio`` x (2 by FLOPs; measured on CPUs),
+             ``backward_ratio`` x (2 by FLOPs; measured on CPUs), on the CUDA path a fused
+             attention's backward + 0.5 x its forward (:data:`FLASH_BACKWARD_EXTRA`),
              full recompute +1 forward, selective +the core attention (4 s h T / t).
              Elementwise bytes per token (norms 4E h, residual add (+dropout) 2 (3E + 1) h,
              GeLU 2E f or SwiGLU 3E f, RoPE 2E (h + h_kv), eager or blockwise softmax
@@ -183,6 +184,13 @@ def _elementwise_bytes_per_token(m: LayerShape, w: Workload, layout: Layout) -> 
     return rep / (t if layout.sp else 1) + (shard + core) / t, core / t
 
 
+FLASH_BACKWARD_EXTRA = 0.5
+"""A fused (flash) attention's backward runs 5 GEMMs of the forward's 2 per head (it
+recomputes the scores Q K^T: Dao 2023, FlashAttention-2, Sec. 3.1.2), 2.5x the forward, where
+``backward_ratio`` counts 2x: on the CUDA path (whose ``backward_ratio`` is the FLOP ratio; a
+CPU cluster's is measured on the kernel itself) the backward adds 0.5 x the core's forward."""
+
+
 def layer_forward_s(w: Workload, layout: Layout, c: Cluster) -> tuple[float, float]:
     """(roofline seconds, host seconds) of one layer's forward of one micro-batch on a device.
 
@@ -225,6 +233,8 @@ def _layers_cost(w: Workload, layout: Layout, c: Cluster, layers: int, n_moe: in
     b_fwd, b_core = (tokens * x for x in _elementwise_bytes_per_token(m, w, layout))
     fwd = weights_s + core_s + b_fwd / bw + OPS_PER_LAYER * c.op_overhead_us * 1e-6
     bwd = c.backward_ratio * fwd
+    if w.attention == "flash" and w.kernels == "cuda":  # the fused backward recomputes scores
+        bwd += FLASH_BACKWARD_EXTRA * core_s
     if layout.schedule in ("zb_h1", "zbv") and layout.pp > 1:
         bwd += c.split_backward_us * 1e-6  # the B / W split's host work
     if layout.recompute == "full":

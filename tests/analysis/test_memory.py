@@ -41,21 +41,25 @@ def test_colonnade_state_bytes() -> None:
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_activations_reduce_to_korthikanti(tp: int, sp: bool, recompute: str) -> None:
+@pytest.mark.parametrize("kernels", ["cuda", "cpu"])
+def test_activations_reduce_to_korthikanti(tp: int, sp: bool, recompute: str,
+                                           kernels: str) -> None:
     """GPT, 16-bit, eager attention with dropout: sbh(10 + 24/t + 5as/(ht)) and variants, plus
-    what this code keeps beyond the paper: LayerNorm's mean and 1/std (2 norms x 2 x E r b)
-    and, under sp, the all-gathered [s, b, h] column inputs (2 E s b h (1 - 1/t))."""
+    what this code keeps beyond the paper: LayerNorm's mean and 1/std (2 norms x 2 x K r b, K
+    = 4 on the CUDA path, E on the CPU's) and, under sp, the all-gathered [s, b, h] column
+    inputs (2 E s b h (1 - 1/t)), which Megatron's re-gather (sp_regather) does not keep."""
     if sp and tp == 1:
         return
     row = TABLE1[4]
-    w = row.workload()
-    lay = Layout(tp=tp, sp=sp, recompute=recompute, micro_batch=2)
-    got = layer_bytes(activation_shape(w, lay), recompute)
     s, b, h = 2048, 2, row.hidden
     want = paper_layer_bytes(s, b, h, row.heads, tp=tp, sp=sp, recompute=recompute)
-    stats = 2 * 2 * 2 * (s // tp if sp else s) * b
+    stats = 2 * 2 * (4 if kernels == "cuda" else 2) * (s // tp if sp else s) * b
     gathered = 2 * 2 * s * b * h * (1 - 1 / tp) if sp else 0
-    assert got == pytest.approx(want + stats + gathered, rel=1e-12)
+    lay = Layout(tp=tp, sp=sp, recompute=recompute, micro_batch=2)
+    for regather in (False, True):
+        w = dataclasses.replace(row.workload(), kernels=kernels, sp_regather=regather)
+        got = layer_bytes(activation_shape(w, lay), recompute)
+        assert got == pytest.approx(want + stats + (0 if regather else gathered), rel=1e-12)
 
 
 def test_flash_attention_drops_the_s_squared_term() -> None:
