@@ -4,9 +4,11 @@ The distribution's packages (slurmctld, slurmd, slurm-client; .ci/run installs t
 slurm.conf generated in a temporary directory: no munge (auth/none, cred/none: the daemons and
 clients all run as this user on this host), both nodes on 127.0.0.1 with their own ports (one
 slurmd per node, ``slurmd -N NAME``), state, spool, pid and log files in the directory, nothing
-in /etc touched. Clients find the cluster through ``SLURM_CONF`` in the environment the test
-hands them (:attr:`SlurmCluster.env`). :meth:`SlurmCluster.close` cancels every job, waits for
-them to end, and stops the three daemons it started (by their pids).
+in /etc touched; KillWait (SIGTERM to SIGKILL after scancel) is 60 s, so that ranks on a loaded
+2-core machine finish their step, save and exit before it. Clients find the cluster through
+``SLURM_CONF`` in the environment the test hands them (:attr:`SlurmCluster.env`).
+:meth:`SlurmCluster.close` cancels every job, waits for them to end, and stops the three daemons
+it started (by their pids).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ SchedulerType=sched/builtin
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
-KillWait=30
+KillWait=60
 {nodes}
 PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
