@@ -95,11 +95,15 @@ class SlurmCluster:
         conf.write_text(slurm_conf(root, free_ports(1 + len(NODES)), cpus))
         self.env = dict(os.environ, SLURM_CONF=str(conf))
         self.daemons: list[subprocess.Popen[bytes]] = []
-        self._start(["slurmctld", "-D", "-c", "-i", "-f", str(conf)])
-        for name in NODES:
-            self._start(["slurmd", "-D", "-N", name, "-f", str(conf)])
-        wait_until(lambda: self.idle_nodes() == len(NODES), "both Slurm nodes idle", 30,
-                   poll_s=0.2)
+        try:
+            self._start(["slurmctld", "-D", "-c", "-i", "-f", str(conf)])
+            for name in NODES:
+                self._start(["slurmd", "-D", "-N", name, "-f", str(conf)])
+            wait_until(lambda: self.idle_nodes() == len(NODES), "both Slurm nodes idle", 30,
+                       poll_s=0.2)
+        except BaseException:
+            self.close()  # the daemons already started
+            raise
 
     def _start(self, argv: list[str]) -> None:
         log = (self.root / f"{argv[0]}-{len(self.daemons)}.out").open("wb")
