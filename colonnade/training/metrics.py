@@ -12,7 +12,10 @@ shared CPU has no meaningful peak), ``valid_loss`` / ``valid_ppl`` (perplexity, 
 validation loss) when evaluated, and ``attempt``: which start of training into this logging.dir
 wrote it (0 the first; every re-run, resume or restart counts one more), so the records a resume
 moves to metrics.dropped.jsonl still say which attempt they came from. The validation loss
-before the first step is a record of its own (step 0, no ``loss``).
+before the first step is a record of its own (step 0, no ``loss``). With straggler detection
+(``logging.straggler_interval``), a record at the end of a window in which ranks are named holds
+``stragglers``: a list of {rank, node, part, ratio, windows}
+(:mod:`colonnade.reliability.straggler`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ The distribution's packages (slurmctld, slurmd, slurm-client; .ci/run installs t
 slurm.conf generated in a temporary directory: no munge (auth/none, cred/none: the daemons and
 clients all run as this user on this host), both nodes on 127.0.0.1 with their own ports (one
 slurmd per node, ``slurmd -N NAME``), state, spool, pid and log files in the directory, nothing
-in /etc touched. Clients find the cluster through ``SLURM_CONF`` in the environment the test
-hands them (:attr:`SlurmCluster.env`). :meth:`SlurmCluster.close` cancels every job, waits for
-them to end, and stops the three daemons it started (by their pids).
+in /etc touched; KillWait (SIGTERM to SIGKILL after scancel) is 60 s, so that ranks on a loaded
+2-core machine finish their step, save and exit before it. Clients find the cluster through
+``SLURM_CONF`` in the environment the test hands them (:attr:`SlurmCluster.env`).
+:meth:`SlurmCluster.close` cancels every job, waits for them to end, and stops the three daemons
+it started (by their pids).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ SchedulerType=sched/builtin
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
-KillWait=30
+KillWait=60
 {nodes}
 PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
@@ -93,11 +95,15 @@ class SlurmCluster:
         conf.write_text(slurm_conf(root, free_ports(1 + len(NODES)), cpus))
         self.env = dict(os.environ, SLURM_CONF=str(conf))
         self.daemons: list[subprocess.Popen[bytes]] = []
-        self._start(["slurmctld", "-D", "-c", "-i", "-f", str(conf)])
-        for name in NODES:
-            self._start(["slurmd", "-D", "-N", name, "-f", str(conf)])
-        wait_until(lambda: self.idle_nodes() == len(NODES), "both Slurm nodes idle", 30,
-                   poll_s=0.2)
+        try:
+            self._start(["slurmctld", "-D", "-c", "-i", "-f", str(conf)])
+            for name in NODES:
+                self._start(["slurmd", "-D", "-N", name, "-f", str(conf)])
+            wait_until(lambda: self.idle_nodes() == len(NODES), "both Slurm nodes idle", 30,
+                       poll_s=0.2)
+        except BaseException:
+            self.close()  # the daemons already started
+            raise
 
     def _start(self, argv: list[str]) -> None:
         log = (self.root / f"{argv[0]}-{len(self.daemons)}.out").open("wb")
