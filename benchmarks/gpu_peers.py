@@ -19,6 +19,7 @@ device's dense bf16 peak.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import shutil
@@ -103,17 +104,18 @@ def stage_train_llama8b_cut(ctx: Context) -> dict[str, Any]:
 
 
 def stage_plain_pytorch(ctx: Context) -> dict[str, Any]:
-    """benchmarks/plain_llama.py at the llama shape, in a fresh process."""
-    from benchmarks.gpu_check import predict, run_cli
+    """benchmarks/plain_llama.py at the llama shape, in this process (Colonnade's runs are
+    subprocesses, so the device holds nothing else; its cache is emptied after)."""
+    from benchmarks.gpu_check import predict
+    from benchmarks.plain_llama import free_device_memory, run
 
     shape = llama_shape(ctx)
-    args = ["benchmarks.plain_llama", "--device", ctx.sizes.device,
-            "--steps", str(ctx.sizes.big_steps + ctx.sizes.warm),
-            *[a for k, v in shape.items() for a in (f"--{k.replace('_', '-')}", str(v))]]
-    if ctx.cpu_smoke:
-        args.append("--no-compile")  # inductor on 2 shared cores takes minutes
-    proc = run_cli(ctx, args, cap_s=240)
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        measured = run(**shape, steps=ctx.sizes.big_steps + ctx.sizes.warm,
+                       device=ctx.sizes.device, warm=ctx.sizes.warm,
+                       compile=not ctx.cpu_smoke)  # inductor on 2 shared cores: minutes
+    finally:
+        free_device_memory()
     measured.update(mfu_of(ctx, shape, measured["tokens_per_s"]))
     return {"measured": measured, "predicted": predict(llama_config(ctx), ctx.cluster),
             "shape": shape}
@@ -196,6 +198,8 @@ def parse_torchtitan(log: str, warm: int) -> dict[str, float]:
 def torchtitan_import_error() -> str:
     """'' when ``torchtitan.train`` imports in a fresh interpreter (it imports triton, so not
     on a CPU-only torch), else the error's last line."""
+    if importlib.util.find_spec("torchtitan") is None:
+        return "No module named 'torchtitan'"
     proc = subprocess.run([sys.executable, "-c", "import torchtitan.train"], text=True,
                           capture_output=True, timeout=120, check=False)
     lines = proc.stderr.strip().splitlines()

@@ -76,12 +76,21 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def free_device_memory() -> None:
+    """Hand the CUDA caching allocator's blocks back (no-op without a GPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def run(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int,
         batch: int, steps: int, device: str, warm: int = 2, compile: bool = True
         ) -> dict[str, float]:
     """Train ``steps`` steps on random tokens; medians of the steps after ``warm``."""
     dev = torch.device(device)
     torch.manual_seed(0)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     model = Llama(layers, hidden, heads, kv_heads, ffn, vocab, seq).to(dev)
     if compile:
         for block in model.blocks:
@@ -97,7 +106,7 @@ def run(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: in
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))  # the one host sync per step
+        losses.append(float(loss.detach()))  # the one host sync per step
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[warm:] or times)
     n = sum(p.numel() for p in model.parameters())
