@@ -7,7 +7,8 @@
   torchtitan         torchtitan's own llama3 model and train entry point at the same shape
                      (its 8B flavour cut to the same layers), a registry module generated here
   fp8                configs/gpt3-1.3b.toml with ``--training.fp8=tensorwise`` and ``rowwise``
-                     against the bf16 run of train_1p3b (tokens/s ratio, loss gap)
+                     against the bf16 run of train_1p3b (tokens/s ratio, loss gap); the CPU
+                     smoke runs tensorwise only
   cuda_graphs        the demo model with ``--training.cuda_graphs=true`` against train_demo
 
 A stage whose Colonnade flag or peer package does not exist here reports "not available" with
@@ -238,7 +239,7 @@ def stage_fp8(ctx: Context) -> dict[str, Any]:
     base = ctx.results.get("train_1p3b") or stage_train_1p3b(ctx)
     bf16 = base["measured"]
     out: dict[str, Any] = {"bf16_tokens_per_s": bf16["tokens_per_s"]}
-    for scaling in ("tensorwise", "rowwise"):
+    for scaling in ("tensorwise",) if ctx.cpu_smoke else ("tensorwise", "rowwise"):
         run = train(ctx, f"gpt3-1.3b-fp8-{scaling}", "configs/gpt3-1.3b.toml",
                     ctx.sizes.big_steps, [*ctx.sizes.big, f"--training.fp8={scaling}",
                                           "--data.tokenizer=data/stdlib-2k/tokenizer.json"],
@@ -253,9 +254,11 @@ def stage_fp8(ctx: Context) -> dict[str, Any]:
 
 def stage_cuda_graphs(ctx: Context) -> dict[str, Any]:
     """The demo model with CUDA graphs against train_demo's eager run."""
-    from benchmarks.gpu_check import stage_train_demo, train
+    from benchmarks.gpu_check import NotApplicable, stage_train_demo, train
 
     require_field("training", "cuda_graphs", "issue 39's CUDA graphs part")
+    if ctx.cpu_smoke:
+        raise NotApplicable("not applicable on CPU (CUDA graphs replay GPU kernels)")
     base = (ctx.results.get("train_demo") or stage_train_demo(ctx))["measured"]
     run = train(ctx, "demo-graphs", "configs/demo.toml", ctx.sizes.demo_steps,
                 [*ctx.sizes.demo, "--training.cuda_graphs=true"], save=False)

@@ -35,7 +35,8 @@ def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     stages = {r["stage"]: r for r in result["stages"]}
     assert list(stages) == STAGES
     status = {n: r["status"] for n, r in stages.items()}
-    assert all(status.pop(n) in ("ok", "not available") for n in FLAGGED), status
+    assert status.pop("fp8") in ("ok", "not available")
+    assert status.pop("cuda_graphs") in ("n/a", "not available")  # needs CUDA once it exists
     assert status == {**{n: "ok" for n in STAGES if n not in FLAGGED}, "gpu_tests": "n/a",
                       "torchtitan": "not available"}
     assert stages["gpu_tests"]["note"].startswith("not applicable on CPU")
