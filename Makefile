@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test flake-hunt lint bench clean
+.PHONY: setup demo test flake-hunt lint bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 # The tests that race the OS (marked timing), 10 rounds of 2 copies at once: 20 runs, 0 may fail.
 flake-hunt: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m tests.flake_hunt --rounds 10 --copies 2
+
+# Wheels the GPU benchmark needs on an offline GPU machine (benchmarks/README.md).
+gpu-wheels:
+	bash benchmarks/gpu_wheels.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

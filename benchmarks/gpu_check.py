@@ -12,17 +12,22 @@ within one global time budget (a stage that would start past it is reported as s
                     next to the planner's prediction for that layout on the cluster
   train_1p3b        the same for configs/gpt3-1.3b.toml (dropout off: the fused-attention path)
   sdpa_kernel       the SDPA backend bf16 causal attention dispatches to (must be fused)
-  async_checkpoint  an asynchronous save of a ~0.4B-parameter trainer's state: the training
-                    thread's stall, the write's total time and rate, a step taken meanwhile
+  async_checkpoint  asynchronous saves of a ~0.4B-parameter trainer's state: the training
+                    thread's stall at the first save with the host buffers reserved at start
+                    (stall_s) and without (stall_unreserved_s, the old first save), of a second
+                    save staged while the first is still written (stall_overlap_s), the write's
+                    total time and rate, a step taken meanwhile
   generate          ``colonnade generate`` of the demo checkpoint on the device, greedy
   gpu_tests         ``pytest -m gpu tests`` (not applicable on a CPU)
   compile           training.compile off vs on (torch.compile per transformer layer), one
                     process, the same initial weights and batches: the compiled trainer's
                     first step (compilation included), then interleaved steps of both, medians
                     and the median per-round ratio of step times, and the two losses
+  train_llama8b_cut, plain_pytorch, torchtitan, fp8, cuda_graphs: benchmarks/gpu_peers.py
 
 Prints a table and writes JSON (default benchmarks/results/gpu_check.json; --cpu-smoke:
-benchmarks/results/gpu_check_cpu_smoke.json).  The training runs go through the CLI, the
+benchmarks/results/gpu_check_cpu_smoke.json); benchmarks/gpu_report.py turns the JSON into the
+README's table (``--readme``).  The training runs go through the CLI, the
 checkpoint stage through the library's Trainer and save_training: no training code here.
 """
 
@@ -54,6 +59,11 @@ class NotApplicable(Exception):
     """A stage that does not apply in this mode (CUDA-only checks on a CPU)."""
 
 
+from benchmarks import gpu_peers  # noqa: E402  (REPO on sys.path first)
+from benchmarks.gpu_peers import NotAvailable  # noqa: E402
+from benchmarks.gpu_report import device_name, print_table, readme_table  # noqa: E402
+
+
 @dataclass
 class Sizes:
     """What differs between the GPU run and the CPU smoke run."""
@@ -73,6 +83,10 @@ class Sizes:
     """(micro-batch, seq) of the compile stage."""
     compile_rounds: int
     """Interleaved timed rounds of the compile stage (one step of each trainer per round)."""
+    llama: list[str] = field(default_factory=list)
+    """Flags of the llama3-8b-cut run besides the config file's."""
+    llama_shape: dict[str, int] = field(default_factory=dict)
+    """Overrides of the config file's Llama shape for the plain PyTorch and torchtitan runs."""
 
 
 GPU = Sizes(
@@ -87,6 +101,8 @@ GPU = Sizes(
     sdpa_shape=(4, 16, 2048, 128), new_tokens=64,
     compile_model={"num_layers": 12, "hidden_size": 768, "num_heads": 12},
     compile_tokens=(8, 1024), compile_rounds=10,
+    llama=["--model.hidden_dropout=0", "--model.attention_dropout=0",
+           "--data.max_corpus_bytes=4000000"],
 )
 CPU = Sizes(
     device="cpu",
@@ -103,6 +119,12 @@ CPU = Sizes(
     sdpa_shape=(1, 2, 64, 16), new_tokens=12,
     compile_model={"num_layers": 2, "hidden_size": 32, "num_heads": 4},
     compile_tokens=(2, 32), compile_rounds=3,
+    llama=["--training.precision=fp32", "--training.seq_len=32", "--model.max_seq_len=32",
+           "--model.hidden_size=32", "--model.num_layers=2", "--model.num_heads=4",
+           "--model.num_kv_heads=2", "--model.ffn_hidden_size=64", "--model.vocab_size=2048",
+           "--training.global_batch_size=2", "--data.max_corpus_bytes=200000"],
+    llama_shape={"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64,
+                 "vocab": 2048, "seq": 32, "batch": 2},
 )
 
 
@@ -116,19 +138,23 @@ class Context:
     cluster: str
     budget_s: float
     start: float = field(default_factory=time.monotonic)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each passed stage's record by name (later stages compare against earlier ones)."""
 
     def remaining(self) -> float:
         """Seconds left of the global budget."""
         return self.budget_s - (time.monotonic() - self.start)
 
 
-def run_cli(ctx: Context, args: list[str], cap_s: float,
-            cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def run_cli(ctx: Context, args: list[str], cap_s: float, cwd: Path = REPO,
+            pythonpath: str | None = None) -> subprocess.CompletedProcess[str]:
     """``python -m <args>`` in ``cwd``, limited by ``cap_s`` and the global budget; a non-zero
     exit raises with the tail of its output."""
     limit = max(1.0, min(cap_s, ctx.remaining()))
+    path = os.pathsep.join(p for p in (pythonpath or str(REPO), os.environ.get("PYTHONPATH"))
+                           if p)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": path}
     try:
         proc = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, text=True,
                               capture_output=True, timeout=limit, check=False)
@@ -277,10 +303,11 @@ def ckpt_trainer(ctx: Context, model_size: dict[str, int] | None = None,
 
 
 def stage_async_checkpoint(ctx: Context) -> dict[str, Any]:
-    """Asynchronous save: the caller's stall, the write's time and rate, a step meanwhile."""
+    """Asynchronous saves: the caller's stall (host buffers reserved at start, not reserved,
+    a second save while the first is written), the write's time and rate, a step meanwhile."""
     import torch
 
-    from colonnade.checkpoint.training_state import save_training
+    from colonnade.checkpoint.training_state import reserve_async_save, save_training
     from colonnade.device import synchronize
 
     trainer = ckpt_trainer(ctx)
@@ -295,21 +322,34 @@ def stage_async_checkpoint(ctx: Context) -> dict[str, Any]:
         synchronize(device)
         return time.perf_counter() - t0
 
+    def save(name: str) -> tuple[Any, float]:
+        root = ctx.workdir / "ckpt" / name
+        t0 = time.perf_counter()
+        pending = save_training(trainer, root, async_save=True, keep_last=1)
+        return pending, time.perf_counter() - t0
+
     step()
     plain = step()
-    root = ctx.workdir / "ckpt" / "async"
-    shutil.rmtree(root, ignore_errors=True)
+    pending, unreserved = save("async-unreserved")  # buffers allocated by the save itself
+    pending.wait()
+    trainer.checkpoint_stager = None
     t0 = time.perf_counter()
-    pending = save_training(trainer, root, async_save=True)
-    stall = time.perf_counter() - t0
+    reserve_async_save(trainer)
+    trainer.checkpoint_stager._reserving.join()  # at start-up this overlaps the first steps
+    reserve_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    first, stall = save("async")
     during = step()
-    path = pending.wait()
+    second, overlap = save("async")  # staged while the first is still being written
+    path = second.wait()
     total = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     params = sum(p.numel() for p in trainer.chunks[0].parameters())
-    return {"measured": {"params": params, "bytes": size, "stall_s": stall, "total_s": total,
-                         "write_gb_per_s": size / total / 1e9, "step_s": plain,
-                         "step_during_save_s": during}}
+    return {"measured": {"params": params, "bytes": size, "stall_s": stall,
+                         "stall_unreserved_s": unreserved, "stall_overlap_s": overlap,
+                         "reserve_s": reserve_s, "two_saves_total_s": total,
+                         "write_gb_per_s": 2 * size / total / 1e9, "step_s": plain,
+                         "step_during_save_s": during, "saved": [first.path.name, path.name]}}
 
 
 def stage_generate(ctx: Context) -> dict[str, Any]:
@@ -391,16 +431,21 @@ def stage_compile(ctx: Context) -> dict[str, Any]:
 
 STAGES: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("environment", stage_environment), ("train_demo", stage_train_demo),
-    ("train_1p3b", stage_train_1p3b), ("sdpa_kernel", stage_sdpa),
-    ("async_checkpoint", stage_async_checkpoint), ("generate", stage_generate),
-    ("gpu_tests", stage_gpu_tests), ("compile", stage_compile),
+    ("train_1p3b", stage_train_1p3b), ("train_llama8b_cut", gpu_peers.stage_train_llama8b_cut),
+    ("plain_pytorch", gpu_peers.stage_plain_pytorch), ("torchtitan", gpu_peers.stage_torchtitan),
+    ("fp8", gpu_peers.stage_fp8), ("cuda_graphs", gpu_peers.stage_cuda_graphs),
+    ("compile", stage_compile), ("async_checkpoint", stage_async_checkpoint),
+    ("sdpa_kernel", stage_sdpa), ("generate", stage_generate), ("gpu_tests", stage_gpu_tests),
 ]
 
 
-def run_stages(ctx: Context) -> list[dict[str, Any]]:
-    """Every stage in order: timed, failing soft, skipped once the budget is spent."""
+def run_stages(ctx: Context, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Every stage (or those in ``only``) in order: timed, failing soft, skipped once the
+    budget is spent."""
     results = []
     for name, fn in STAGES:
+        if only is not None and name not in only:
+            continue
         rec: dict[str, Any] = {"stage": name}
         if ctx.remaining() <= 0:
             rec.update(status="skipped", seconds=0.0, note="global time budget spent")
@@ -410,48 +455,17 @@ def run_stages(ctx: Context) -> list[dict[str, Any]]:
         try:
             rec.update(fn(ctx))
             rec["status"] = "ok"
+            ctx.results[name] = rec
         except NotApplicable as why:
             rec.update(status="n/a", note=str(why))
+        except NotAvailable as why:
+            rec.update(status="not available", note=str(why))
         except Exception as err:  # a failed stage is reported; the others still run
             rec.update(status="failed", error=f"{type(err).__name__}: {err}")
         rec["seconds"] = time.monotonic() - t0
         results.append(rec)
         print(f"[{ctx.budget_s - ctx.remaining():6.1f}s] {name}: {rec['status']}", flush=True)
     return results
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def cells(rec: dict[str, Any]) -> list[str]:
-    """measured vs predicted as 'key measured (pred P)' strings."""
-    meas, pred = rec.get("measured", {}), rec.get("predicted", {})
-    out = []
-    for key, value in meas.items():
-        if key in ("sample", "first_loss", "shape", "first_loss_eager", "first_loss_compiled"):
-            continue
-        text = f"{key} {_fmt(value)}"
-        if key in pred:
-            text += f" (plan {_fmt(pred[key])})"
-        out.append(text)
-    if rec.get("status") != "ok":
-        out.append(rec.get("error") or rec.get("note", ""))
-    return out
-
-
-def print_table(results: list[dict[str, Any]]) -> None:
-    """One block per stage: status, seconds, then its numbers (planner's in parentheses)."""
-    print(f"\n{'stage':<17} {'status':<8} {'seconds':>8}  measured (planner prediction)")
-    print("-" * 100)
-    for rec in results:
-        parts = cells(rec)
-        print(f"{rec['stage']:<17} {rec['status']:<8} {rec['seconds']:>8.1f}  "
-              f"{'; '.join(parts[:4])}")
-        for i in range(4, len(parts), 4):
-            print(f"{'':<36}{'; '.join(parts[i:i + 4])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="global time budget in seconds (default 450 on a GPU, 60 smoke)")
     parser.add_argument("--json", default=None, help="where to write the results")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated stages to run (default: all): "
+                        + ",".join(name for name, _ in STAGES))
     parser.add_argument("--cluster", default=None,
                         help="planner preset to predict against (default: from the GPU's name; "
                         "cpu-local with --cpu-smoke)")
@@ -475,14 +492,14 @@ def main(argv: list[str] | None = None) -> int:
                   "--cpu-smoke", file=sys.stderr)
             return 2
     cluster = args.cluster or ("cpu-local" if smoke else cluster_for(gpu_name()))
-    budget = args.budget_s or (60.0 if smoke else 450.0)
+    budget = args.budget_s or (60.0 if smoke else 470.0)
     default_json = "gpu_check_cpu_smoke.json" if smoke else "gpu_check.json"
     out = Path(args.json or REPO / "benchmarks" / "results" / default_json)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         ctx = Context(CPU if smoke else GPU, smoke, workdir, cluster, budget)
-        results = run_stages(ctx)
+        results = run_stages(ctx, set(args.only.split(",")) if args.only else None)
         total = ctx.budget_s - ctx.remaining()
     print_table(results)
     failed = [r["stage"] for r in results if r["status"] in ("failed", "skipped")]
@@ -490,9 +507,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f"FAILED: {', '.join(failed)}" if failed else "every stage passed or n/a"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"mode": "cpu-smoke" if smoke else "gpu", "cluster": cluster,
-                               "budget_s": budget, "total_s": total, "stages": results},
-                              indent=2) + "\n")
-    print(f"wrote {out}")
+                               "device": device_name(results), "budget_s": budget,
+                               "total_s": total, "stages": results}, indent=2) + "\n")
+    print(f"wrote {out}\n\n" + readme_table(json.loads(out.read_text())))
     return 1 if failed else 0
 
 

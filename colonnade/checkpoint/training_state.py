@@ -259,7 +259,12 @@ def save_training(trainer: TrainState, root: str | Path, *, keep_last: int = 3,
     _finish_gathers(trainer)
     rank, step = groups.world.rank, int(trainer.step)
     stager = stager_of(trainer) if async_save else None
-    in_flight = _settle(stager) if stager is not None else []
+    earlier = getattr(trainer, "checkpoint_stager", None)
+    in_flight = _settle(earlier) if earlier is not None else []
+    if stager is None:  # a synchronous save commits after every asynchronous one in flight
+        for before in in_flight:
+            before.wait()
+        in_flight = []
     if rank == 0:
         prepare_tmp(root, step, {p.path.name + ".tmp" for p in in_flight})
     tmp = root / (step_dirname(step) + ".tmp")

@@ -437,7 +437,10 @@ class CheckpointConfig:
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a successful save."""
     async_save: bool = False
-    """Write in a background thread while training continues."""
+    """Write in a background thread while training continues: the training thread only copies
+    the state into host buffers reserved at start-up (two sets: a save may start while the
+    previous one is written; a third waits, logged); on a GPU the copy runs on a side stream
+    that the next step waits for on the device. Each save logs the training thread's stall."""
     on_existing: str = "auto"
     """When save already holds checkpoints at start: 'auto' resumes from its latest when they
     are this run's (same [model] and data) and refuses another run's; 'resume' resumes from the

@@ -55,8 +55,9 @@ def test_async_saves_overlap_and_keep_the_values(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Three async saves, each followed by a step that changes every parameter: the first
     save's writer is held, the second stages without waiting (two buffer sets), the third
-    waits for a free set and says so; each checkpoint holds the values at its step, commits
-    stay in step order, and the buffers are allocated once per set."""
+    waits for a free set and says so; a synchronous save then waits for them; each checkpoint
+    holds the values at its step, commits stay in step order (latest: the sync save), and the
+    buffers are allocated once per set."""
     trainer = make_trainer(Layout(), precision="fp32")
     train_steps(trainer, 1)
     gpu = FakeGpu(host_runs_current=True)
@@ -72,17 +73,18 @@ def test_async_saves_overlap_and_keep_the_values(tmp_path: Path,
     at_save, pendings = {}, []
     for _ in range(3):
         at_save[trainer.step] = _params(trainer)
-        pendings.append(save_training(trainer, tmp_path / "a", async_save=True))
+        pendings.append(save_training(trainer, tmp_path / "a", async_save=True, keep_last=5))
         if len(pendings) == 2:  # staged while the first is still being written
             assert not any(p.done() for p in pendings) and not notes
         train_steps(trainer, 1)  # the weights change right after the save returned
     assert sum("waits for the save at step" in n for n in notes) == 1, notes
-    pendings[-1].wait()
+    at_save[trainer.step] = _params(trainer)  # a synchronous save waits for those in flight
+    save_training(trainer, tmp_path / "a", keep_last=5)
     assert all(p.done() and not p.errors for p in pendings)
     assert gpu.log.count(("wait_event", "colonnade-ckpt")) == 3  # the writers wait, not training
     entries = (len(model_entries(trainer.chunks, trainer.groups))
                + len(optim_entries(trainer.optimizer, trainer.groups)))
-    assert gpu.pinned == 2 * entries  # two sets, each allocated once
+    assert gpu.pinned == 2 * entries  # two sets, each allocated once (none for the sync save)
     assert (tmp_path / "a" / "latest").read_text().strip().endswith(str(max(at_save)))
     for step, want in at_save.items():
         other = make_trainer(Layout(), precision="fp32")
