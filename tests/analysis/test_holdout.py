@@ -6,9 +6,12 @@ measured peak."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
+from colonnade.analysis.cli import main
 from colonnade.analysis.estimate import on_cluster
 from colonnade.analysis.holdout import (
     NOT_ASSERTED,
@@ -73,3 +76,16 @@ def test_gpu_path_meets_the_h200_measured_peak() -> None:
     h200 = next(c for c in memory_checks() if c.source == "colonnade_h200")
     assert h200.published_gib == 38.80
     assert h200.predicted_gib / h200.published_gib - 1 == pytest.approx(-0.063, abs=0.01)
+
+
+def test_plan_validate_prints_and_writes_the_report(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`colonnade plan --validate --json F`: the report's rows on stdout, its records in F."""
+    out = tmp_path / "validate.json"
+    assert main(["--validate", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "GPT 1T" in text and "held-out max |error| on a100-80gb" in text
+    records = json.loads(out.read_text())
+    assert len(records["throughput"]) == 39 and len(records["memory"]) == 45
+    assert sum(r["fitted"] for r in records["throughput"]) == 14  # Table 1 + 4 MPT H100 rows
+    assert all(r["fits"] for r in records["memory"] if r["asserted"])
