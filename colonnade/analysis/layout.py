@@ -77,7 +77,8 @@ class Workload:
     kernels: str = "cuda"
     """Whose kernels run the layers, 'cuda' or 'cpu' (:data:`~colonnade.analysis.activations.
     KERNEL_PATHS`): the activation model's kernel path.  ``plan`` and ``estimate`` take the
-    cluster's (``Cluster.kernels``); the dry run 'cpu' with training.device='cpu'."""
+    cluster's (``Cluster.kernels``); :meth:`from_config` 'cuda' with training.device='cuda',
+    else 'cpu' (the paths differ only in LayerNorm's statistics, 4 r b bytes per norm)."""
     sp_regather: bool = False
     """Under sp, keep each column-parallel input as its [s/t, b, h] shard and all-gather it again
     in backward (Megatron-LM, Korthikanti et al. 2022 Sec. 4.2.2): how published Megatron
@@ -163,7 +164,7 @@ class Workload:
                    grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap,
                    moe_dispatcher=par.moe_dispatcher, state_dtype=cfg.optim.state_dtype,
                    master_dtype=cfg.optim.master_dtype, optimizer=cfg.optim.name,
-                   kernels="cpu" if tr.device == "cpu" else "cuda")
+                   kernels="cuda" if tr.device == "cuda" else "cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
