@@ -74,6 +74,10 @@ class Workload:
     those of an fp32 model (4 + 4 + 8 = 16 bytes) while activations stay 16-bit; how
     published FSDP runs kept their states.  Colonnade keeps bf16 weights and an fp32 master
     (False: 2 + 4 + 12)."""
+    fused_loss: bool = False
+    """The system's cross entropy is one fused kernel that writes the logits' gradient in place
+    (flash-attn's, llm-foundry's MPT default ``loss_fn: fused_crossentropy``): no loss-backward
+    transient (:func:`~colonnade.analysis.memory.loss_backward_bytes`).  Colonnade's is not."""
     kernels: str = "cuda"
     """Whose kernels run the layers, 'cuda' or 'cpu' (:data:`~colonnade.analysis.activations.
     KERNEL_PATHS`): the activation model's kernel path.  ``plan`` and ``estimate`` take the
