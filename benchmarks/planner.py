@@ -38,7 +38,7 @@ from colonnade.analysis.fit import (
     relative_errors,
 )
 from colonnade.analysis.hardware import A100_EFFICIENCY, PRESETS
-from colonnade.analysis.holdout import held_out_worst, memory_checks, throughput_checks
+from colonnade.analysis.holdout import report
 from colonnade.analysis.layout import Layout, Workload
 from colonnade.analysis.memory import zero_paper_bytes
 from colonnade.analysis.published import HELD_OUT_H100, MPT_H100_FIT, TABLE1, ZERO_EXAMPLE
@@ -148,36 +148,11 @@ def h100_rows() -> list[dict[str, Any]]:
 
 
 def held_out() -> dict[str, Any]:
-    """Every published figure, fitted-on rows marked: throughput per source and row, the
-    held-out worst per device, and every configuration's memory against its device."""
-    checks = throughput_checks()
-    print("\nHeld-out report (colonnade.analysis.holdout; sources: colonnade/analysis/sources.py "
-          "and published.py)")
-    head = (f"{'source':<30} {'row':<28} {'device':<22} {'set':<8} {'published':>10} "
-            f"{'predicted':>10} {'error':>7}")
-    print(head)
-    print("-" * len(head))
-    for c in checks:
-        print(f"{c.source[:30]:<30} {c.label:<28} {c.device:<22} "
-              f"{'fit' if c.fitted else 'held-out':<8} {c.published:>10.0f} "
-              f"{c.predicted:>10.0f} {c.error:>+7.1%}  {c.unit}")
-    worst = held_out_worst(checks)
-    for device, err in worst.items():
-        print(f"held-out max |error| on {device}: {err:.1%}")
-    mems = memory_checks()
-    print("\nMemory per GPU of every published configuration (planner, GiB) against the usable "
-          "device memory; '-' where no peak is published")
-    for m in mems:
-        pub = f"{m.published_gib:.1f}" if m.published_gib is not None else "-"
-        err = (f"{m.predicted_gib / m.published_gib - 1:+.1%}" if m.published_gib is not None
-               else "")
-        verdict = ("fits" if m.fits else "DOES NOT FIT") + ("" if m.asserted else
-                                                             " (not asserted)")
-        print(f"{m.source[:30]:<30} {m.label:<28} {m.predicted_gib:>6.1f} / "
-              f"{m.capacity_gib:>5.1f}  published {pub:>5} {err:>7}  {verdict}")
-    return {"throughput": [dict(vars(c), error=c.error) for c in checks],
-            "held_out_worst": worst,
-            "memory": [dict(vars(m), fits=m.fits) for m in mems]}
+    """The held-out report (colonnade.analysis.holdout, as `colonnade plan --validate`)."""
+    lines, records = report()
+    print("\nHeld-out report")
+    print("\n".join(lines))
+    return records
 
 
 def refit() -> dict[str, Any]:

@@ -149,7 +149,7 @@ planner's ``Workload.attention`` and ``colonnade plan --attention`` take these t
 
 KERNEL_PATHS: tuple[str, ...] = ("cuda", "cpu")
 """Which device's kernels run the layers (see the module docstring): the planner takes it from
-the cluster (``Cluster.kernels``), the dry run from ``training.device``."""
+the cluster (``Cluster.kernels``), the dry run from ``training.device`` ('cuda', else 'cpu')."""
 
 LLAMA_FACTS = ArchFacts(mlp_matrices=3, norm_has_bias=False, positions="rope")
 """Default facts of an :class:`ActivationShape` (RMSNorm, SwiGLU, RoPE)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -56,7 +57,8 @@ examples:
       --max-seq-len 65536 --cp 1,2,4,8 --cp-attention ring,all_to_all
   colonnade plan --model llama3-8b --set model.num_experts=8 --set model.moe_top_k=2 \\
       --cluster h100 --gpus 16 --ep 1,2,4,8          # an 8-expert MoE: ep searched
-  colonnade plan --calibrate --save-cluster configs/clusters/cpu-local.toml   # this machine"""
+  colonnade plan --calibrate --save-cluster configs/clusters/cpu-local.toml   # this machine
+  colonnade plan --validate       # the planner against every published figure, held out"""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -155,6 +157,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this machine (matmul, memory, gloo) and predict tiny CPU "
                    "layouts; with --save-cluster the measurement becomes the cpu-local preset")
     o.add_argument("--save-cluster", help="with --calibrate: write the measured cluster TOML")
+    o.add_argument("--validate", action="store_true",
+                   help="print the planner against every published figure it knows and exit: "
+                   "throughput per source and row (fitted-on rows marked, the held-out error "
+                   "per device) and the memory of every published configuration against its "
+                   "device (citations: colonnade/analysis/sources.py); --json writes them")
 
 
 def _choice(value: str) -> tuple[bool, ...]:
@@ -230,6 +237,18 @@ def build(args: argparse.Namespace) -> tuple[Workload, Constraints]:
     return w, cons
 
 
+def run_validate(json_path: str | None) -> int:
+    """`colonnade plan --validate`: the held-out report (colonnade.analysis.holdout)."""
+    from colonnade.analysis.holdout import report
+
+    lines, records = report()
+    print("\n".join(lines))
+    if json_path:
+        Path(json_path).write_text(json.dumps(records, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run `colonnade plan`; 0 on success, 2 on bad input (message on stderr)."""
     from colonnade.analysis.report import print_table, write_json, write_plot
@@ -239,6 +258,8 @@ def run_plan(args: argparse.Namespace) -> int:
             from colonnade.analysis.calibrate import run_calibrate
 
             return run_calibrate(args)
+        if args.validate:
+            return run_validate(args.json)
         if args.gpus is None:
             raise PlanError("--gpus is required (devices to plan for).")
         w, cons = build(args)

@@ -101,7 +101,8 @@ def memory_lines(config: Config, world: int) -> list[str]:
         kinds.append("gathered")
     if layout.cp > 1:
         kinds.append("cp_buffers")
-    for kind in (*kinds, "activations", "buffers", "total"):
+    kinds += ["activations", "buffers"] + (["loss_backward"] if mem.loss_backward else [])
+    for kind in (*kinds, "total"):
         lines.append(f"  {kind:<12} {gib[kind]:10.3f} GiB")
     return lines
 

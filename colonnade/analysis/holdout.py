@@ -20,6 +20,7 @@ RoPE) colonnade's per-layer model does not describe to the byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from colonnade.analysis.estimate import estimate, on_cluster
 from colonnade.analysis.hardware import GIB, PRESETS, Cluster
@@ -134,3 +135,33 @@ def memory_checks() -> list[MemoryCheck]:
                                run.cluster.memory_bytes / GIB, run.memory_gib,
                                run.label not in NOT_ASSERTED))
     return out
+
+
+def report(table1: bool = True) -> tuple[list[str], dict[str, Any]]:
+    """(printed lines, JSON records) of the held-out report: every throughput per source and
+    row (fitted rows marked), the held-out worst per device, every configuration's memory
+    against its device (``colonnade plan --validate``, benchmarks/planner.py)."""
+    checks, mems = throughput_checks(table1), memory_checks()
+    head = (f"{'source':<30} {'row':<28} {'device':<22} {'set':<8} {'published':>10} "
+            f"{'predicted':>10} {'error':>7}")
+    lines = ["Throughput per GPU: predicted against published (sources: "
+             "colonnade/analysis/sources.py, published.py)", head, "-" * len(head)]
+    lines += [f"{c.source[:30]:<30} {c.label:<28} {c.device:<22} "
+              f"{'fit' if c.fitted else 'held-out':<8} {c.published:>10.0f} "
+              f"{c.predicted:>10.0f} {c.error:>+7.1%}  {c.unit}" for c in checks]
+    worst = held_out_worst(checks)
+    lines += [f"held-out max |error| on {d}: {e:.1%}" for d, e in worst.items()]
+    lines += ["", "Memory per GPU of every published configuration (planner, GiB) against the "
+              "usable device memory, and the published peak where there is one"]
+    for m in mems:
+        pub = f"{m.published_gib:.1f}" if m.published_gib is not None else "-"
+        err = (f"{m.predicted_gib / m.published_gib - 1:+.1%}" if m.published_gib is not None
+               else "")
+        verdict = ("fits" if m.fits else "DOES NOT FIT") + ("" if m.asserted
+                                                             else " (not asserted)")
+        lines.append(f"{m.source[:30]:<30} {m.label:<28} {m.predicted_gib:>6.1f} / "
+                     f"{m.capacity_gib:>5.1f}  published {pub:>5} {err:>7}  {verdict}")
+    records = {"throughput": [dict(vars(c), error=c.error) for c in checks],
+               "held_out_worst": worst,
+               "memory": [dict(vars(m), fits=m.fits) for m in mems]}
+    return lines, records

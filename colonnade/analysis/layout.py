@@ -74,10 +74,15 @@ class Workload:
     those of an fp32 model (4 + 4 + 8 = 16 bytes) while activations stay 16-bit; how
     published FSDP runs kept their states.  Colonnade keeps bf16 weights and an fp32 master
     (False: 2 + 4 + 12)."""
+    fused_loss: bool = False
+    """The system's cross entropy is one fused kernel that writes the logits' gradient in place
+    (flash-attn's, llm-foundry's MPT default ``loss_fn: fused_crossentropy``): no loss-backward
+    transient (:func:`~colonnade.analysis.memory.loss_backward_bytes`).  Colonnade's is not."""
     kernels: str = "cuda"
     """Whose kernels run the layers, 'cuda' or 'cpu' (:data:`~colonnade.analysis.activations.
     KERNEL_PATHS`): the activation model's kernel path.  ``plan`` and ``estimate`` take the
-    cluster's (``Cluster.kernels``); the dry run 'cpu' with training.device='cpu'."""
+    cluster's (``Cluster.kernels``); :meth:`from_config` 'cuda' with training.device='cuda',
+    else 'cpu' (the paths differ only in LayerNorm's statistics, 4 r b bytes per norm)."""
     sp_regather: bool = False
     """Under sp, keep each column-parallel input as its [s/t, b, h] shard and all-gather it again
     in backward (Megatron-LM, Korthikanti et al. 2022 Sec. 4.2.2): how published Megatron
@@ -163,7 +168,7 @@ class Workload:
                    grad_reduce_dtype=par.grad_reduce_dtype, cp_overlap=par.cp_overlap,
                    moe_dispatcher=par.moe_dispatcher, state_dtype=cfg.optim.state_dtype,
                    master_dtype=cfg.optim.master_dtype, optimizer=cfg.optim.name,
-                   kernels="cpu" if tr.device == "cpu" else "cuda")
+                   kernels="cuda" if tr.device == "cuda" else "cpu")
 
 
 @dataclass(frozen=True, kw_only=True)

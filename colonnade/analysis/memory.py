@@ -56,7 +56,9 @@ plus one layer's full activations while it is recomputed.
 Micro-batches in flight on the first stage (which holds the most): 1 without pp, m for GPipe,
 min(p, m) for 1F1B and ZB-H1 (layers per stage x p = all l layers), and for the interleaved
 schedule p (1 + (p-1)/(p v)) stage-equivalents (capped at m).
-The last stage also keeps the output logits and fp32 softmax, (E + 4) sbV/t.
+The last stage also keeps the output logits and fp32 softmax, (E + 4) sbV/t, and its loss's
+backward briefly holds more gradients of that size (``loss_backward``: 6 sbV at tp 1 in bf16,
+4 sbV/t at tp > 1; :func:`loss_backward_bytes`): the H200's measured 1.3B peak.
 Zero-bubble schedules (ZB-H1, ZB-V) hold a micro-batch's activations until its W, not its B:
 B keeps the chunk's autograd graph (retain_graph) for W, plus the output gradient captured at
 each weight boundary (pipeline.split_backward).  ZB-H1's stage s holds p - s micro-batches
@@ -352,6 +354,25 @@ def head_bytes(w: Workload, layout: Layout, microbatches: int) -> float:
     return (e + 4) * float(s) * layout.micro_batch * w.shape.vocab / layout.tp
 
 
+def loss_backward_bytes(w: Workload, layout: Layout) -> float:
+    """Peak bytes the loss's backward allocates beyond :func:`head_bytes`, on the stage with
+    the head, for one micro-batch (A = max(E, 4), the loss's dtype; sbV/t its [s, b, V/t]
+    elements); all activations are still alive when it runs, so it is the stage's peak:
+      tp 1 (``F.cross_entropy`` on the fp32 logits): the kept log-softmax A sbV; its backward
+        holds the nll gradient and the log-softmax gradient with it: 3 A sbV in all;
+      tp > 1 (the vocab-parallel cross entropy): the kept softmax A sbV/t; its backward the
+        gradient A sbV/t and its E copy (16-bit logits): (2 A + E [E < A]) sbV/t.
+    ``head_bytes`` charges (E + 4) sbV/t, so this is the difference.  One micro-batch's loss
+    runs at a time (the zero-bubble schedules' held heads are in ``head_bytes``); a fused loss
+    kernel (``Workload.fused_loss``) adds none."""
+    if w.fused_loss:
+        return 0.0
+    e, acc = w.elem, max(w.elem, 4)
+    elems = float(w.seq_len) / layout.cp * layout.micro_batch * w.shape.vocab / layout.tp
+    peak = 3 * acc if layout.tp == 1 else 2 * acc + (e if e < acc else 0)
+    return max(peak - (e + 4), 0.0) * elems
+
+
 def stage_label(stage: str) -> str:
     """A stage kind for reports ('ends' is ZB-V's stage 0 with the embedding and the head)."""
     return "ends (embedding + head)" if stage == "ends" else stage
@@ -374,12 +395,15 @@ class Memory:
     cp_buffers: float = 0.0
     """cp > 1: peak transient buffers of one layer's cp attention (ring kv/dkv blocks in
     flight, or all_to_all's full-sequence gradients)."""
+    loss_backward: float = 0.0
+    """On the stage with the head: the loss backward's transient gradients beyond the kept
+    logits and softmax (:func:`loss_backward_bytes`)."""
 
     @property
     def total(self) -> float:
         """Sum of all kinds."""
         return (self.params + self.grads + self.optimizer + self.activations + self.buffers
-                + self.grad_buckets + self.gathered + self.cp_buffers)
+                + self.grad_buckets + self.gathered + self.cp_buffers + self.loss_backward)
 
     def gib(self) -> dict[str, float]:
         """Every field in GiB (plus total)."""
@@ -418,7 +442,9 @@ def stage_memory(w: Workload, layout: Layout, stage: str) -> Memory:
     mem = Memory(stage=stage, params=n * wb, grads=n * gb,
                  optimizer=stage_optimizer_bytes(w, layout, stage, n), activations=act,
                  buffers=buffers, grad_buckets=grad_buckets, gathered=gathered,
-                 cp_buffers=cp_buffer_bytes(shape))
+                 cp_buffers=cp_buffer_bytes(shape),
+                 loss_backward=(loss_backward_bytes(w, layout)
+                                if stage in ("last", "only", "ends") else 0.0))
     return mem if not w.model.moe else _with_moe(mem, w, layout, flight, n)
 
 

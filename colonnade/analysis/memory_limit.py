@@ -120,7 +120,8 @@ def limit_problem(config: Config, world: int) -> str | None:
     gib = mem.gib()
     parts = ", ".join(f"{k} {gib[k]:.3g}" for k in ("params", "grads", "optimizer",
                                                     "activations", "buffers", "grad_buckets",
-                                                    "gathered", "cp_buffers") if gib[k] > 0)
+                                                    "gathered", "cp_buffers",
+                                                    "loss_backward") if gib[k] > 0)
     options = fits(w, layout, limit)
     advice = ("What fits (the same model's estimate): "
               + "; ".join(f.describe() for f in options)) if options else (

@@ -133,7 +133,7 @@ def write_plot(p: Plan, top: int, path: str | Path) -> None:
     ax1.legend(fontsize=8)
     best = p.ranked[:top]
     kinds = ("params", "grads", "optimizer", "activations", "buffers", "grad_buckets",
-             "gathered", "cp_buffers")
+             "gathered", "cp_buffers", "loss_backward")
     left = [0.0] * len(best)
     labels = [f"{i + 1}: {e.layout.short()}" for i, e in enumerate(best)]
     for kind in kinds:
