@@ -271,3 +271,32 @@ def test_loss_of_100_steps_within_bound() -> None:
         print(f"off {off[0]:.3f} -> {off[-10:].mean():.3f}; {recipe}: worst step "
               f"{step_err:.2e}, last-10 mean {tail:.2e}")
         assert 0 < step_err < 1e-2 and tail < 5e-3, (recipe, step_err, tail)
+
+
+def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The validator refuses an unknown recipe and fp8 with the chunked sp overlap; start-up
+    refuses a GPU without float8 tensor cores (unless fp64), never a CPU."""
+    from colonnade.config.validate import problems
+    from colonnade.training import setup
+
+    config = tiny_config("llama", 2, True)
+    for fp8, chunks, words in (("fp8", 1, "training.fp8='fp8' is unknown"),
+                               ("rowwise", 2, "parallel.tp_comm_chunks=1 or training.fp8")):
+        bad = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, fp8=fp8),
+            parallel=dataclasses.replace(config.parallel, tp_comm_chunks=chunks))
+        assert any(words in p for p in problems(bad, 2)), problems(bad, 2)
+    assert problems(fp8_config("rowwise", 2, True), 2) == []
+    gpu = torch.device("cuda", 0)
+    for precision, has_fp8, refused in (("bf16", False, True), ("bf16", True, False),
+                                        ("fp64", False, False)):
+        monkeypatch.setattr(setup, "fp8_gemm_supported", lambda d, ok=has_fp8: ok)
+        run = fp8_config("tensorwise", 1, False)
+        run = dataclasses.replace(run, training=dataclasses.replace(run.training,
+                                                                    precision=precision))
+        if refused:
+            with pytest.raises(RuntimeError, match=r"no float8 tensor cores|has none"):
+                setup.check_fp8_device(run, gpu)
+        else:
+            setup.check_fp8_device(run, gpu)
+        setup.check_fp8_device(run, torch.device("cpu"))
