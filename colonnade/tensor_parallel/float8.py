@@ -26,13 +26,16 @@ Logical scales. A tensor split over a group (tp, expert tp) has the scale of the
 tensor: an amax whose region spans the split dim is all-reduced (MAX) over that group, so a
 layout quantises exactly as the single process does. Column-parallel (n split): W's tensor
 amax and dY's (tensor, or per row under rowwise) and, rowwise, W's per-input-channel amax for
-dgrad; row-parallel (k split): X's and W's amaxes that span k. Per GEMM that is one all-reduce
-forward and at most one backward, of a few floats (tensorwise: 2 or 1 values; rowwise: the m
-row amaxes of X or dY, 4 m bytes), on the same group and in the same order on every rank.
-The rows dim m is never split at a GEMM (the sequence is gathered under sp); dp and cp split
-the batch and sequence, so their activations' amaxes are those of each rank's own tokens, as
-with torchao under FSDP (a layout with dp or cp equals the single process only under rowwise
-forward scaling).
+dgrad; row-parallel (k split): X's and W's amaxes that span k. All of a pass's amaxes that
+need it travel in one all-reduce, on the same group and in the same order on every rank:
+tensorwise, column-parallel 1 float forward (W) and 1 backward (dY), row-parallel 2 forward
+(X, W) and none backward; rowwise, column-parallel none forward and m + k floats backward
+(dY's rows, W's input channels), row-parallel m + n forward (X's rows, W's output channels)
+and none backward (m = tokens of the micro-batch). These are latency-bound collectives (a few
+microseconds to tens on NVLink) that the next GEMM waits for; torchao's tensor-parallel
+float8 reduces the same amaxes. The rows dim m is never split at a GEMM (the sequence is
+gathered under sp); dp and cp split the batch and the sequence, so activation and gradient
+amaxes there are each rank's own tokens', as with torchao under FSDP.
 
 Two kernels: ``torch._scaled_mm`` (the float8 tensor cores of CUDA sm89+, where
 :func:`colonnade.device.fp8_gemm_supported` says so; it also runs on CPU, where the tests
