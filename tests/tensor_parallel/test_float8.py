@@ -8,8 +8,9 @@
 * the kernel choice: emulation on CPU and for fp64, ``torch._scaled_mm`` where the device
   has float8 GEMMs; that path (run on CPU here) equals the emulation to bf16 rounding;
 * tp2 without sp (rowwise) and tp2+sp (tensorwise): float64 logits, losses, step-0 gradients
-  and parameters after 3 AdamW steps equal the single-process float8 run (1e-10); the same
-  run with the amax all-reduce dropped does not (the scales are the logical tensor's);
+  and parameters after 3 AdamW steps equal the single-process float8 run (1e-10), with the
+  amax all-reduces counted (calls and bytes = formula); the same run with the amax
+  all-reduce dropped does not (the scales are the logical tensor's);
 * 100 steps of a tiny fp32 model on a learnable sequence: the float8 runs' losses stay
   within a measured bound of the run without float8.
 """
@@ -29,13 +30,13 @@ from torchao.float8.float8_training_tensor import LinearMMConfig
 
 import colonnade.tensor_parallel.float8 as f8
 from colonnade.config.sections import Config
-from colonnade.models.build import build_reference
+from colonnade.models.build import build_chunks, build_reference
 from colonnade.parallel.groups import ProcessGroups
 from tests.tensor_parallel.harness import (
     TOL,
     assert_close_rel,
     make_batches,
-    parallel_run,
+    rank_groups,
     rel_err,
     run_training,
     tiny_config,
@@ -197,14 +198,34 @@ def reference(recipe: str) -> dict[str, Any]:
 
 
 def rank_fp8(config: Config, batches: list[Any], drop_reduce: bool) -> dict[str, Any]:
-    """parallel_run, optionally with the amax all-reduce dropped (the mutation)."""
+    """parallel_run, optionally with the amax all-reduce dropped (the mutation); adds the
+    (calls, payload bytes) of this rank's amax all-reduces."""
     real = f8._reduce
     if drop_reduce:
         f8._reduce = lambda cfg, amaxes: [a for a, _, _ in amaxes]  # type: ignore[assignment]
     try:
-        return parallel_run(config, batches)
+        groups = rank_groups(config.parallel.tp)
+        chunks = build_chunks(config, groups, dtype=torch.float64)
+        out = run_training(chunks, groups, config, batches)
     finally:
         f8._reduce = real  # type: ignore[assignment]
+    amax = [s for key, s in groups.tp.stats.ops.items() if key.endswith("/fp8_amax")]
+    out["amax"] = (sum(s.calls for s in amax), sum(s.payload_bytes for s in amax))
+    return out
+
+
+def amax_traffic(recipe: str) -> tuple[int, int]:
+    """(calls, float64 bytes) of the amax all-reduces of tiny llama at tp2 (2 layers, each 5
+    column-parallel GEMMs, q k v gate up, with k = h = 64, and 2 row-parallel, o and down,
+    with n = h) over 7 forwards (the initial logits, 3 steps x 2 micro-batches) and 6
+    backwards of m = 32 tokens: tensorwise, per layer, 5 + 2 calls forward (1 float column,
+    2 row) and 5 backward (1 float); rowwise 2 forward (m + n floats) and 5 backward
+    (m + k floats)."""
+    layers, fwd, bwd, m, h = 2, 7, 6, 32, 64
+    if recipe == "tensorwise":
+        return (layers * (fwd * 7 + bwd * 5),
+                8 * layers * (fwd * (5 * 1 + 2 * 2) + bwd * 5))
+    return layers * (fwd * 2 + bwd * 5), 8 * layers * (fwd * 2 + bwd * 5) * (m + h)
 
 
 @pytest.mark.parametrize(("recipe", "sp", "drop"), [
@@ -224,6 +245,7 @@ def test_tp_parity(run_ranks: Callable[..., list[Any]], recipe: str, sp: bool,
         if drop:
             assert rel_err(res["logits"], ref["logits"]) > 1e-6, "the amax reduce mattered not"
             continue
+        assert res["amax"] == amax_traffic(recipe), res["amax"]
         assert rel_err(res["logits"], ref["logits"]) <= TOL
         assert rel_err(got, want) <= TOL, (got, want)
         assert_close_rel(res["grads"], ref["grads"], "step-0 gradient")
