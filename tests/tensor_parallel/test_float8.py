@@ -23,10 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-from torchao.float8.config import ScalingGranularity
-from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-from torchao.float8.float8_training_tensor import LinearMMConfig
 
 import colonnade.tensor_parallel.float8 as f8
 from colonnade.config.sections import Config
@@ -52,6 +48,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_quantize_matches_torchao(recipe: str, dtype: torch.dtype) -> None:
+    # torchao is imported here, not at module level: the rank pool imports this module for
+    # rank_fp8, and torchao.float8 costs seconds to import
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(24, 40, generator=gen) * torch.logspace(-3, 2, 40)).to(dtype)
     x[3] = 0.0  # an all-zero row: EPS keeps its scale finite
@@ -75,6 +77,8 @@ def test_quantize_matches_torchao(recipe: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_torchao_float8_linear(recipe: str, dtype: torch.dtype) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32, bias=False).to(dtype)
     w = lin.weight.detach().clone().requires_grad_(True)
