@@ -170,10 +170,12 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
         out_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
     """deq(a) deq(b)^T for float8 a [M, K] with scales sa [M, 1] and b [N, K] with scales
     sb [N, 1] (under tensorwise every entry of sa, and of sb, is the same) -> [M, N] in
-    ``out_dtype``: ``torch._scaled_mm`` where :func:`kernel_for` chose it and every dim is a
-    positive multiple of 16, else the emulation."""
+    ``out_dtype``: ``torch._scaled_mm`` where :func:`kernel_for` chose it, every dim is a
+    positive multiple of 16 and, rowwise, the output is bf16 (cuBLAS / CUTLASS rowwise
+    kernels write only bf16), else the emulation."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     if (m and k and n and m % 16 == k % 16 == n % 16 == 0
+            and (not rowwise or out_dtype == torch.bfloat16)
             and kernel_for(a.device, out_dtype) == "scaled_mm"):
         inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
         if rowwise:
