@@ -90,8 +90,9 @@ def _capability(index: int) -> tuple[int, int]:
 
 def fp8_gemm_supported(device: torch.device) -> bool:
     """Whether ``device`` runs float8 GEMMs (``torch._scaled_mm``) on tensor cores: a CUDA
-    device of compute capability >= 8.9. False on CPU (where ``_scaled_mm`` exists but is a
-    reference loop, slower than the emulation's matmul) and on older GPUs."""
+    device of compute capability >= 8.9. False on older GPUs and on CPU, where ``_scaled_mm``
+    runs but was slower than the emulation's fp32 matmul (1024^3, one thread: 0.15 s vs
+    0.11 s)."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -93,7 +93,9 @@ def full_state(chunks: list[nn.Module], groups: ProcessGroups,
 def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
                   device: torch.device | None = None) -> tuple[Config, ModelChunk]:
     """The single-process model of a checkpoint (root with ``latest``, or a step directory)
-    written by training or ``colonnade convert``; its model tensors are read whole."""
+    written by training or ``colonnade convert``; its model tensors are read whole. Its GEMMs
+    run in the model's dtype whatever ``training.fp8`` trained it (float8 is a training
+    recipe: generation and export match transformers' full-precision model)."""
     directory = Path(directory)
     if not ((directory / "latest").exists() or (directory / "index.json").exists()):
         raise FileNotFoundError(f"{directory}: not a checkpoint directory (neither index.json "
@@ -104,7 +106,7 @@ def load_exported(directory: str | Path, dtype: torch.dtype = torch.float32,
     config, state = read_full_model(resolve_checkpoint(directory))
     config = dataclasses.replace(config, parallel=dataclasses.replace(
         config.parallel, dp=1, tp=1, pp=1, vp=1, cp=1, sp=False, pipeline_layout=None,
-        schedule="1f1b"))
+        schedule="1f1b"), training=dataclasses.replace(config.training, fp8="off"))
     model = build_reference(config, dtype=dtype, device=device)
     load_full_state(model, state)
     return config, model

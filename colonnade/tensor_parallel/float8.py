@@ -26,13 +26,16 @@ Logical scales. A tensor split over a group (tp, expert tp) has the scale of the
 tensor: an amax whose region spans the split dim is all-reduced (MAX) over that group, so a
 layout quantises exactly as the single process does. Column-parallel (n split): W's tensor
 amax and dY's (tensor, or per row under rowwise) and, rowwise, W's per-input-channel amax for
-dgrad; row-parallel (k split): X's and W's amaxes that span k. Per GEMM that is one all-reduce
-forward and at most one backward, of a few floats (tensorwise: 2 or 1 values; rowwise: the m
-row amaxes of X or dY, 4 m bytes), on the same group and in the same order on every rank.
-The rows dim m is never split at a GEMM (the sequence is gathered under sp); dp and cp split
-the batch and sequence, so their activations' amaxes are those of each rank's own tokens, as
-with torchao under FSDP (a layout with dp or cp equals the single process only under rowwise
-forward scaling).
+dgrad; row-parallel (k split): X's and W's amaxes that span k. All of a pass's amaxes that
+need it travel in one all-reduce, on the same group and in the same order on every rank:
+tensorwise, column-parallel 1 float forward (W) and 1 backward (dY), row-parallel 2 forward
+(X, W) and none backward; rowwise, column-parallel none forward and m + k floats backward
+(dY's rows, W's input channels), row-parallel m + n forward (X's rows, W's output channels)
+and none backward (m = tokens of the micro-batch). These are latency-bound collectives (a few
+microseconds to tens on NVLink) that the next GEMM waits for; torchao's tensor-parallel
+float8 reduces the same amaxes. The rows dim m is never split at a GEMM (the sequence is
+gathered under sp); dp and cp split the batch and the sequence, so activation and gradient
+amaxes there are each rank's own tokens', as with torchao under FSDP.
 
 Two kernels: ``torch._scaled_mm`` (the float8 tensor cores of CUDA sm89+, where
 :func:`colonnade.device.fp8_gemm_supported` says so; it also runs on CPU, where the tests
@@ -167,10 +170,12 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
         out_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
     """deq(a) deq(b)^T for float8 a [M, K] with scales sa [M, 1] and b [N, K] with scales
     sb [N, 1] (under tensorwise every entry of sa, and of sb, is the same) -> [M, N] in
-    ``out_dtype``: ``torch._scaled_mm`` where :func:`kernel_for` chose it and every dim is a
-    positive multiple of 16, else the emulation."""
+    ``out_dtype``: ``torch._scaled_mm`` where :func:`kernel_for` chose it, every dim is a
+    positive multiple of 16 and, rowwise, the output is bf16 (cuBLAS / CUTLASS rowwise
+    kernels write only bf16), else the emulation."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     if (m and k and n and m % 16 == k % 16 == n % 16 == 0
+            and (not rowwise or out_dtype == torch.bfloat16)
             and kernel_for(a.device, out_dtype) == "scaled_mm"):
         inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
         if rowwise:

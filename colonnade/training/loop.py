@@ -43,6 +43,7 @@ from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankInfo, RankMonitor
 from colonnade.reliability.nan import check_step
 from colonnade.reliability.straggler import StepTimer, StragglerWatch
+from colonnade.tensor_parallel.float8 import kernel_for
 from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
@@ -364,6 +365,12 @@ def _open_run_log(cfg: Config, rt: Runtime, trainer: Trainer) -> MetricsWriter |
           f"{sum(p.numel() for c in trainer.chunks for p in c.parameters()):,} params on "
           f"rank 0, global batch {tr.global_batch_size} x {tr.seq_len} tokens")
     print(f"colonnade: optimizer {trainer.optimizer.describe()}")
+    if tr.fp8 != "off":
+        kernel = kernel_for(rt.device, param_dtype(tr.precision))
+        how = ("torch._scaled_mm" if kernel == "scaled_mm"
+               else "emulated: quantise, dequantise, matmul")
+        print(f"colonnade: float8 {tr.fp8} GEMMs in the linear layers ({how}); the output "
+              "head, masters and checkpoints stay in their dtypes")
     return writer
 
 
