@@ -43,6 +43,7 @@ from colonnade.models.compile import (
     is_compiled,
     wants_compile,
 )
+from colonnade.models.gpt import ModelChunk
 from colonnade.models.layer import TransformerLayer
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.groups import ProcessGroups
@@ -74,10 +75,11 @@ it by lr x g / eps ~ 1e-12 per step."""
 
 def make_config(*, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, zero: bool = False,
                 recompute: str = "none", precision: str = "fp64", dropout: float = 0.1,
-                compile: bool = False) -> Config:
-    """A resolved gpt2 config: h 32, 4 heads, 2 layers, seq 16, micro-batch 2, 2 micro-batches
-    per rank, 3 steps, AdamW lr 1e-2 with clipping at 0.5."""
-    model = tiny_model("gpt2", layers=2, hidden=32, heads=4, seq=16, dropout=dropout)
+                compile: bool = False, arch: str = "gpt2") -> Config:
+    """A resolved config (gpt2, or llama with GQA: 2 kv heads): h 32, 4 heads, 2 layers, seq
+    16, micro-batch 2, 2 micro-batches per rank, 3 steps, AdamW lr 1e-2 with clipping at 0.5."""
+    model = tiny_model(arch, layers=2, hidden=32, heads=4, seq=16, dropout=dropout,
+                       kv_heads=2 if arch == "llama" else None)
     config = Config(
         model=model,
         parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, use_distributed_optimizer=zero,
@@ -169,10 +171,12 @@ def eager_and_compiled(config: Config, batches: list[list[Batch]]) -> dict[str, 
     compiled = _train(with_compile(config, True), batches, groups)
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(
         TransformerLayer.forward.__code__)
+    head_entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(
+        ModelChunk.head_loss.__code__)
     breaks = {break_site(key): n for key, n in counters["graph_break"].items()}
     torch._dynamo.reset()
     return {"eager": eager, "compiled": compiled, "entries": len(entries), "breaks": breaks,
-            "rank": groups.rank}
+            "rank": groups.rank, "head_entries": len(head_entries)}
 
 
 def break_site(reason: str) -> str:
@@ -282,6 +286,20 @@ def test_single_process_low_precision(rank_pools: RankPools, precision: str, los
     (res,) = launch(rank_pools, config)
     check([res], loss_tol, tol, noise=2 * config.training.steps * config.optim.lr,
           param_tol=param_tol, vector_tol=vector_tol)
+    assert res["breaks"] == {}  # the dense path: no graph break in a layer or the head + loss
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_dense_path_has_no_graph_break(rank_pools: RankPools, arch: str) -> None:
+    """tp = 1, no dropout, no cp, no selective recompute: each layer (gpt2: learned positions,
+    GELU MLP, biases; llama: RoPE, GQA with 2 kv heads, SwiGLU, RMSNorm) is ONE graph, and the
+    last chunk's final norm + head + loss another, with no break anywhere (so no host read
+    inside: what training.cuda_graphs needs), and the float64 results equal eager's."""
+    config = make_config(dropout=0.0, arch=arch)
+    (res,) = launch(rank_pools, config)
+    check([res])
+    assert res["breaks"] == {}, res["breaks"]
+    assert res["head_entries"] == 1 and res["entries"] == 1
 
 
 def test_build_paths() -> None:
