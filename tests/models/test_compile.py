@@ -266,11 +266,18 @@ def test_dp2_zero1_overlapped_gathers(rank_pools: RankPools) -> None:
         assert res["compiled"]["hooks"] == (2, 0)
 
 
-@pytest.mark.parametrize(("precision", "loss_tol", "tol", "param_tol", "vector_tol"),
-                         [("fp32", 1e-5, 1e-5, 1e-5, 1e-5), ("bf16", 5e-3, 5e-2, 0.08, 0.3)])
-def test_single_process_low_precision(rank_pools: RankPools, precision: str, loss_tol: float,
-                                      tol: float, param_tol: float, vector_tol: float) -> None:
-    """fp32: inductor's fused reductions differ from eager's by round-off (~1e-7 relative per
+@pytest.mark.parametrize(("arch", "precision", "loss_tol", "tol", "param_tol", "vector_tol"),
+                         [("llama", "fp32", 1e-5, 1e-5, 1e-5, 1e-5),
+                          ("gpt2", "bf16", 5e-3, 5e-2, 0.08, 0.3)])
+def test_single_process_low_precision(rank_pools: RankPools, arch: str, precision: str,
+                                      loss_tol: float, tol: float, param_tol: float,
+                                      vector_tol: float) -> None:
+    """The dense path (tp = 1, no dropout, no cp, no selective recompute) has NO graph break,
+    in a layer or in the last chunk's final norm + head + loss: one graph each (so no host
+    read inside, what training.cuda_graphs needs), for Llama (RoPE, GQA with 2 kv heads,
+    SwiGLU, RMSNorm; fp32) and GPT-2 (learned positions, GELU, biases, tied head; bf16).
+
+    fp32: inductor's fused reductions differ from eager's by round-off (~1e-7 relative per
     op), grown by 3 Adam steps (measured: losses equal, gradients <= 1.2e-6, parameters
     <= 2e-6). bf16 (fp32 main grads): inductor keeps fused elementwise intermediates in fp32
     where eager rounds each op to bf16 (measured: losses <= 2e-3 apart, gradients <= 3e-2,
@@ -282,24 +289,13 @@ def test_single_process_low_precision(rank_pools: RankPools, precision: str, los
     matrices to 0.08). The key bias's
     round-off gradient is no longer far below Adam's eps here, so each run moves it by up to
     ~lr per step in its own direction: only that bound (2 x 3 steps x lr) holds for it."""
-    config = make_config(precision=precision, dropout=0.0)
+    config = make_config(precision=precision, dropout=0.0, arch=arch)
     (res,) = launch(rank_pools, config)
     check([res], loss_tol, tol, noise=2 * config.training.steps * config.optim.lr,
           param_tol=param_tol, vector_tol=vector_tol)
-    assert res["breaks"] == {}  # the dense path: no graph break in a layer or the head + loss
+    assert res["breaks"] == {}, res["breaks"]  # the dense path: no graph break anywhere
+    assert res["entries"] == 1 and res["head_entries"] == 1
 
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_dense_path_has_no_graph_break(rank_pools: RankPools, arch: str) -> None:
-    """tp = 1, no dropout, no cp, no selective recompute: each layer (gpt2: learned positions,
-    GELU MLP, biases; llama: RoPE, GQA with 2 kv heads, SwiGLU, RMSNorm) is ONE graph, and the
-    last chunk's final norm + head + loss another, with no break anywhere (so no host read
-    inside: what training.cuda_graphs needs), and the float64 results equal eager's."""
-    config = make_config(dropout=0.0, arch=arch)
-    (res,) = launch(rank_pools, config)
-    check([res])
-    assert res["breaks"] == {}, res["breaks"]
-    assert res["head_entries"] == 1 and res["entries"] == 1
 
 
 def test_build_paths() -> None:
