@@ -37,6 +37,7 @@ from colonnade.data_parallel import DataParallel, build_data_parallel
 from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.models.compile import (
     GRAPH_MODE,
+    HEAD_MARK,
     compile_layers,
     compile_mode,
     compiled_layers,
@@ -403,7 +404,8 @@ def test_cuda_graphs_path_choice(capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_mode(plain.training) is None and wants_compile(plain.training)
     (chunk,) = build_chunks(with_compile(plain, False), ProcessGroups.single())
     assert compile_layers([chunk], mode=compile_mode(config.training), compiler=fake) == 2
-    assert seen == [("reduce-overhead", False, False)] * 2
+    assert seen == [("reduce-overhead", False, False)] * 3  # the head + loss, 2 layers
+    assert getattr(chunk, HEAD_MARK)
     assert compiled_layers([chunk]) == 2
     assert main(["train", "--model.num_layers=2", "--model.hidden_size=32",
                  "--training.cuda_graphs=true", "--training.device=cpu", "--dry-run"]) == 2
