@@ -4,8 +4,11 @@ What is compiled: the ``forward`` of every :class:`~colonnade.models.layer.Trans
 of every chunk, in place, by TorchInductor (C++/OpenMP kernels on CPU, Triton on GPUs), with
 ``dynamic=False`` and ``fullgraph=False``. The module keeps its identity and parameter names
 (checkpoints, sharding declarations and tied weights are untouched); its own forward hooks run
-eagerly, those of the modules inside it are traced. Not compiled: the embedding, the final
-norm, the head and the loss (once per micro-batch; the loss holds the vocab-parallel
+eagerly, those of the modules inside it are traced. At tp = 1 the last chunk's final norm,
+head and cross entropy (:meth:`~colonnade.models.gpt.ModelChunk.head_loss`) are compiled too,
+as one more graph (torchtitan compiles the loss as well): the [s, b, V] logits and the
+softmax's temporaries are then fused instead of written and read by separate kernels. Not
+compiled: the embedding, the head and loss at tp > 1 (the vocab-parallel cross entropy's
 collectives), the pipeline executor and the optimizer.
 
 One graph for all layers: every layer runs the same code on parameters of the same shapes, and
@@ -79,6 +82,9 @@ from colonnade.models.gpt import ModelChunk
 
 MARK = "compiled_forward"
 """Attribute set to True on a module whose forward :func:`compile_layers` compiled."""
+HEAD_MARK = "compiled_head_loss"
+"""Attribute set to True on a last chunk whose :meth:`~colonnade.models.gpt.ModelChunk.
+head_loss` (final norm + head + cross entropy) :func:`compile_layers` compiled (tp = 1)."""
 BACKEND = "inductor"
 """The torch.compile backend (TorchInductor: C++/OpenMP kernels on CPU, Triton on GPUs)."""
 
@@ -119,6 +125,10 @@ def compile_layers(chunks: Sequence[ModelChunk], backend: str = BACKEND,
     """
     count = 0
     for chunk in chunks:
+        if chunk.last and chunk.ctx.group.size == 1 and not getattr(chunk, HEAD_MARK, False):
+            chunk.head_loss = compiler(  # type: ignore[method-assign]
+                chunk.head_loss, backend=backend, mode=mode, dynamic=False, fullgraph=False)
+            setattr(chunk, HEAD_MARK, True)  # not MARK: the chunk's forward stays eager
         for layer in chunk.layers.values():
             if not is_compiled(layer):
                 layer.forward = compiler(  # type: ignore[method-assign]

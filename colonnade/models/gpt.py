@@ -192,6 +192,18 @@ class ModelChunk(nn.Module):
         (batch-first: [b, s, h] -> [b, s, V'/tp])."""
         return self.head(self.final_norm(x))
 
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last chunk's final norm, head and cross entropy summed over the valid labels:
+        (normed [s/cp, b, h] (or [b, s/cp, h]), loss []) for hidden ``x`` of that layout and
+        ``labels`` laid out as the logits' leading dims. One function so that
+        ``training.compile`` compiles it whole where it holds no collective (tp = 1:
+        :func:`colonnade.models.compile.compile_layers`)."""
+        normed = self.final_norm(x)
+        logits = self.head(normed)  # [s/cp, b, V'/tp] or [b, s/cp, V'/tp]
+        return normed, cross_entropy(logits, labels, self.ctx.group, self.cfg.vocab,
+                                     self.label_smoothing, reduction="sum")
+
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
                 reduction: str = "mean", tokens: torch.Tensor | None = None) -> torch.Tensor:
         """First chunk: tokens [b, s]; others: hidden [s(/tp), b, h] ([b, s, h] when
@@ -212,17 +224,14 @@ class ModelChunk(nn.Module):
         x = self.run_layers(x, doc=doc)
         if not self.last:
             return x
-        normed = self.final_norm(x)
-        logits = self.head(normed)  # [s/cp, b, V'/tp] or [b, s, V'/tp]
         first = self.ctx.batch_first
         if labels is None:
+            logits = self.logits(x)  # [s/cp, b, V'/tp] or [b, s, V'/tp]
             return logits.transpose(0, 1) if first else logits  # [s/cp, b, V'/tp]
         full_labels, labels = labels, local_labels(labels, self.ctx)  # [b, s], [b, s/cp]
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-        loss = cross_entropy(logits, labels if first else labels.t(), self.ctx.group,
-                             self.cfg.vocab, self.label_smoothing,
-                             reduction="sum")  # [] summed over [s, b]
+        normed, loss = self.head_loss(x, labels if first else labels.t())
         if self.mtp is not None and self.training:  # the MTP term, in backward only
             full_tokens = inputs if self.first else tokens
             if full_tokens is None:

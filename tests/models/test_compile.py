@@ -37,12 +37,14 @@ from colonnade.data_parallel import DataParallel, build_data_parallel
 from colonnade.models.build import build_chunks, build_reference, param_dtype
 from colonnade.models.compile import (
     GRAPH_MODE,
+    HEAD_MARK,
     compile_layers,
     compile_mode,
     compiled_layers,
     is_compiled,
     wants_compile,
 )
+from colonnade.models.gpt import ModelChunk
 from colonnade.models.layer import TransformerLayer
 from colonnade.optim.distributed import DistributedOptimizer
 from colonnade.parallel.groups import ProcessGroups
@@ -74,10 +76,11 @@ it by lr x g / eps ~ 1e-12 per step."""
 
 def make_config(*, tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, zero: bool = False,
                 recompute: str = "none", precision: str = "fp64", dropout: float = 0.1,
-                compile: bool = False) -> Config:
-    """A resolved gpt2 config: h 32, 4 heads, 2 layers, seq 16, micro-batch 2, 2 micro-batches
-    per rank, 3 steps, AdamW lr 1e-2 with clipping at 0.5."""
-    model = tiny_model("gpt2", layers=2, hidden=32, heads=4, seq=16, dropout=dropout)
+                compile: bool = False, arch: str = "gpt2") -> Config:
+    """A resolved config (gpt2, or llama with GQA: 2 kv heads): h 32, 4 heads, 2 layers, seq
+    16, micro-batch 2, 2 micro-batches per rank, 3 steps, AdamW lr 1e-2 with clipping at 0.5."""
+    model = tiny_model(arch, layers=2, hidden=32, heads=4, seq=16, dropout=dropout,
+                       kv_heads=2 if arch == "llama" else None)
     config = Config(
         model=model,
         parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, use_distributed_optimizer=zero,
@@ -169,10 +172,12 @@ def eager_and_compiled(config: Config, batches: list[list[Batch]]) -> dict[str, 
     compiled = _train(with_compile(config, True), batches, groups)
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(
         TransformerLayer.forward.__code__)
+    head_entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(
+        ModelChunk.head_loss.__code__)
     breaks = {break_site(key): n for key, n in counters["graph_break"].items()}
     torch._dynamo.reset()
     return {"eager": eager, "compiled": compiled, "entries": len(entries), "breaks": breaks,
-            "rank": groups.rank}
+            "rank": groups.rank, "head_entries": len(head_entries)}
 
 
 def break_site(reason: str) -> str:
@@ -262,11 +267,18 @@ def test_dp2_zero1_overlapped_gathers(rank_pools: RankPools) -> None:
         assert res["compiled"]["hooks"] == (2, 0)
 
 
-@pytest.mark.parametrize(("precision", "loss_tol", "tol", "param_tol", "vector_tol"),
-                         [("fp32", 1e-5, 1e-5, 1e-5, 1e-5), ("bf16", 5e-3, 5e-2, 0.08, 0.3)])
-def test_single_process_low_precision(rank_pools: RankPools, precision: str, loss_tol: float,
-                                      tol: float, param_tol: float, vector_tol: float) -> None:
-    """fp32: inductor's fused reductions differ from eager's by round-off (~1e-7 relative per
+@pytest.mark.parametrize(("arch", "precision", "loss_tol", "tol", "param_tol", "vector_tol"),
+                         [("llama", "fp32", 1e-5, 1e-5, 1e-5, 1e-5),
+                          ("gpt2", "bf16", 5e-3, 5e-2, 0.08, 0.3)])
+def test_single_process_low_precision(rank_pools: RankPools, arch: str, precision: str,
+                                      loss_tol: float, tol: float, param_tol: float,
+                                      vector_tol: float) -> None:
+    """The dense path (tp = 1, no dropout, no cp, no selective recompute) has NO graph break,
+    in a layer or in the last chunk's final norm + head + loss: one graph each (so no host
+    read inside, what training.cuda_graphs needs), for Llama (RoPE, GQA with 2 kv heads,
+    SwiGLU, RMSNorm; fp32) and GPT-2 (learned positions, GELU, biases, tied head; bf16).
+
+    fp32: inductor's fused reductions differ from eager's by round-off (~1e-7 relative per
     op), grown by 3 Adam steps (measured: losses equal, gradients <= 1.2e-6, parameters
     <= 2e-6). bf16 (fp32 main grads): inductor keeps fused elementwise intermediates in fp32
     where eager rounds each op to bf16 (measured: losses <= 2e-3 apart, gradients <= 3e-2,
@@ -278,10 +290,13 @@ def test_single_process_low_precision(rank_pools: RankPools, precision: str, los
     matrices to 0.08). The key bias's
     round-off gradient is no longer far below Adam's eps here, so each run moves it by up to
     ~lr per step in its own direction: only that bound (2 x 3 steps x lr) holds for it."""
-    config = make_config(precision=precision, dropout=0.0)
+    config = make_config(precision=precision, dropout=0.0, arch=arch)
     (res,) = launch(rank_pools, config)
     check([res], loss_tol, tol, noise=2 * config.training.steps * config.optim.lr,
           param_tol=param_tol, vector_tol=vector_tol)
+    assert res["breaks"] == {}, res["breaks"]  # the dense path: no graph break anywhere
+    assert res["entries"] == 1 and res["head_entries"] == 1
+
 
 
 def test_build_paths() -> None:
@@ -389,7 +404,8 @@ def test_cuda_graphs_path_choice(capsys: pytest.CaptureFixture[str]) -> None:
     assert compile_mode(plain.training) is None and wants_compile(plain.training)
     (chunk,) = build_chunks(with_compile(plain, False), ProcessGroups.single())
     assert compile_layers([chunk], mode=compile_mode(config.training), compiler=fake) == 2
-    assert seen == [("reduce-overhead", False, False)] * 2
+    assert seen == [("reduce-overhead", False, False)] * 3  # the head + loss, 2 layers
+    assert getattr(chunk, HEAD_MARK)
     assert compiled_layers([chunk]) == 2
     assert main(["train", "--model.num_layers=2", "--model.hidden_size=32",
                  "--training.cuda_graphs=true", "--training.device=cpu", "--dry-run"]) == 2
