@@ -25,6 +25,8 @@ from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankMonitor
 from colonnade.reliability.nan import check_step
+from colonnade.reliability.rejoin import PEER_FAILURES, Membership
+from colonnade.training.inprocess import after_step, rejoin, restore
 from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
@@ -140,20 +142,30 @@ class Trainer:
         return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted
 
 
-def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
+def train(config: Config, monitor: RankMonitor | None = None,
+          membership: Membership | None = None) -> dict[str, Any]:
     """Run a whole training job on this rank; returns a summary (losses, throughput).
 
     ``monitor`` (the launcher's per-rank heartbeat / hang watchdog) is told about every step.
+    ``membership`` (checkpoint.restart='in-process'): a step failing because a peer died is
+    followed by a rejoin and a restore in this process (:mod:`colonnade.training.inprocess`);
+    a replacement rank (generation > 0) restores instead of loading.
     """
     rt = init_runtime(config)
-    data = build_data(rt.config, rt.groups)
+    replacing = membership is not None and membership.generation > 0
+    data = build_data(rt.config, rt.groups, replacing)
     rt = dataclasses.replace(rt, config=with_data_vocab(  # vocab_size unset: the tokenizer's
         rt.config, rt.groups.world.size, data.vocab_size, rt.is_logger))
     cfg = rt.config
     trainer = Trainer(rt, data)
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
     check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
-    if ck.load or ck.init_from:
+    if replacing:  # this process replaces a dead rank: the same restore as the survivors'
+        assert membership is not None
+        note = restore(trainer, membership)
+        if rt.is_logger:
+            print(f"colonnade: in-process restart: {note}")
+    elif ck.load or ck.init_from:
         note = start_from(trainer, ck.load) if ck.load else init_weights(trainer, ck.init_from)
         if rt.is_logger:
             print(f"colonnade: {note}")
@@ -182,7 +194,22 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         while trainer.step < tr.steps:
             if monitor is not None:
                 monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
-            metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
+            failure = ""
+            try:
+                metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
+            except PEER_FAILURES as err:  # a peer died: rejoin and restore, or end the rank
+                if membership is None:
+                    raise
+                failure = str(err) or type(err).__name__
+            if failure:  # outside the except: its traceback (the step's handles) is gone
+                assert membership is not None
+                note = rejoin(trainer, membership, failure, monitor)
+                history = [r for r in history if r["step"] <= trainer.step]
+                if rt.is_logger:
+                    print(f"colonnade: {note}", flush=True)
+                window_start, window_steps = time.perf_counter(), 0
+                continue
+            after_step(membership, trainer.step, rt.is_logger)
             stop = int(metrics.pop("stop_signal"))  # every rank stops after this step
             window_steps += 1
             check_step(trainer, metrics)  # training.on_nan: raise or skip, before any save

@@ -58,29 +58,31 @@ def _find(trainer: Any, key: str) -> torch.nn.Parameter | None:
     return None
 
 
-def install(fault: Fault) -> None:
-    """Patch ``Trainer.train_step`` so that ``fault`` happens (idempotent per process)."""
+def install(fault: Fault | list[Fault]) -> None:
+    """Patch ``Trainer.train_step`` so that ``fault`` (or each of a list) happens (idempotent
+    per process: a new install replaces the faults of the previous one)."""
     from colonnade.training.loop import Trainer
 
     original = getattr(Trainer, "_unfaulted_train_step", Trainer.train_step)
     Trainer._unfaulted_train_step = original  # type: ignore[attr-defined]
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + _generation()
+    faults = fault if isinstance(fault, list) else [fault]
 
     def train_step(self: Any, batches: list[Any], signum: int = 0) -> dict[str, float]:
-        hit = (self.groups.rank == fault.rank and self.step + 1 == fault.step
-               and attempt == fault.attempt)
+        hit = next((f for f in faults if self.groups.rank == f.rank
+                    and self.step + 1 == f.step and attempt == f.attempt), None)
         handles = []
-        if hit and fault.kind == "hang":
+        if hit is not None and hit.kind == "hang":
             time.sleep(3600)
-        if hit and fault.kind == "stop":
+        if hit is not None and hit.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
-        if hit and fault.kind == "raise":
-            raise RuntimeError(f"injected failure on rank {fault.rank} at step {fault.step}")
-        if hit and fault.kind in ("nan", "kill"):
-            p = _find(self, fault.param)
+        if hit is not None and hit.kind == "raise":
+            raise RuntimeError(f"injected failure on rank {hit.rank} at step {hit.step}")
+        if hit is not None and hit.kind in ("nan", "kill"):
+            p = _find(self, hit.param)
             if p is None:  # this pp stage does not hold it: use its first parameter
                 p = next(iter(self.chunks[0].parameters()))
-            if fault.kind == "nan":
+            if hit.kind == "nan":
                 handles.append(p.register_hook(lambda g: torch.full_like(g, float("nan"))))
             else:
                 handles.append(p.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL)))
@@ -93,6 +95,23 @@ def install(fault: Fault) -> None:
     Trainer.train_step = train_step  # type: ignore[method-assign]
 
 
+def _generation() -> int:
+    """The in-process restart generation this process started in (0: an original rank; g: the
+    replacement started by the g-th in-process restart), read from the supervisor's store, so
+    a fault hits only the process it was meant for, not its replacement."""
+    from colonnade.reliability.rejoin import SUPERVISOR_KEY, read_generation
+
+    if "MASTER_PORT" not in os.environ or "TORCHELASTIC_USE_AGENT_STORE" not in os.environ:
+        return 0
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)
+    if not store.check([SUPERVISOR_KEY]):
+        return 0
+    return read_generation(store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
 def uninstall() -> None:
     """Undo :func:`install` (ranks of a persistent pool run later tests)."""
     from colonnade.training.loop import Trainer
@@ -102,28 +121,30 @@ def uninstall() -> None:
         Trainer.train_step = original  # type: ignore[method-assign]
 
 
-def faulty_rank(config: Config, fault: Fault) -> dict[str, Any]:
-    """A rank entry point: install the fault, then run the ordinary rank body."""
+def faulty_rank(config: Config, faults: Fault | list[Fault]) -> dict[str, Any]:
+    """A rank entry point: install the faults, then run the ordinary rank body."""
     from colonnade.launch import run_rank
 
-    install(fault)
+    install(faults)
     return run_rank(config)
 
 
 def main(argv: list[str]) -> int:
-    """``colonnade train`` with ``--fault kind:rank:step[:attempt[:param]]``."""
+    """``colonnade train`` with ``--fault kind:rank:step[:attempt[:param]]`` (repeatable)."""
     from colonnade.cli import build_parser
     from colonnade.config.load import load_config
     from colonnade.config.validate import resolve, validate
     from colonnade.launch import launch
 
-    i = argv.index("--fault")
-    fault = Fault.parse(argv[i + 1])
-    rest = argv[:i] + argv[i + 2:]
+    faults, rest = [], list(argv)
+    while "--fault" in rest:  # repeated: several faults
+        i = rest.index("--fault")
+        faults.append(Fault.parse(rest[i + 1]))
+        del rest[i:i + 2]
     args, extra = build_parser().parse_known_args(["train", *rest])
     world = args.nproc * args.nnodes
     config = validate(resolve(load_config(args.config, extra), world), world)
-    return launch(config, args, extra, entrypoint=faulty_rank, entry_args=(config, fault))
+    return launch(config, args, extra, entrypoint=faulty_rank, entry_args=(config, faults))
 
 
 if __name__ == "__main__":
