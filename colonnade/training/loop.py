@@ -73,6 +73,8 @@ class Trainer:
         """The loop's clock while :func:`train` runs (None before)."""
         self.resumed_elapsed_s = 0.0
         """Seconds of training the resumed checkpoint recorded (0 for a fresh start)."""
+        self.snapshots: MemorySnapshots | None = None
+        """The run's memory snapshots while :func:`train` runs (checkpoint.memory_interval)."""
 
     @property
     def elapsed_s(self) -> float:
@@ -158,7 +160,7 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
     check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
     info = monitor.info if monitor is not None else RankInfo.from_env()
-    snapshots = open_snapshots(trainer, info)
+    snapshots = trainer.snapshots = open_snapshots(trainer, info)
     restored = False
     if snapshots is not None and info.attempt > 0:  # a restart: the recovery ladder
         recovery = recover(trainer, snapshots, Path(ck.load) if ck.load else None)
