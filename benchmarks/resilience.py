@@ -1,4 +1,4 @@
-"""Memory snapshots and the recovery ladder: what they cost and what they save (issue 40).
+"""Memory snapshots and the recovery ladder: what they cost and what they save.
 
     .venv/bin/python benchmarks/resilience.py [--worlds 4 8] [--steps 40] [--json PATH]
 
