@@ -24,7 +24,9 @@ processes with the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR environmen
   dumped on timeout under ``logging.dir/failures``).
 * ``--max-restarts R``: the agent restarts every rank up to R times; a restarted rank resumes
   from the latest checkpoint under ``checkpoint.save``
-  (:func:`colonnade.reliability.startup.resume_config`).
+  (:func:`colonnade.reliability.startup.resume_config`), or, with
+  ``checkpoint.memory_interval`` > 0, by the recovery ladder: its own memory snapshot, its
+  partner's copy, then that checkpoint (:func:`colonnade.checkpoint.recovery.recover`).
 """
 
 from __future__ import annotations

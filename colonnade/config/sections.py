@@ -428,10 +428,11 @@ class CheckpointConfig:
     (torch's elastic agent stops every rank and starts them all again, resuming from the
     latest checkpoint); 'in-process' (the survivors keep their process, imported torch and
     built model, leave the broken process groups and rejoin new ones with a replacement for
-    the dead rank only, then every rank restores the latest checkpoint's state in memory and
-    goes on; a failure while rejoining falls back to a whole-job restart). Both spend one of
-    the R restarts per failure. 'in-process' needs a checkpoint to restore (checkpoint.save
-    with checkpoint.interval > 0) and one node (--nnodes 1)."""
+    the dead rank only, then every rank restores its state by the recovery ladder (memory
+    snapshot, partner's copy, disk checkpoint) and goes on; a failure while rejoining falls
+    back to a whole-job restart). Both spend one of the R restarts per failure. 'in-process'
+    needs a state to restore (checkpoint.memory_interval > 0, or checkpoint.save with
+    checkpoint.interval > 0) and one node (--nnodes 1)."""
     lr_schedule: str = "check"
     """On resume, when the LR schedule (training.steps, optim.lr, optim.min_lr,
     optim.warmup_steps, optim.decay and, for wsd, optim.decay_fraction / decay_shape) differs
@@ -446,6 +447,20 @@ class CheckpointConfig:
     state fresh (logged; Megatron's --no-load-optim, torchtitan's exclude_from_loading =
     ["optimizer"], applied only when the optimizer changes, so a later resume of the new run
     keeps its state)."""
+    memory_interval: int = 0
+    """Steps between in-memory snapshots (0: off; 1 recommended for long runs with
+    --max-restarts). Every N steps each rank copies its shard of the training state (model,
+    optimizer, step, data position, RNG, loss scaler) into memory_dir and sends a copy to a
+    partner rank (the same local rank on the next node; one node: the next rank), in the
+    background during the next step. After a failure the restarted job resumes from the newest
+    step held in memory (own copy, else the partner's) and falls back to the disk checkpoint
+    only when both copies of a rank's shard are gone. Cost per rank: two copies of its shard
+    of the state in host RAM (reported at start and by --dry-run); disk checkpoints go on as
+    before."""
+    memory_dir: str = "auto"
+    """Node-local directory (RAM-backed: tmpfs) holding the memory snapshots. 'auto':
+    /dev/shm/colonnade/<hash of checkpoint.save and logging.dir> where /dev/shm exists, else
+    the temp directory."""
 
 
 @dataclass(frozen=True, kw_only=True)

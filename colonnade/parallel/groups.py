@@ -335,6 +335,18 @@ class ProcessGroups:
                                      f"{mine.ranks}")
                 mine.rebind(theirs.pg)
 
+    def host_world(self, name: str, timeout_s: float) -> CommGroup:
+        """A new group of every rank on the gloo backend, for host-memory tensors moved by a
+        background thread (memory snapshots), with its own :class:`CommStats` so the training
+        groups' counters and the hang watchdog never see it. Collective: every rank calls it,
+        in the same order as every other group creation. One process: a group of one."""
+        stats = CommStats()
+        if self.world.size == 1:
+            return CommGroup(name, [0], None, stats, 0)
+        pg = dist.new_group(list(range(self.world.size)), backend="gloo",
+                            timeout=timedelta(seconds=timeout_s), group_desc=name)
+        return CommGroup(name, list(range(self.world.size)), pg, stats, self.rank)
+
     @classmethod
     def single(cls, dims: ParallelDims | None = None, cp_split: bool = False) -> ProcessGroups:
         """Groups of a single process: every group has size 1 and nothing communicates.

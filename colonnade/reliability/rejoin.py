@@ -29,11 +29,12 @@ supervisor then restarts the whole job (``--max-restarts`` permitting).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colonnade.parallel.comm import CommError
+from colonnade.parallel.comm import CommError, CommGroup
 from colonnade.parallel.groups import ProcessGroups
 
 SUPERVISOR_KEY = "colonnade/supervisor"
@@ -110,14 +111,20 @@ class Membership:
                                 world_size=self.world, timeout=timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)
 
-    def leave(self, groups: ProcessGroups) -> None:
+    def leave(self, groups: ProcessGroups, others: Sequence[CommGroup] = (),
+              drain: Callable[[], None] | None = None) -> None:
         """Leave every process group of this generation: ``groups`` drop them and abandon
         their operations in flight (:meth:`ProcessGroups.release`), then gloo destroys them
         and NCCL aborts them (see the module), and the collector frees them. Gloo closes a
         group's sockets only when the last reference to it is gone (destroying a group that
         something still holds leaves its peers blocked until the timeout): that is what makes
-        a survivor's peers that wait on it raise at once."""
+        a survivor's peers that wait on it raise at once. ``others``: groups made outside
+        ``groups`` (the memory snapshots' own group), released too; ``drain``: waits for a
+        background thread that used them (its error, a dead peer's, is dropped: the recovery
+        lists only complete snapshots)."""
         groups.release()
+        for group in others:
+            group.release()
         if dist.is_initialized():
             if self.backend == "nccl":
                 from torch.distributed.distributed_c10d import _abort_process_group
@@ -126,6 +133,10 @@ class Membership:
             else:
                 dist.destroy_process_group()
         gc.collect()
+        if drain is not None:
+            with contextlib.suppress(Exception):
+                drain()
+            gc.collect()
 
     def wait_next(self, beat: Callable[[], None] | None = None) -> int:
         """Wait for a generation newer than this one (the supervisor has started a replacement)

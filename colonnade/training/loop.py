@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from colonnade.checkpoint.finetune import check_tokenizers, init_weights
+from colonnade.checkpoint.memory import MemorySnapshots, memory_cost, own_bytes_all
+from colonnade.checkpoint.recovery import recover
 from colonnade.checkpoint.training_state import PendingSave, save_training, start_from
 from colonnade.config.choices import tied_across_stages
 from colonnade.config.load import config_to_toml
@@ -23,7 +27,7 @@ from colonnade.optim.qk_clip import qk_clip_of
 from colonnade.parallel.dims import layout_text
 from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
-from colonnade.reliability.monitor import RankMonitor
+from colonnade.reliability.monitor import RankInfo, RankMonitor
 from colonnade.reliability.nan import check_step
 from colonnade.reliability.rejoin import PEER_FAILURES, Membership
 from colonnade.training.inprocess import after_step, rejoin, restore
@@ -71,6 +75,8 @@ class Trainer:
         """The loop's clock while :func:`train` runs (None before)."""
         self.resumed_elapsed_s = 0.0
         """Seconds of training the resumed checkpoint recorded (0 for a fresh start)."""
+        self.snapshots: MemorySnapshots | None = None
+        """The run's memory snapshots while :func:`train` runs (checkpoint.memory_interval)."""
 
     @property
     def elapsed_s(self) -> float:
@@ -160,12 +166,20 @@ def train(config: Config, monitor: RankMonitor | None = None,
     trainer = Trainer(rt, data)
     tr, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
     check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
+    info = monitor.info if monitor is not None else RankInfo.from_env()
+    snapshots = trainer.snapshots = open_snapshots(trainer, info, replacing)
+    restored = False
     if replacing:  # this process replaces a dead rank: the same restore as the survivors'
         assert membership is not None
-        note = restore(trainer, membership)
+        note, restored = restore(trainer, membership), True
         if rt.is_logger:
             print(f"colonnade: in-process restart: {note}")
-    elif ck.load or ck.init_from:
+    elif snapshots is not None and info.attempt > 0:  # a restart: the recovery ladder
+        recovery = recover(trainer, snapshots, Path(ck.load) if ck.load else None)
+        restored = "none" not in recovery.sources
+        if rt.is_logger:
+            print(f"colonnade: restart {info.attempt}: {recovery.describe()}", flush=True)
+    if not restored and (ck.load or ck.init_from):
         note = start_from(trainer, ck.load) if ck.load else init_weights(trainer, ck.init_from)
         if rt.is_logger:
             print(f"colonnade: {note}")
@@ -213,6 +227,8 @@ def train(config: Config, monitor: RankMonitor | None = None,
             stop = int(metrics.pop("stop_signal"))  # every rank stops after this step
             window_steps += 1
             check_step(trainer, metrics)  # training.on_nan: raise or skip, before any save
+            if snapshots is not None and trainer.step < tr.steps and not stop:
+                snapshots.snapshot(trainer)  # staged now, written and sent during the next step
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
@@ -242,12 +258,50 @@ def train(config: Config, monitor: RankMonitor | None = None,
                 window_start, window_steps = time.perf_counter(), 0
             if stop:
                 break
+    if snapshots is not None:
+        snapshots.close()
     end_run(trainer, pending, stop, data.tokenizer, monitor)  # a signal now: noted, ignored
+    if snapshots is not None:
+        snapshots.clear()  # the disk holds the final state: free the node's memory
     stopper.restore()
     if writer is not None:
         writer.close()
     return {"history": history, "valid": valid_losses, "rank": rt.groups.rank,
             "interrupted": stop}
+
+
+def ranks_per_node(world: int) -> int:
+    """Ranks on each node: the launcher's LOCAL_WORLD_SIZE (torchrun and ``--nproc`` set it),
+    else the whole world (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def open_snapshots(trainer: Trainer, info: RankInfo, replacing: bool = False
+                   ) -> MemorySnapshots | None:
+    """The run's memory snapshots (checkpoint.memory_interval > 0; collective), else None.
+    A first start removes the snapshot files an earlier job left in memory_dir (they are a
+    cache of another job's memory, never a checkpoint); every start logs the memory cost.
+    ``replacing`` (a rank replacing a dead one in process, :mod:`colonnade.training.inprocess`):
+    only the snapshot group is made, as the survivors remake theirs; the files its
+    predecessor left are its memory rung, kept."""
+    cfg, groups = trainer.config, trainer.groups
+    if cfg.checkpoint.memory_interval <= 0:
+        return None
+    per_node = ranks_per_node(groups.world.size)
+    snaps = MemorySnapshots.create(trainer, info.run_id, per_node)
+    if replacing:
+        return snaps
+    cleared = snaps.clear() if info.attempt == 0 else 0
+    own = own_bytes_all(snaps, trainer)
+    held = memory_cost(own, per_node)
+    if groups.rank == 0:
+        mib = 2**20
+        print(f"colonnade: memory snapshots every {snaps.interval} step(s) in {snaps.dir}: "
+              f"{max(held) / mib:.2f} MiB per rank at most (own {own[0] / mib:.2f} MiB + a "
+              f"partner's copy; rank 0 sends {own[0] / snaps.interval / mib:.2f} MiB per step)"
+              + (f"; removed {cleared} snapshot file(s) of an earlier job" if cleared else ""),
+              flush=True)
+    return snaps
 
 
 def _first_eval(trainer: Trainer, writer: MetricsWriter | None, clock: RunClock
