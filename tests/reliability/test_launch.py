@@ -225,6 +225,47 @@ def test_max_restarts_recovers_from_memory_then_disk(corpus: tuple[Path, Path],
     print(f"kill to the next completed step (memory): {recovered_s:.1f} s ({first.strip()})")
 
 
+def test_in_process_restart_replaces_only_the_dead_rank(corpus: tuple[Path, Path],
+                                                        reference: dict[int, float],
+                                                        tmp_path: Path) -> None:
+    """--checkpoint.restart=in-process, memory snapshots every step, no disk checkpoint until
+    the end, two failures in a row in one job of 4 ranks (tp2 x dp2):
+
+    1. rank 2 SIGKILLs itself in step 5's backward with its snapshot files gone ('lose'): the
+       supervisor starts one replacement rank 2; ranks 0, 1, 3 leave their broken groups and
+       rejoin as generation 1 in the same processes; all continue from step 4 in memory, rank
+       2 from its partner rank 3's copy, no disk read;
+    2. rank 1 (an original process) is killed in step 7's backward: generation 2, from step 6.
+
+    Ranks 0 and 3 keep their pids to the end, ranks 1 and 2 are new processes, every loss
+    equals the uninterrupted run's bit for bit; prints the time from the first kill to the
+    next completed step (the job-restart path's is printed by the test above)."""
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, checkpoint__memory_interval=1,
+                     checkpoint__memory_dir=tmp_path / "mem", checkpoint__restart="in-process")
+    job = start(["--fault", "lose:2:5", "--fault", "kill:1:7", "--nproc", "4",
+                 "--max-restarts", "2", *args], tmp_path / "job.log",
+                module="tests.reliability.faults")
+    wait_until(lambda: all(heartbeat(tmp_path, r) for r in range(4)), "every rank beats",
+               JOB_TIMEOUT_S, job)
+    first = {r: (heartbeat(tmp_path, r) or {})["pid"] for r in range(4)}  # before step 5
+    status = job.wait(JOB_TIMEOUT_S)
+    out = job.output()
+    assert status == 0, out
+    last = {r: (heartbeat(tmp_path, r) or {})["pid"] for r in range(4)}
+    assert [last[r] == first[r] for r in range(4)] == [True, False, False, True], (first, last)
+    lines = [x for x in out.splitlines() if "in-process restart: rank 0 rejoined" in x]
+    assert len(lines) == 2, out
+    assert "generation 1" in lines[0] and "recovered from memory at step 4" in lines[0], lines
+    assert "rank(s) 2 from their partner's copy" in lines[0] and "no disk read" in lines[0]
+    assert "generation 2" in lines[1] and "recovered from memory at step 6" in lines[1], lines
+    got = losses(tmp_path)
+    assert got == reference, (got, reference)  # bit for bit
+    killed_at = float((tmp_path / "killed_at").read_text())
+    done = next(x for x in out.splitlines() if "step 5 completed" in x)
+    print(f"in-process restart, kill to the next completed step: {done} (killed at "
+          f"{killed_at:.1f})")
+
+
 def test_hung_rank_is_reported_before_the_collective_timeout(corpus: tuple[Path, Path],
                                                             tmp_path: Path) -> None:
     """Rank 1 blocks in Python at step 3: both ranks' watchdogs record the hang at watchdog_s,
