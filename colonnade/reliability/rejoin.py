@@ -91,6 +91,8 @@ class Membership:
     backend: str
     device: torch.device
     timeout_s: float
+    watch: GenerationWatch | None = field(default=None)
+    """NCCL: the thread that aborts the communicators when the generation moves."""
     rejoined_at: float | None = field(default=None)
     """``time.perf_counter()`` when the last failure was caught (None: none yet); the loop
     reports the time from it to the next completed step."""
@@ -125,13 +127,10 @@ class Membership:
         groups.release()
         for group in others:
             group.release()
-        if dist.is_initialized():
-            if self.backend == "nccl":
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group()
-            else:
-                dist.destroy_process_group()
+        if self.backend == "nccl":
+            abort_communicators()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
         gc.collect()
         if drain is not None:
             with contextlib.suppress(Exception):
@@ -174,7 +173,19 @@ def join_job(backend: str, device: torch.device, timeout_s: float) -> Membership
     member = Membership(store, rank, world, attempt, read_generation(store, attempt), backend,
                         device, timeout_s)
     member.init()
+    if backend == "nccl":  # a dead peer does not make an NCCL call raise: watch the store
+        member.watch = GenerationWatch(store.clone(), member, abort_communicators).start()
     return member
+
+
+def abort_communicators() -> None:
+    """Abort every NCCL communicator of this process (``ncclCommAbort`` inside one
+    ncclGroupStart/End), from the watch thread: the main thread's pending NCCL work fails, so
+    its next synchronising call raises and the rank rejoins. A no-op once they are gone."""
+    if dist.is_initialized():
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
 
 
 class GenerationWatch:

@@ -44,6 +44,10 @@ from colonnade.reliability.rejoin import (
     ready_key,
 )
 
+IN_PROCESS_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""Torch's NCCL watchdog, on a failed or timed-out collective, aborts the communicators and
+lets the process live (2, 'clean up only'; the job-restart path's 3 ends the process): the
+host call then raises and the rank rejoins. A hang is still ended by ``parallel.timeout_s``."""
 POLL_S = 0.05
 """How often the supervisor looks at its ranks (seconds)."""
 BAD_INPUT = 2
@@ -99,7 +103,7 @@ class Supervisor:
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(self.attempt),
                 "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_MAX_RESTARTS":
-                str(self.max_restarts)}
+                str(self.max_restarts), **IN_PROCESS_NCCL_ENV}
 
     def spawn(self, rank: int) -> None:
         """Start rank ``rank`` (of the current attempt and generation)."""
