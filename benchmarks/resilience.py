@@ -14,7 +14,9 @@ For the tiny Llama (2 layers, hidden 32, seq 16) at tp2 x dp(world/2), real jobs
    ``--checkpoint.memory_interval=1`` (rank 1 restores from its partner's copy); disk (today's
    restart): ``--checkpoint.interval=5``, no snapshots. Reported: the seconds from the kill to
    the next completed step (rank 0's heartbeat of the restarted attempt begins step
-   kill + 1), and the completed steps lost (recomputed).
+   kill + 1), and the completed steps lost (recomputed). In process
+   (``--checkpoint.restart=in-process`` with memory snapshots): only rank 1 is replaced, the
+   others rejoin in their processes; until rank 0 reports the next completed step.
 
 This machine is shared and noisy: compare the ratios of one run, not absolute times.
 Writes benchmarks/results/resilience.json.
@@ -88,12 +90,17 @@ def overhead(data: tuple[Path, Path], work: Path, world: int, steps: int) -> dic
     return out
 
 
-def recovery(data: tuple[Path, Path], work: Path, world: int, memory: bool) -> dict[str, Any]:
-    """Kill rank 1 at step KILL_STEP; seconds to the next completed step, steps lost."""
-    name = "memory" if memory else "disk"
+def recovery(data: tuple[Path, Path], work: Path, world: int, memory: bool,
+             in_process: bool = False) -> dict[str, Any]:
+    """Kill rank 1 at step KILL_STEP; seconds to the next completed step, steps lost.
+    ``in_process``: --checkpoint.restart=in-process (memory snapshots): only rank 1 is
+    replaced; the next completed step is the one rank 0 reports after the rejoin."""
+    name = "in-process" if in_process else "memory" if memory else "disk"
     run, mem = work / f"w{world}-recover-{name}", work / f"mem{world}-{name}"
     extra: dict[str, Any] = ({"checkpoint__memory_interval": 1, "checkpoint__memory_dir": mem}
                              if memory else {"checkpoint__interval": DISK_INTERVAL})
+    if in_process:
+        extra["checkpoint__restart"] = "in-process"
     log = run.with_suffix(".log")
     proc = _job(["--max-restarts", "1", *_args(data, run, world, KILL_STEP + 4, **extra)], log)
     deadline = time.monotonic() + BACKSTOP_S
@@ -108,14 +115,22 @@ def recovery(data: tuple[Path, Path], work: Path, world: int, memory: bool) -> d
         path.unlink(missing_ok=True)
     for path in mem.glob("*.peer-on00001.*"):
         path.unlink(missing_ok=True)
-    while int((heartbeat(run, 0, attempt=1) or {}).get("step", 0)) < KILL_STEP + 1:
+    def recovered() -> bool:
+        if in_process:
+            return "s after the failure" in log.read_text(errors="replace")
+        return int((heartbeat(run, 0, attempt=1) or {}).get("step", 0)) >= KILL_STEP + 1
+
+    while not recovered():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(log.read_text(errors="replace")[-3000:])
         time.sleep(0.01)
     seconds = time.time() - killed
     text = _finish(proc, log)
     lines = text.splitlines()
-    if memory:
+    if in_process:
+        line = next(x for x in lines if "rejoined as generation 1" in x)
+        step = int(re.search(r"recovered from \w+ at step (\d+)", line).group(1))  # type: ignore[union-attr]
+    elif memory:
         line = next(x for x in lines if "restart 1: recovered" in x)
         step = int(re.search(r"at step (\d+)", line).group(1))  # type: ignore[union-attr]
     else:
@@ -143,16 +158,19 @@ def main() -> None:
     report: dict[str, Any] = {"model": "tiny llama (2 layers, hidden 32, seq 16), tp2 x dp",
                               "kill_step": KILL_STEP, "disk_interval": DISK_INTERVAL}
     print(f"{'ranks':>5} {'step s':>8} {'+snap s':>8} {'overhead':>9} {'MiB/rank':>9} "
-          f"{'mem recov s':>11} {'disk recov s':>12} {'lost mem':>8} {'lost disk':>9}")
+          f"{'mem recov s':>11} {'disk recov s':>12} {'in-proc s':>9} {'lost mem':>8} "
+          f"{'lost disk':>9}")
     for world in args.worlds:
         row = {**overhead(data, work, world, args.steps),
                "memory": recovery(data, work, world, True),
-               "disk": recovery(data, work, world, False)}
+               "disk": recovery(data, work, world, False),
+               "in_process": recovery(data, work, world, True, in_process=True)}
         report[f"world{world}"] = row
         print(f"{world:>5} {row['step_s_memory0']:>8.4f} {row['step_s_memory1']:>8.4f} "
               f"{100 * row['overhead']:>8.1f}% {row.get('held_mib_per_rank', 0):>9.2f} "
               f"{row['memory']['kill_to_next_step_s']:>11.1f} "
-              f"{row['disk']['kill_to_next_step_s']:>12.1f} {row['memory']['steps_lost']:>8} "
+              f"{row['disk']['kill_to_next_step_s']:>12.1f} "
+              f"{row['in_process']['kill_to_next_step_s']:>9.1f} {row['memory']['steps_lost']:>8} "
               f"{row['disk']['steps_lost']:>9}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))

@@ -351,7 +351,7 @@ def launch_in_process(config: Config, args: argparse.Namespace,
                                 run_id)
     finally:
         watch.stop()
-    if status == 1:
+    if status in (1, 2):
         line = _one_line_failure(config.logging.dir, run_id, since)
         print(line or failure_report(config.logging.dir, run_id=run_id, since=since),
               file=sys.stderr, flush=True)
