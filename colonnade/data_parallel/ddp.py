@@ -372,6 +372,9 @@ class DataParallel:
         everything they fed, and the next :meth:`zero_grad` starts a clean step."""
         if self.grad_shards is not None:
             self.grad_shards.abandon()
+        if self.param_shards is not None:  # ZeRO-3: no bucket stays gathered
+            self.param_shards.abandon()
+        self._gather_handles = [None] * len(self.buckets)
 
     def zero_grad(self) -> None:
         """Start a step: drop every ``param.grad`` and forget the previous step's sync state.
