@@ -24,7 +24,9 @@ processes with the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR environmen
   dumped on timeout under ``logging.dir/failures``).
 * ``--max-restarts R``: the agent restarts every rank up to R times; a restarted rank resumes
   from the latest checkpoint under ``checkpoint.save``
-  (:func:`colonnade.reliability.startup.resume_config`).
+  (:func:`colonnade.reliability.startup.resume_config`), or, with
+  ``checkpoint.memory_interval`` > 0, by the recovery ladder: its own memory snapshot, its
+  partner's copy, then that checkpoint (:func:`colonnade.checkpoint.recovery.recover`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,12 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
         config, note = resume_config(config, info.attempt)
         if note and info.rank == 0 and info.attempt > 0:  # the first note: the CLI's preflight
             print(f"colonnade: {note}", flush=True)
-        init_distributed(config)
-        result = train(config, monitor=monitor)
+        member = None
+        if config.checkpoint.restart == "in-process" and world > 1:
+            member = join_rejoinable(config)  # the supervisor's store, this generation
+        else:
+            init_distributed(config)
+        result = train(config, monitor=monitor, membership=member)
         ok = True
     except BaseException as exc:
         monitor.record_failure(exc)
@@ -84,6 +90,19 @@ def run_rank(config: Config, launched: bool = False) -> dict[str, Any]:
     if result.get("interrupted") and launched:
         _exit_soon(128 + int(result["interrupted"]))
     return {"valid": result["valid"], "interrupted": result.get("interrupted", 0)}
+
+
+def join_rejoinable(config: Config) -> Any:
+    """Join the job as a rank that can rejoin after a peer's death
+    (:func:`colonnade.reliability.rejoin.join_job`); returns its membership."""
+    import os
+
+    from colonnade.device import backend_for, pick_device
+    from colonnade.reliability.rejoin import join_job
+
+    device = pick_device(config.training.device, int(os.environ.get("LOCAL_RANK", "0")))
+    return join_job(backend_for(device, config.parallel.backend), device,
+                    config.parallel.timeout_s)
 
 
 def own_progress_lock() -> None:
@@ -129,6 +148,10 @@ def expected_failure(err: BaseException) -> int | None:
     names = {cls.__name__ for cls in type(err).__mro__}
     if names & set(EXPECTED):
         return 2
+    if "RejoinError" in names:  # the supervisor restarts the whole job
+        from colonnade.reliability.rejoin import REJOIN_FAILED
+
+        return REJOIN_FAILED
     return 1 if "NonFiniteError" in names else None
 
 
@@ -261,10 +284,15 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
     from colonnade.reliability.watch import HeartbeatWatch
 
     problems = check_launch_args(args)
+    if config.checkpoint.restart == "in-process" and args.nnodes > 1:
+        problems.append(f"--checkpoint.restart=in-process runs on one node (--nnodes="
+                        f"{args.nnodes}): use --checkpoint.restart=job for several nodes.")
     if problems:
         print("colonnade: invalid launch arguments:\n" + "\n".join(f"  - {p}" for p in problems),
               file=sys.stderr)
         return 2
+    if config.checkpoint.restart == "in-process" and args.nproc > 1:
+        return launch_in_process(config, args, entrypoint, entry_args)
     lc = launch_config(args)
     since = time.time()
     quiet_agent_warnings()
@@ -298,3 +326,37 @@ def launch(config: Config, args: argparse.Namespace, overrides: list[str] | None
     stopped = max((int((r or {}).get("interrupted", 0)) if isinstance(r, dict) else 0
                    for r in (results or {}).values()), default=0)
     return 128 + stopped if stopped else 0
+
+
+def launch_in_process(config: Config, args: argparse.Namespace,
+                      entrypoint: Callable[..., Any] = run_rank,
+                      entry_args: tuple[Any, ...] | None = None) -> int:
+    """:func:`launch` under ``checkpoint.restart='in-process'``: the ranks run under the local
+    :mod:`~colonnade.reliability.supervisor`, which replaces a dead rank while the others stay
+    alive and rejoin; the same exit statuses and failure report as :func:`launch`."""
+    from colonnade.reliability.monitor import watchdog_seconds
+    from colonnade.reliability.report import failure_report
+    from colonnade.reliability.startup import set_torch_nccl_env
+    from colonnade.reliability.supervisor import supervise
+    from colonnade.reliability.watch import HeartbeatWatch
+
+    since = time.time()
+    set_torch_nccl_env(config.logging.dir)
+    run_id = f"colonnade-{uuid.uuid4().hex[:8]}"
+    watch = HeartbeatWatch(config.logging.dir, run_id, since, watchdog_seconds(config.parallel),
+                           range(args.nproc))
+    watch.start()
+    try:
+        status, _ = supervise(args.nproc, args.max_restarts, entrypoint,
+                                entry_args if entry_args is not None else (config, True),
+                                run_id)
+    finally:
+        watch.stop()
+    if status in (1, 2):
+        line = _one_line_failure(config.logging.dir, run_id, since)
+        print(line or failure_report(config.logging.dir, run_id=run_id, since=since),
+              file=sys.stderr, flush=True)
+        return 2 if line else 1
+    if status > 128:
+        print(_stopped_line(config, status - 128), file=sys.stderr, flush=True)
+    return status

@@ -107,6 +107,22 @@ def memory_lines(config: Config, world: int) -> list[str]:
     return lines
 
 
+def snapshot_line(config: Config, world: int) -> str | None:
+    """checkpoint.memory_interval > 0: host RAM per rank of the memory snapshots on the fullest
+    stage (planner's model): own = the owned parameters (ZeRO-1/2: 1/shard of them) + the
+    optimizer state; held = own + the partner's copy of its source's; None when off."""
+    every = config.checkpoint.memory_interval
+    if every <= 0:
+        return None
+    layout = Layout.from_config(config, world)
+    mem = memory_per_device(Workload.from_config(config), layout)
+    own = mem.params / (layout.shard if layout.zero in (1, 2) else 1) + mem.optimizer
+    unit, size = ("GiB", GIB) if own >= GIB / 10 else ("MiB", 2**20)
+    return (f"memory snapshots every {every} step(s): own {own / size:.3f} {unit} + a "
+            f"partner's copy {own / size:.3f} {unit} = {2 * own / size:.3f} {unit} host RAM "
+            f"per rank, {own / every / size:.3f} {unit}/step sent to the partner")
+
+
 def cp_line(config: Config, world: int) -> str | None:
     """'cp: 2 (ring, zigzag): activations x1/2 ..., ring p2p N MB/step, exposed ~X ms on C'
     (None at cp = 1)."""
@@ -271,7 +287,8 @@ def dry_run(config: Config, world: int) -> str:
         f"{dims.dp}); {tr.steps} steps = {tr.steps * tokens:,} tokens",
         *memory_lines(config, world),
         *moe_lines(config, world),
-        *[line for line in (cp_line(config, world), memory_limit_line(config, world)) if line],
+        *[line for line in (cp_line(config, world), memory_limit_line(config, world),
+                            snapshot_line(config, world)) if line],
         *data_lines(config),
     ]
     return "\n".join(lines)

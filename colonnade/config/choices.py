@@ -49,6 +49,8 @@ OPTIMIZER_SWITCHES: tuple[str, ...] = ("check", "reset")
 """checkpoint.optimizer_switch: what a resume does when the checkpoint's optimizer differs."""
 ON_EXISTING: tuple[str, ...] = ("auto", "resume", "overwrite", "refuse")
 """checkpoint.on_existing: what a run does with a checkpoint directory that already exists."""
+RESTART_MODES: tuple[str, ...] = ("job", "in-process")
+"""checkpoint.restart: how a failed rank is replaced (colonnade.reliability.supervisor)."""
 ERROR_POLICIES: tuple[str, ...] = ("strict", "skip")
 """data.errors: fail listing every unreadable document, or leave them out (data/corpus.py)."""
 DATA_FORMATS: tuple[str, ...] = ("text", "sft")

@@ -448,6 +448,16 @@ class CheckpointConfig:
     checkpoint is committed (until then they stay as they were, named in
     <save>/replacing.json, and a restart or re-run never resumes from them); 'refuse' stops.
     A run whose latest checkpoint already reached training.steps exits 0 without training."""
+    restart: str = "job"
+    """How `colonnade train --nproc N --max-restarts R` recovers from a dead rank: 'job'
+    (torch's elastic agent stops every rank and starts them all again, resuming from the
+    latest checkpoint); 'in-process' (the survivors keep their process, imported torch and
+    built model, leave the broken process groups and rejoin new ones with a replacement for
+    the dead rank only, then every rank restores its state by the recovery ladder (memory
+    snapshot, partner's copy, disk checkpoint) and goes on; a failure while rejoining falls
+    back to a whole-job restart). Both spend one of the R restarts per failure. 'in-process'
+    needs a state to restore (checkpoint.memory_interval > 0, or checkpoint.save with
+    checkpoint.interval > 0) and one node (--nnodes 1)."""
     lr_schedule: str = "check"
     """On resume, when the LR schedule (training.steps, optim.lr, optim.min_lr,
     optim.warmup_steps, optim.decay and, for wsd, optim.decay_fraction / decay_shape) differs

@@ -38,6 +38,7 @@ from colonnade.config.choices import (
     PRECISIONS,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODES,
+    RESTART_MODES,
     SCHEDULES,
     WSD_SHAPES,
 )
@@ -168,6 +169,7 @@ def _choices(c: Config, _: int | None) -> list[str]:
         ("checkpoint.lr_schedule", c.checkpoint.lr_schedule, LR_SCHEDULE_POLICIES),
         ("checkpoint.optimizer_switch", c.checkpoint.optimizer_switch, OPTIMIZER_SWITCHES),
         ("checkpoint.on_existing", c.checkpoint.on_existing, ON_EXISTING),
+        ("checkpoint.restart", c.checkpoint.restart, RESTART_MODES),
         ("data.errors", c.data.errors, ERROR_POLICIES),
         ("data.format", c.data.format, DATA_FORMATS),
         ("parallel.grad_reduce_dtype", c.parallel.grad_reduce_dtype, GRAD_REDUCE_DTYPES),
@@ -463,6 +465,15 @@ def _reliability(c: Config, _: int | None) -> list[str]:
         out.append(f"parallel.watchdog_s={p.watchdog_s} must be < parallel.timeout_s="
                    f"{p.timeout_s}: the hang detector reports before the collective timeout "
                    "ends the rank; unset it (0.8 x timeout_s) or lower it.")
+    ck = c.checkpoint
+    if ck.restart == "in-process" and ck.memory_interval < 1 and (not ck.save
+                                                                    or ck.interval < 1):
+        out.append(f"checkpoint.restart='in-process' needs a state to restore after a "
+                   f"failure (checkpoint.memory_interval={ck.memory_interval}, "
+                   f"checkpoint.save={ck.save}, checkpoint.interval={ck.interval}): set "
+                   "--checkpoint.memory_interval=1 (memory snapshots, recommended) or "
+                   "--checkpoint.interval=N (N > 0) with checkpoint.save unset or a directory, "
+                   "or use --checkpoint.restart=job.")
     return out
 
 

@@ -366,6 +366,16 @@ class DataParallel:
             return self.owned_grads()
         return [p.grad.view(-1) for p in self.buffers.params]  # type: ignore[union-attr]
 
+    def abandon_step(self) -> None:
+        """A peer died mid-step (in-process restart): forget this step's reductions in flight
+        (their handles were abandoned with their groups); the restored state replaces
+        everything they fed, and the next :meth:`zero_grad` starts a clean step."""
+        if self.grad_shards is not None:
+            self.grad_shards.abandon()
+        if self.param_shards is not None:  # ZeRO-3: no bucket stays gathered
+            self.param_shards.abandon()
+        self._gather_handles = [None] * len(self.buckets)
+
     def zero_grad(self) -> None:
         """Start a step: drop every ``param.grad`` and forget the previous step's sync state.
 

@@ -285,6 +285,12 @@ class GradShards:
                                                                   "grad_shard_replicas"))
             start = index
 
+    def abandon(self) -> None:
+        """Forget the reduce-scatters in flight (their groups were released after a peer's
+        death; the state is restored after the rejoin), so the next :meth:`zero_grad` starts
+        clean."""
+        self._pending.clear()
+
     def zero_grad(self) -> None:
         """Zero the shard gradient and forget partial buckets (the step's start)."""
         if self._pending:

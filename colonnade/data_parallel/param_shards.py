@@ -197,6 +197,16 @@ class ParamShards:
             self.buffers.free_bucket(index)
             self.gathered_bytes -= self._bytes[index]
 
+    def abandon(self) -> None:
+        """A peer died mid-step (in-process restart; the gathers in flight were abandoned with
+        their groups): free every gathered bucket and forget the step's arrivals, so every
+        rank, the replacement too, starts the next step with none gathered."""
+        self.free_all()
+        self._live.clear()
+        for arrived in self._arrived:
+            arrived.clear()
+        self._task = [-1] * len(self._task)
+
     def gather_all(self) -> None:
         """Gather every bucket (to read full weights outside a forward; prefer :meth:`gather`
         of one bucket at a time where memory matters)."""

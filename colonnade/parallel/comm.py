@@ -23,6 +23,7 @@ written its report.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -95,6 +96,13 @@ class Handle:
         """Whether the operation has finished, without blocking."""
         return self._work is None or bool(self._work.is_completed())
 
+    def abandon(self) -> None:
+        """Forget the backend work (its group was released after a peer's death,
+        :meth:`CommGroup.release`): ``wait`` returns at once; what the operation was to
+        produce is garbage, and the state it fed is restored after the rejoin."""
+        self._work = None
+        self.done = True
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -115,9 +123,31 @@ class CommGroup:
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
         self.coalesces = coalesces(pg)
         """Whether the backend runs a ``batch_isend_irecv`` as one group (:func:`coalesces`)."""
+        self._inflight: weakref.WeakSet[Handle] = weakref.WeakSet()
+        """Asynchronous operations posted and not yet waited (abandoned by :meth:`release`)."""
 
     def __repr__(self) -> str:
         return f"CommGroup({self.name}, ranks={self.ranks})"
+
+    def rebind(self, pg: Any) -> None:
+        """Use process group ``pg`` from now on (same name and ranks): an in-process restart
+        (:mod:`colonnade.reliability.rejoin`) replaces a broken group by the next
+        generation's, and whatever holds this CommGroup (layers, buffers, optimizer) keeps
+        working without being rebuilt. Counters (``stats``) carry on."""
+        self.pg = pg
+        self.clock = clock_for(pg)
+        self.coalesces = coalesces(pg)
+
+    def release(self) -> None:
+        """Drop this group's process group and abandon its operations in flight
+        (:meth:`Handle.abandon`), so nothing in this process references the broken
+        communicator any more: on gloo its sockets close once it is collected, and a peer
+        blocked on this rank raises instead of waiting for the timeout. Every call until
+        :meth:`rebind` would run on no group: none is made (the rank is rejoining)."""
+        for handle in list(self._inflight):
+            handle.abandon()
+        self._inflight.clear()
+        self.pg = None
 
     def error(self, op: str, err: BaseException, started: float | None = None) -> CommError:
         """Wrap a backend failure with the group, ranks and operation named, plus a diagnosis.
@@ -154,7 +184,9 @@ class CommGroup:
         except Exception as err:
             raise self.error(f"{op}({name})", err, start) from err
         if async_op:
-            return Handle(work, self, f"{op}({name})", entry, seq, posted)
+            handle = Handle(work, self, f"{op}({name})", entry, seq, posted)
+            self._inflight.add(handle)
+            return handle
         # blocking: the whole time is exposed (on NCCL: settled when the end event completes)
         self.stats.complete(Timing(entry, seq, posted, posted, self.clock.mark(), None),
                             self.clock.host_blocking)
@@ -275,7 +307,9 @@ class CommGroup:
                 works += [dist.irecv(t, peer, group=self.pg) for t, peer in recvs]
         except Exception as err:
             raise self.error(f"p2p({name})", err, start) from err
-        return Handle(_WorkList(works), self, f"p2p({name})", entry, seq, posted)
+        handle = Handle(_WorkList(works), self, f"p2p({name})", entry, seq, posted)
+        self._inflight.add(handle)
+        return handle
 
 
 class _WorkList:

@@ -51,6 +51,7 @@ process group; a group of one rank has none (:class:`CommGroup` does nothing on 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -307,6 +308,32 @@ class ProcessGroups:
     def pp_peer(self, stage: int) -> int:
         """Global rank of pipeline stage ``stage`` (mod pp) with this rank's other coordinates."""
         return self.pp.ranks[stage % self.pp.size]
+
+    def _comm_groups(self) -> list[CommGroup]:
+        return [g for f in dataclasses.fields(self)
+                if isinstance(g := getattr(self, f.name), CommGroup)]
+
+    def release(self) -> None:
+        """After a peer's death: every group drops its process group and abandons its
+        operations in flight (:meth:`CommGroup.release`), until :meth:`adopt`."""
+        for group in self._comm_groups():
+            group.release()
+
+    def adopt(self, fresh: ProcessGroups) -> None:
+        """Rebind every group of this rank, in place, to ``fresh``'s process groups (the same
+        layout built again on a new default group, after an in-process restart): each
+        :class:`CommGroup` object stays the one the model, buffers and optimizer hold; only
+        its process group changes (:meth:`CommGroup.rebind`)."""
+        if fresh.dims != self.dims or fresh.rank != self.rank:
+            raise ValueError(f"cannot adopt the groups of {fresh.dims.describe()} rank "
+                             f"{fresh.rank} into {self.dims.describe()} rank {self.rank}")
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(fresh, f.name)
+            if isinstance(mine, CommGroup) and isinstance(theirs, CommGroup):
+                if mine.ranks != theirs.ranks:
+                    raise ValueError(f"group '{f.name}' has ranks {theirs.ranks}, not "
+                                     f"{mine.ranks}")
+                mine.rebind(theirs.pg)
 
     def host_world(self, name: str, timeout_s: float) -> CommGroup:
         """A new group of every rank on the gloo backend, for host-memory tensors moved by a

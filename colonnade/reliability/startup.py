@@ -195,11 +195,12 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
     replacing = pending_replacement(save)
     if replacing is not None:
         return _replacing_start(config, attempt, replacing)
+    memory = ", unless the memory snapshots hold a newer step" if ck.memory_interval else ""
     if latest is None:
         if attempt > 0:
             start = ck.load or ck.init_from or "scratch"
             return config, (f"restart {attempt}: no committed checkpoint under checkpoint.save="
-                            f"{save}; starting again from {start}")
+                            f"{save}; starting again from {start}{memory}")
         return _with_load(config, ck.load, "") if ck.load else (config, "")
     if attempt == 0 and ck.on_existing == "overwrite":
         return _with_load(config, ck.load, "") if ck.load else (config, "")
@@ -218,7 +219,7 @@ def resume_config(config: Config, attempt: int) -> tuple[Config, str]:
             "it saves)"
             + (" or =resume to continue from them on this data" if resumable else "") + ".")
     prefix = f"restart {attempt}: resuming" if attempt > 0 else "resuming"
-    return _with_load(config, save, f"{prefix} from {latest}")
+    return _with_load(config, save, f"{prefix} from {latest}{memory if attempt else ''}")
 
 
 def _replacing_start(config: Config, attempt: int, names: list[str]) -> tuple[Config, str]:

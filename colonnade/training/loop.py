@@ -42,8 +42,10 @@ from colonnade.pipeline.plan import Batch, ExecOptions, StepPlan
 from colonnade.reliability.interrupt import StopRequest
 from colonnade.reliability.monitor import RankInfo, RankMonitor
 from colonnade.reliability.nan import check_step
+from colonnade.reliability.rejoin import PEER_FAILURES, Membership
 from colonnade.reliability.straggler import StepTimer, StragglerWatch
 from colonnade.tensor_parallel.float8 import kernel_for
+from colonnade.training.inprocess import after_step, rejoin, restore
 from colonnade.training.lifecycle import begin_run, end_run, write_run_config
 from colonnade.training.metrics import (
     MetricsWriter,
@@ -90,6 +92,8 @@ class Trainer:
         """Seconds of training the resumed checkpoint recorded (0 for a fresh start)."""
         self.timer: StepTimer | None = None
         """Marks the parts of each step for straggler detection (None: off)."""
+        self.snapshots: MemorySnapshots | None = None
+        """The run's memory snapshots while :func:`train` runs (checkpoint.memory_interval)."""
 
     @property
     def elapsed_s(self) -> float:
@@ -171,13 +175,18 @@ class Trainer:
         return mean_loss(losses, self.groups, self.rt.device, batches)  # token-weighted
 
 
-def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
+def train(config: Config, monitor: RankMonitor | None = None,
+          membership: Membership | None = None) -> dict[str, Any]:
     """Run a whole training job on this rank; returns a summary (losses, throughput).
 
     ``monitor`` (the launcher's per-rank heartbeat / hang watchdog) is told about every step.
+    ``membership`` (checkpoint.restart='in-process'): a step failing because a peer died is
+    followed by a rejoin and a restore in this process (:mod:`colonnade.training.inprocess`);
+    a replacement rank (generation > 0) restores instead of loading.
     """
     rt = init_runtime(config)
-    data = build_data(rt.config, rt.groups)
+    replacing = membership is not None and membership.generation > 0
+    data = build_data(rt.config, rt.groups, replacing)
     rt = dataclasses.replace(rt, config=with_data_vocab(  # vocab_size unset: the tokenizer's
         rt.config, rt.groups.world.size, data.vocab_size, rt.is_logger))
     cfg = rt.config
@@ -187,9 +196,14 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
     trainer.timer = watch.timer if watch is not None else None
     check_tokenizers(cfg, data.tokenizer)  # the data's against blend's and the checkpoint's
     info = monitor.info if monitor is not None else RankInfo.from_env()
-    snapshots = open_snapshots(trainer, info)
+    snapshots = trainer.snapshots = open_snapshots(trainer, info, replacing)
     restored = False
-    if snapshots is not None and info.attempt > 0:  # a restart: the recovery ladder
+    if replacing:  # this process replaces a dead rank: the same restore as the survivors'
+        assert membership is not None
+        note, restored = restore(trainer, membership), True
+        if rt.is_logger:
+            print(f"colonnade: in-process restart: {note}")
+    elif snapshots is not None and info.attempt > 0:  # a restart: the recovery ladder
         recovery = recover(trainer, snapshots, Path(ck.load) if ck.load else None)
         restored = "none" not in recovery.sources
         if rt.is_logger:
@@ -227,7 +241,22 @@ def train(config: Config, monitor: RankMonitor | None = None) -> dict[str, Any]:
         while trainer.step < tr.steps:
             if monitor is not None:
                 monitor.beat(trainer.step + 1, rt.groups.stats)  # step in progress, as logged
-            metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
+            failure = ""
+            try:
+                metrics = trainer.train_step(trainer.next_batches(), stopper.signum)
+            except PEER_FAILURES as err:  # a peer died: rejoin and restore, or end the rank
+                if membership is None:
+                    raise
+                failure = str(err) or type(err).__name__
+            if failure:  # outside the except: its traceback (the step's handles) is gone
+                assert membership is not None
+                note = rejoin(trainer, membership, failure, monitor)
+                history = [r for r in history if r["step"] <= trainer.step]
+                if rt.is_logger:
+                    print(f"colonnade: {note}", flush=True)
+                window_start, window_steps = time.perf_counter(), 0
+                continue
+            after_step(membership, trainer.step, rt.is_logger)
             stop = int(metrics.pop("stop_signal"))  # every rank stops after this step
             window_steps += 1
             check_step(trainer, metrics)  # training.on_nan: raise or skip, before any save
@@ -289,15 +318,21 @@ def ranks_per_node(world: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 
-def open_snapshots(trainer: Trainer, info: RankInfo) -> MemorySnapshots | None:
+def open_snapshots(trainer: Trainer, info: RankInfo, replacing: bool = False
+                   ) -> MemorySnapshots | None:
     """The run's memory snapshots (checkpoint.memory_interval > 0; collective), else None.
     A first start removes the snapshot files an earlier job left in memory_dir (they are a
-    cache of another job's memory, never a checkpoint); every start logs the memory cost."""
+    cache of another job's memory, never a checkpoint); every start logs the memory cost.
+    ``replacing`` (a rank replacing a dead one in process, :mod:`colonnade.training.inprocess`):
+    only the snapshot group is made, as the survivors remake theirs; the files its
+    predecessor left are its memory rung, kept."""
     cfg, groups = trainer.config, trainer.groups
     if cfg.checkpoint.memory_interval <= 0:
         return None
     per_node = ranks_per_node(groups.world.size)
     snaps = MemorySnapshots.create(trainer, info.run_id, per_node)
+    if replacing:
+        return snaps
     cleared = snaps.clear() if info.attempt == 0 else 0
     own = own_bytes_all(snaps, trainer)
     held = memory_cost(own, per_node)

@@ -209,11 +209,15 @@ def _without_reuse(say: Callable[[str], None]) -> Callable[[str], None]:
     return lambda line: None if line.startswith(REUSE_LINE) else say(line)
 
 
-def build_data(config: Config, groups: ProcessGroups) -> Data:
+def build_data(config: Config, groups: ProcessGroups, replacing: bool = False) -> Data:
     """Datasets and sampler. Data is prepared only when :func:`data_plan` says so
-    (:func:`prepare_once`); otherwise the prepared dir is used as it is."""
+    (:func:`prepare_once`); otherwise the prepared dir is used as it is. ``replacing``: this
+    rank replaces a dead one in a running job (in-process restart), whose data is prepared:
+    it reuses the build without waiting for rank 0 (which is training, not preparing)."""
     plan = data_plan(config)
-    if plan.action == "prepare":
+    if plan.action == "prepare" and replacing:
+        prepare_data(config, log=False)
+    elif plan.action == "prepare":
         prepare_once(config, groups)
     out = plan.prepared_dir
     seq, frac = config.training.seq_len, config.data.valid_fraction

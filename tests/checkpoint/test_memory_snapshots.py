@@ -15,7 +15,7 @@ three situations, each a real collective :func:`recover` over the 4 ranks:
 
 And the memory each rank holds (own file + peer copy, tensor bytes) equals the formula
 ``own_bytes(r) + own_bytes(source(r))`` with ``own_bytes = P_owned * 8 + optimizer state bytes
-+ buffers + RNG state``.
++ RNG state``.
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ def _steps(trainer: Any, count: int) -> list[float]:
 
 
 def _own_formula(trainer: Any) -> int:
-    """P_owned * b_param + optimizer state + buffers + RNG state (bytes)."""
+    """P_owned * b_param + optimizer state + RNG state (bytes; the tiny llama has no
+    parameter outside the flat buffers and no persistent buffer)."""
     opt = trainer.optimizer
     params = sum(t.numel() * t.element_size() for t in opt.ddp.owned_params())
-    buffers = sum(b.numel() * b.element_size() for c in trainer.chunks for b in c.buffers())
-    return params + opt.state_bytes() + buffers + torch.get_rng_state().numel()
+    return params + opt.state_bytes() + torch.get_rng_state().numel()
 
 
 def ladder_run(z: Zero, root: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,91 @@ def test_max_restarts_resumes_from_latest_checkpoint(corpus: tuple[Path, Path],
     assert "likely cause: rank 2:" in out, out  # attempt 0's report, printed on restart
     assert "restart 1: resuming from" in out and "step_00000004" in out, out
     _assert_same_losses(losses(tmp_path), reference)
+
+
+def test_max_restarts_recovers_from_memory_then_disk(corpus: tuple[Path, Path],
+                                                    reference: dict[int, float],
+                                                    tmp_path: Path) -> None:
+    """The recovery ladder in one job of 4 ranks (tp2 x dp2), two failures in a row, with
+    --checkpoint.memory_interval=1 and a disk checkpoint every 3 steps:
+
+    1. rank 2 SIGKILLs itself in step 5's backward and its node's memory goes with it (fault
+       'lose': its own snapshot files and the copies it held deleted first): the restarted job
+       continues from step 4 in memory (one step recomputed; the disk holds only step 3):
+       ranks 0, 1, 3 from their own snapshots, rank 2 from its partner rank 3's copy;
+    2. in step 8 of that attempt rank 2 dies again, and this time rank 3's copy of its state
+       is gone too ('lose-both'): both holders of its shard are lost, so the job falls back
+       to the disk checkpoint of step 6 and says so.
+
+    Every loss equals the uninterrupted run's, bit for bit. Prints the time from the first
+    kill to the next completed step."""
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, checkpoint__memory_interval=1,
+                     checkpoint__memory_dir=tmp_path / "mem", checkpoint__interval=3)
+    job = start(["--fault", "lose:2:5", "--fault", "lose-both:2:8:1", "--nproc", "4",
+                 "--max-restarts", "2", *args], tmp_path / "job.log",
+                module="tests.reliability.faults")
+    killed_at = tmp_path / "killed_at"
+    wait_until(killed_at.exists, "rank 2 is killed", JOB_TIMEOUT_S, job, poll_s=0.05)
+    first_kill = float(killed_at.read_text())
+    # the restarted rank 0 begins step 6 (heartbeat) once step 5 is done
+    wait_until(lambda: int((heartbeat(tmp_path, 0, attempt=1) or {}).get("step", 0)) >= 6,
+               "the restarted job completes step 5", JOB_TIMEOUT_S, poll_s=0.01)
+    recovered_s = time.time() - first_kill
+    status = job.wait(JOB_TIMEOUT_S)
+    out = job.output()
+    assert status == 0, out
+    assert out.count("likely cause: rank 2:") == 2, out
+    first = next(x for x in out.splitlines() if "restart 1: recovered" in x)
+    assert "recovered from memory at step 4" in first, first
+    assert "rank(s) 2 from their partner's copy" in first and "no disk read" in first, first
+    second = next(x for x in out.splitlines() if "restart 2: recovered" in x)
+    assert "recovered from disk at step 6 in " in second, second
+    assert ("rank 2's snapshot of step 7 and its copy on rank 3 are both gone: falling back to "
+            "disk step 6") in second, second
+    got = losses(tmp_path)
+    assert got == reference, (got, reference)  # bit for bit
+    print(f"kill to the next completed step (memory): {recovered_s:.1f} s ({first.strip()})")
+
+
+def test_in_process_restart_replaces_only_the_dead_rank(corpus: tuple[Path, Path],
+                                                        reference: dict[int, float],
+                                                        tmp_path: Path) -> None:
+    """--checkpoint.restart=in-process, memory snapshots every step, no disk checkpoint until
+    the end, two failures in a row in one job of 4 ranks (tp2 x dp2):
+
+    1. rank 2 SIGKILLs itself in step 5's backward with its snapshot files gone ('lose'): the
+       supervisor starts one replacement rank 2; ranks 0, 1, 3 leave their broken groups and
+       rejoin as generation 1 in the same processes; all continue from step 4 in memory, rank
+       2 from its partner rank 3's copy, no disk read;
+    2. rank 1 (an original process) is killed in step 7's backward: generation 2, from step 6.
+
+    Ranks 0 and 3 keep their pids to the end, ranks 1 and 2 are new processes, every loss
+    equals the uninterrupted run's bit for bit; prints the time from the first kill to the
+    next completed step (the job-restart path's is printed by the test above)."""
+    args = tiny_args(*corpus, tmp_path, parallel__tp=2, checkpoint__memory_interval=1,
+                     checkpoint__memory_dir=tmp_path / "mem", checkpoint__restart="in-process")
+    job = start(["--fault", "lose:2:5", "--fault", "kill:1:7", "--nproc", "4",
+                 "--max-restarts", "2", *args], tmp_path / "job.log",
+                module="tests.reliability.faults")
+    wait_until(lambda: all(heartbeat(tmp_path, r) for r in range(4)), "every rank beats",
+               JOB_TIMEOUT_S, job)
+    first = {r: (heartbeat(tmp_path, r) or {})["pid"] for r in range(4)}  # before step 5
+    status = job.wait(JOB_TIMEOUT_S)
+    out = job.output()
+    assert status == 0, out
+    last = {r: (heartbeat(tmp_path, r) or {})["pid"] for r in range(4)}
+    assert [last[r] == first[r] for r in range(4)] == [True, False, False, True], (first, last)
+    lines = [x for x in out.splitlines() if "in-process restart: rank 0 rejoined" in x]
+    assert len(lines) == 2, out
+    assert "generation 1" in lines[0] and "recovered from memory at step 4" in lines[0], lines
+    assert "rank(s) 2 from their partner's copy" in lines[0] and "no disk read" in lines[0]
+    assert "generation 2" in lines[1] and "recovered from memory at step 6" in lines[1], lines
+    got = losses(tmp_path)
+    assert got == reference, (got, reference)  # bit for bit
+    killed_at = float((tmp_path / "killed_at").read_text())
+    done = next(x for x in out.splitlines() if "step 5 completed" in x)
+    print(f"in-process restart, kill to the next completed step: {done} (killed at "
+          f"{killed_at:.1f})")
 
 
 def test_hung_rank_is_reported_before_the_collective_timeout(corpus: tuple[Path, Path],
