@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -48,6 +49,12 @@ BACKSTOP_S = 900.0
 
 
 def _job(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``colonnade train argv`` with its logging.dir (the log's stem) and memory_dir
+    cleared first (an earlier run's heartbeats and snapshots would be read as this one's)."""
+    shutil.rmtree(log.with_suffix(""), ignore_errors=True)
+    for arg in argv:
+        if arg.startswith("--checkpoint.memory_dir="):
+            shutil.rmtree(arg.split("=", 1)[1], ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with log.open("wb") as fh:
         return subprocess.Popen([sys.executable, "-m", "colonnade.cli", "train", *argv],
