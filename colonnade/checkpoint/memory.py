@@ -5,11 +5,14 @@ Every ``checkpoint.memory_interval`` steps each rank writes its snapshot
 ``__metadata__``) into ``checkpoint.memory_dir`` (node-local RAM: tmpfs), and sends the same
 bytes to its partner (:func:`partner_of`), which keeps them as a *peer* file in its own
 memory_dir. Files are written atomically (``.tmp`` then rename) and the previous step's files
-are removed only once the new ones are complete, so at every instant each rank's state is held
-whole in at least one step by itself and by its partner. In steady state a rank's memory_dir
-share holds one own copy and one peer copy (of its source's state): the memory cost per rank
-is ``own_bytes(r) + own_bytes(source(r))`` (:func:`memory_cost`, plus a few KiB of headers),
-the traffic ``own_bytes(r) / memory_interval`` per step each way.
+are removed only once *every* rank holds the new step's own and peer copies (a barrier on the
+snapshot group, in the background thread), so at every instant one step (the previous or the
+new) is held whole on every rank, by itself and by its partner: a node lost in the middle of an
+exchange still leaves each rank's state in its own memory or its partner's. In steady state a
+rank's memory_dir share holds one own copy and one peer copy (of its source's state): the
+memory cost per rank is ``own_bytes(r) + own_bytes(source(r))`` (:func:`memory_cost`, plus a
+few KiB of headers), twice that at the peak of an exchange (the previous step's copies kept
+until the barrier); the traffic ``own_bytes(r) / memory_interval`` per step each way.
 
 The training thread only stages host copies (:class:`~colonnade.checkpoint.staging.
 HostStager`: clones on CPU; pinned buffers and a side stream on a GPU); a background thread
@@ -216,7 +219,10 @@ class MemorySnapshots:
                 got = self._exchange(data)
                 written.append(self.dir / peer_name(self.source, step, self.rank))
                 write_atomic(written[1], got)
-            for path in self._older:  # only now: the new copies are complete
+            # the previous step's copies go only once every rank holds this step's (own and
+            # peer): a rank that dies mid-exchange leaves the previous step whole everywhere
+            self.group.barrier()
+            for path in self._older:
                 if path not in written:
                     path.unlink(missing_ok=True)
             self._older = written
