@@ -1,13 +1,15 @@
 """Memory snapshots and the recovery ladder: what they cost and what they save.
 
-    .venv/bin/python benchmarks/resilience.py [--worlds 4 8] [--steps 40] [--json PATH]
+    .venv/bin/python benchmarks/resilience.py [--worlds 4 8] [--steps 40] [--rounds 2]
+        [--json PATH]
 
 For the tiny Llama (2 layers, hidden 32, seq 16) at tp2 x dp(world/2), real jobs of
 ``colonnade train --nproc N`` on CPU/gloo, side by side in one run:
 
-1. Snapshot overhead: the same job with ``--checkpoint.memory_interval=0`` and ``=1``; the
-   median step time over steps 6..steps (from metrics.jsonl), the ratio, and the snapshot
-   bytes per rank (own + the partner's copy, from the start-up line).
+1. Snapshot overhead: the same job with ``--checkpoint.memory_interval=0`` and ``=1``,
+   alternating for ``--rounds`` rounds; the median step time over steps 6..steps (from
+   metrics.jsonl) of each, the ratio, and the snapshot bytes per rank (own + the partner's
+   copy, from the start-up line).
 2. Recovery: a job with ``--max-restarts 1`` in which the benchmark SIGKILLs rank 1 (from
    outside, as a node failure would) once its heartbeat says step ``kill`` has begun, and
    deletes the memory snapshot files that rank held (its node's memory is gone). Memory:
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -48,6 +51,12 @@ BACKSTOP_S = 900.0
 
 
 def _job(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``colonnade train argv`` with its logging.dir (the log's stem) and memory_dir
+    cleared first (an earlier run's heartbeats and snapshots would be read as this one's)."""
+    shutil.rmtree(log.with_suffix(""), ignore_errors=True)
+    for arg in argv:
+        if arg.startswith("--checkpoint.memory_dir="):
+            shutil.rmtree(arg.split("=", 1)[1], ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with log.open("wb") as fh:
         return subprocess.Popen([sys.executable, "-m", "colonnade.cli", "train", *argv],
@@ -73,20 +82,28 @@ def _args(data: tuple[Path, Path], run: Path, world: int, steps: int, **extra: A
                                                 training__steps=steps, **extra)]
 
 
-def overhead(data: tuple[Path, Path], work: Path, world: int, steps: int) -> dict[str, Any]:
-    """Median step time without and with a snapshot every step."""
+def overhead(data: tuple[Path, Path], work: Path, world: int, steps: int,
+             rounds: int) -> dict[str, Any]:
+    """Median step time without and with a snapshot every step: the two jobs alternate
+    (order reversed every round) and each variant's median is over all its rounds' steps."""
     out: dict[str, Any] = {}
-    for interval in (0, 1):
-        run = work / f"w{world}-overhead-m{interval}"
-        log = run.with_suffix(".log")
-        text = _finish(_job(_args(data, run, world, steps, checkpoint__memory_interval=interval,
-                                  checkpoint__memory_dir=work / f"mem{world}"), log), log)
-        out[f"step_s_memory{interval}"] = statistics.median(_step_times(run))
-        found = re.search(r"([0-9.]+) MiB per rank at most \(own ([0-9.]+) MiB", text)
-        if found:
-            out["held_mib_per_rank"] = float(found.group(1))
-            out["own_mib_per_rank"] = float(found.group(2))
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for k in range(rounds):
+        for interval in ((0, 1) if k % 2 == 0 else (1, 0)):
+            run = work / f"w{world}-overhead-m{interval}-r{k}"
+            log = run.with_suffix(".log")
+            text = _finish(_job(_args(data, run, world, steps,
+                                      checkpoint__memory_interval=interval,
+                                      checkpoint__memory_dir=work / f"mem{world}"), log), log)
+            times[interval] += _step_times(run)
+            found = re.search(r"([0-9.]+) MiB per rank at most \(own ([0-9.]+) MiB", text)
+            if found:
+                out["held_mib_per_rank"] = float(found.group(1))
+                out["own_mib_per_rank"] = float(found.group(2))
+    for interval, got in times.items():
+        out[f"step_s_memory{interval}"] = statistics.median(got)
     out["overhead"] = out["step_s_memory1"] / out["step_s_memory0"] - 1.0
+    out["rounds"] = rounds
     return out
 
 
@@ -144,6 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, default=Path("/tmp/colonnade-resilience"))
     args = parser.parse_args()
@@ -161,7 +179,7 @@ def main() -> None:
           f"{'mem recov s':>11} {'disk recov s':>12} {'in-proc s':>9} {'lost mem':>8} "
           f"{'lost disk':>9}")
     for world in args.worlds:
-        row = {**overhead(data, work, world, args.steps),
+        row = {**overhead(data, work, world, args.steps, args.rounds),
                "memory": recovery(data, work, world, True),
                "disk": recovery(data, work, world, False),
                "in_process": recovery(data, work, world, True, in_process=True)}

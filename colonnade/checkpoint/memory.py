@@ -4,12 +4,15 @@ Every ``checkpoint.memory_interval`` steps each rank writes its snapshot
 (:mod:`.snapshot_state`) as one safetensors file (no pickle; the JSON header in the file's
 ``__metadata__``) into ``checkpoint.memory_dir`` (node-local RAM: tmpfs), and sends the same
 bytes to its partner (:func:`partner_of`), which keeps them as a *peer* file in its own
-memory_dir. Files are written atomically (``.tmp`` then rename) and the previous step's file
-is removed only once the new one is complete, so at every instant each rank's state is held
-whole in at least one step by itself and by its partner. In steady state a rank's memory_dir
-share holds one own copy and one peer copy (of its source's state): the memory cost per rank
-is ``own_bytes(r) + own_bytes(source(r))`` (:func:`memory_cost`, plus a few KiB of headers),
-the traffic ``own_bytes(r) / memory_interval`` per step each way.
+memory_dir. Files are written atomically (``.tmp`` then rename) and the previous step's files
+are removed only once *every* rank holds the new step's own and peer copies (a barrier on the
+snapshot group, in the background thread), so at every instant one step (the previous or the
+new) is held whole on every rank, by itself and by its partner: a node lost in the middle of an
+exchange still leaves each rank's state in its own memory or its partner's. In steady state a
+rank's memory_dir share holds one own copy and one peer copy (of its source's state): the
+memory cost per rank is ``own_bytes(r) + own_bytes(source(r))`` (:func:`memory_cost`, plus a
+few KiB of headers), twice that at the peak of an exchange (the previous step's copies kept
+until the barrier); the traffic ``own_bytes(r) / memory_interval`` per step each way.
 
 The training thread only stages host copies (:class:`~colonnade.checkpoint.staging.
 HostStager`: clones on CPU; pinned buffers and a side stream on a GPU); a background thread
@@ -170,6 +173,9 @@ class MemorySnapshots:
         self._errors: list[BaseException] = []
         self.last_step: int | None = None
         """Step of the newest snapshot whose own file and exchange are complete."""
+        self._older: list[Path] = [h.path for h in self.holdings(check=False)]
+        """This rank's files to remove once the next snapshot is complete (no directory scan
+        per step): the previous snapshot's, and at first what an earlier attempt left."""
 
     @classmethod
     def create(cls, trainer: TrainState, run_id: str, per_node: int) -> MemorySnapshots:
@@ -207,12 +213,19 @@ class MemorySnapshots:
             entries = self.stager.ready(staged)
             data = encode({e.name: e.tensor for e in entries}, header)
             step = int(header["step"])
-            write_atomic(self.dir / own_name(self.rank, step), data)
-            self._remove_older(own=True, owner=self.rank, step=step)
+            written = [self.dir / own_name(self.rank, step)]
+            write_atomic(written[0], data)
             if self.world > 1:
                 got = self._exchange(data)
-                write_atomic(self.dir / peer_name(self.source, step, self.rank), got)
-                self._remove_older(own=False, owner=self.source, step=step)
+                written.append(self.dir / peer_name(self.source, step, self.rank))
+                write_atomic(written[1], got)
+            # the previous step's copies go only once every rank holds this step's (own and
+            # peer): a rank that dies mid-exchange leaves the previous step whole everywhere
+            self.group.barrier()
+            for path in self._older:
+                if path not in written:
+                    path.unlink(missing_ok=True)
+            self._older = written
             self.last_step = step
         except BaseException as err:  # re-raised by wait()
             self._errors.append(err)
@@ -227,11 +240,6 @@ class MemorySnapshots:
         got = torch.empty(int(theirs.item()), dtype=torch.uint8)
         self.group.p2p([(mine, self.partner)], [(got, self.source)], name="snapshot").wait()
         return got.numpy().tobytes()
-
-    def _remove_older(self, own: bool, owner: int, step: int) -> None:
-        for held in self.holdings(check=False):
-            if held.owner == owner and held.peer != own and held.step < step:
-                held.path.unlink(missing_ok=True)
 
     def wait(self) -> None:
         """Block until the snapshot in flight is written and exchanged; re-raise its error."""
@@ -273,6 +281,7 @@ class MemorySnapshots:
         held = self.holdings(check=False)
         for h in held:
             h.path.unlink(missing_ok=True)
+        self._older = []
         return len(held)
 
     def close(self) -> None:

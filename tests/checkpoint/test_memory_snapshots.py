@@ -32,6 +32,7 @@ from colonnade.checkpoint.memory import (
     MemorySnapshots,
     memory_cost,
     own_bytes_all,
+    partner_of,
     payload_bytes,
     source_of,
 )
@@ -168,3 +169,15 @@ def test_newest_common_step_prefers_the_newest_covered() -> None:
     step, sources, why = newest_common_step(listings, [1, 2, 3, 0])
     assert step == 4 and sources == ["memory", "memory", "peer", "memory"], (step, sources)
     assert why == "rank 2's snapshot of step 5 and its copy on rank 3 are both gone", why
+
+
+def test_partners_are_on_the_next_node() -> None:
+    """partner(r): the same local rank on the next node (2 nodes x 4), else the next rank (one
+    node); source is its inverse, and the memory formula adds the source's bytes."""
+    assert [partner_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert [partner_of(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]
+    for world, per_node in ((8, 4), (4, 4), (6, 2), (1, 1)):
+        assert all(source_of(partner_of(r, world, per_node), world, per_node) == r
+                   for r in range(world))
+    assert memory_cost([10, 20, 30, 40], 4) == [50, 30, 50, 70]
+    assert memory_cost([10], 1) == [10]

@@ -189,7 +189,8 @@ def test_max_restarts_recovers_from_memory_then_disk(corpus: tuple[Path, Path],
 
     1. rank 2 SIGKILLs itself in step 5's backward and its node's memory goes with it (fault
        'lose': its own snapshot files and the copies it held deleted first): the restarted job
-       continues from step 4 in memory (one step recomputed; the disk holds only step 3):
+       continues from step 4 in memory (only the interrupted step is redone; the disk holds
+       step 3):
        ranks 0, 1, 3 from their own snapshots, rank 2 from its partner rank 3's copy;
     2. in step 8 of that attempt rank 2 dies again, and this time rank 3's copy of its state
        is gone too ('lose-both'): both holders of its shard are lost, so the job falls back
