@@ -55,12 +55,8 @@ CLUSTER_BY_NAME = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")
 """Device-name substring -> planner preset; a GPU matching none is set against the H200's."""
 
 
-class NotApplicable(Exception):
-    """A stage that does not apply in this mode (CUDA-only checks on a CPU)."""
-
-
 from benchmarks import gpu_peers  # noqa: E402  (REPO on sys.path first)
-from benchmarks.gpu_peers import NotAvailable  # noqa: E402
+from benchmarks.gpu_peers import NotApplicable, NotAvailable  # noqa: E402
 from benchmarks.gpu_report import device_name, print_table, readme_table  # noqa: E402
 
 

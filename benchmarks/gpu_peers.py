@@ -37,6 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 LLAMA_CUT = "configs/llama3-8b-cut.toml"
 
 
+class NotApplicable(Exception):
+    """A stage that does not apply in this mode (CUDA-only checks on a CPU). Defined here, not
+    in gpu_check.py: run as a script, that file is ``__main__``, and a class it defined would
+    differ from the one this module imports from ``benchmarks.gpu_check``."""
+
+
 class NotAvailable(Exception):
     """A stage whose flag or package is not in this build (reported, not a failure)."""
 
@@ -254,7 +260,7 @@ def stage_fp8(ctx: Context) -> dict[str, Any]:
 
 def stage_cuda_graphs(ctx: Context) -> dict[str, Any]:
     """The demo model with CUDA graphs against train_demo's eager run."""
-    from benchmarks.gpu_check import NotApplicable, stage_train_demo, train
+    from benchmarks.gpu_check import stage_train_demo, train
 
     require_field("training", "cuda_graphs", "issue 39's CUDA graphs part")
     if ctx.cpu_smoke:

@@ -200,18 +200,18 @@ class MemorySnapshots:
         self.wait()
         live = state_tensors(trainer)
         entries = [Entry(k, t, Piece((0,), (t.numel(),)), (t.numel(),)) for k, t in live.items()]
-        staged = self.stager.stage(entries)
+        staged = self.stager.stage(entries, step)
         header = state_header(trainer, self.fingerprint, self.run_id)
         self._thread = threading.Thread(target=self._publish, args=(staged, header),
                                         name="colonnade-snapshot", daemon=True)
         self._thread.start()
-        self.stager.writing(self._thread)
         return True
 
     def _publish(self, staged: Any, header: dict[str, Any]) -> None:
         try:
             entries = self.stager.ready(staged)
             data = encode({e.name: e.tensor for e in entries}, header)
+            self.stager.release(staged)  # encoded: the host buffers may take the next step's
             step = int(header["step"])
             written = [self.dir / own_name(self.rank, step)]
             write_atomic(written[0], data)

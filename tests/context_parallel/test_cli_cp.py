@@ -114,13 +114,13 @@ def test_long_context_example_fits_only_with_cp(tmp_path: Path,
     assert "layout: cp2 (cp attention: ring, overlapped) on 2 rank(s)" in out, out
     assert "cp: 2 (ring" in out, out
     fits = re.search(r"memory limit: 0\.09 GiB per rank; the estimate ([\d.]+) GiB fits", out)
-    assert fits and 0.05 < float(fits.group(1)) < 0.07, out  # 0.061 by the memory model
+    assert fits and 0.07 < float(fits.group(1)) < 0.085, out  # 0.078 by the memory model
     assert main([*base, "--parallel.cp=1", "--dry-run"]) == 0
     assert "memory limit: train would refuse this run" in capsys.readouterr().out
     assert main([*base, "--parallel.cp=1"]) == 2
     err = capsys.readouterr().err
     need = re.search(r"training\.memory_limit_gb=0\.09: this run needs an estimated ([\d.]+) "
                      r"GiB per rank", err)
-    assert need and 0.1 < float(need.group(1)) < 0.12, err  # 0.111 by the memory model
+    assert need and 0.13 < float(need.group(1)) < 0.15, err  # 0.140 by the memory model
     assert "--parallel.cp=2 (" in err, err
     assert not run.exists()

@@ -39,6 +39,7 @@ from colonnade import device as device_module
 from colonnade.config.load import load_config
 from colonnade.config.sections import Config, ParallelConfig, TrainingConfig
 from colonnade.models import build
+from colonnade.moe.grouped_gemm import grouped_mm_supported
 from colonnade.parallel.dims import ParallelDims
 from colonnade.parallel.groups import ProcessGroups
 from colonnade.training import loop
@@ -155,7 +156,10 @@ def test_moe_step_reads_what_is_counted() -> None:
     layer and micro-batch the router's and the dispatch's ``bincount`` (its output size is
     read on a GPU) and the dispatch's host split sizes (one ``tolist``); the optimizer's one
     read; the routing statistics copied to the host once (``cpu``), whose 26 ``__float__``
-    then read host memory, no device. The first step adds one one-time ``item``."""
+    then read host memory, no device. The process's first MoE step adds the one ``item`` of
+    the cached ``grouped_mm_supported`` probe: cleared here, so the count does not depend on
+    which tests ran before in this process."""
+    grouped_mm_supported.cache_clear()
     res = count_steps(_config("llama", moe=True))
     want = {"bincount": 2 * 4, "tolist": 4 + 1, "cpu": 1, "__float__": 26}
     assert res["per_step"][1:] == [want] * (STEPS - 1), res["per_step"]
