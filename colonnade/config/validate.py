@@ -57,6 +57,7 @@ from colonnade.config.rules_moe import moe_rules
 from colonnade.config.rules_optim import optim_rules
 from colonnade.config.rules_pipeline import pipeline_rules
 from colonnade.config.rules_qk_clip import qk_clip_rules
+from colonnade.config.rules_recovery import recovery_problems
 from colonnade.config.rules_rope import rope_rules
 from colonnade.config.rules_straggler import straggler_problems
 from colonnade.config.rules_window import window_rules
@@ -392,12 +393,6 @@ def _io(c: Config, _: int | None) -> list[str]:
     if c.checkpoint.save is not None and not c.checkpoint.save.strip():
         out.append("checkpoint.save is empty; give a directory, 'auto' (the default: "
                    "<logging.dir>/checkpoints) or 'none' to save nothing.")
-    if c.checkpoint.memory_interval < 0:
-        out.append(f"checkpoint.memory_interval={c.checkpoint.memory_interval} must be >= 0 "
-                   "(0: no memory snapshots; 1: a snapshot every step).")
-    if not c.checkpoint.memory_dir.strip():
-        out.append("checkpoint.memory_dir is empty; give a node-local directory (tmpfs) or "
-                   "'auto' (/dev/shm/colonnade/...).")
     return out
 
 
@@ -465,16 +460,7 @@ def _reliability(c: Config, _: int | None) -> list[str]:
         out.append(f"parallel.watchdog_s={p.watchdog_s} must be < parallel.timeout_s="
                    f"{p.timeout_s}: the hang detector reports before the collective timeout "
                    "ends the rank; unset it (0.8 x timeout_s) or lower it.")
-    ck = c.checkpoint
-    if ck.restart == "in-process" and ck.memory_interval < 1 and (not ck.save
-                                                                    or ck.interval < 1):
-        out.append(f"checkpoint.restart='in-process' needs a state to restore after a "
-                   f"failure (checkpoint.memory_interval={ck.memory_interval}, "
-                   f"checkpoint.save={ck.save}, checkpoint.interval={ck.interval}): set "
-                   "--checkpoint.memory_interval=1 (memory snapshots, recommended) or "
-                   "--checkpoint.interval=N (N > 0) with checkpoint.save unset or a directory, "
-                   "or use --checkpoint.restart=job.")
-    return out
+    return out + recovery_problems(c.checkpoint)
 
 
 def _files_and_loop(c: Config, _: int | None) -> list[str]:
